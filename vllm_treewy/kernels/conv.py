@@ -1,0 +1,107 @@
+"""Causal depthwise conv1d over packed draft trees, in torch (the CPU path and the Triton twin).
+
+A node's input sequence is its request's committed conv history followed by its root-to-node path; its window
+is the last w entries of that sequence (the node itself last). Commit keeps the last L entries for the accepted
+node, so the next step continues from the accepted path.
+
+x ``[N, D]``; ``conv_state`` a pool ``[S, D, L]`` (any strided view), history oldest first with ``L >= w - 1``
+(vLLM keeps ``w - 1 + num_spec`` columns); weight ``[D, w]`` with ``weight[:, -1]`` on the current input;
+``state_indices``, ``parents``, ``cu_nodes`` as in ``closed_form``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_treewy.tree import global_parents, node_requests
+
+ACTIVATIONS = (None, "silu")
+
+
+def _sequence_rows(
+    nodes: torch.Tensor, requests: torch.Tensor, parent_of: torch.Tensor, history_len: int, steps: int
+) -> torch.Tensor:
+    """``[M, steps]`` rows of the last ``steps`` entries of history + path for each node, oldest first.
+
+    Rows index ``_sequence_source``: packed nodes first (N of them), then each request's L history entries.
+    """
+    num_nodes = parent_of.numel()
+    rows = torch.empty((nodes.numel(), steps), dtype=torch.long, device=nodes.device)
+    steps_past_root = torch.zeros_like(nodes)
+    for back in range(steps):
+        on_path = nodes >= 0
+        history_row = num_nodes + requests * history_len + (history_len - 1) - steps_past_root
+        rows[:, steps - 1 - back] = torch.where(on_path, nodes, history_row)
+        steps_past_root += ~on_path
+        nodes = torch.where(on_path, parent_of[nodes.clamp(min=0)], nodes)
+    return rows
+
+
+def _sequence_source(
+    x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cat([x, histories])`` as ``[N + B*L, D]`` in ``dtype`` (padding requests' slots are not read), and the live mask."""
+    slots = state_indices.long()
+    live = slots >= 0
+    num_channels, history_len = conv_state.shape[1:]
+    histories = torch.zeros((slots.numel(), history_len, num_channels), dtype=dtype, device=x.device)
+    histories[live] = conv_state[slots[live]].transpose(1, 2).to(dtype)
+    return torch.cat([x.to(dtype), histories.reshape(-1, num_channels)]), live
+
+
+def conv_verify_packed(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    *,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Conv output ``[N, D]`` in x's dtype (fp32 accumulation, fp64 for fp64); padding requests get zeros.
+
+    ``activation``: None or "silu". The conv state pool is only read.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    num_channels, width = weight.shape
+    if x.dim() != 2 or x.shape[1] != num_channels:
+        raise ValueError(f"x must be [N, D={num_channels}], got {tuple(x.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1] != num_channels or conv_state.shape[2] < width - 1:
+        raise ValueError(f"conv_state must be [S, D={num_channels}, L>={width - 1}], got {tuple(conv_state.shape)}")
+    dtype = torch.float64 if torch.float64 in (x.dtype, conv_state.dtype, weight.dtype) else torch.float32
+    source, live = _sequence_source(x, conv_state, state_indices, dtype)
+    requests = node_requests(cu_nodes)
+    nodes = torch.arange(x.shape[0], device=x.device)
+    rows = _sequence_rows(nodes, requests, global_parents(parents, cu_nodes), conv_state.shape[2], width)
+    out = torch.einsum("nwd,dw->nd", source[rows], weight.to(dtype))
+    if bias is not None:
+        out = out + bias.to(dtype)
+    if activation == "silu":
+        out = torch.nn.functional.silu(out)
+    return (out * live[requests, None]).to(x.dtype)
+
+
+def conv_commit_packed(
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    x: torch.Tensor,
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    accepted: torch.Tensor,
+) -> None:
+    """Write history + accepted path (last L entries) into each request's slot, in place.
+
+    ``accepted [B]``: local index of the accepted node, -1 = keep the history. Padding requests are skipped.
+    """
+    slots = state_indices.long()
+    active = ((accepted.long() >= 0) & (slots >= 0)).nonzero().squeeze(1)
+    if active.numel() == 0:
+        return
+    history_len = conv_state.shape[2]
+    source, _ = _sequence_source(x, conv_state, state_indices, conv_state.dtype)
+    nodes = cu_nodes.long()[active] + accepted.long()[active]
+    rows = _sequence_rows(nodes, active, global_parents(parents, cu_nodes), history_len, history_len)
+    conv_state[slots[active]] = source[rows].transpose(1, 2)
