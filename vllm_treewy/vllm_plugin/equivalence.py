@@ -1,0 +1,199 @@
+"""Greedy output equivalence of speculative decoding against the no-speculation engine, tie-aware.
+
+Greedy bf16 outputs can legitimately differ where the reference's top two logits are within one bf16 step of
+each other (different kernels round differently). So each prompt is compared up to its first differing token;
+that divergence is a failure only if the reference, re-scored with `prompt_logprobs` in `raw_logits` mode,
+separates its own token from the speculative engine's token (or, if that token is not in its top two, from its
+second choice) by more than one bf16 step of the top logit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+from dataclasses import dataclass, field
+
+# In-process engine core: starts in seconds, and tests can patch vLLM internals it runs.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+# What vLLM's CPU backend needs to run the fixture with MTP: bf16 (its GDN kernel's dtype) and no prefix
+# caching (unsupported with MTP on CPU). Eager mode skips a minute of torch.compile warm-up per engine. On CPU
+# `gpu_memory_utilization` is only a start-up check of free host memory: keep it low so that a reference engine
+# and a speculative engine fit side by side on a small machine (the KV cache is VLLM_CPU_KVCACHE_SPACE GiB).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+ENGINE_DEFAULTS = dict(
+    gpu_memory_utilization=0.2,
+    dtype="bfloat16",
+    enable_prefix_caching=False,
+    enforce_eager=True,
+    max_model_len=512,
+    seed=0,
+    disable_log_stats=False,
+)
+
+
+@contextlib.contextmanager
+def engine(model: str, **kwargs):
+    """An in-process `LLM`, torn down on exit so the next one can start in the same process.
+
+    Engines in one process share vLLM's distributed state: run them one after another, never nested.
+    """
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm = LLM(model=model, **{**ENGINE_DEFAULTS, **kwargs})
+    try:
+        yield llm
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+@dataclass
+class SpecDecodeAcceptance:
+    """vLLM's own spec-decode counters (`vllm:spec_decode_*`)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    @property
+    def per_position_rate(self) -> list[float]:
+        return [a / max(self.num_drafts, 1) for a in self.accepted_per_position]
+
+
+def read_acceptance(llm: LLM) -> SpecDecodeAcceptance | None:
+    """The spec-decode counters since the engine started; None if it does not speculate."""
+    metrics = {m.name: m for m in llm.get_metrics()}
+    if "vllm:spec_decode_num_drafts" not in metrics:
+        return None
+    return SpecDecodeAcceptance(
+        num_drafts=metrics["vllm:spec_decode_num_drafts"].value,
+        num_draft_tokens=metrics["vllm:spec_decode_num_draft_tokens"].value,
+        num_accepted_tokens=metrics["vllm:spec_decode_num_accepted_tokens"].value,
+        accepted_per_position=list(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values),
+    )
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def generate_greedy(llm: LLM, prompt_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy continuations, all prompts submitted at once (so prefills and decodes share batches)."""
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    outputs = llm.generate(prompts, [greedy_params(n) for n in max_tokens], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@dataclass
+class GenerationRun:
+    outputs: list[list[int]]
+    acceptance: SpecDecodeAcceptance | None
+
+
+def run_greedy(model: str, prompt_ids: list[list[int]], max_tokens: list[int], **engine_kwargs) -> GenerationRun:
+    """Starts an engine, generates greedily, reads its spec-decode counters, tears it down."""
+    with engine(model, **engine_kwargs) as llm:
+        outputs = generate_greedy(llm, prompt_ids, max_tokens)
+        return GenerationRun(outputs, read_acceptance(llm))
+
+
+def bf16_step(x: float) -> float:
+    """Spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    if x == 0.0 or not math.isfinite(x):
+        return 2.0**-133
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+@dataclass
+class Divergence:
+    prompt_index: int
+    position: int  # index into the generated tokens
+    reference_token: int
+    candidate_token: int
+    logit_gap: float
+    bf16_step: float
+
+    @property
+    def is_tie(self) -> bool:
+        return self.logit_gap <= self.bf16_step
+
+
+@dataclass
+class EquivalenceVerdict:
+    num_prompts: int
+    num_tokens_compared: int
+    divergences: list[Divergence] = field(default_factory=list)
+
+    @property
+    def ties(self) -> list[Divergence]:
+        return [d for d in self.divergences if d.is_tie]
+
+    @property
+    def failures(self) -> list[Divergence]:
+        return [d for d in self.divergences if not d.is_tie]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        exact = self.num_prompts - len(self.divergences)
+        text = (
+            f"{'PASS' if self.passed else 'FAIL'}: {exact}/{self.num_prompts} prompts identical, "
+            f"{len(self.ties)} diverge at a bf16 tie, {len(self.failures)} diverge beyond one bf16 step"
+        )
+        for d in self.failures[:5]:
+            text += (
+                f"\n  prompt {d.prompt_index} token {d.position}: reference {d.reference_token}, "
+                f"got {d.candidate_token}, logit gap {d.logit_gap:.4g} > bf16 step {d.bf16_step:.3g}"
+            )
+        return text
+
+
+def compare_tie_aware(
+    reference_llm: LLM,
+    prompt_ids: list[list[int]],
+    reference_outputs: list[list[int]],
+    candidate_outputs: list[list[int]],
+) -> EquivalenceVerdict:
+    """Compares candidate against reference outputs; `reference_llm` must run with logprobs_mode="raw_logits"."""
+    assert reference_llm.llm_engine.model_config.logprobs_mode == "raw_logits", "re-scoring needs raw logits"
+    verdict = EquivalenceVerdict(len(prompt_ids), sum(map(len, reference_outputs)))
+    first_diffs = {}
+    for i, (ref, cand) in enumerate(zip(reference_outputs, candidate_outputs, strict=True)):
+        pos = next((t for t, (a, b) in enumerate(zip(ref, cand)) if a != b), None)
+        if pos is None and len(ref) != len(cand):
+            raise AssertionError(f"prompt {i}: {len(cand)} tokens generated, reference has {len(ref)}")
+        if pos is not None:
+            first_diffs[i] = pos
+    if not first_diffs:
+        return verdict
+
+    order = sorted(first_diffs)
+    rescore = reference_llm.generate(
+        [{"prompt_token_ids": prompt_ids[i] + reference_outputs[i][: first_diffs[i] + 1]} for i in order],
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2),
+        use_tqdm=False,
+    )
+    for i, result in zip(order, rescore):
+        pos = first_diffs[i]
+        ref_token, cand_token = reference_outputs[i][pos], candidate_outputs[i][pos]
+        logits = result.prompt_logprobs[len(prompt_ids[i]) + pos]  # token id -> Logprob (raw logit here)
+        ranked = sorted(logits.items(), key=lambda kv: kv[1].logprob, reverse=True)
+        top = ranked[0][1].logprob
+        rival = logits[cand_token].logprob if cand_token in logits else ranked[1][1].logprob
+        verdict.divergences.append(
+            Divergence(i, pos, ref_token, cand_token, logits[ref_token].logprob - rival, bf16_step(top))
+        )
+    return verdict
