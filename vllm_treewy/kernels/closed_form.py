@@ -112,6 +112,8 @@ def _committed_states(state, state_indices, dtype) -> tuple[torch.Tensor, torch.
     """h0 ``[B, HV, V, K]`` in ``dtype`` (zeros for padding requests, whose slots are not read) and the request mask."""
     slots = state_indices.long()
     live = slots >= 0
+    if bool(live.all()):
+        return state[slots].to(dtype), live
     h0 = torch.zeros((slots.numel(), *state.shape[1:]), dtype=dtype, device=state.device)
     h0[live] = state[slots[live]].to(dtype)
     return h0, live
@@ -204,19 +206,19 @@ def commit_packed(
         return
     dtype = compute_dtype(k, u, g, state)
     num_value_heads = u.shape[1]
-    key_rows = _value_heads(k.to(dtype), num_value_heads)
     parent_of = global_parents(parents, cu_nodes)
-    node = cu_nodes.long()[active] + accepted.long()[active]
+    path = [cu_nodes.long()[active] + accepted.long()[active]]  # accepted node first, then its ancestors
+    for _ in range(_max_depth(parents, cu_nodes, max_depth) - 1):
+        path.append(torch.where(path[-1] >= 0, parent_of[path[-1].clamp(min=0)], path[-1]))
+    path = torch.stack(path, dim=1)  # [M, P], -1 past the root
+    on_path = path >= 0
+    j = path.clamp(min=0)
 
-    # Walk from the accepted node up; log_weight = c_a - c_j is the sum of g strictly below j, never a difference.
-    log_weight = torch.zeros(node.numel(), num_value_heads, dtype=torch.float64, device=u.device)
-    h = torch.zeros((node.numel(), *state.shape[1:]), dtype=dtype, device=state.device)
-    for _ in range(_max_depth(parents, cu_nodes, max_depth)):
-        on_path = node >= 0
-        j = node.clamp(min=0)
-        weight = torch.exp(log_weight).to(dtype) * on_path[:, None]
-        h += torch.einsum("nh,nhv,nhk->nhvk", weight, u[j].to(dtype), key_rows[j])
-        log_weight += torch.where(on_path[:, None], g[j].double(), 0.0)
-        node = torch.where(on_path, parent_of[j], node)
-    h += torch.exp(log_weight).to(dtype)[..., None, None] * state[slots[active]].to(dtype)
+    # c_a - c_j is the sum of g over the path strictly below j: an exclusive prefix sum, never a difference.
+    g_path = torch.where(on_path[..., None], g[j].double(), 0.0)  # [M, P, HV]
+    prefix = torch.cumsum(g_path, dim=1)
+    log_weight = torch.cat([torch.zeros_like(prefix[:, :1]), prefix[:, :-1]], dim=1)
+    weighted_u = (torch.exp(log_weight) * on_path[..., None]).to(dtype)[..., None] * u[j].to(dtype)
+    h = torch.einsum("mphv,mphk->mhvk", weighted_u, _value_heads(k[j].to(dtype), num_value_heads))
+    h += torch.exp(prefix[:, -1]).to(dtype)[..., None, None] * state[slots[active]].to(dtype)
     state[slots[active]] = h.to(state.dtype)
