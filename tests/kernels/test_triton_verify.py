@@ -1,0 +1,108 @@
+import pytest
+import torch
+
+from vllm_treewy.kernels.closed_form import verify_packed
+from vllm_treewy.kernels.reference import reference_tree_recurrence
+
+from .tree_cases import relative_error
+from .triton_cases import CHAIN_BATCH, DEVICE, TREE_BATCH, packed_gdn, rows, to_device
+
+from vllm_treewy.kernels.triton import PendingCommit, commit_packed_triton, verify_packed_triton  # noqa: E402
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def run_verify(packed, inputs, pool, slots, state_dtype, **kwargs):
+    q, k, v, g, beta = to_device(*inputs)
+    state = pool.to(state_dtype).to(DEVICE)
+    o, u = verify_packed_triton(
+        q, k, v, g, beta, state, slots.to(DEVICE), packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE),
+        max_nodes=packed.max_nodes, max_depth=packed.max_depth, block_v=16, **kwargs,
+    )
+    return o.cpu(), u.cpu(), state.cpu()
+
+
+@pytest.mark.parametrize(
+    "batch, chain, state_dtype, solve, gate",
+    [
+        (TREE_BATCH, False, torch.float32, "neumann", "mixed"),
+        (TREE_BATCH, False, torch.float32, "substitution", "near_one"),
+        (TREE_BATCH, False, torch.bfloat16, "neumann", "near_zero"),
+        (CHAIN_BATCH, True, torch.float32, "neumann", "near_one"),
+        (CHAIN_BATCH, True, torch.bfloat16, "substitution", "mixed"),
+    ],
+)
+def test_verify_matches_reference_and_twin(batch, chain, state_dtype, solve, gate):
+    packed, inputs, pool, slots = packed_gdn(batch, gate=gate, seed=len(batch))
+    o, u, state = run_verify(packed, inputs, pool, slots, state_dtype, chain=chain, solve=solve)
+    twin_o, twin_u = verify_packed(*inputs, state, slots, packed.parents, packed.cu_nodes)
+    assert relative_error(o, twin_o) <= TOLERANCE[state_dtype]
+    assert relative_error(u, twin_u) <= TOLERANCE[state_dtype]
+    for b, parents in enumerate(batch):
+        r = rows(packed, b)
+        expected = reference_tree_recurrence(*(x[r] for x in inputs), state[slots[b]], parents)
+        assert relative_error(o[r], expected.o) <= TOLERANCE[state_dtype]
+        assert relative_error(u[r], expected.u) <= TOLERANCE[state_dtype]
+
+
+def test_bf16_inputs_and_state():
+    packed, inputs, pool, slots = packed_gdn(TREE_BATCH, dtype=torch.bfloat16, seed=3)
+    o, u, state = run_verify(packed, inputs, pool, slots, torch.bfloat16)
+    assert o.dtype == torch.bfloat16 and u.dtype == torch.float32
+    for b, parents in enumerate(TREE_BATCH):
+        r = rows(packed, b)
+        expected = reference_tree_recurrence(*(x[r] for x in inputs), state[slots[b]], parents)
+        assert relative_error(o[r], expected.o) <= 1e-2
+        assert relative_error(u[r], expected.u) <= 1e-2
+
+
+def test_padding_requests_are_skipped_and_state_untouched():
+    packed, inputs, pool, slots = packed_gdn(TREE_BATCH, seed=5)
+    slots[1] = -1
+    q, k, v, g, beta = to_device(*inputs)
+    state = pool.float().to(DEVICE)
+    before = state.clone()
+    o = torch.full_like(v, float("nan"))
+    u = torch.full(v.shape, float("nan"), device=DEVICE)
+    verify_packed_triton(q, k, v, g, beta, state, slots.to(DEVICE), packed.parents.to(DEVICE),
+                         packed.cu_nodes.to(DEVICE), max_nodes=packed.max_nodes, max_depth=packed.max_depth,
+                         block_v=16, o=o, u=u)
+    assert torch.equal(state, before)
+    for b in range(len(TREE_BATCH)):
+        r = rows(packed, b)
+        assert bool(o[r].isnan().all() if b == 1 else o[r].isfinite().all())
+        assert bool(u[r].isnan().all() if b == 1 else u[r].isfinite().all())
+
+
+def test_chain_flag_equals_tree_walk():
+    packed, inputs, pool, slots = packed_gdn(CHAIN_BATCH, seed=7)
+    by_chain = run_verify(packed, inputs, pool, slots, torch.float32, chain=True)
+    by_walk = run_verify(packed, inputs, pool, slots, torch.float32, chain=False)
+    for a, b in zip(by_chain[:2], by_walk[:2]):
+        assert relative_error(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_pending_commit_fused_into_next_verify(state_dtype):
+    """Commit of step 1 inside step 2's verify == separate commit, then verify (state and outputs)."""
+    prev, prev_inputs, pool, slots = packed_gdn(TREE_BATCH, seed=11)
+    nxt, next_inputs, _, _ = packed_gdn(CHAIN_BATCH + [(-1,)], seed=12)
+    accepted = torch.tensor([4, -1, 0, 2], dtype=torch.int32)
+    pq, pk, pv, pg, pbeta = to_device(*prev_inputs)
+    state = pool.to(state_dtype).to(DEVICE)
+    dev_slots, dev_acc = slots.to(DEVICE), accepted.to(DEVICE)
+    bounds = dict(max_nodes=prev.max_nodes, max_depth=prev.max_depth)
+    _, u = verify_packed_triton(pq, pk, pv, pg, pbeta, state, dev_slots, prev.parents.to(DEVICE),
+                                prev.cu_nodes.to(DEVICE), block_v=16, **bounds)
+    separate = state.clone()
+    commit_packed_triton(separate, dev_slots, pk, u, pg, prev.parents.to(DEVICE), prev.cu_nodes.to(DEVICE), dev_acc,
+                         block_v=16, **bounds)
+    nq, nk, nv, ng, nbeta = to_device(*next_inputs)
+    step = dict(max_nodes=nxt.max_nodes, chain=True, block_v=16)
+    o_sep, u_sep = verify_packed_triton(nq, nk, nv, ng, nbeta, separate, dev_slots, nxt.parents.to(DEVICE),
+                                        nxt.cu_nodes.to(DEVICE), **step)
+    pending = PendingCommit(pk, u, pg, prev.parents.to(DEVICE), prev.cu_nodes.to(DEVICE), dev_acc, **bounds)
+    o_fused, u_fused = verify_packed_triton(nq, nk, nv, ng, nbeta, state, dev_slots, nxt.parents.to(DEVICE),
+                                            nxt.cu_nodes.to(DEVICE), pending=pending, **step)
+    assert torch.equal(state, separate)
+    assert torch.equal(o_fused, o_sep) and torch.equal(u_fused, u_sep)

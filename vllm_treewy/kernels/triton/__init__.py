@@ -1,0 +1,19 @@
+"""Triton kernels (CUDA; CPU through TRITON_INTERPRET=1) for packed draft chains and trees: fused verify, commit
+in place (one layer or all layers in one launch), the tree causal conv1d and its commit, and the per-node serial
+baseline. Every kernel has a torch twin in `vllm_treewy.kernels.closed_form` / `vllm_treewy.kernels.conv`."""
+
+from .commit import commit_layers_triton, commit_packed_triton, state_pool_table
+from .conv import conv_commit_triton, tree_conv_triton
+from .serial import serial_tree_triton
+from .verify import PendingCommit, verify_packed_triton
+
+__all__ = [
+    "PendingCommit",
+    "commit_layers_triton",
+    "commit_packed_triton",
+    "conv_commit_triton",
+    "serial_tree_triton",
+    "state_pool_table",
+    "tree_conv_triton",
+    "verify_packed_triton",
+]

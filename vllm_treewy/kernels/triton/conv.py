@@ -1,0 +1,138 @@
+"""Causal depthwise conv1d over packed draft trees, and the conv-history commit of the accepted path.
+
+A node's input sequence is its request's committed history `conv_state[slot, :, 0 .. L-1]` (oldest first,
+L >= w-1; any strides, e.g. vLLM's) followed by its root-to-node path; its window is the last w entries.
+Walking up from a node, `cur >= 0` is a node of the path and `cur = -1, -2, ...` is history column L+cur (one step
+past the root is the newest column). Torch twin: `vllm_treewy.kernels.conv` (same packed API).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _step_up(parents, bos, cur):
+    """One step towards the root; past the root, count down into the history."""
+    return tl.where(cur >= 0, tl.load(parents + bos + cur, mask=cur >= 0, other=-1), cur - 1)
+
+
+@triton.jit
+def _tree_conv_kernel(
+    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out,
+    stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, D,
+    W: tl.constexpr, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    i_d, i_b = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    if slot < 0:
+        return
+    bos = tl.load(cu_nodes + i_b)
+    n = tl.load(cu_nodes + i_b + 1) - bos
+    o_d = i_d * BD + tl.arange(0, BD)
+    mask_d = o_d < D
+    p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
+    for start in range(0, n, BN):
+        nodes = start + tl.arange(0, BN)
+        valid = nodes < n
+        m = valid[:, None] & mask_d[None, :]
+        cur = tl.where(valid, nodes, 0)
+        acc = tl.zeros([BN, BD], dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias + o_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        for t in tl.static_range(W):
+            if t > 0:
+                cur = _step_up(parents, bos, cur)
+            from_x = tl.load(x + (bos + cur)[:, None].to(tl.int64) * stride_x + o_d[None, :],
+                             mask=m & (cur >= 0)[:, None], other=0.0)
+            from_hist = tl.load(p_hist + (L + cur)[:, None] * stride_cs_col, mask=m & (cur < 0)[:, None], other=0.0)
+            tap = tl.load(weight + o_d * W + (W - 1 - t), mask=mask_d, other=0.0).to(tl.float32)
+            acc += (from_x.to(tl.float32) + from_hist.to(tl.float32)) * tap[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out + (bos + nodes)[:, None].to(tl.int64) * stride_out + o_d[None, :], acc.to(out.dtype.element_ty),
+                 mask=m)
+
+
+@triton.jit
+def _conv_commit_kernel(
+    conv_state, state_indices, x, parents, cu_nodes, accepted,
+    stride_x, stride_cs_slot, stride_cs_dim, stride_cs_col, D,
+    L: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
+):
+    i_d, i_b = tl.program_id(0), tl.program_id(1)
+    node = tl.load(accepted + i_b)
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    if (node < 0) | (slot < 0):
+        return
+    bos = tl.load(cu_nodes + i_b)
+    o_d = i_d * BD + tl.arange(0, BD)
+    # new column L-1-t takes the entry t steps up from the accepted node
+    steps = tl.arange(0, BL)
+    src = tl.full([BL], 0, tl.int32)
+    cur = node
+    for t in tl.static_range(L):
+        src = tl.where(steps == t, cur, src)
+        cur = _step_up(parents, bos, cur)
+    m = (steps < L)[:, None] & (o_d < D)[None, :]
+    p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
+    from_x = tl.load(x + (bos + src)[:, None].to(tl.int64) * stride_x + o_d[None, :], mask=m & (src >= 0)[:, None],
+                     other=0.0)
+    from_hist = tl.load(p_hist + (L + src)[:, None] * stride_cs_col, mask=m & (src < 0)[:, None], other=0.0)
+    new_hist = from_x.to(conv_state.dtype.element_ty) + from_hist
+    # in place: every old column is read before any is overwritten
+    tl.debug_barrier()
+    tl.store(p_hist + (L - 1 - steps)[:, None] * stride_cs_col, new_hist, mask=m)
+
+
+def tree_conv_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    *,
+    activation: str | None = None,
+    out: torch.Tensor | None = None,
+    block_nodes: int = 16,
+    block_d: int = 256,
+) -> torch.Tensor:
+    """Conv output [N, D] in x's dtype (fp32 accumulation): act(bias + sum_t weight[:, w-1-t] * (entry t steps up
+    the node's path, continued into the history)). x [N, D] (last dim contiguous); conv_state [S, D, L];
+    state_indices [B] (negative: padding request, its rows are not written); weight [D, w]; activation None or
+    "silu". The history is only read. Capturable in a CUDA graph."""
+    D, W = weight.shape
+    assert x.stride(-1) == 1 and weight.is_contiguous() and activation in (None, "silu")
+    assert conv_state.shape[2] >= W - 1
+    out = torch.empty_like(x) if out is None else out
+    _tree_conv_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
+        x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out,
+        x.stride(0), out.stride(0), *conv_state.stride(), D,
+        W=W, L=conv_state.shape[2], BN=block_nodes, BD=block_d, HAS_BIAS=bias is not None,
+        SILU=activation == "silu",
+    )
+    return out
+
+
+def conv_commit_triton(
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    x: torch.Tensor,
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    accepted: torch.Tensor,
+    *,
+    block_d: int = 256,
+) -> None:
+    """Write the last L entries of history + accepted path into each request's slot of conv_state [S, D, L], in
+    place; accepted [B] local node index, -1 (or a negative slot) leaves the slot unchanged."""
+    D, L = conv_state.shape[1], conv_state.shape[2]
+    assert x.stride(-1) == 1
+    _conv_commit_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
+        conv_state, state_indices, x, parents, cu_nodes, accepted,
+        x.stride(0), *conv_state.stride(), D,
+        L=L, BL=triton.next_power_of_2(L), BD=block_d,
+    )
