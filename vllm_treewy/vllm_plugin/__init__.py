@@ -1,5 +1,19 @@
-"""The adapter: the only package of vllm_treewy that imports vllm."""
+"""The adapter: the only package of vllm_treewy that imports vllm.
+
+`register()` is vLLM's general-plugin entry point (`vllm.general_plugins` in pyproject.toml); vLLM calls it once
+in every process (front end, engine core, workers) before it builds configs and models.
+"""
 
 
 def register() -> None:
-    """vLLM general-plugin entry point (runs once in every vLLM process)."""
+    from vllm.platforms import current_platform
+
+    from vllm_treewy.vllm_plugin import config, gdn_layer, runner
+
+    config.install()
+    gdn_layer.install()
+    runner.install()
+    if current_platform.is_cpu():
+        from vllm_treewy.vllm_plugin import gdn_cpu
+
+        gdn_cpu.install()

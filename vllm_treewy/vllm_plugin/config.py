@@ -1,0 +1,98 @@
+"""`SpeculativeConfig` with the two options of vllm-treewy.
+
+- `mamba_state_commit`: "store_all" (vLLM's behaviour: one GDN state snapshot per draft position) or
+  "reconstruct" (verify every draft from the one committed state, rebuild only the accepted state on commit).
+- `draft_tree_widths`: children per node at each draft level; `[1] * num_speculative_tokens` is vLLM's chain.
+
+The subclass lives in an importable module because the engine core unpickles `VllmConfig` before it loads
+plugins. Invalid values fail while the config is built, in the front end, with one message.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from vllm.config.speculative import SpeculativeConfig
+from vllm.config.utils import config
+from vllm.utils.hashing import safe_hash
+
+MambaStateCommit = Literal["store_all", "reconstruct"]
+RECONSTRUCT_METHODS = ("mtp",)
+GDN_LAYER_TYPE = "linear_attention"
+
+
+def _has_gdn_layers(model_config) -> bool:
+    text_config = model_config.hf_text_config
+    return GDN_LAYER_TYPE in (getattr(text_config, "layer_types", None) or ())
+
+
+@config
+class TreewySpeculativeConfig(SpeculativeConfig):
+    """vLLM's speculative config plus vllm-treewy's GDN state commit strategy and draft tree shape."""
+
+    mamba_state_commit: MambaStateCommit = "store_all"
+    """How GDN (Gated DeltaNet) layers keep state across draft positions: "store_all" writes a full state per
+    draft position (vLLM's default); "reconstruct" keeps one state per request and rebuilds the accepted one."""
+
+    draft_tree_widths: list[int] | None = None
+    """Children per node at each draft level (one entry per speculative token). None or all 1: a chain."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_draft_tree_widths()
+        if self.mamba_state_commit == "reconstruct":
+            self._validate_reconstruct()
+
+    def _validate_draft_tree_widths(self) -> None:
+        widths = self.draft_tree_widths
+        if widths is None:
+            return
+        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+            raise ValueError(f"draft_tree_widths must be a non-empty list of positive integers, got {widths}")
+        if len(widths) != self.num_speculative_tokens:
+            raise ValueError(
+                f"draft_tree_widths has {len(widths)} levels but num_speculative_tokens is "
+                f"{self.num_speculative_tokens}: give one width per draft level"
+            )
+        if any(w > 1 for w in widths):
+            raise NotImplementedError(
+                f"draft_tree_widths={widths}: draft trees (a width > 1) are not supported yet; "
+                "this version verifies chains only (all widths 1)"
+            )
+
+    def _validate_reconstruct(self) -> None:
+        if self.method not in RECONSTRUCT_METHODS:
+            raise ValueError(
+                f"mamba_state_commit='reconstruct' supports method {' or '.join(RECONSTRUCT_METHODS)!s}, "
+                f"got method={self.method!r}"
+            )
+        if self.target_model_config is not None and not _has_gdn_layers(self.target_model_config):
+            architectures = getattr(self.target_model_config.hf_config, "architectures", None)
+            raise ValueError(
+                "mamba_state_commit='reconstruct' needs a model with Gated DeltaNet (linear_attention) layers "
+                f"such as Qwen3.5 or Qwen3-Next; {architectures} has none"
+            )
+
+    @property
+    def reconstructs_mamba_state(self) -> bool:
+        return self.mamba_state_commit == "reconstruct"
+
+    def compute_hash(self) -> str:
+        # Both options change what the GDN layers compute and which state slots exist.
+        factors = [super().compute_hash(), self.mamba_state_commit, self.draft_tree_widths]
+        return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
+
+
+def reconstructs_mamba_state(speculative_config) -> bool:
+    """True if this (possibly stock) speculative config asks for reconstruct-on-commit."""
+    return getattr(speculative_config, "mamba_state_commit", "store_all") == "reconstruct"
+
+
+def install() -> None:
+    """Makes every place that builds a SpeculativeConfig build ours."""
+    import vllm.config
+    import vllm.config.speculative
+    import vllm.engine.arg_utils
+
+    for module in (vllm.config, vllm.config.speculative, vllm.engine.arg_utils):
+        module.SpeculativeConfig = TreewySpeculativeConfig

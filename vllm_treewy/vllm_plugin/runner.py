@@ -1,0 +1,35 @@
+"""The commit step in vLLM's V1 model runner: after rejection sampling, before the next draft.
+
+`GPUModelRunner._update_states_after_model_execute` (which the CPU runner inherits) is where vLLM learns how
+many tokens each request accepted; right after it, every reconstruct GDN layer rebuilds its accepted states.
+Requests that finish, abort or get preempted after this step need nothing: their slot is freed or refilled by
+a prefill, and no factors outlive the step.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
+
+
+def commit_accepted_states(runner) -> None:
+    from vllm_treewy.vllm_plugin.gdn_cpu import commit_layer
+
+    num_accepted = runner.num_accepted_tokens.gpu
+    for layer in runner.compilation_config.static_forward_context.values():
+        if isinstance(layer, ReconstructGatedDeltaNetAttention) and layer.pending_commit is not None:
+            commit_layer(layer, num_accepted)
+
+
+def install() -> None:
+    original = GPUModelRunner._update_states_after_model_execute
+    if getattr(original, "commits_reconstructed_states", False):
+        return
+
+    def update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        original(self, output_token_ids, scheduler_output)
+        commit_accepted_states(self)
+
+    update_states_after_model_execute.commits_reconstructed_states = True
+    GPUModelRunner._update_states_after_model_execute = update_states_after_model_execute
