@@ -28,10 +28,14 @@ def verified(batch, seed, state_dtype, chain=False):
 
 
 @pytest.mark.parametrize(
-    "batch, chain, state_dtype",
-    [(TREE_BATCH, False, torch.float32), (TREE_BATCH, False, torch.bfloat16), (CHAIN_BATCH, True, torch.float32)],
+    "batch, chain, state_dtype, block_k",
+    [
+        (TREE_BATCH, False, torch.float32, None),
+        (TREE_BATCH, False, torch.bfloat16, 16),
+        (CHAIN_BATCH, True, torch.float32, 16),
+    ],
 )
-def test_commit_every_node_matches_reference_and_twin(batch, chain, state_dtype):
+def test_commit_every_node_matches_reference_and_twin(batch, chain, state_dtype, block_k):
     packed, inputs, slots, state, factors, bounds = verified(batch, 21, state_dtype, chain)
     dev_slots, k, u, g, parents, cu_nodes = factors
     h0 = state.cpu()
@@ -43,7 +47,7 @@ def test_commit_every_node_matches_reference_and_twin(batch, chain, state_dtype)
         # requests with fewer nodes accept nothing (-1): their slot must stay as it was
         accepted = torch.tensor([node if node < len(p) else -1 for p in batch], dtype=torch.int32)
         committed = state.clone()
-        commit_packed_triton(committed, *factors[:-1], cu_nodes, accepted.to(DEVICE), **bounds)
+        commit_packed_triton(committed, *factors[:-1], cu_nodes, accepted.to(DEVICE), block_k=block_k, **bounds)
         twin = h0.clone()
         commit_packed(twin, slots, inputs[1], u.cpu(), inputs[3], packed.parents, packed.cu_nodes, accepted)
         committed = committed.cpu()

@@ -23,18 +23,18 @@ def run_verify(packed, inputs, pool, slots, state_dtype, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "batch, chain, state_dtype, solve, gate",
+    "batch, chain, state_dtype, solve, gate, block_k",
     [
-        (TREE_BATCH, False, torch.float32, "neumann", "mixed"),
-        (TREE_BATCH, False, torch.float32, "substitution", "near_one"),
-        (TREE_BATCH, False, torch.bfloat16, "neumann", "near_zero"),
-        (CHAIN_BATCH, True, torch.float32, "neumann", "near_one"),
-        (CHAIN_BATCH, True, torch.bfloat16, "substitution", "mixed"),
+        (TREE_BATCH, False, torch.float32, "neumann", "mixed", 16),
+        (TREE_BATCH, False, torch.float32, "substitution", "near_one", None),
+        (TREE_BATCH, False, torch.bfloat16, "neumann", "near_zero", None),
+        (CHAIN_BATCH, True, torch.float32, "neumann", "near_one", None),
+        (CHAIN_BATCH, True, torch.bfloat16, "substitution", "mixed", 16),
     ],
 )
-def test_verify_matches_reference_and_twin(batch, chain, state_dtype, solve, gate):
+def test_verify_matches_reference_and_twin(batch, chain, state_dtype, solve, gate, block_k):
     packed, inputs, pool, slots = packed_gdn(batch, gate=gate, seed=len(batch))
-    o, u, state = run_verify(packed, inputs, pool, slots, state_dtype, chain=chain, solve=solve)
+    o, u, state = run_verify(packed, inputs, pool, slots, state_dtype, chain=chain, solve=solve, block_k=block_k)
     twin_o, twin_u = verify_packed(*inputs, state, slots, packed.parents, packed.cu_nodes)
     assert relative_error(o, twin_o) <= TOLERANCE[state_dtype]
     assert relative_error(u, twin_u) <= TOLERANCE[state_dtype]
@@ -98,7 +98,7 @@ def test_pending_commit_fused_into_next_verify(state_dtype):
     commit_packed_triton(separate, dev_slots, pk, u, pg, prev.parents.to(DEVICE), prev.cu_nodes.to(DEVICE), dev_acc,
                          block_v=16, **bounds)
     nq, nk, nv, ng, nbeta = to_device(*next_inputs)
-    step = dict(max_nodes=nxt.max_nodes, chain=True, block_v=16)
+    step = dict(max_nodes=nxt.max_nodes, chain=True, block_v=16, block_k=16)
     o_sep, u_sep = verify_packed_triton(nq, nk, nv, ng, nbeta, separate, dev_slots, nxt.parents.to(DEVICE),
                                         nxt.cu_nodes.to(DEVICE), **step)
     pending = PendingCommit(pk, u, pg, prev.parents.to(DEVICE), prev.cu_nodes.to(DEVICE), dev_acc, **bounds)

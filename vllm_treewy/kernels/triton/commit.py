@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tree import rebuild_tile
+from ._tree import path_factors, rebuild_chunk
 from .verify import block_nodes, default_precision, max_ancestors
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -23,7 +23,7 @@ def _commit_kernel(
     state, state_indices, k, u, g, parents, cu_nodes, accepted,
     stride_slot, stride_head, stride_v, stride_layer_k, stride_layer_u, stride_layer_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BP: tl.constexpr, BV: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
+    BP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     PRECISION: tl.constexpr, STATE_TABLE_DTYPE: tl.constexpr,
 ):
     i_v, i_bh, i_layer = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -38,11 +38,15 @@ def _commit_kernel(
         state = tl.load(state + i_layer).to(tl.pointer_type(STATE_TABLE_DTYPE))
     bos = tl.load(cu_nodes + i_b)
     o_v = i_v * BV + tl.arange(0, BV)
-    p_h = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v + tl.arange(0, K)[None, :]
-    h0 = tl.load(p_h).to(tl.float32)
-    h = rebuild_tile(h0, k + i_layer * stride_layer_k, u + i_layer * stride_layer_u, g + i_layer * stride_layer_g,
-                     parents, bos, node, i_h, i_hv, o_v, H, HV, K, V, BP, MAX_ANC, IS_CHAIN, PRECISION)
-    tl.store(p_h, h.to(p_h.dtype.element_ty))
+    k_rows, on_path, weighted_u, root_weight = path_factors(
+        k + i_layer * stride_layer_k, u + i_layer * stride_layer_u, g + i_layer * stride_layer_g, parents, bos, node,
+        i_h, i_hv, o_v, H, HV, K, V, BP, MAX_ANC, IS_CHAIN)
+    p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
+    for i_k in tl.static_range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        h0 = tl.load(p_state + o_k[None, :]).to(tl.float32)
+        h = rebuild_chunk(h0, k + i_layer * stride_layer_k, k_rows, on_path, weighted_u, root_weight, o_k, PRECISION)
+        tl.store(p_state + o_k[None, :], h.to(state.dtype.element_ty))
 
 
 def state_pool_table(pools: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -53,16 +57,17 @@ def state_pool_table(pools: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _launch(state, table_dtype, state_indices, k, u, g, parents, cu_nodes, accepted, n_layers, pool,
-            max_nodes, max_depth, chain, precision, block_v, num_warps):
+            max_nodes, max_depth, chain, precision, block_v, block_k, num_warps):
     H, K = k.shape[-2], k.shape[-1]
+    block_k = block_k or K
     HV, V = u.shape[-2], u.shape[-1]
-    assert HV % H == 0 and V % block_v == 0 and pool.stride(-1) == 1
+    assert HV % H == 0 and V % block_v == 0 and K % block_k == 0 and pool.stride(-1) == 1
     max_anc = max_ancestors(max_nodes, max_depth, chain)
     layer_strides = (k.stride(0), u.stride(0), g.stride(0)) if k.dim() == 4 else (0, 0, 0)
     _commit_kernel[(V // block_v, state_indices.shape[0] * HV, n_layers)](
         state, state_indices, k, u, g, parents, cu_nodes, accepted,
         pool.stride(0), pool.stride(1), pool.stride(2), *layer_strides,
-        H=H, HV=HV, K=K, V=V, BP=block_nodes(max_nodes if chain else max_anc + 1), BV=block_v,
+        H=H, HV=HV, K=K, V=V, BP=block_nodes(max_nodes if chain else max_anc + 1), BV=block_v, BK=block_k,
         MAX_ANC=max_anc, IS_CHAIN=chain, PRECISION=precision or default_precision(pool.dtype),
         STATE_TABLE_DTYPE=table_dtype, num_warps=num_warps, num_stages=1,
     )
@@ -83,13 +88,14 @@ def commit_packed_triton(
     chain: bool = False,
     precision: str | None = None,
     block_v: int = 32,
+    block_k: int | None = None,
     num_warps: int = 4,
 ) -> None:
     """Write each request's accepted-node state into its slot of `state` [S, HV, V, K], in place.
     k [N, H, K]; u [N, HV, V] fp32 from `verify_packed_triton`; g [N, HV]; accepted [B] local node index (-1, or a
     negative slot: leave the slot unchanged); bounds as in `verify_packed_triton`. Capturable in a CUDA graph."""
     _launch(state, None, state_indices, k, u, g, parents, cu_nodes, accepted, 1, state,
-            max_nodes, max_depth, chain, precision, block_v, num_warps)
+            max_nodes, max_depth, chain, precision, block_v, block_k, num_warps)
 
 
 def commit_layers_triton(
@@ -107,6 +113,7 @@ def commit_layers_triton(
     chain: bool = False,
     precision: str | None = None,
     block_v: int = 32,
+    block_k: int | None = None,
     num_warps: int = 4,
     pool_like: torch.Tensor | None = None,
 ) -> None:
@@ -120,4 +127,4 @@ def commit_layers_triton(
         pool_like = states[0]
         table = state_pool_table(states)
     _launch(table, _TL_DTYPES[pool_like.dtype], state_indices, k, u, g, parents, cu_nodes, accepted, k.shape[0],
-            pool_like, max_nodes, max_depth, chain, precision, block_v, num_warps)
+            pool_like, max_nodes, max_depth, chain, precision, block_v, block_k, num_warps)

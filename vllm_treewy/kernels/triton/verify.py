@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tree import ancestry, rebuild_tile
+from ._tree import ancestry, path_factors, rebuild_chunk
 
 SOLVES = ("neumann", "substitution")
 PRECISIONS = ("ieee", "tf32x3", "tf32")
@@ -41,7 +41,7 @@ def _verify_kernel(
     p_k, p_u, p_g, p_parents, p_cu_nodes, p_accepted,
     stride_slot, stride_head, stride_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     SOLVE: tl.constexpr, PRECISION: tl.constexpr, LOWP_DOTS: tl.constexpr,
     HAS_PENDING: tl.constexpr, P_BP: tl.constexpr, P_MAX_ANC: tl.constexpr, P_IS_CHAIN: tl.constexpr,
 ):
@@ -55,49 +55,56 @@ def _verify_kernel(
 
     rows = tl.arange(0, BT)
     valid = rows < n
-    o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
+    p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
+    qk_rows = ((bos + rows) * H + i_h) * K
 
-    p_h0 = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v + o_k[None, :]
-    h0 = tl.load(p_h0)
     if HAS_PENDING:
         accepted = tl.load(p_accepted + i_b)
-        if accepted >= 0:
-            p_bos = tl.load(p_cu_nodes + i_b)
-            h0 = rebuild_tile(h0.to(tl.float32), p_k, p_u, p_g, p_parents, p_bos, accepted, i_h, i_hv, o_v,
-                              H, HV, K, V, P_BP, P_MAX_ANC, P_IS_CHAIN, PRECISION).to(state.dtype.element_ty)
-            tl.store(p_h0, h0)
+        p_bos = tl.load(p_cu_nodes + i_b)
+        p_rows, p_on_path, p_wu, p_root = path_factors(p_k, p_u, p_g, p_parents, p_bos, accepted, i_h, i_hv, o_v,
+                                                       H, HV, K, V, P_BP, P_MAX_ANC, P_IS_CHAIN)
 
-    qk_offs = ((bos + rows) * H + i_h)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + qk_offs, mask=valid[:, None], other=0.0)
-    b_k = tl.load(k + qk_offs, mask=valid[:, None], other=0.0)
+    # h0 k_i, h0 q_i as [BT, BV] rows, k_i.k_j and q_i.k_j, accumulated over key-dim chunks (h0 read once). A
+    # 16-bit state with keys of the same dtype multiplies exactly into fp32 accumulators.
+    hk = tl.zeros([BT, BV], dtype=tl.float32)
+    hq = tl.zeros([BT, BV], dtype=tl.float32)
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in tl.static_range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        h0 = tl.load(p_state + o_k[None, :])
+        if HAS_PENDING:
+            if accepted >= 0:
+                h0 = rebuild_chunk(h0.to(tl.float32), p_k, p_rows, p_on_path, p_wu, p_root, o_k,
+                                   PRECISION).to(state.dtype.element_ty)
+                tl.store(p_state + o_k[None, :], h0)
+        b_q = tl.load(q + qk_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+        b_k = tl.load(k + qk_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+        if LOWP_DOTS:
+            h0t = tl.trans(h0)
+            hk = tl.dot(b_k, h0t, hk)
+            hq = tl.dot(b_q, h0t, hq)
+            kk = tl.dot(b_k, tl.trans(b_k), kk)
+            qk = tl.dot(b_q, tl.trans(b_k), qk)
+        else:
+            h0t = tl.trans(h0.to(tl.float32))
+            b_k = b_k.to(tl.float32)
+            b_q = b_q.to(tl.float32)
+            hk = tl.dot(b_k, h0t, hk, input_precision=PRECISION)
+            hq = tl.dot(b_q, h0t, hq, input_precision=PRECISION)
+            kk = tl.dot(b_k, tl.trans(b_k), kk, input_precision=PRECISION)
+            qk = tl.dot(b_q, tl.trans(b_k), qk, input_precision=PRECISION)
+
     v_offs = ((bos + rows) * HV + i_hv)[:, None] * V + o_v[None, :]
     b_v = tl.load(v + v_offs, mask=valid[:, None], other=0.0).to(tl.float32)
     b_beta = tl.load(beta + (bos + rows) * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
-
-    # h0 k_i and h0 q_i as [BT, BV] rows, k_i.k_j and q_i.k_j; a 16-bit state with keys of the same dtype
-    # multiplies exactly into fp32 accumulators
-    if LOWP_DOTS:
-        h0t = tl.trans(h0)
-        hk = tl.dot(b_k, h0t)
-        hq = tl.dot(b_q, h0t)
-        kk = tl.dot(b_k, tl.trans(b_k))
-        qk = tl.dot(b_q, tl.trans(b_k))
-    else:
-        h0t = tl.trans(h0.to(tl.float32))
-        b_k = b_k.to(tl.float32)
-        b_q = b_q.to(tl.float32)
-        hk = tl.dot(b_k, h0t, input_precision=PRECISION)
-        hq = tl.dot(b_q, h0t, input_precision=PRECISION)
-        kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-
-    on_path, log_decay, b_c = ancestry(parents, g, bos, n, i_hv, HV, BT, MAX_ANC, IS_CHAIN)
-    decay = tl.where(on_path, tl.exp(log_decay), 0.0)  # exp(c_i - c_j), exponent <= 0
+    decay, b_c = ancestry(parents, g, bos, n, i_hv, HV, BT, MAX_ANC, IS_CHAIN)
     exp_c = tl.exp(b_c)
 
     r = b_beta[:, None] * (b_v - exp_c[:, None] * hk)
     gmat = tl.where(rows[None, :] != rows[:, None], b_beta[:, None] * decay * kk, 0.0)
+    pmat = decay * qk
     b_u = r
     if SOLVE == "neumann":
         # G is nilpotent (G^max_depth = 0): U = sum_{m <= MAX_ANC} (-G)^m R, in Horner form
@@ -109,7 +116,7 @@ def _verify_kernel(
             g_row = tl.sum(tl.where(rows[:, None] == i, gmat, 0.0), 0)
             b_u = tl.where(rows[:, None] == i, b_u - tl.sum(g_row[:, None] * b_u, 0)[None, :], b_u)
 
-    b_o = exp_c[:, None] * hq + tl.dot(decay * qk, b_u, input_precision=PRECISION)
+    b_o = exp_c[:, None] * hq + tl.dot(pmat, b_u, input_precision=PRECISION)
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=valid[:, None])
     tl.store(u + v_offs, b_u.to(u.dtype.element_ty), mask=valid[:, None])
 
@@ -150,6 +157,7 @@ def verify_packed_triton(
     solve: str = "neumann",
     precision: str | None = None,
     block_v: int = 32,
+    block_k: int | None = None,
     num_warps: int = 4,
     pending: PendingCommit | None = None,
     o: torch.Tensor | None = None,
@@ -164,7 +172,8 @@ def verify_packed_triton(
     No host sync and no data-dependent shapes: capturable in a CUDA graph."""
     n_nodes, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    assert HV % H == 0 and K == triton.next_power_of_2(K) and V % block_v == 0
+    block_k = block_k or K
+    assert HV % H == 0 and K == triton.next_power_of_2(K) and V % block_v == 0 and K % block_k == 0
     assert state.stride(-1) == 1 and solve in SOLVES
     precision = precision or default_precision(state.dtype)
     assert precision in PRECISIONS
@@ -182,7 +191,7 @@ def verify_packed_triton(
     _verify_kernel[(V // block_v, HV, state_indices.shape[0])](
         q, k, v, g, beta, state, state_indices, parents, cu_nodes, o, u, *p_args,
         state.stride(0), state.stride(1), state.stride(2),
-        H=H, HV=HV, K=K, V=V, BT=block_nodes(max_nodes), BV=block_v,
+        H=H, HV=HV, K=K, V=V, BT=block_nodes(max_nodes), BV=block_v, BK=block_k,
         MAX_ANC=max_ancestors(max_nodes, max_depth, chain), IS_CHAIN=chain,
         SOLVE=solve, PRECISION=precision, LOWP_DOTS=lowp,
         HAS_PENDING=pending is not None, P_BP=p_bp, P_MAX_ANC=p_anc, P_IS_CHAIN=p_chain,
