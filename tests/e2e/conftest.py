@@ -1,10 +1,53 @@
-"""End-to-end fixtures: the project's tiny Qwen3.5 model and its prompts (built once per test session)."""
+"""End-to-end fixtures: the project's tiny Qwen3.5 model, its prompts, and every engine run of the suite.
+
+vLLM engines in one process must run one after another, and the tie-aware comparison re-scores divergences
+with the reference engine, so all speculative runs happen first (once per session) and one no-speculation
+engine then generates the references and judges every run.
+"""
+
+from dataclasses import dataclass, field
 
 import pytest
 
+from tests.e2e.planted_bugs import count_mixed_batches, planted_state_commit_bug
 from vllm_treewy.fixture import build_fixture, fixture_prompts
+from vllm_treewy.vllm_plugin.equivalence import (
+    EquivalenceVerdict,
+    GenerationRun,
+    compare_tie_aware,
+    engine,
+    generate_greedy,
+    run_greedy,
+)
 
-NUM_PROMPTS = 24
+NUM_PROMPTS = 32
+SPEC_KS = (1, 2, 3, 4)
+STRATEGIES = ("store_all", "reconstruct")
+PLANTED_BUGS = ("off_by_one", "no_rollback")
+# Few concurrent sequences: prompts queue up and prefill while earlier ones are in speculative decode.
+MAX_NUM_SEQS = 6
+# Preemption workload: prompts of ~230-240 tokens that cross a 256-token attention block while decoding, in
+# a KV cache of 12 blocks (3 requests' worth at max_model_len), so running requests get preempted.
+NUM_LONG_PROMPTS = 8
+PREEMPTION_NUM_BLOCKS = 12
+
+
+def mtp(k: int, strategy: str = "store_all") -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, "mamba_state_commit": strategy}
+
+
+@dataclass
+class E2ERuns:
+    runs: dict = field(default_factory=dict)  # name -> GenerationRun
+    verdicts: dict = field(default_factory=dict)  # name -> EquivalenceVerdict
+    mixed_batches: dict = field(default_factory=dict)  # name -> counts of GDN batches
+    reference: dict = field(default_factory=dict)  # workload -> reference outputs
+
+    def run(self, name) -> GenerationRun:
+        return self.runs[name]
+
+    def verdict(self, name) -> EquivalenceVerdict:
+        return self.verdicts[name]
 
 
 @pytest.fixture(scope="session")
@@ -13,13 +56,43 @@ def fixture_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def prompts(fixture_model) -> list[list[int]]:
+def workloads(fixture_model) -> dict:
     from transformers import AutoTokenizer
 
-    return fixture_prompts(AutoTokenizer.from_pretrained(fixture_model), NUM_PROMPTS)
+    prompts = fixture_prompts(AutoTokenizer.from_pretrained(fixture_model), NUM_PROMPTS)
+    tokens = [t for p in prompts for t in p]
+    long_prompts = [tokens[i * 97 : i * 97 + 230 + i] for i in range(NUM_LONG_PROMPTS)]
+    # Different lengths make requests finish at different steps, so later prompts prefill beside decodes.
+    return {
+        "standard": (prompts, [20 + (i * 7) % 17 for i in range(NUM_PROMPTS)]),
+        "long": (long_prompts, [40] * NUM_LONG_PROMPTS),
+    }
 
 
 @pytest.fixture(scope="session")
-def max_tokens() -> list[int]:
-    # Different lengths make requests finish at different steps, so later prompts prefill beside decodes.
-    return [20 + (i * 7) % 17 for i in range(NUM_PROMPTS)]
+def e2e(fixture_model, workloads) -> E2ERuns:
+    results = E2ERuns()
+    plan = [(f"{s}-k{k}", "standard", mtp(k, s), None) for k in SPEC_KS for s in STRATEGIES]
+    plan += [(bug, "standard", mtp(3), bug) for bug in PLANTED_BUGS]
+    plan += [("reconstruct-preempted", "long", mtp(3, "reconstruct"), None)]
+    for name, workload, spec, bug in plan:
+        prompts, max_tokens = workloads[workload]
+        kwargs = dict(max_num_seqs=MAX_NUM_SEQS, speculative_config=spec)
+        if workload == "long":
+            kwargs.update(num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=NUM_LONG_PROMPTS)
+        with count_mixed_batches(results.mixed_batches.setdefault(name, {})):
+            if bug is None:
+                results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
+            else:
+                with planted_state_commit_bug(bug):
+                    results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
+
+    with engine(fixture_model, logprobs_mode="raw_logits", max_num_seqs=MAX_NUM_SEQS) as reference:
+        for workload, (prompts, max_tokens) in workloads.items():
+            results.reference[workload] = generate_greedy(reference, prompts, max_tokens)
+        for name, workload, _, _ in plan:
+            prompts, _ = workloads[workload]
+            results.verdicts[name] = compare_tie_aware(
+                reference, prompts, results.reference[workload], results.runs[name].outputs
+            )
+    return results

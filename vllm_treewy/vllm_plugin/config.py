@@ -88,11 +88,30 @@ def reconstructs_mamba_state(speculative_config) -> bool:
     return getattr(speculative_config, "mamba_state_commit", "store_all") == "reconstruct"
 
 
+def _v2_unsupported_with_reconstruct(original):
+    def unsupported_features(self) -> list[str]:
+        features = original(self)
+        if reconstructs_mamba_state(self.speculative_config):
+            features.append("mamba_state_commit='reconstruct' (vllm-treewy hooks the V1 model runner)")
+        return features
+
+    unsupported_features.lists_reconstruct = True
+    return unsupported_features
+
+
 def install() -> None:
-    """Makes every place that builds a SpeculativeConfig build ours."""
+    """Makes every place that builds a SpeculativeConfig build ours; reconstruct selects the V1 runner.
+
+    vLLM falls back to V1 with a warning naming the feature, or refuses an explicit VLLM_USE_V2_MODEL_RUNNER=1.
+    """
     import vllm.config
     import vllm.config.speculative
     import vllm.engine.arg_utils
+    from vllm.config.vllm import VllmConfig
 
     for module in (vllm.config, vllm.config.speculative, vllm.engine.arg_utils):
         module.SpeculativeConfig = TreewySpeculativeConfig
+    if not getattr(VllmConfig._get_v2_model_runner_unsupported_features, "lists_reconstruct", False):
+        VllmConfig._get_v2_model_runner_unsupported_features = _v2_unsupported_with_reconstruct(
+            VllmConfig._get_v2_model_runner_unsupported_features
+        )

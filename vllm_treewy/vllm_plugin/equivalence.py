@@ -99,13 +99,18 @@ def generate_greedy(llm: LLM, prompt_ids: list[list[int]], max_tokens: list[int]
 class GenerationRun:
     outputs: list[list[int]]
     acceptance: SpecDecodeAcceptance | None
+    kv_cache: KVCacheReport | None = None
+    num_preemptions: int = 0
 
 
 def run_greedy(model: str, prompt_ids: list[list[int]], max_tokens: list[int], **engine_kwargs) -> GenerationRun:
-    """Starts an engine, generates greedily, reads its spec-decode counters, tears it down."""
+    """Starts an engine, generates greedily, reads its counters and KV-cache report, tears it down."""
     with engine(model, **engine_kwargs) as llm:
         outputs = generate_greedy(llm, prompt_ids, max_tokens)
-        return GenerationRun(outputs, read_acceptance(llm))
+        preemptions = {m.name: m for m in llm.get_metrics()}.get("vllm:num_preemptions")
+        return GenerationRun(
+            outputs, read_acceptance(llm), kv_cache_report(llm), int(preemptions.value) if preemptions else 0
+        )
 
 
 def bf16_step(x: float) -> float:
@@ -197,3 +202,34 @@ def compare_tie_aware(
             Divergence(i, pos, ref_token, cand_token, logits[ref_token].logprob - rival, bf16_step(top))
         )
     return verdict
+
+
+@dataclass
+class KVCacheReport:
+    """What vLLM's own KV-cache config says about a running engine."""
+
+    num_blocks: int
+    max_concurrency: float  # requests of max_model_len that fit, as vLLM logs it
+    gdn_blocks_per_request: list[int]  # per GDN (Mamba) group: 1 + num_speculative_blocks
+    gdn_state_bytes_per_request: int  # all GDN layers, at the pages vLLM allocates
+
+
+def kv_cache_report(llm: LLM) -> KVCacheReport:
+    """Reads an in-process engine's KV-cache config (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    vllm_config = llm.llm_engine.vllm_config
+    kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    blocks, state_bytes = [], 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            blocks.append(1 + spec.num_speculative_blocks)
+            state_bytes += len(group.layer_names) * spec.max_memory_usage_bytes(vllm_config)
+    return KVCacheReport(
+        num_blocks=kv_cache_config.num_blocks,
+        max_concurrency=get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config),
+        gdn_blocks_per_request=blocks,
+        gdn_state_bytes_per_request=state_bytes,
+    )
