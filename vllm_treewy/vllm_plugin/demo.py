@@ -1,7 +1,9 @@
-"""`make demo`: builds the fixture model and runs vLLM on it with and without MTP speculation.
+"""`make demo`: builds the fixture model and runs vLLM on it without speculation and with MTP speculation
+under both GDN state commit strategies, store_all (vLLM's) and reconstruct (ours).
 
-Prints a few greedy continuations side by side, vLLM's acceptance per draft position, and the verdict of the
-tie-aware comparison against the no-speculation engine over all demo prompts.
+Prints a few greedy continuations side by side and, per strategy: vLLM's acceptance per draft position, the
+GDN state bytes per request and the maximum concurrency from vLLM's KV-cache config, tokens/s, and the verdict
+of the tie-aware comparison against the no-speculation engine over all demo prompts.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from vllm_treewy.vllm_plugin.equivalence import (
     compare_tie_aware,
     engine,
     generate_greedy,
+    kv_cache_report,
     read_acceptance,
 )
+
+STRATEGIES = ("store_all", "reconstruct")
 
 
 def _timed_run(model: str, prompts, max_tokens, **engine_kwargs) -> tuple[GenerationRun, float]:
@@ -26,7 +31,7 @@ def _timed_run(model: str, prompts, max_tokens, **engine_kwargs) -> tuple[Genera
         start = time.perf_counter()
         outputs = generate_greedy(llm, prompts, max_tokens)
         tokens_per_s = sum(map(len, outputs)) / (time.perf_counter() - start)
-        return GenerationRun(outputs, read_acceptance(llm)), tokens_per_s
+        return GenerationRun(outputs, read_acceptance(llm), kv_cache_report(llm)), tokens_per_s
 
 
 def main(argv=None) -> int:
@@ -45,29 +50,38 @@ def main(argv=None) -> int:
     max_tokens = [args.max_tokens] * len(prompts)
     k = args.num_speculative_tokens
 
-    spec, spec_tps = _timed_run(
-        model, prompts, max_tokens, speculative_config={"method": "mtp", "num_speculative_tokens": k}
-    )
+    runs = {
+        strategy: _timed_run(model, prompts, max_tokens, speculative_config={
+            "method": "mtp", "num_speculative_tokens": k, "mamba_state_commit": strategy})
+        for strategy in STRATEGIES
+    }
     with engine(model, logprobs_mode="raw_logits") as reference_llm:
         generate_greedy(reference_llm, prompts[:1], [4])
         start = time.perf_counter()
         reference = generate_greedy(reference_llm, prompts, max_tokens)
         reference_tps = sum(map(len, reference)) / (time.perf_counter() - start)
-        verdict = compare_tie_aware(reference_llm, prompts, reference, spec.outputs)
+        verdicts = {s: compare_tie_aware(reference_llm, prompts, reference, runs[s][0].outputs) for s in STRATEGIES}
 
     print(f"\nfixture model: {model}")
     for i in range(3):
         print(f"\nprompt {i}: {tokenizer.decode(prompts[i])!r}")
-        print(f"  no speculation : {tokenizer.decode(reference[i])!r}")
-        print(f"  MTP k={k}        : {tokenizer.decode(spec.outputs[i])!r}")
-    acc = spec.acceptance
-    print(f"\nMTP k={k}: {acc.num_accepted_tokens}/{acc.num_draft_tokens} drafted tokens accepted "
-          f"({acc.acceptance_rate:.1%}) over {acc.num_drafts} drafts")
-    print("acceptance per draft position: " + ", ".join(
-        f"pos {p + 1}: {r:.1%}" for p, r in enumerate(acc.per_position_rate)))
-    print(f"tokens/s (2-core CPU, eager): no speculation {reference_tps:.0f}, MTP k={k} {spec_tps:.0f}")
-    print(f"tie-aware comparison over {len(prompts)} prompts: {verdict.summary()}")
-    return 0 if verdict.passed else 1
+        print(f"  {'no speculation':<16}: {tokenizer.decode(reference[i])!r}")
+        for strategy in STRATEGIES:
+            print(f"  {strategy + f' k={k}':<16}: {tokenizer.decode(runs[strategy][0].outputs[i])!r}")
+    print(f"\nno speculation: {reference_tps:.0f} tokens/s")
+    for strategy in STRATEGIES:
+        run, tps = runs[strategy]
+        acc, kv = run.acceptance, run.kv_cache
+        print(f"\nMTP k={k}, mamba_state_commit={strategy}:")
+        print(f"  accepted {acc.num_accepted_tokens}/{acc.num_draft_tokens} drafted tokens "
+              f"({acc.acceptance_rate:.1%}) over {acc.num_drafts} drafts; per draft position: "
+              + ", ".join(f"{r:.1%}" for r in acc.per_position_rate))
+        print(f"  GDN state per request: {kv.gdn_state_bytes_per_request / 2**10:.0f} KiB "
+              f"({kv.gdn_blocks_per_request[0]} block(s) per GDN layer)")
+        print(f"  max concurrency (vLLM's KV-cache report, {kv.num_blocks} blocks): {kv.max_concurrency:.1f}x")
+        print(f"  {tps:.0f} tokens/s (2-core CPU, eager; not a speed benchmark)")
+        print(f"  tie-aware comparison over {len(prompts)} prompts: {verdicts[strategy].summary()}")
+    return 0 if all(v.passed for v in verdicts.values()) else 1
 
 
 if __name__ == "__main__":
