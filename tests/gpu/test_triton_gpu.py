@@ -1,0 +1,185 @@
+"""Triton kernels on CUDA at Qwen3.5-35B-A3B sizes (H=16, HV=32, K=V=128) against the fp64 per-node reference and
+the torch twin, and CUDA-graph capture and replay. Run on the H200: `pytest -m gpu tests/gpu`."""
+
+import pytest
+import torch
+
+from vllm_treewy.kernels.closed_form import commit_packed
+from vllm_treewy.kernels.conv import conv_verify_packed
+from vllm_treewy.kernels.reference import reference_tree_conv, reference_tree_recurrence
+from vllm_treewy.tree import DraftTree, pack_trees
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+from vllm_treewy.kernels.triton import (  # noqa: E402
+    PendingCommit,
+    commit_layers_triton,
+    commit_packed_triton,
+    conv_commit_triton,
+    serial_tree_triton,
+    state_pool_table,
+    tree_conv_triton,
+    verify_packed_triton,
+)
+
+H, HV, K, V = 16, 32, 128, 128
+TREES = [
+    DraftTree.from_widths([4, 2, 2]).with_root().parents,
+    DraftTree.from_widths([2, 2, 1]).with_root().parents,
+    (-1, 0, 1, 1, 3, -1, 5, 4, 2),
+    DraftTree.from_widths([1] * 3).with_root().parents,
+]
+CHAINS = [DraftTree.from_widths([1] * 3).with_root().parents] * 3 + [(-1,)]
+
+
+def relative_error(actual, expected):
+    expected = expected.double().cpu()
+    return float((actual.double().cpu() - expected).abs().max() / expected.abs().max())
+
+
+def gdn_batch(trees, dtype, state_dtype, seed):
+    """Packed inputs on the GPU (q, k normalised, q scaled; realistic gates) and a pool with shuffled slots."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = pack_trees(trees, device="cuda")
+    n = packed.num_nodes
+    q = torch.nn.functional.normalize(torch.randn(n, H, K, generator=gen, dtype=torch.float64), dim=-1) * K**-0.5
+    k = torch.nn.functional.normalize(torch.randn(n, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(n, HV, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(n, HV, generator=gen, dtype=torch.float64) * 2
+    beta = torch.rand(n, HV, generator=gen, dtype=torch.float64)
+    slots = (torch.randperm(len(trees) + 3, generator=gen)[: len(trees)]).to(torch.int32)
+    pool = torch.randn(len(trees) + 3, HV, V, K, generator=gen, dtype=torch.float64) * 0.1
+    inputs = [x.to(dtype).cuda() for x in (q, k, v)] + [x.float().cuda() for x in (g, beta)]
+    return packed, inputs, pool.to(state_dtype).cuda(), slots.cuda()
+
+
+def reference(packed, inputs, pool, slots, trees, b):
+    rows = slice(int(packed.cu_nodes[b]), int(packed.cu_nodes[b + 1]))
+    return reference_tree_recurrence(*(x[rows].cpu() for x in inputs), pool[int(slots[b])].cpu(), trees[b]), rows
+
+
+def bounds(packed, chain=False):
+    return dict(max_nodes=packed.max_nodes, max_depth=packed.max_depth, chain=chain)
+
+
+@pytest.mark.parametrize(
+    "trees, chain, dtype, state_dtype, precision, tolerance",
+    [
+        (TREES, False, torch.bfloat16, torch.bfloat16, None, 1e-2),
+        (TREES, False, torch.float32, torch.float32, "ieee", 2e-5),
+        (TREES, False, torch.float32, torch.float32, "tf32x3", 1e-4),
+        (TREES, False, torch.bfloat16, torch.float32, None, 2e-5),
+        (CHAINS, True, torch.bfloat16, torch.bfloat16, None, 1e-2),
+        (CHAINS, True, torch.float32, torch.float32, None, 2e-5),
+    ],
+)
+@pytest.mark.parametrize("solve", ["neumann", "substitution"])
+def test_verify_and_commit_vs_reference(trees, chain, dtype, state_dtype, precision, tolerance, solve):
+    packed, inputs, pool, slots = gdn_batch(trees, dtype, state_dtype, seed=1)
+    o, u = verify_packed_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, solve=solve,
+                                precision=precision, **bounds(packed, chain))
+    accepted = torch.tensor([len(t) - 1 for t in trees], dtype=torch.int32, device="cuda")
+    committed = pool.clone()
+    commit_packed_triton(committed, slots, inputs[1], u, inputs[3], packed.parents, packed.cu_nodes, accepted,
+                         precision=precision, **bounds(packed, chain))
+    twin = pool.clone()
+    commit_packed(twin, slots, inputs[1], u, inputs[3], packed.parents, packed.cu_nodes, accepted)
+    # a bf16 state is rounded once on the way out; anything beyond that is the kernel's error
+    state_tolerance = max(tolerance, 1e-2 if state_dtype == torch.bfloat16 else 0)
+    assert relative_error(committed, twin) <= state_tolerance
+    o_tolerance = max(tolerance, 1e-2 if dtype == torch.bfloat16 else 0)  # o is stored in v's dtype
+    for b in range(len(trees)):
+        expected, rows = reference(packed, inputs, pool, slots, trees, b)
+        assert relative_error(o[rows], expected.o) <= o_tolerance
+        assert relative_error(u[rows], expected.u) <= tolerance
+        assert relative_error(committed[int(slots[b])], expected.state[-1]) <= state_tolerance
+
+
+def test_commit_layers_and_pending_commit():
+    packed, inputs, pool, slots = gdn_batch(TREES, torch.bfloat16, torch.bfloat16, seed=2)
+    layers = 3
+    pools = [pool.clone() for _ in range(layers)]
+    k = torch.stack([inputs[1]] * layers)
+    g = torch.stack([inputs[3]] * layers)
+    u = torch.stack([verify_packed_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes,
+                                          **bounds(packed))[1]] * layers)
+    accepted = torch.tensor([20, 9, -1, 3], dtype=torch.int32, device="cuda")
+    commit_layers_triton(state_pool_table(pools), slots, k, u, g, packed.parents, packed.cu_nodes, accepted,
+                         pool_like=pools[0], **bounds(packed))
+    single = pool.clone()
+    commit_packed_triton(single, slots, k[0], u[0], g[0], packed.parents, packed.cu_nodes, accepted,
+                         **bounds(packed))
+    assert all(torch.equal(p, single) for p in pools)
+    # the same commit fused into the next step's verify
+    nxt, next_inputs, _, _ = gdn_batch(CHAINS, torch.bfloat16, torch.bfloat16, seed=3)
+    separate = verify_packed_triton(*next_inputs, single, slots, nxt.parents, nxt.cu_nodes, **bounds(nxt, True))
+    fused_pool = pool.clone()
+    pending = PendingCommit(k[0], u[0], g[0], packed.parents, packed.cu_nodes, accepted, **bounds(packed))
+    fused = verify_packed_triton(*next_inputs, fused_pool, slots, nxt.parents, nxt.cu_nodes, pending=pending,
+                                 **bounds(nxt, True))
+    assert torch.equal(fused_pool, single)
+    assert all(torch.equal(a, b) for a, b in zip(fused, separate))
+
+
+def test_serial_baseline_vs_reference():
+    packed, inputs, pool, slots = gdn_batch(TREES, torch.float32, torch.float32, seed=4)
+    o, states = serial_tree_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes)
+    for b in range(len(TREES)):
+        expected, rows = reference(packed, inputs, pool, slots, TREES, b)
+        assert relative_error(o[rows], expected.o) <= 2e-5
+        assert relative_error(states[rows], expected.state) <= 2e-5
+
+
+@pytest.mark.parametrize("history_len, dtype", [(3, torch.bfloat16), (6, torch.float32)])
+def test_tree_conv_vs_reference(history_len, dtype):
+    channels, width = 2 * H * K + HV * V, 4
+    packed = pack_trees(TREES, device="cuda")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(packed.num_nodes, channels, generator=gen).to(dtype).cuda()
+    weight = torch.randn(channels, width, generator=gen).to(dtype).cuda()
+    bias = torch.randn(channels, generator=gen).to(dtype).cuda()
+    # vLLM's layout: [S, L, D] storage viewed as [S, D, L]
+    conv_state = torch.randn(len(TREES) + 2, history_len, channels, generator=gen).to(dtype).cuda().transpose(1, 2)
+    slots = torch.tensor([4, 0, 2, 5], dtype=torch.int32, device="cuda")
+    out = tree_conv_triton(x, conv_state, slots, weight, bias, packed.parents, packed.cu_nodes, activation="silu")
+    twin = conv_verify_packed(x, conv_state, slots, weight, bias, packed.parents, packed.cu_nodes, activation="silu")
+    assert relative_error(out, twin.float()) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    accepted = torch.tensor([28, 9, 0, -1], dtype=torch.int32, device="cuda")
+    committed = conv_state.clone()
+    conv_commit_triton(committed, slots, x, packed.parents, packed.cu_nodes, accepted)
+    for b in range(len(TREES)):
+        rows = slice(int(packed.cu_nodes[b]), int(packed.cu_nodes[b + 1]))
+        expected = reference_tree_conv(x[rows].cpu(), conv_state[int(slots[b])].cpu(), weight.cpu(), bias.cpu(),
+                                       TREES[b], "silu")
+        assert relative_error(out[rows], expected.out) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        after = committed[int(slots[b])].cpu()
+        before = conv_state[int(slots[b])].cpu()
+        assert torch.equal(after, before if accepted[b] < 0 else expected.history[int(accepted[b])].to(dtype))
+
+
+@pytest.mark.parametrize("trees, chain", [(CHAINS, True), (TREES, False)])
+def test_cuda_graph_capture_and_replay(trees, chain):
+    packed, inputs, pool, slots = gdn_batch(trees, torch.bfloat16, torch.bfloat16, seed=6)
+    o = torch.empty_like(inputs[2])
+    u = torch.empty(inputs[2].shape, dtype=torch.float32, device="cuda")
+
+    def step():
+        verify_packed_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, o=o, u=u, **bounds(packed, chain))
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed, order in ((7, trees), (8, trees[::-1])):
+        # new data in the same buffers; the second replay also reorders the requests (other lengths per slot)
+        repacked, fresh, fresh_pool, _ = gdn_batch(order, torch.bfloat16, torch.bfloat16, seed=seed)
+        for static, new in zip([*inputs, pool, packed.parents, packed.cu_nodes],
+                               [*fresh, fresh_pool, repacked.parents, repacked.cu_nodes]):
+            static.copy_(new)
+        o.fill_(float("nan"))
+        graph.replay()
+        replayed = (o.clone(), u.clone())
+        step()
+        assert torch.equal(replayed[0], o) and torch.equal(replayed[1], u)
+        assert bool(o.isfinite().all())
