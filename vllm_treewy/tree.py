@@ -171,3 +171,14 @@ def packed_depths(parents: torch.Tensor, cu_nodes: torch.Tensor) -> torch.Tensor
         depth += on_path
         ancestor = torch.where(on_path, parent_of[ancestor.clamp(min=0)], ancestor)
     return depth
+
+
+def chain_parents(cu_nodes: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """``[num_nodes]`` int32 local parents of packed chains (-1, 0, 1, ... within every request).
+
+    No host sync (the node count comes from the caller's shapes), so it can run inside a CUDA graph.
+    """
+    nodes = torch.arange(num_nodes, device=cu_nodes.device)
+    starts = cu_nodes.long()
+    requests = torch.searchsorted(starts[1:].contiguous(), nodes, right=True)
+    return (nodes - starts[requests] - 1).to(torch.int32)

@@ -121,3 +121,13 @@ def test_pack_trees(batch):
             assert packed.depth[n] == tree.depth[i]
             assert packed.ancestor_mask[n, : tree.num_nodes].equal(tree.ancestor_mask()[i])
             assert not packed.ancestor_mask[n, tree.num_nodes :].any()
+
+
+def test_chain_parents_of_packed_chains():
+    from vllm_treewy.tree import chain_parents, pack_trees
+
+    lengths = [4, 1, 3, 2]
+    cu_nodes = torch.tensor([0, 4, 5, 8, 10], dtype=torch.int32)
+    expected = pack_trees([DraftTree.from_widths([1] * (n - 1)).with_root() for n in lengths]).parents
+    assert chain_parents(cu_nodes, 10).tolist() == expected.tolist()
+    assert chain_parents(torch.tensor([0], dtype=torch.int32), 0).numel() == 0

@@ -1,37 +1,24 @@
-"""The GDN layer under reconstruct-on-commit: one state block per request, factors kept for the commit.
+"""The GDN layer under reconstruct-on-commit: one state block per request, drafts verified from it.
 
 `ReconstructGatedDeltaNetAttention` replaces vLLM's `QwenGatedDeltaNetAttention` (out-of-tree layer
-registration); with `mamba_state_commit="store_all"` it behaves exactly like its parent.
+registration); with `mamba_state_commit="store_all"` it behaves exactly like its parent. On CUDA it takes the
+speculative tokens out of `_forward_core` (which vLLM's GDN custom op calls) and leaves the prefill and plain
+decode tokens of the same batch to vLLM; on CPU the same happens through `gdn_cpu`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.platforms import current_platform
 
+from vllm_treewy.vllm_plugin import reconstruct
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
-
-
-@dataclass
-class PendingCommit:
-    """What one GDN layer's verify pass leaves for the commit: per draft node, its factors; per request, its slot.
-
-    Requests are the batch's speculative decodes, in the order of `batch_rows` (their rows in the runner's
-    input batch, where the number of accepted tokens is read after rejection sampling).
-    """
-
-    batch_rows: torch.Tensor  # [B] int64
-    slots: torch.Tensor  # [B] state slot of each request
-    parents: torch.Tensor  # [N] local parent index, -1 = child of the committed state
-    cu_nodes: torch.Tensor  # [B + 1]
-    conv_inputs: torch.Tensor  # [N, conv_dim] pre-conv inputs (the conv history continues with them)
-    keys: torch.Tensor  # [N, H, K] as the recurrence consumed them
-    pseudo_values: torch.Tensor  # [N, HV, V] u = beta * (v - alpha * h_parent k)
-    log_decays: torch.Tensor  # [N, HV] g
 
 
 class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
@@ -40,7 +27,13 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reconstructs_state = reconstructs_mamba_state(self.speculative_config)
-        self.pending_commit: PendingCommit | None = None
+        self.pending_commit: reconstruct.PendingCommit | None = None
+        if self.reconstructs_state:
+            # vLLM's fused spec-decode kernel writes a state per draft position: not under reconstruct.
+            self.enable_fused_gdn_spec_decode = False
+            self.chain_kernels = (
+                reconstruct.TORCH_KERNELS if current_platform.is_cpu() else reconstruct.triton_kernels()
+            )
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
@@ -49,6 +42,80 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         # One state block per request: drafts are verified from the committed state, which the commit updates
         # in place, so no block per draft position is needed.
         return dataclasses.replace(spec, num_speculative_blocks=0)
+
+    # -- cache views ------------------------------------------------------------------------------------------
+    def conv_history(self) -> torch.Tensor:
+        """`[S, conv_dim, width-1]`: the committed conv inputs (the first width-1 columns of vLLM's conv state)."""
+        conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
+        return conv_state[:, :, : self.conv_kernel_size - 1]
+
+    def ssm_state(self) -> torch.Tensor:
+        """`[S, HV, V, K]` (vLLM's CPU kernels store `[HV, K, V]` in the same buffer: a transposed view there)."""
+        state = self.kv_cache[1]
+        if current_platform.is_cpu():
+            num_slots, heads, v_dim, k_dim = state.shape
+            return state.view(num_slots, heads, k_dim, v_dim).transpose(-1, -2)
+        return state
+
+    def conv_weight(self) -> torch.Tensor:
+        """`(conv_dim, width)`; on CPU with AMX vLLM packs `conv1d.weight` in place and keeps a plain copy."""
+        weight = getattr(self.conv1d, "_cpu_unpacked_conv_weight", None)
+        if weight is not None:
+            return weight
+        weight = self.conv1d.weight
+        return weight.view(weight.size(0), weight.size(-1))
+
+    # -- verify and commit ------------------------------------------------------------------------------------
+    def verify_spec_chains(self, metadata, x, a, b) -> torch.Tensor:
+        num_spec = metadata.num_spec_decodes
+        # Rows of the runner's input batch, where the accepted counts land (a host sync on CUDA: eager V1 only).
+        batch_rows = metadata.spec_sequence_masks.nonzero().squeeze(1)[:num_spec]
+        return reconstruct.verify_chains(
+            self, self.chain_kernels, x, a, b,
+            conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state(),
+            slots=metadata.spec_state_indices_tensor[:num_spec, 0],
+            cu_nodes=metadata.spec_query_start_loc[: num_spec + 1],
+            batch_rows=batch_rows,
+            max_nodes=1 + self.num_spec,
+        )
+
+    def commit_pending(self, num_accepted_tokens: torch.Tensor) -> None:
+        reconstruct.commit_layer(
+            self, self.chain_kernels, num_accepted_tokens,
+            conv_history=self.conv_history(), ssm_state=self.ssm_state(),
+        )
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        metadata = None
+        if self.reconstructs_state:
+            attn_metadata = get_forward_context().attn_metadata
+            metadata = attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
+        if metadata is None or metadata.spec_sequence_masks is None:
+            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        self.pending_commit = None
+        if metadata.num_prefills == 0 and metadata.num_decodes == 0:
+            n = metadata.num_actual_tokens
+            core_attn_out[:n] = self.verify_spec_chains(metadata, mixed_qkv[:n], a[:n], b[:n])
+            return
+        spec, rest = metadata.spec_token_indx, metadata.non_spec_token_indx
+        core_attn_out.index_copy_(
+            0, spec, self.verify_spec_chains(metadata, mixed_qkv.index_select(0, spec), a.index_select(0, spec),
+                                             b.index_select(0, spec)))
+        # The prefills and plain decodes of the batch: vLLM's own path, shown a batch without speculation.
+        rest_out = core_attn_out.new_zeros((rest.shape[0], *core_attn_out.shape[1:]))
+        rest_metadata = dataclasses.replace(
+            metadata, spec_sequence_masks=None, num_spec_decodes=0, num_spec_decode_tokens=0,
+            spec_sequence_masks_cpu=None, spec_token_indx=None, non_spec_token_indx=None, spec_state_indices_tensor=None,
+            spec_query_start_loc=None, num_accepted_tokens=None, num_actual_tokens=rest.shape[0],
+        )
+        attn_metadata = get_forward_context().attn_metadata
+        attn_metadata[self.prefix] = rest_metadata
+        try:
+            super()._forward_core(mixed_qkv.index_select(0, rest), b.index_select(0, rest),
+                                  a.index_select(0, rest), rest_out)
+        finally:
+            attn_metadata[self.prefix] = metadata
+        core_attn_out.index_copy_(0, rest, rest_out)
 
 
 def install() -> None:

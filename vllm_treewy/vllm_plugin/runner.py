@@ -14,12 +14,10 @@ from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 
 
 def commit_accepted_states(runner) -> None:
-    from vllm_treewy.vllm_plugin.gdn_cpu import commit_layer
-
     num_accepted = runner.num_accepted_tokens.gpu
     for layer in runner.compilation_config.static_forward_context.values():
         if isinstance(layer, ReconstructGatedDeltaNetAttention) and layer.pending_commit is not None:
-            commit_layer(layer, num_accepted)
+            layer.commit_pending(num_accepted)
 
 
 def install() -> None:
