@@ -3,11 +3,17 @@ import torch
 
 from vllm_treewy.kernels.closed_form import verify_packed
 from vllm_treewy.kernels.reference import reference_tree_recurrence
+from vllm_treewy.tree import pack_trees
 
 from .tree_cases import relative_error
 from .triton_cases import CHAIN_BATCH, DEVICE, TREE_BATCH, packed_gdn, rows, to_device
 
-from vllm_treewy.kernels.triton import PendingCommit, commit_packed_triton, verify_packed_triton  # noqa: E402
+from vllm_treewy.kernels.triton import (  # noqa: E402
+    PendingCommit,
+    ancestor_table,
+    commit_packed_triton,
+    verify_packed_triton,
+)
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -106,3 +112,15 @@ def test_pending_commit_fused_into_next_verify(state_dtype):
                                             nxt.cu_nodes.to(DEVICE), pending=pending, **step)
     assert torch.equal(state, separate)
     assert torch.equal(o_fused, o_sep) and torch.equal(u_fused, u_sep)
+
+
+def test_ancestor_table_walks_parents():
+    packed = pack_trees(TREE_BATCH)
+    table = ancestor_table(packed.parents, packed.cu_nodes, packed.max_depth)
+    for b, parents in enumerate(TREE_BATCH):
+        for i, row in enumerate(table[rows(packed, b)].tolist()):
+            expected, cur = [], i
+            for _ in range(packed.max_depth):
+                expected.append(cur)
+                cur = parents[cur] if cur >= 0 else -1
+            assert row == expected

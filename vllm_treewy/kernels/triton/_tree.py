@@ -1,58 +1,75 @@
-"""Triton helpers shared by the verify and commit kernels: tree ancestry as data, and the rebuild of one
-committed state tile from its accepted path's factors.
+"""Tree ancestry as data for the verify and commit kernels, and the rebuild of a committed state from the accepted
+path's factors.
 
-Node indices are LOCAL to their request (0 .. n-1); `parents[bos + i]` is i's parent, -1 for children of the
-committed state, parents before children (`vllm_treewy.tree`). MAX_ANC bounds the strict ancestors of a node
-(the tree's max_depth - 1). Log decays between a node and its ancestor are accumulated along the walk as sums of
-g strictly below the ancestor, never as differences of two long path sums (which would lose small decays).
+Node indices are LOCAL to their request (0 .. n-1). Trees come as an ancestor table `ancestors [N, D]` (int32,
+D = max_depth): `ancestors[bos + i, d]` is the local index of i's d-th ancestor (d = 0: i itself), -1 past the
+root. Every entry is one independent load, so no kernel waits on a chain of parent lookups. Chains need no table
+(the d-th ancestor of i is i - d). Log decays between a node and an ancestor are running sums of g strictly below
+the ancestor along the walk, never differences of two long path sums (which would lose small decays).
 """
 
+import torch
 import triton
 import triton.language as tl
 
 
+def ancestor_table(parents: torch.Tensor, cu_nodes: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """`ancestors [N, max_depth]` int32 from local `parents [N]` and `cu_nodes [B+1]`; no host sync (capturable).
+    Build it once per step: every GDN layer shares the tree."""
+    num_nodes = parents.numel()
+    node = torch.arange(num_nodes, device=parents.device)
+    cu = cu_nodes.long()
+    start = cu[torch.searchsorted(cu[1:], node, right=True)]
+    parent = parents.long()
+    global_parent = torch.where(parent >= 0, parent + start, -1)
+    table = torch.empty(num_nodes, max(1, max_depth), dtype=torch.int32, device=parents.device)
+    cur = node
+    for d in range(table.shape[1]):
+        table[:, d] = torch.where(cur >= 0, cur - start, -1)
+        cur = torch.where(cur >= 0, global_parent[cur.clamp(min=0)], -1)
+    return table
+
+
 @triton.jit
-def _step_up(parents, bos, cur, IS_CHAIN: tl.constexpr):
+def _ancestor(ancestors, bos, node, d, D: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """d-th ancestor of local `node` (-1 past the root, and for node = -1)."""
     if IS_CHAIN:
-        return tl.where(cur >= 0, cur - 1, -1)
-    return tl.load(parents + bos + cur, mask=cur >= 0, other=-1)
+        return tl.where((node >= 0) & (node - d >= 0), node - d, -1)
+    return tl.load(ancestors + (bos + node) * D + d, mask=node >= 0, other=-1)
 
 
 @triton.jit
-def ancestry(parents, g, bos, n, i_hv, HV: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr,
+def ancestry(ancestors, g, bos, n, i_hv, HV: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr,
              IS_CHAIN: tl.constexpr):
     """For the BT (padded) nodes of one request and value head: decay[i, j] = exp(c_i - c_j) for j on the
     root-to-i path (i included), 0 elsewhere; and c_i, the sum of g over i's path."""
     rows = tl.arange(0, BT)
-    cur = tl.where(rows < n, rows, -1)
+    node = tl.where(rows < n, rows, -1)
     running = tl.zeros([BT], dtype=tl.float32)
     log_decay = tl.full([BT, BT], float("-inf"), tl.float32)
-    # every node walks up at once, one level per step
-    for step in tl.static_range(MAX_ANC + 1):
+    for d in tl.static_range(MAX_ANC + 1):
+        cur = _ancestor(ancestors, bos, node, d, MAX_ANC + 1, IS_CHAIN)
         log_decay = tl.where(rows[None, :] == cur[:, None], running[:, None], log_decay)
         running += tl.load(g + (bos + cur) * HV + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
-        if step < MAX_ANC:
-            cur = _step_up(parents, bos, cur, IS_CHAIN)
     return tl.exp(log_decay), running
 
 
 @triton.jit
-def path_factors(k, u, g, parents, bos, node, i_h, i_hv, o_v,
+def path_factors(k, u, g, ancestors, bos, node, i_h, i_hv, o_v,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BP: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
-    """What the rebuild of h_node needs besides h0, for the value rows o_v: the path's key rows (offsets into k and
-    mask), exp(c_node - c_j) u_j as [BP, BV] fp32, and exp(c_node)."""
+    """What the rebuild of h_node needs besides h0, for the value rows o_v: the path's key-row offsets into k and
+    mask, exp(c_node - c_j) u_j as [BP, BV] fp32, and exp(c_node). node = -1 (nothing accepted) gives an empty
+    path and exp(c_node) = 1: the rebuild returns h0 unchanged."""
     slots = tl.arange(0, BP)
     nodes = tl.full([BP], -1, tl.int32)
     log_weight = tl.zeros([BP], dtype=tl.float32)
     running = tl.zeros([BP], dtype=tl.float32)
-    cur = node
     for d in tl.static_range(MAX_ANC + 1):
+        cur = _ancestor(ancestors, bos, node, d, MAX_ANC + 1, IS_CHAIN)
         nodes = tl.where(slots == d, cur, nodes)
         log_weight = tl.where(slots == d, running, log_weight)
         running += tl.load(g + (bos + cur) * HV + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
-        if d < MAX_ANC:
-            cur = _step_up(parents, bos, cur, IS_CHAIN)
     on_path = nodes >= 0
     weight = tl.where(on_path, tl.exp(log_weight), 0.0)
     u_path = tl.load(u + ((bos + nodes) * HV + i_hv)[:, None] * V + o_v[None, :], mask=on_path[:, None], other=0.0)

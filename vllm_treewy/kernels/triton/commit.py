@@ -13,14 +13,14 @@ import triton
 import triton.language as tl
 
 from ._tree import path_factors, rebuild_chunk
-from .verify import block_nodes, default_precision, max_ancestors
+from .verify import block_nodes, default_precision, max_ancestors, tree_ancestors
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
 def _commit_kernel(
-    state, state_indices, k, u, g, parents, cu_nodes, accepted,
+    state, state_indices, k, u, g, ancestors, cu_nodes, accepted,
     stride_slot, stride_head, stride_v, stride_layer_k, stride_layer_u, stride_layer_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
@@ -38,14 +38,15 @@ def _commit_kernel(
         state = tl.load(state + i_layer).to(tl.pointer_type(STATE_TABLE_DTYPE))
     bos = tl.load(cu_nodes + i_b)
     o_v = i_v * BV + tl.arange(0, BV)
+    k = k + i_layer * stride_layer_k
     k_rows, on_path, weighted_u, root_weight = path_factors(
-        k + i_layer * stride_layer_k, u + i_layer * stride_layer_u, g + i_layer * stride_layer_g, parents, bos, node,
-        i_h, i_hv, o_v, H, HV, K, V, BP, MAX_ANC, IS_CHAIN)
+        k, u + i_layer * stride_layer_u, g + i_layer * stride_layer_g, ancestors, bos, node, i_h, i_hv, o_v,
+        H, HV, K, V, BP, MAX_ANC, IS_CHAIN)
     p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
     for i_k in tl.static_range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         h0 = tl.load(p_state + o_k[None, :]).to(tl.float32)
-        h = rebuild_chunk(h0, k + i_layer * stride_layer_k, k_rows, on_path, weighted_u, root_weight, o_k, PRECISION)
+        h = rebuild_chunk(h0, k, k_rows, on_path, weighted_u, root_weight, o_k, PRECISION)
         tl.store(p_state + o_k[None, :], h.to(state.dtype.element_ty))
 
 
@@ -57,17 +58,18 @@ def state_pool_table(pools: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _launch(state, table_dtype, state_indices, k, u, g, parents, cu_nodes, accepted, n_layers, pool,
-            max_nodes, max_depth, chain, precision, block_v, block_k, num_warps):
+            max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps):
     H, K = k.shape[-2], k.shape[-1]
     block_k = block_k or K
     HV, V = u.shape[-2], u.shape[-1]
     assert HV % H == 0 and V % block_v == 0 and K % block_k == 0 and pool.stride(-1) == 1
     max_anc = max_ancestors(max_nodes, max_depth, chain)
+    ancestors = tree_ancestors(parents, cu_nodes, max_anc, chain, ancestors)
     layer_strides = (k.stride(0), u.stride(0), g.stride(0)) if k.dim() == 4 else (0, 0, 0)
     _commit_kernel[(V // block_v, state_indices.shape[0] * HV, n_layers)](
-        state, state_indices, k, u, g, parents, cu_nodes, accepted,
+        state, state_indices, k, u, g, ancestors, cu_nodes, accepted,
         pool.stride(0), pool.stride(1), pool.stride(2), *layer_strides,
-        H=H, HV=HV, K=K, V=V, BP=block_nodes(max_nodes if chain else max_anc + 1), BV=block_v, BK=block_k,
+        H=H, HV=HV, K=K, V=V, BP=block_nodes(max_anc + 1), BV=block_v, BK=block_k,
         MAX_ANC=max_anc, IS_CHAIN=chain, PRECISION=precision or default_precision(pool.dtype),
         STATE_TABLE_DTYPE=table_dtype, num_warps=num_warps, num_stages=1,
     )
@@ -86,6 +88,7 @@ def commit_packed_triton(
     max_nodes: int,
     max_depth: int | None = None,
     chain: bool = False,
+    ancestors: torch.Tensor | None = None,
     precision: str | None = None,
     block_v: int = 32,
     block_k: int | None = None,
@@ -93,9 +96,10 @@ def commit_packed_triton(
 ) -> None:
     """Write each request's accepted-node state into its slot of `state` [S, HV, V, K], in place.
     k [N, H, K]; u [N, HV, V] fp32 from `verify_packed_triton`; g [N, HV]; accepted [B] local node index (-1, or a
-    negative slot: leave the slot unchanged); bounds as in `verify_packed_triton`. Capturable in a CUDA graph."""
+    negative slot: leave the slot unchanged); bounds and `ancestors` as in `verify_packed_triton`. Capturable in a
+    CUDA graph."""
     _launch(state, None, state_indices, k, u, g, parents, cu_nodes, accepted, 1, state,
-            max_nodes, max_depth, chain, precision, block_v, block_k, num_warps)
+            max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps)
 
 
 def commit_layers_triton(
@@ -111,6 +115,7 @@ def commit_layers_triton(
     max_nodes: int,
     max_depth: int | None = None,
     chain: bool = False,
+    ancestors: torch.Tensor | None = None,
     precision: str | None = None,
     block_v: int = 32,
     block_k: int | None = None,
@@ -127,4 +132,4 @@ def commit_layers_triton(
         pool_like = states[0]
         table = state_pool_table(states)
     _launch(table, _TL_DTYPES[pool_like.dtype], state_indices, k, u, g, parents, cu_nodes, accepted, k.shape[0],
-            pool_like, max_nodes, max_depth, chain, precision, block_v, block_k, num_warps)
+            pool_like, max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps)

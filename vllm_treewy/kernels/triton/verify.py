@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tree import ancestry, path_factors, rebuild_chunk
+from ._tree import ancestor_table, ancestry, path_factors, rebuild_chunk
 
 SOLVES = ("neumann", "substitution")
 PRECISIONS = ("ieee", "tf32x3", "tf32")
@@ -33,12 +33,13 @@ class PendingCommit:
     max_nodes: int
     max_depth: int | None = None
     chain: bool = False
+    ancestors: torch.Tensor | None = None
 
 
 @triton.jit
 def _verify_kernel(
-    q, k, v, g, beta, state, state_indices, parents, cu_nodes, o, u,
-    p_k, p_u, p_g, p_parents, p_cu_nodes, p_accepted,
+    q, k, v, g, beta, state, state_indices, ancestors, cu_nodes, o, u,
+    p_k, p_u, p_g, p_ancestors, p_cu_nodes, p_accepted,
     stride_slot, stride_head, stride_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
@@ -58,12 +59,17 @@ def _verify_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
     qk_rows = ((bos + rows) * H + i_h) * K
-
+    # everything that does not depend on h0 is issued first, so its latency hides under the state reads
+    v_offs = ((bos + rows) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_v = tl.load(v + v_offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + (bos + rows) * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
+    decay, b_c = ancestry(ancestors, g, bos, n, i_hv, HV, BT, MAX_ANC, IS_CHAIN)
     if HAS_PENDING:
         accepted = tl.load(p_accepted + i_b)
         p_bos = tl.load(p_cu_nodes + i_b)
-        p_rows, p_on_path, p_wu, p_root = path_factors(p_k, p_u, p_g, p_parents, p_bos, accepted, i_h, i_hv, o_v,
+        p_rows, p_on_path, p_wu, p_root = path_factors(p_k, p_u, p_g, p_ancestors, p_bos, accepted, i_h, i_hv, o_v,
                                                        H, HV, K, V, P_BP, P_MAX_ANC, P_IS_CHAIN)
+        store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
 
     # h0 k_i, h0 q_i as [BT, BV] rows, k_i.k_j and q_i.k_j, accumulated over key-dim chunks (h0 read once). A
     # 16-bit state with keys of the same dtype multiplies exactly into fp32 accumulators.
@@ -75,10 +81,10 @@ def _verify_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         h0 = tl.load(p_state + o_k[None, :])
         if HAS_PENDING:
-            if accepted >= 0:
-                h0 = rebuild_chunk(h0.to(tl.float32), p_k, p_rows, p_on_path, p_wu, p_root, o_k,
-                                   PRECISION).to(state.dtype.element_ty)
-                tl.store(p_state + o_k[None, :], h0)
+            # branch-free (keeps the chunk loop one basic block); nothing accepted rebuilds h0 itself, unstored
+            h0 = rebuild_chunk(h0.to(tl.float32), p_k, p_rows, p_on_path, p_wu, p_root, o_k,
+                               PRECISION).to(state.dtype.element_ty)
+            tl.store(p_state + o_k[None, :], h0, mask=store_commit)
         b_q = tl.load(q + qk_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
         b_k = tl.load(k + qk_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
         if LOWP_DOTS:
@@ -96,12 +102,7 @@ def _verify_kernel(
             kk = tl.dot(b_k, tl.trans(b_k), kk, input_precision=PRECISION)
             qk = tl.dot(b_q, tl.trans(b_k), qk, input_precision=PRECISION)
 
-    v_offs = ((bos + rows) * HV + i_hv)[:, None] * V + o_v[None, :]
-    b_v = tl.load(v + v_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + (bos + rows) * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
-    decay, b_c = ancestry(parents, g, bos, n, i_hv, HV, BT, MAX_ANC, IS_CHAIN)
     exp_c = tl.exp(b_c)
-
     r = b_beta[:, None] * (b_v - exp_c[:, None] * hk)
     gmat = tl.where(rows[None, :] != rows[:, None], b_beta[:, None] * decay * kk, 0.0)
     pmat = decay * qk
@@ -135,6 +136,16 @@ def max_ancestors(max_nodes: int, max_depth: int | None, chain: bool) -> int:
     return max_nodes - 1 if chain or max_depth is None else max_depth - 1
 
 
+def tree_ancestors(parents, cu_nodes, max_anc: int, chain: bool, ancestors: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' ancestry argument: unused (parents) for chains, else the given or a freshly built table."""
+    if chain:
+        return parents
+    if ancestors is None:
+        return ancestor_table(parents, cu_nodes, max_anc + 1)
+    assert ancestors.shape == (parents.numel(), max_anc + 1) and ancestors.is_contiguous()
+    return ancestors
+
+
 def default_precision(state_dtype: torch.dtype) -> str:
     """ieee fp32 dots for fp32 states; tf32 (10-bit mantissa) is far below a 16-bit state's rounding."""
     return "ieee" if state_dtype == torch.float32 else "tf32"
@@ -160,6 +171,7 @@ def verify_packed_triton(
     block_k: int | None = None,
     num_warps: int = 4,
     pending: PendingCommit | None = None,
+    ancestors: torch.Tensor | None = None,
     o: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +181,8 @@ def verify_packed_triton(
     unless `pending`; state_indices [B] (negative: padding request, its rows are not written); parents [N] local
     (-1: child of the committed state); cu_nodes [B+1]. Compile-time bounds: max_nodes per request and max_depth
     (nodes on a root-to-node path, `vllm_treewy.tree`; default max_nodes); `chain=True` ignores parents.
-    No host sync and no data-dependent shapes: capturable in a CUDA graph."""
+    `ancestors`: the tree's `ancestor_table(parents, cu_nodes, max_depth)`, built here when not given (pass it to
+    share one table across layers). No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     n_nodes, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     block_k = block_k or K
@@ -181,18 +194,21 @@ def verify_packed_triton(
     u = torch.empty(v.shape, dtype=torch.float32, device=v.device) if u is None else u
     # the interpreter multiplies 16-bit floats as raw integers: upcast there
     lowp = state.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype == state.dtype and not interpreting()
+    max_anc = max_ancestors(max_nodes, max_depth, chain)
+    ancestors = tree_ancestors(parents, cu_nodes, max_anc, chain, ancestors)
     if pending is None:
-        p_args, p_bp, p_anc, p_chain = (k, u, g, parents, cu_nodes, state_indices), 16, 0, True
+        p_args, p_bp, p_anc, p_chain = (k, u, g, ancestors, cu_nodes, state_indices), 16, 0, True
     else:
         p = pending
-        p_args = (p.k, p.u, p.g, p.parents, p.cu_nodes, p.accepted)
         p_anc, p_chain = max_ancestors(p.max_nodes, p.max_depth, p.chain), p.chain
-        p_bp = block_nodes(p.max_nodes if p.chain else p_anc + 1)
+        p_args = (p.k, p.u, p.g, tree_ancestors(p.parents, p.cu_nodes, p_anc, p_chain, p.ancestors), p.cu_nodes,
+                  p.accepted)
+        p_bp = block_nodes(p_anc + 1)
     _verify_kernel[(V // block_v, HV, state_indices.shape[0])](
-        q, k, v, g, beta, state, state_indices, parents, cu_nodes, o, u, *p_args,
+        q, k, v, g, beta, state, state_indices, ancestors, cu_nodes, o, u, *p_args,
         state.stride(0), state.stride(1), state.stride(2),
         H=H, HV=HV, K=K, V=V, BT=block_nodes(max_nodes), BV=block_v, BK=block_k,
-        MAX_ANC=max_ancestors(max_nodes, max_depth, chain), IS_CHAIN=chain,
+        MAX_ANC=max_anc, IS_CHAIN=chain,
         SOLVE=solve, PRECISION=precision, LOWP_DOTS=lowp,
         HAS_PENDING=pending is not None, P_BP=p_bp, P_MAX_ANC=p_anc, P_IS_CHAIN=p_chain,
         num_warps=num_warps, num_stages=1,
