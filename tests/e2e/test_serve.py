@@ -1,0 +1,207 @@
+"""`vllm serve` with reconstruct-on-commit: the OpenAI-compatible server answers completions and chat
+completions on the fixture model and exposes vLLM's spec-decode metrics; a bad config stops it at start-up.
+
+The server is a real `vllm serve` subprocess (front end plus a separate engine core process, so the plugin is
+loaded and the config unpickled the way a deployment does it), on 127.0.0.1 only, in its own process group,
+which is always torn down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+HOST = "127.0.0.1"
+STARTUP_TIMEOUT_S = 240
+BAD_CONFIG_TIMEOUT_S = 180
+REQUEST_TIMEOUT_S = 120
+METRICS_TIMEOUT_S = 30
+LOG_TAIL_CHARS = 6000
+# Prompts whose greedy continuation on the fixture does not start with end-of-text (some do: "... Explicit is
+# better than" ends after 2 tokens with empty text), checked with the no-speculation engine.
+COMPLETION_PROMPT = "Beautiful is better than ugly."
+CHAT_MESSAGE = "Simple is better than complex."
+RECONSTRUCT_K3 = {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model: str, speculative_config: dict, port: int) -> list[str]:
+    vllm = shutil.which("vllm")
+    prefix = [vllm] if vllm else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    return prefix + [
+        "serve", model,
+        "--speculative-config", json.dumps(speculative_config),
+        "--dtype", "bfloat16",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--max-model-len", "512",
+        "--gpu-memory-utilization", "0.2",
+        "--host", HOST,
+        "--port", str(port),
+    ]  # fmt: skip
+
+
+def serve_env() -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    # The in-process engine core of the LLM-based e2e tests (set when equivalence.py is imported) is not what
+    # `vllm serve` runs: give the server its usual separate engine core process.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
+def log_tail(log_path: Path) -> str:
+    try:
+        return log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError as e:
+        return f"<no server log: {e}>"
+
+
+@contextlib.contextmanager
+def vllm_server(cmd: list[str], log_path: Path):
+    """Starts `cmd` in its own process group, logging to `log_path`; kills the whole group on exit."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=serve_env(), start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        stop_process_group(proc)
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # the group is gone
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader exited; its engine core child may still be there: give the group the same signal's chance.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        break
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def http(method: str, url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def wait_until_healthy(proc: subprocess.Popen, base_url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(
+                f"vllm serve exited with {proc.returncode} before it was healthy; log tail:\n{log_tail(log_path)}"
+            )
+        with contextlib.suppress(OSError):
+            status, _ = http("GET", f"{base_url}/health", timeout=5)
+            if status == 200:
+                return
+        time.sleep(2)
+    pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s; log tail:\n{log_tail(log_path)}")
+
+
+def metric_total(metrics_text: str, name: str) -> float | None:
+    """Sum of a Prometheus metric's samples over its labels (counters are exposed as `<name>_total`)."""
+    values = []
+    for line in metrics_text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        sample = line.split("{", 1)[0].split(" ", 1)[0]
+        if sample in (name, f"{name}_total"):
+            values.append(float(line.rsplit(" ", 1)[1]))
+    return sum(values) if values else None
+
+
+def test_serve_reconstruct_answers_and_reports_spec_decode(fixture_model, tmp_path):
+    port = free_port()
+    base_url = f"http://{HOST}:{port}"
+    log_path = tmp_path / "vllm-serve.log"
+    with vllm_server(serve_command(fixture_model, RECONSTRUCT_K3, port), log_path) as proc:
+        wait_until_healthy(proc, base_url, log_path)
+
+        def post(path: str, body: dict) -> dict:
+            status, text = http("POST", f"{base_url}{path}", body)
+            assert status == 200, f"{path}: HTTP {status}: {text[:2000]}\nserver log tail:\n{log_tail(log_path)}"
+            return json.loads(text)
+
+        completion = post(
+            "/v1/completions",
+            {"model": fixture_model, "prompt": COMPLETION_PROMPT,
+             "max_tokens": 16, "temperature": 0},
+        )  # fmt: skip
+        assert completion["choices"][0]["text"], completion
+        assert completion["usage"]["completion_tokens"] > 0, completion
+
+        chat = post(
+            "/v1/chat/completions",
+            {"model": fixture_model,
+             "messages": [{"role": "user", "content": CHAT_MESSAGE}],
+             "max_tokens": 16, "temperature": 0},
+        )  # fmt: skip
+        assert chat["choices"][0]["message"]["content"], chat
+        assert chat["usage"]["completion_tokens"] > 0, chat
+
+        # The counters are updated as the engine core's stats reach the front end: poll briefly.
+        deadline = time.monotonic() + METRICS_TIMEOUT_S
+        while True:
+            status, metrics = http("GET", f"{base_url}/metrics")
+            assert status == 200, metrics[:2000]
+            drafts = metric_total(metrics, "vllm:spec_decode_num_drafts")
+            accepted = metric_total(metrics, "vllm:spec_decode_num_accepted_tokens")
+            if (drafts or 0) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        spec_lines = "\n".join(line for line in metrics.splitlines() if "spec_decode" in line)
+        assert drafts is not None and drafts > 0, f"no speculative drafts reported:\n{spec_lines}"
+        assert accepted is not None, f"no vllm:spec_decode_num_accepted_tokens:\n{spec_lines}"
+        # The fixture's MTP head drafts the target's bigram: most drafts are accepted.
+        assert accepted > 0, f"no draft accepted:\n{spec_lines}"
+        assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"
+
+
+def test_serve_bad_config_fails_at_startup(fixture_model, tmp_path):
+    """An unknown strategy stops `vllm serve` in the front end, with one error, before an engine core starts."""
+    port = free_port()
+    log_path = tmp_path / "vllm-serve-bad.log"
+    bad = {**RECONSTRUCT_K3, "mamba_state_commit": "snapshot"}
+    with vllm_server(serve_command(fixture_model, bad, port), log_path) as proc:
+        try:
+            returncode = proc.wait(timeout=BAD_CONFIG_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"vllm serve still running {BAD_CONFIG_TIMEOUT_S} s after a bad config:\n{log_tail(log_path)}")
+    log = log_path.read_text(errors="replace")
+    assert returncode != 0, log[-LOG_TAIL_CHARS:]
+    assert log.count("Input should be 'store_all' or 'reconstruct'") == 1, log[-LOG_TAIL_CHARS:]
+    assert "mamba_state_commit" in log
+    assert "EngineCore" not in log, log[-LOG_TAIL_CHARS:]

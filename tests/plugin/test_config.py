@@ -1,0 +1,283 @@
+"""`mamba_state_commit` and `draft_tree_widths` on vLLM's SpeculativeConfig: one clear error per bad config, at
+config creation (in the front end, before any engine core or worker exists), from Python and from the
+`vllm serve` command line; valid configs build, hash, pickle and select the V1 model runner for reconstruct.
+
+Only configs are built here (no engine), so the module runs in seconds. The plugin is loaded the way vLLM loads
+it: `EngineArgs.__post_init__` calls `vllm.plugins.load_general_plugins()`, which runs our `register()` through
+the `vllm.general_plugins` entry point; `install()` is idempotent, so no test depends on another having run first.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_treewy.fixture import build_fixture
+
+K = 3
+
+
+def mtp(k: int = K, **extra) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, **extra}
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def fixture_model(tmp_path_factory) -> str:
+    return str(build_fixture(tmp_path_factory.mktemp("qwen35-tiny")))
+
+
+@pytest.fixture(scope="module")
+def no_gdn_model(fixture_model, tmp_path_factory) -> str:
+    """The fixture with every layer declared full attention: same architecture and checkpoint, no GDN layer.
+
+    Only configs are built from it (the GDN weights in the checkpoint would not load into attention layers).
+    """
+    out = tmp_path_factory.mktemp("qwen35-tiny-no-gdn") / "model"
+    shutil.copytree(fixture_model, out)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["layer_types"] = ["full_attention"] * len(config["layer_types"])
+    config_path.write_text(json.dumps(config, indent=2))
+    return str(out)
+
+
+def engine_config(model: str, speculative_config: dict | None):
+    """What `LLM(...)` and `vllm serve` both do in the front end before they start an engine core."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=model,
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        max_model_len=512,
+        speculative_config=None if speculative_config is None else dict(speculative_config),
+    ).create_engine_config()
+
+
+def cli_engine_config(model: str, speculative_config: dict):
+    """The `vllm serve MODEL --speculative-config '{...}'` path: vLLM's own server parser, then the engine config."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(
+        [
+            "--model", model,
+            "--dtype", "bfloat16",
+            "--no-enable-prefix-caching",
+            "--max-model-len", "512",
+            "--speculative-config", json.dumps(speculative_config),
+        ]
+    )
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config()
+
+
+# (id, speculative config, regex the message must match), all on the GDN fixture.
+BAD_CONFIGS = [
+    ("unknown-strategy", mtp(mamba_state_commit="snapshot"), "mamba_state_commit.*'store_all' or 'reconstruct'"),
+    ("width-zero", mtp(draft_tree_widths=[1, 0, 1]), r"draft_tree_widths must be .*positive integers.*\[1, 0, 1\]"),
+    ("width-negative", mtp(draft_tree_widths=[1, -2, 1]), r"draft_tree_widths must be .*positive integers"),
+    ("widths-empty", mtp(draft_tree_widths=[]), r"draft_tree_widths must be a non-empty list"),
+    ("width-fraction", mtp(draft_tree_widths=[1, 1.5, 1]), r"draft_tree_widths.*valid integer"),
+    ("width-string", mtp(draft_tree_widths=["two", 1, 1]), r"draft_tree_widths.*valid integer"),
+    ("widths-not-a-list", mtp(draft_tree_widths=3), r"draft_tree_widths.*valid list"),
+    ("too-few-levels", mtp(draft_tree_widths=[1, 1]), r"2 levels but num_speculative_tokens is 3"),
+    ("too-many-levels", mtp(draft_tree_widths=[1, 1, 1, 1]), r"4 levels but num_speculative_tokens is 3"),
+    ("tree-store-all", mtp(draft_tree_widths=[2, 1, 1]), r"draft trees .*not supported"),
+    ("tree-reconstruct", mtp(draft_tree_widths=[1, 1, 3], mamba_state_commit="reconstruct"),
+     r"draft trees .*not supported"),
+    ("reconstruct-ngram", {**NGRAM, "mamba_state_commit": "reconstruct"},
+     r"mamba_state_commit='reconstruct' supports method mtp, got method='ngram'"),
+]
+
+
+def assert_one_clear_error(excinfo) -> None:
+    """One exception whose message names the problem; a pydantic ValidationError must hold exactly one error."""
+    from pydantic import ValidationError
+
+    err = excinfo.value
+    if isinstance(err, ValidationError):
+        assert err.error_count() == 1, str(err)
+    else:
+        # Not wrapped by pydantic (NotImplementedError passes through __post_init__ unwrapped): still one error.
+        assert isinstance(err, NotImplementedError), repr(err)
+    # Raised while the config was built, so no engine core / worker process was ever started.
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("spec,match", [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_fails_at_config_creation(fixture_model, spec, match):
+    # (?s): pydantic puts the field name and its message on separate lines.
+    with pytest.raises((ValueError, NotImplementedError), match="(?s)" + match) as excinfo:
+        engine_config(fixture_model, spec)
+    assert_one_clear_error(excinfo)
+
+
+def test_ngram_builds_on_the_fixture(fixture_model):
+    """The reconstruct-with-ngram refusal is about reconstruct: ngram itself is fine on this model (an ngram
+    engine also generates on it; checked by hand, not here, to keep this module fast)."""
+    config = engine_config(fixture_model, NGRAM)
+    assert config.speculative_config.method == "ngram"
+    assert config.speculative_config.mamba_state_commit == "store_all"
+
+
+def test_reconstruct_without_gdn_layers_fails(no_gdn_model):
+    # The variant is a valid model config: store_all (vLLM's behaviour) still builds on it.
+    stock = engine_config(no_gdn_model, mtp())
+    assert "linear_attention" not in stock.model_config.hf_text_config.layer_types
+    assert stock.speculative_config.mamba_state_commit == "store_all"
+
+    match = r"mamba_state_commit='reconstruct' needs a model with Gated DeltaNet"
+    with pytest.raises(ValueError, match=match) as excinfo:
+        engine_config(no_gdn_model, mtp(mamba_state_commit="reconstruct"))
+    assert_one_clear_error(excinfo)
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        (mtp(mamba_state_commit="snapshot"), "mamba_state_commit"),
+        (mtp(draft_tree_widths=[1, 0, 1]), "positive integers"),
+        (mtp(draft_tree_widths=[1, 2, 1]), "draft trees"),
+        ({**NGRAM, "mamba_state_commit": "reconstruct"}, "supports method mtp"),
+    ],
+    ids=["unknown-strategy", "width-zero", "tree", "reconstruct-ngram"],
+)
+def test_bad_config_from_serve_command_line(fixture_model, spec, match):
+    """The same errors through `vllm serve`'s argument parser (whose construction must survive the new fields)."""
+    with pytest.raises((ValueError, NotImplementedError), match="(?s)" + match) as excinfo:
+        cli_engine_config(fixture_model, spec)
+    assert_one_clear_error(excinfo)
+
+
+def test_serve_command_line_builds_reconstruct(fixture_model):
+    config = cli_engine_config(fixture_model, mtp(mamba_state_commit="reconstruct", draft_tree_widths=[1, 1, 1]))
+    assert config.speculative_config.mamba_state_commit == "reconstruct"
+    assert config.speculative_config.draft_tree_widths == [1, 1, 1]
+
+
+def test_serve_argparse_kwargs_for_new_fields():
+    """`vllm serve` builds argparse kwargs for every SpeculativeConfig field (`get_kwargs`) before it parses
+    anything: the new fields' annotations must be real types there, not strings."""
+    from vllm.engine.arg_utils import get_kwargs
+
+    from vllm_treewy.vllm_plugin.config import TreewySpeculativeConfig
+
+    kwargs = get_kwargs(TreewySpeculativeConfig)
+    assert sorted(kwargs["mamba_state_commit"]["choices"]) == ["reconstruct", "store_all"]
+    assert kwargs["mamba_state_commit"]["default"] == "store_all"
+    assert kwargs["draft_tree_widths"]["default"] is None
+
+
+@pytest.mark.parametrize(
+    "spec,commit,widths",
+    [
+        (mtp(), "store_all", None),
+        (mtp(mamba_state_commit="store_all"), "store_all", None),
+        (mtp(mamba_state_commit="reconstruct"), "reconstruct", None),
+        (mtp(1, mamba_state_commit="reconstruct", draft_tree_widths=[1]), "reconstruct", [1]),
+        (mtp(4, mamba_state_commit="reconstruct", draft_tree_widths=[1, 1, 1, 1]), "reconstruct", [1, 1, 1, 1]),
+        (mtp(draft_tree_widths=[1, 1, 1]), "store_all", [1, 1, 1]),
+    ],
+    ids=["default", "store_all", "reconstruct", "reconstruct-k1-chain", "reconstruct-k4-chain", "store_all-chain"],
+)
+def test_valid_config_builds(fixture_model, spec, commit, widths):
+    from vllm_treewy.vllm_plugin.config import TreewySpeculativeConfig
+
+    config = engine_config(fixture_model, spec)
+    spec_config = config.speculative_config
+    assert isinstance(spec_config, TreewySpeculativeConfig)
+    assert spec_config.mamba_state_commit == commit
+    assert spec_config.draft_tree_widths == widths
+    assert spec_config.num_speculative_tokens == spec["num_speculative_tokens"]
+    assert spec_config.reconstructs_mamba_state == (commit == "reconstruct")
+
+
+def test_no_speculation_is_untouched(fixture_model):
+    assert engine_config(fixture_model, None).speculative_config is None
+
+
+def test_compute_hash(fixture_model):
+    store_all = engine_config(fixture_model, mtp(mamba_state_commit="store_all"))
+    reconstruct = engine_config(fixture_model, mtp(mamba_state_commit="reconstruct"))
+    reconstruct_again = engine_config(fixture_model, mtp(mamba_state_commit="reconstruct"))
+    chain = engine_config(fixture_model, mtp(draft_tree_widths=[1, 1, 1]))
+    chain_again = engine_config(fixture_model, mtp(draft_tree_widths=[1, 1, 1]))
+
+    def spec_hash(c):
+        return c.speculative_config.compute_hash()
+
+    # The strategies compute different things in the GDN layers and allocate different state: MUST differ, in the
+    # speculative config's hash and in the VllmConfig hash that keys vLLM's compile cache.
+    assert spec_hash(store_all) != spec_hash(reconstruct)
+    assert store_all.compute_hash() != reconstruct.compute_hash()
+    # A function of the values, not of the objects.
+    assert spec_hash(reconstruct) == spec_hash(reconstruct_again)
+    assert reconstruct.compute_hash() == reconstruct_again.compute_hash()
+    assert spec_hash(chain) == spec_hash(chain_again)
+    # (vLLM's own hash leaves num_speculative_tokens out: it keys the graph from inputs to hidden states.)
+    # Widths None vs [1, 1, 1]: deliberately not asserted either way. Both are the same chain and run the same
+    # code today, so equal hashes would be allowed; but the hash keys compile caches, where a spurious difference
+    # only costs a cache miss while a spurious equality would reuse the wrong graph, and once trees land the
+    # widths will change the graph. Hashing the widths as given (the plugin's choice: they differ) is the safe side.
+
+
+def test_reconstruct_falls_back_to_v1_runner(fixture_model):
+    reconstruct = engine_config(fixture_model, mtp(mamba_state_commit="reconstruct"))
+    store_all = engine_config(fixture_model, mtp(mamba_state_commit="store_all"))
+    assert any("reconstruct" in f for f in reconstruct._get_v2_model_runner_unsupported_features())
+    assert not any("reconstruct" in f for f in store_all._get_v2_model_runner_unsupported_features())
+
+
+def test_config_pickles(fixture_model):
+    from vllm_treewy.vllm_plugin.config import TreewySpeculativeConfig
+
+    config = engine_config(fixture_model, mtp(mamba_state_commit="reconstruct", draft_tree_widths=[1, 1, 1]))
+    clone = pickle.loads(pickle.dumps(config))
+    assert isinstance(clone.speculative_config, TreewySpeculativeConfig)
+    assert clone.speculative_config.mamba_state_commit == "reconstruct"
+    assert clone.speculative_config.draft_tree_widths == [1, 1, 1]
+    assert clone.speculative_config.compute_hash() == config.speculative_config.compute_hash()
+    assert clone.compute_hash() == config.compute_hash()
+
+
+UNPICKLE_IN_FRESH_PROCESS = """
+import pickle, sys
+config = pickle.loads(sys.stdin.buffer.read())
+import vllm.plugins
+spec = config.speculative_config
+print(type(spec).__module__, type(spec).__name__, spec.mamba_state_commit, spec.draft_tree_widths,
+      vllm.plugins.plugins_loaded, config.compute_hash())
+"""
+
+
+def test_config_unpickles_before_plugins_load(fixture_model, tmp_path):
+    """The engine core unpickles VllmConfig before it loads plugins: a fresh interpreter, no plugin loaded."""
+    config = engine_config(fixture_model, mtp(mamba_state_commit="reconstruct", draft_tree_widths=[1, 1, 1]))
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    result = subprocess.run(
+        [sys.executable, "-c", UNPICKLE_IN_FRESH_PROCESS],
+        input=pickle.dumps(config),
+        capture_output=True,
+        env=env,
+        cwd=Path(__file__).parent,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    last_line = result.stdout.decode().strip().splitlines()[-1].split()
+    assert last_line == [
+        "vllm_treewy.vllm_plugin.config", "TreewySpeculativeConfig", "reconstruct", "[1,", "1,", "1]",
+        "False", config.compute_hash(),
+    ]
