@@ -12,6 +12,8 @@ import dataclasses
 
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -68,8 +70,12 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     # -- verify and commit ------------------------------------------------------------------------------------
     def verify_spec_chains(self, metadata, x, a, b) -> torch.Tensor:
         num_spec = metadata.num_spec_decodes
-        # Rows of the runner's input batch, where the accepted counts land (a host sync on CUDA: eager V1 only).
-        batch_rows = metadata.spec_sequence_masks.nonzero().squeeze(1)[:num_spec]
+        # Rows of the runner's input batch, where the accepted counts land; found on the host copy of the mask.
+        masks = metadata.spec_sequence_masks_cpu
+        if masks is None or metadata.num_prefills + metadata.num_decodes == 0:
+            batch_rows = torch.arange(num_spec, device=x.device)  # speculative decodes lead the batch
+        else:
+            batch_rows = masks.nonzero().squeeze(1)[:num_spec].to(x.device, non_blocking=True)
         return reconstruct.verify_chains(
             self, self.chain_kernels, x, a, b,
             conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state(),
@@ -118,6 +124,25 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         core_attn_out.index_copy_(0, rest, rest_out)
 
 
+def _no_full_graphs_under_reconstruct(original):
+    """The verify pass hands its factors to the commit through Python objects, which a replayed FULL CUDA graph
+    would not refresh: under reconstruct the GDN builder declines FULL graphs and vLLM falls back to PIECEWISE
+    graphs (the GDN core op already runs between the pieces, eagerly)."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        if reconstructs_mamba_state(vllm_config.speculative_config):
+            return AttentionCGSupport.NEVER
+        return original(vllm_config, kv_cache_spec)
+
+    get_cudagraph_support.__func__.declines_full_graphs = True
+    return get_cudagraph_support
+
+
 def install() -> None:
+    if not getattr(GDNAttentionMetadataBuilder.get_cudagraph_support.__func__, "declines_full_graphs", False):
+        GDNAttentionMetadataBuilder.get_cudagraph_support = _no_full_graphs_under_reconstruct(
+            GDNAttentionMetadataBuilder.get_cudagraph_support
+        )
     if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not ReconstructGatedDeltaNetAttention:
         QwenGatedDeltaNetAttention.register_oot(ReconstructGatedDeltaNetAttention)
