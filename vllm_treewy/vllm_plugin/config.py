@@ -8,8 +8,7 @@ The subclass lives in an importable module because the engine core unpickles `Vl
 plugins. Invalid values fail while the config is built, in the front end, with one message.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: vLLM's CLI builds its arguments from these field types at run time.
 from typing import Literal
 
 from vllm.config.speculative import SpeculativeConfig
@@ -47,7 +46,7 @@ class TreewySpeculativeConfig(SpeculativeConfig):
         widths = self.draft_tree_widths
         if widths is None:
             return
-        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+        if not widths or any(w < 1 for w in widths):
             raise ValueError(f"draft_tree_widths must be a non-empty list of positive integers, got {widths}")
         if len(widths) != self.num_speculative_tokens:
             raise ValueError(
@@ -55,7 +54,7 @@ class TreewySpeculativeConfig(SpeculativeConfig):
                 f"{self.num_speculative_tokens}: give one width per draft level"
             )
         if any(w > 1 for w in widths):
-            raise NotImplementedError(
+            raise ValueError(
                 f"draft_tree_widths={widths}: draft trees (a width > 1) are not supported yet; "
                 "this version verifies chains only (all widths 1)"
             )
