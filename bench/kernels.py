@@ -51,23 +51,24 @@ CYCLED_STATE_BYTES = 256 << 20
 MAX_SLOT_SETS = 128
 SERIAL_NODE_STATE_LIMIT = 48 << 30  # skip per-node serial runs whose node states would not fit comfortably
 
-# Launch configurations; --tune replaces them with the fastest measured ones.
+# Launch configurations: the tuned ones of bench/results/tune_b64.log (also the wrappers' defaults); --tune
+# measures them again.
 VERIFY_CONFIG = {
-    ("chain", "bf16"): dict(block_v=32, block_k=64, num_warps=4, solve="neumann"),
-    ("chain", "fp32"): dict(block_v=32, block_k=32, num_warps=8, solve="neumann"),
-    ("tree", "bf16"): dict(block_v=16, block_k=32, num_warps=4, solve="neumann"),
-    ("tree", "fp32"): dict(block_v=16, block_k=32, num_warps=8, solve="neumann"),
+    ("chain", "bf16"): dict(block_v=128, block_k=128, num_warps=4, solve="neumann"),
+    ("chain", "fp32"): dict(block_v=64, block_k=64, num_warps=4, solve="neumann"),
+    ("tree", "bf16"): dict(block_v=64, block_k=64, num_warps=4, solve="neumann"),
+    ("tree", "fp32"): dict(block_v=32, block_k=32, num_warps=4, solve="neumann"),
     # trees past 64 nodes keep [128, 128] matrices live: more warps to hold them
-    ("large tree", "bf16"): dict(block_v=16, block_k=32, num_warps=8, solve="neumann"),
-    ("large tree", "fp32"): dict(block_v=16, block_k=32, num_warps=16, solve="neumann"),
+    ("large tree", "bf16"): dict(block_v=32, block_k=32, num_warps=8, solve="neumann"),
+    ("large tree", "fp32"): dict(block_v=32, block_k=32, num_warps=8, solve="neumann"),
 }
 FUSED_CONFIG = {  # chains: verify with the previous step's commit inside
-    "bf16": dict(block_v=32, block_k=64, num_warps=8, solve="neumann"),
-    "fp32": dict(block_v=32, block_k=32, num_warps=8, solve="neumann"),
+    "bf16": dict(block_v=64, block_k=128, num_warps=4, solve="neumann"),
+    "fp32": dict(block_v=64, block_k=64, num_warps=4, solve="neumann"),
 }
 COMMIT_CONFIG = {
-    "bf16": dict(block_v=32, block_k=64, num_warps=4),
-    "fp32": dict(block_v=32, block_k=32, num_warps=8),
+    "bf16": dict(block_v=128, block_k=64, num_warps=4),
+    "fp32": dict(block_v=64, block_k=64, num_warps=4),
 }
 
 
@@ -97,12 +98,22 @@ def graph_time_us(calls, replays=7, min_calls=48):
 
 
 def copy_bandwidth():
-    """Device-to-device copy of 1 GiB of bf16, bytes read + written per second."""
+    """Device-to-device copy of 1 GiB of bf16, bytes read + written per second: the best of a memcpy (eager and
+    in a CUDA graph) and an elementwise kernel (also graphed)."""
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    us = graph_time_us([lambda: dst.copy_(src)], min_calls=10)
+    seconds = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) * 1e-3)
+    seconds.append(graph_time_us([lambda: dst.copy_(src)], min_calls=10) * 1e-6)
+    seconds.append(graph_time_us([lambda: torch.mul(src, 1, out=dst)], min_calls=10) * 1e-6)
     del src, dst
-    return 2 * (1 << 30) / (us * 1e-6)
+    return 2 * (1 << 30) / min(seconds)
 
 
 def device_facts():
@@ -372,6 +383,14 @@ def main():
     hbm = copy_bandwidth()
     print(json.dumps(facts), f"\ncopy bandwidth {hbm / 1e12:.3f} TB/s", flush=True)
     records = []
+
+    def save():  # after every case, so a run cut short still leaves its results
+        result = dict(command=command, device=facts, copy_bandwidth_Bps=hbm, seconds=round(time.time() - started, 1),
+                      verify_config={f"{k[0]}/{k[1]}": v for k, v in VERIFY_CONFIG.items()},
+                      commit_config=COMMIT_CONFIG, fused_config=FUSED_CONFIG, records=records)
+        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{args.name}.md").write_text(markdown(records, facts, hbm, command))
+
     with torch.inference_mode():
         if args.tune:
             tune(records)
@@ -380,15 +399,12 @@ def main():
                 for tokens in args.chains:
                     measure_chain(tokens, batch, dtype_name, records, hbm)
                     torch.cuda.empty_cache()
+                    save()
                 for widths in args.trees:
                     measure_tree(tuple(int(w) for w in widths.split(",")), batch, dtype_name, records, hbm)
                     torch.cuda.empty_cache()
-    result = dict(command=command, device=facts, copy_bandwidth_Bps=hbm, seconds=round(time.time() - started, 1),
-                  verify_config={f"{k[0]}/{k[1]}": v for k, v in VERIFY_CONFIG.items()}, commit_config=COMMIT_CONFIG,
-                  fused_config=FUSED_CONFIG,
-                  records=records)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{args.name}.md").write_text(markdown(records, facts, hbm, command))
+                    save()
+    save()
     print(f"done in {time.time() - started:.0f} s -> {out}/{args.name}.json, .md")
 
 

@@ -13,8 +13,10 @@ import triton
 import triton.language as tl
 
 from ._tree import path_factors, rebuild_chunk
-from .verify import block_nodes, default_precision, max_ancestors, tree_ancestors
+from .verify import block_nodes, default_precision, launch_config, max_ancestors, tree_ancestors
 
+# (block_v, block_k, num_warps) measured fastest on the H200 (see VERIFY_CONFIGS), keyed by fp32 state
+COMMIT_CONFIGS = {False: (128, 64, 4), True: (64, 64, 4)}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -90,9 +92,9 @@ def commit_packed_triton(
     chain: bool = False,
     ancestors: torch.Tensor | None = None,
     precision: str | None = None,
-    block_v: int = 32,
+    block_v: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> None:
     """Write each request's accepted-node state into its slot of `state` [S, HV, V, K], in place.
     k [N, H, K]; u [N, HV, V] fp32 from `verify_packed_triton`; g [N, HV]; accepted [B] local node index (-1, or a
@@ -117,9 +119,9 @@ def commit_layers_triton(
     chain: bool = False,
     ancestors: torch.Tensor | None = None,
     precision: str | None = None,
-    block_v: int = 32,
+    block_v: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     pool_like: torch.Tensor | None = None,
 ) -> None:
     """Commit all L GDN layers in one launch. `states`: the L per-layer pools [S, HV, V, K] (same shape, strides,

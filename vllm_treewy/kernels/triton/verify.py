@@ -122,6 +122,21 @@ def _verify_kernel(
     tl.store(u + v_offs, b_u.to(u.dtype.element_ty), mask=valid[:, None])
 
 
+# (block_v, block_k, num_warps) measured fastest on the H200 at H=16, HV=32, K=V=128, B=64 (bench/kernels.py
+# --tune; bench/results/), keyed by (kind, fp32 state); "large": trees of more than 64 nodes.
+VERIFY_CONFIGS = {
+    ("chain", False): (128, 128, 4), ("chain", True): (64, 64, 4),
+    ("fused", False): (64, 128, 4), ("fused", True): (64, 64, 4),
+    ("tree", False): (64, 64, 4), ("tree", True): (32, 32, 4),
+    ("large", False): (32, 32, 8), ("large", True): (32, 32, 8),
+}
+
+
+def launch_config(measured, V, K, block_v, block_k, num_warps):
+    """Explicit arguments win; otherwise the measured configuration, clipped to the head dims."""
+    return (block_v or min(measured[0], V), block_k or min(measured[1], K), num_warps or measured[2])
+
+
 def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
@@ -167,9 +182,9 @@ def verify_packed_triton(
     chain: bool = False,
     solve: str = "neumann",
     precision: str | None = None,
-    block_v: int = 32,
+    block_v: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     pending: PendingCommit | None = None,
     ancestors: torch.Tensor | None = None,
     o: torch.Tensor | None = None,
@@ -182,10 +197,13 @@ def verify_packed_triton(
     (-1: child of the committed state); cu_nodes [B+1]. Compile-time bounds: max_nodes per request and max_depth
     (nodes on a root-to-node path, `vllm_treewy.tree`; default max_nodes); `chain=True` ignores parents.
     `ancestors`: the tree's `ancestor_table(parents, cu_nodes, max_depth)`, built here when not given (pass it to
-    share one table across layers). No host sync, no data-dependent shapes: capturable in a CUDA graph."""
+    share one table across layers). Launch configuration (block_v, block_k, num_warps): measured defaults.
+    No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     n_nodes, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    block_k = block_k or K
+    kind = "fused" if pending is not None and chain else "chain" if chain else "tree" if max_nodes <= 64 else "large"
+    block_v, block_k, num_warps = launch_config(VERIFY_CONFIGS[kind, state.dtype == torch.float32], V, K,
+                                                block_v, block_k, num_warps)
     assert HV % H == 0 and K == triton.next_power_of_2(K) and V % block_v == 0 and K % block_k == 0
     assert state.stride(-1) == 1 and solve in SOLVES
     precision = precision or default_precision(state.dtype)
