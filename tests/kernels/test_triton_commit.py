@@ -77,3 +77,21 @@ def test_commit_all_layers_in_one_launch():
                          pool_like=by_table[0], **bounds)
     for a, b, c in zip(expected, by_list, by_table):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_commit_with_measured_launch_defaults():
+    """No explicit block sizes: the wrapper picks its measured launch configuration (as the adapter calls it)."""
+    from vllm_treewy.kernels import commit_packed
+    from vllm_treewy.kernels.triton import commit_packed_triton
+
+    gen = torch.Generator().manual_seed(0)
+    state = torch.randn(3, 4, 16, 16, generator=gen)
+    expected = state.clone()
+    k = torch.nn.functional.normalize(torch.randn(5, 2, 16, generator=gen), dim=-1)
+    u, g = torch.randn(5, 4, 16, generator=gen), -torch.rand(5, 4, generator=gen)
+    parents = torch.tensor([-1, 0, 1, -1, 0], dtype=torch.int32)
+    cu_nodes, slots = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+    accepted = torch.tensor([1, 1], dtype=torch.int32)
+    commit_packed_triton(state, slots, k, u, g, parents, cu_nodes, accepted, max_nodes=3, chain=True)
+    commit_packed(expected, slots, k, u, g, parents, cu_nodes, accepted)
+    torch.testing.assert_close(state, expected, rtol=1e-5, atol=1e-5)

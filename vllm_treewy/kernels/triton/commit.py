@@ -62,8 +62,9 @@ def state_pool_table(pools: Sequence[torch.Tensor]) -> torch.Tensor:
 def _launch(state, table_dtype, state_indices, k, u, g, parents, cu_nodes, accepted, n_layers, pool,
             max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps):
     H, K = k.shape[-2], k.shape[-1]
-    block_k = block_k or K
     HV, V = u.shape[-2], u.shape[-1]
+    block_v, block_k, num_warps = launch_config(COMMIT_CONFIGS[pool.dtype == torch.float32], V, K,
+                                                block_v, block_k, num_warps)
     assert HV % H == 0 and V % block_v == 0 and K % block_k == 0 and pool.stride(-1) == 1
     max_anc = max_ancestors(max_nodes, max_depth, chain)
     ancestors = tree_ancestors(parents, cu_nodes, max_anc, chain, ancestors)
