@@ -85,8 +85,10 @@ def main(argv=None) -> int:
             }
             print(name, verdict.summary(), run.acceptance.accepted_per_position, run.kv_cache, flush=True)
     (out / "gpu_vllm_e2e.json").write_text(json.dumps(report, indent=2) + "\n")
-    ok = all(r["passed"] for r in report["runs"].values())
+    # vLLM's own store_all is the yardstick, reported but not required: reconstruct must pass.
+    ok = True
     for k in args.k:
+        ok &= report["runs"][f"reconstruct-k{k}"]["passed"]
         ok &= set(report["runs"][f"reconstruct-k{k}"]["kv_cache"]["gdn_blocks_per_request"]) == {1}
         ok &= set(report["runs"][f"store_all-k{k}"]["kv_cache"]["gdn_blocks_per_request"]) == {1 + k}
     print("ALL CHECKS PASSED" if ok else "CHECKS FAILED", flush=True)
