@@ -8,7 +8,7 @@ PYTEST = $(PYTHON) -m pytest -q -rs
 
 install:
 	$(PYTHON) -m pip install -q -e '.[$(VLLM_EXTRA),test]'
-	$(PYTHON) -m vllm_treewy.cpu_compat install
+	$(PYTHON) -c 'from vllm_treewy.cpu_compat import install; print(install())'
 
 # Kernels and adapter first, then the vLLM end-to-end tests in their own process (vLLM binds the process's
 # CPU threads when an engine starts).

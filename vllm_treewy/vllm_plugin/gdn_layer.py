@@ -94,11 +94,11 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         metadata = None
         if self.reconstructs_state:
+            self.pending_commit = None  # factors of an earlier pass that was never sampled (warm-up runs)
             attn_metadata = get_forward_context().attn_metadata
             metadata = attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
         if metadata is None or metadata.spec_sequence_masks is None:
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
-        self.pending_commit = None
         if metadata.num_prefills == 0 and metadata.num_decodes == 0:
             n = metadata.num_actual_tokens
             core_attn_out[:n] = self.verify_spec_chains(metadata, mixed_qkv[:n], a[:n], b[:n])
@@ -111,8 +111,8 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         rest_out = core_attn_out.new_zeros((rest.shape[0], *core_attn_out.shape[1:]))
         rest_metadata = dataclasses.replace(
             metadata, spec_sequence_masks=None, num_spec_decodes=0, num_spec_decode_tokens=0,
-            spec_sequence_masks_cpu=None, spec_token_indx=None, non_spec_token_indx=None, spec_state_indices_tensor=None,
-            spec_query_start_loc=None, num_accepted_tokens=None, num_actual_tokens=rest.shape[0],
+            spec_sequence_masks_cpu=None, spec_token_indx=None, non_spec_token_indx=None,
+            spec_state_indices_tensor=None, spec_query_start_loc=None, num_accepted_tokens=None, num_actual_tokens=rest.shape[0],
         )
         attn_metadata = get_forward_context().attn_metadata
         attn_metadata[self.prefix] = rest_metadata
