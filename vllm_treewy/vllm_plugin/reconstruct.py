@@ -1,7 +1,7 @@
 """Reconstruct-on-commit for one GDN layer: verify a batch's draft chains from the committed state, commit later.
 
 The same code serves both platforms; only the kernels differ (`TORCH_KERNELS`: the closed form, CPU;
-`TRITON_KERNELS`: the fused Triton kernels, CUDA). The verify pass reads the committed SSM state and conv
+`triton_kernels()`: the fused Triton kernels, CUDA). The verify pass reads the committed SSM state and conv
 history and writes neither; it leaves the per-node factors on the layer (`PendingCommit`). After rejection
 sampling, `commit_layer` rebuilds each request's state at its last accepted token, in place.
 """
