@@ -30,9 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_treewy.kernels.closed_form import commit_packed, path_log_decay, verify_packed
-from vllm_treewy.kernels.conv import conv_commit_packed, conv_verify_packed
-from vllm_treewy.tree import DraftTree
+from .closed_form import commit_packed, path_log_decay, verify_packed
+from .conv import conv_commit_packed, conv_verify_packed
+from ..tree import DraftTree
 
 __all__ = [
     "commit_packed",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_treewy.tree import global_parents, packed_depths
+from ..tree import global_parents, packed_depths
 
 SOLVES = ("substitution", "neumann")
 

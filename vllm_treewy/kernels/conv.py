@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_treewy.tree import global_parents, node_requests
+from ..tree import global_parents, node_requests
 
 ACTIVATIONS = (None, "silu")
 
