@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     # Qwen3.5 checkpoints keep the SSM state in fp32 (mamba_ssm_dtype); with a bf16 state every engine rounds
     # the state at different points (per token vs per commit), which shows as divergences of a few bf16 steps.
     parser.add_argument("--ssm-cache-dtype", default="float32", choices=["float32", "bfloat16"])
+    # A small value queues prompts, so prefills share batches with speculative decodes (the CUDA path's split).
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -54,6 +56,8 @@ def main(argv=None) -> int:
     max_tokens = [20 + (i * 7) % 17 for i in range(len(prompts))]
 
     engine_kwargs = {**GPU_ENGINE_KWARGS, "mamba_ssm_cache_dtype": args.ssm_cache_dtype}
+    if args.max_num_seqs is not None:
+        engine_kwargs["max_num_seqs"] = args.max_num_seqs
     runs, seconds = {}, {}
     for k in args.k:
         for strategy in ("store_all", "reconstruct"):
