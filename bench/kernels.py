@@ -40,6 +40,8 @@ from vllm_treewy.kernels.triton import (  # noqa: E402
     serial_tree_triton,
     verify_packed_triton,
 )
+from vllm_treewy.kernels.triton.commit import COMMIT_CONFIGS  # noqa: E402
+from vllm_treewy.kernels.triton.verify import VERIFY_CONFIGS  # noqa: E402
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
@@ -51,25 +53,18 @@ CYCLED_STATE_BYTES = 256 << 20
 MAX_SLOT_SETS = 128
 SERIAL_NODE_STATE_LIMIT = 48 << 30  # skip per-node serial runs whose node states would not fit comfortably
 
-# Launch configurations: the tuned ones of bench/results/tune_b64.log (also the wrappers' defaults); --tune
-# measures them again.
+# Launch configurations: the wrappers' measured defaults (bench/results/tune_b64.log); --tune measures them again.
+_LAUNCH_KEYS = ("block_v", "block_k", "num_warps")
 VERIFY_CONFIG = {
-    ("chain", "bf16"): dict(block_v=128, block_k=128, num_warps=4, solve="neumann"),
-    ("chain", "fp32"): dict(block_v=64, block_k=64, num_warps=4, solve="neumann"),
-    ("tree", "bf16"): dict(block_v=64, block_k=64, num_warps=4, solve="neumann"),
-    ("tree", "fp32"): dict(block_v=32, block_k=32, num_warps=4, solve="neumann"),
-    # trees past 64 nodes keep [128, 128] matrices live: more warps to hold them
-    ("large tree", "bf16"): dict(block_v=32, block_k=32, num_warps=8, solve="neumann"),
-    ("large tree", "fp32"): dict(block_v=32, block_k=32, num_warps=8, solve="neumann"),
+    (bench_kind, name): dict(zip(_LAUNCH_KEYS, VERIFY_CONFIGS[kind, name == "fp32"]), solve="neumann")
+    for bench_kind, kind in (("chain", "chain"), ("tree", "tree"), ("large tree", "large"))
+    for name in ("bf16", "fp32")
 }
 FUSED_CONFIG = {  # chains: verify with the previous step's commit inside
-    "bf16": dict(block_v=64, block_k=128, num_warps=4, solve="neumann"),
-    "fp32": dict(block_v=64, block_k=64, num_warps=4, solve="neumann"),
+    name: dict(zip(_LAUNCH_KEYS, VERIFY_CONFIGS["fused", name == "fp32"]), solve="neumann")
+    for name in ("bf16", "fp32")
 }
-COMMIT_CONFIG = {
-    "bf16": dict(block_v=128, block_k=64, num_warps=4),
-    "fp32": dict(block_v=64, block_k=64, num_warps=4),
-}
+COMMIT_CONFIG = {name: dict(zip(_LAUNCH_KEYS, COMMIT_CONFIGS[name == "fp32"])) for name in ("bf16", "fp32")}
 
 
 def graph_time_us(calls, replays=7, min_calls=48):
@@ -188,20 +183,29 @@ def input_bytes(case):
     return case.nodes * (per_node + HV * V * (2 + 4))  # + o (bf16), u (fp32)
 
 
+def time_ours(case, vcfg, ccfg, fcfg):
+    """Our kernels on one case: times (us), bytes moved and launch configs per op."""
+    sets, B, sb, io = range(case.sets), case.batch, case.state_bytes, input_bytes(case)
+    times = {
+        "verify": graph_time_us([case.verify(s, vcfg) for s in sets]),
+        "commit": graph_time_us([case.commit(s, ccfg) for s in sets]),
+        "verify+commit": graph_time_us([case.verify_commit(s, vcfg, ccfg) for s in sets]),
+        "verify+commit fused": graph_time_us([case.fused(s, fcfg) for s in sets]),
+    }
+    moved = {"verify": B * sb + io, "commit": 2 * B * sb, "verify+commit": 3 * B * sb + io,
+             "verify+commit fused": 2 * B * sb + io}
+    configs = {"verify": vcfg, "commit": ccfg, "verify+commit": [vcfg, ccfg], "verify+commit fused": fcfg}
+    return times, moved, configs
+
+
 def measure_chain(tokens, batch, dtype_name, records, hbm):
     dtype = STATE_DTYPES[dtype_name]
     parents = DraftTree.from_widths([1] * tokens).parents
     case = Case(parents, True, batch, dtype, store_all_tokens=tokens)
-    vcfg, ccfg = VERIFY_CONFIG[("chain", dtype_name)], COMMIT_CONFIG[dtype_name]
+    vcfg, ccfg, fcfg = VERIFY_CONFIG[("chain", dtype_name)], COMMIT_CONFIG[dtype_name], FUSED_CONFIG[dtype_name]
     sets = range(case.sets)
     sb, B = case.state_bytes, batch
-    times = {
-        "verify": graph_time_us([case.verify(s, vcfg) for s in sets]),
-        "commit": graph_time_us([case.commit(s, ccfg) for s in sets]),
-    }
-    times["verify+commit"] = graph_time_us([case.verify_commit(s, vcfg, ccfg) for s in sets])
-    fcfg = FUSED_CONFIG[dtype_name]
-    times["verify+commit fused"] = graph_time_us([case.fused(s, fcfg) for s in sets])
+    times, moved, configs = time_ours(case, vcfg, ccfg, fcfg)
     # vLLM store_all: one state written per token into its own slot; initial state read from slot [b, 0]
     cu_seqlens = torch.arange(0, (B + 1) * tokens, tokens, dtype=torch.int32, device="cuda")
     num_accepted = torch.ones(B, dtype=torch.int32, device="cuda")
@@ -225,14 +229,8 @@ def measure_chain(tokens, batch, dtype_name, records, hbm):
     times["store_all fused_recurrent"] = graph_time_us([store_all_recurrent(s) for s in sets])
     times["store_all fused_sigmoid_gating"] = graph_time_us([store_all_sigmoid(s) for s in sets])
     io = input_bytes(case)
-    moved = {
-        "verify": B * sb + io, "commit": 2 * B * sb, "verify+commit": 3 * B * sb + io,
-        "verify+commit fused": 2 * B * sb + io,
-        "store_all fused_recurrent": (1 + tokens) * B * sb + io,
-        "store_all fused_sigmoid_gating": (1 + tokens) * B * sb + io,
-    }
+    moved["store_all fused_recurrent"] = moved["store_all fused_sigmoid_gating"] = (1 + tokens) * B * sb + io
     store_all = times["store_all fused_sigmoid_gating"]
-    configs = {"verify": vcfg, "commit": ccfg, "verify+commit": [vcfg, ccfg], "verify+commit fused": fcfg}
     emit(records, "chain", f"T={tokens}", tokens, B, dtype_name, times, moved, hbm, case, store_all, None, configs)
     del case
 
@@ -242,18 +240,9 @@ def measure_tree(widths, batch, dtype_name, records, hbm):
     parents = DraftTree.from_widths(list(widths)).with_root().parents
     case = Case(parents, False, batch, dtype)
     vcfg = VERIFY_CONFIG[("large tree" if case.max_nodes > 64 else "tree", dtype_name)]
-    ccfg = COMMIT_CONFIG[dtype_name]
-    sets = range(case.sets)
-    sb, B = case.state_bytes, batch
-    times = {
-        "verify": graph_time_us([case.verify(s, vcfg) for s in sets]),
-        "commit": graph_time_us([case.commit(s, ccfg) for s in sets]),
-    }
-    times["verify+commit"] = graph_time_us([case.verify_commit(s, vcfg, ccfg) for s in sets])
-    times["verify+commit fused"] = graph_time_us([case.fused(s, vcfg) for s in sets])
+    sb = case.state_bytes
+    times, moved, configs = time_ours(case, vcfg, COMMIT_CONFIG[dtype_name], vcfg)
     io = input_bytes(case)
-    moved = {"verify": B * sb + io, "commit": 2 * B * sb, "verify+commit": 3 * B * sb + io,
-             "verify+commit fused": 2 * B * sb + io}
     if case.nodes * sb <= SERIAL_NODE_STATE_LIMIT:
         node_states = torch.empty(case.nodes, HV, V, K, dtype=dtype, device="cuda")
         times["serial per-node"] = graph_time_us([
@@ -262,8 +251,7 @@ def measure_tree(widths, batch, dtype_name, records, hbm):
             min_calls=8)
         moved["serial per-node"] = 2 * case.nodes * sb + io
         del node_states
-    configs = {"verify": vcfg, "commit": ccfg, "verify+commit": [vcfg, ccfg], "verify+commit fused": vcfg}
-    emit(records, "tree", str(list(widths)), case.nodes, B, dtype_name, times, moved, hbm, case, None,
+    emit(records, "tree", str(list(widths)), case.nodes, batch, dtype_name, times, moved, hbm, case, None,
          times.get("serial per-node"), configs)
     del case
 

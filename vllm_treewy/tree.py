@@ -147,11 +147,15 @@ def pack_trees(
     )
 
 
-def node_requests(cu_nodes: torch.Tensor) -> torch.Tensor:
-    """``[N]`` int64: the request each packed node belongs to."""
+def node_requests(cu_nodes: torch.Tensor, num_nodes: int | None = None) -> torch.Tensor:
+    """``[N]`` int64: the request each packed node belongs to.
+
+    Given ``num_nodes`` (known from the caller's shapes) there is no host sync, so it can run in a CUDA graph.
+    """
     cu_nodes = cu_nodes.long()
     num_requests = cu_nodes.numel() - 1
-    return torch.repeat_interleave(torch.arange(num_requests, device=cu_nodes.device), cu_nodes.diff())
+    requests = torch.arange(num_requests, device=cu_nodes.device)
+    return torch.repeat_interleave(requests, cu_nodes.diff(), output_size=num_nodes)
 
 
 def global_parents(parents: torch.Tensor, cu_nodes: torch.Tensor) -> torch.Tensor:
@@ -179,6 +183,4 @@ def chain_parents(cu_nodes: torch.Tensor, num_nodes: int) -> torch.Tensor:
     No host sync (the node count comes from the caller's shapes), so it can run inside a CUDA graph.
     """
     nodes = torch.arange(num_nodes, device=cu_nodes.device)
-    starts = cu_nodes.long()
-    requests = torch.searchsorted(starts[1:].contiguous(), nodes, right=True)
-    return (nodes - starts[requests] - 1).to(torch.int32)
+    return (nodes - cu_nodes.long()[node_requests(cu_nodes, num_nodes)] - 1).to(torch.int32)

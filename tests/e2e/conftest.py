@@ -5,11 +5,13 @@ with the reference engine, so all speculative runs happen first (once per sessio
 engine then generates the references and judges every run.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import pytest
+import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as cpu_gdn
 
-from tests.e2e.planted_bugs import count_mixed_batches, planted_state_commit_bug
+from tests.e2e.planted_bugs import planted_state_commit_bug
 from vllm_treewy.fixture import build_fixture, fixture_prompts
 from vllm_treewy.vllm_plugin.equivalence import (
     EquivalenceVerdict,
@@ -48,6 +50,25 @@ class E2ERuns:
 
     def verdict(self, name) -> EquivalenceVerdict:
         return self.verdicts[name]
+
+
+@contextlib.contextmanager
+def count_mixed_batches(counter: dict):
+    """Counts GDN forward calls whose batch holds both speculative decodes and prefills."""
+    original = cpu_gdn._cpu_gdn_attention_spec_aware
+
+    def counting(layer, metadata, *args, **kwargs):
+        counter["spec_batches"] = counter.get("spec_batches", 0) + (metadata.num_spec_decodes > 0)
+        counter["mixed_batches"] = counter.get("mixed_batches", 0) + (
+            metadata.num_spec_decodes > 0 and metadata.num_prefills > 0
+        )
+        return original(layer, metadata, *args, **kwargs)
+
+    cpu_gdn._cpu_gdn_attention_spec_aware = counting
+    try:
+        yield
+    finally:
+        cpu_gdn._cpu_gdn_attention_spec_aware = original
 
 
 @pytest.fixture(scope="session")

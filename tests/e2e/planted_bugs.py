@@ -36,22 +36,3 @@ def planted_state_commit_bug(kind: str):
         yield
     finally:
         cpu_gdn._spec_forward = original
-
-
-@contextlib.contextmanager
-def count_mixed_batches(counter: dict):
-    """Counts GDN forward calls whose batch holds both speculative decodes and prefills."""
-    original = cpu_gdn._cpu_gdn_attention_spec_aware
-
-    def counting(layer, metadata, *args, **kwargs):
-        counter["spec_batches"] = counter.get("spec_batches", 0) + (metadata.num_spec_decodes > 0)
-        counter["mixed_batches"] = counter.get("mixed_batches", 0) + (
-            metadata.num_spec_decodes > 0 and metadata.num_prefills > 0
-        )
-        return original(layer, metadata, *args, **kwargs)
-
-    cpu_gdn._cpu_gdn_attention_spec_aware = counting
-    try:
-        yield
-    finally:
-        cpu_gdn._cpu_gdn_attention_spec_aware = original

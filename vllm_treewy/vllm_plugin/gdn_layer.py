@@ -53,17 +53,18 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def ssm_state(self) -> torch.Tensor:
         """`[S, HV, V, K]` (vLLM's CPU kernels store `[HV, K, V]` in the same buffer: a transposed view there)."""
-        state = self.kv_cache[1]
         if current_platform.is_cpu():
-            num_slots, heads, v_dim, k_dim = state.shape
-            return state.view(num_slots, heads, k_dim, v_dim).transpose(-1, -2)
-        return state
+            from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _ssm_state_view
+
+            return _ssm_state_view(self).transpose(-1, -2)
+        return self.kv_cache[1]
 
     def conv_weight(self) -> torch.Tensor:
         """`(conv_dim, width)`; on CPU with AMX vLLM packs `conv1d.weight` in place and keeps a plain copy."""
-        weight = getattr(self.conv1d, "_cpu_unpacked_conv_weight", None)
-        if weight is not None:
-            return weight
+        if current_platform.is_cpu():
+            from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _unpacked_conv_weight
+
+            return _unpacked_conv_weight(self)
         weight = self.conv1d.weight
         return weight.view(weight.size(0), weight.size(-1))
 
