@@ -36,12 +36,17 @@ from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (  
 
 from vllm_treewy.kernels.triton import (  # noqa: E402
     PendingCommit,
+    ancestor_table,
     commit_packed_triton,
     serial_tree_triton,
     verify_packed_triton,
 )
-from vllm_treewy.kernels.triton.commit import COMMIT_CONFIGS  # noqa: E402
-from vllm_treewy.kernels.triton.verify import VERIFY_CONFIGS  # noqa: E402
+from vllm_treewy.kernels.triton.commit import COMMIT_CONFIGS, SMALL_BATCH_COMMIT_CONFIGS  # noqa: E402
+from vllm_treewy.kernels.triton.verify import (  # noqa: E402
+    SMALL_BATCH_VERIFY_CONFIGS,
+    VERIFY_CONFIGS,
+    measured_config,
+)
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
@@ -53,18 +58,22 @@ CYCLED_STATE_BYTES = 256 << 20
 MAX_SLOT_SETS = 128
 SERIAL_NODE_STATE_LIMIT = 48 << 30  # skip per-node serial runs whose node states would not fit comfortably
 
-# Launch configurations: the wrappers' measured defaults (bench/results/tune_b64.log); --tune measures them again.
-_LAUNCH_KEYS = ("block_v", "block_k", "num_warps")
-VERIFY_CONFIG = {
-    (bench_kind, name): dict(zip(_LAUNCH_KEYS, VERIFY_CONFIGS[kind, name == "fp32"]), solve="neumann")
-    for bench_kind, kind in (("chain", "chain"), ("tree", "tree"), ("large tree", "large"))
-    for name in ("bf16", "fp32")
-}
-FUSED_CONFIG = {  # chains: verify with the previous step's commit inside
-    name: dict(zip(_LAUNCH_KEYS, VERIFY_CONFIGS["fused", name == "fp32"]), solve="neumann")
-    for name in ("bf16", "fp32")
-}
-COMMIT_CONFIG = {name: dict(zip(_LAUNCH_KEYS, COMMIT_CONFIGS[name == "fp32"])) for name in ("bf16", "fp32")}
+# Launch configurations: the wrappers' measured defaults (they depend on the batch size), unless --tune measures
+# them again at B=64; tuned ones then serve every batch. Keys: (op, wrapper kind, state), op in verify/fused/commit.
+_LAUNCH_KEYS = ("block_v", "block_k", "num_warps", "max_registers")
+TUNED = {}
+
+
+def launch(op, kind, dtype_name, batch):
+    """(the overrides passed to the wrapper, the configuration it runs with) for one op of one case."""
+    if (op, kind, dtype_name) in TUNED:
+        return TUNED[op, kind, dtype_name], TUNED[op, kind, dtype_name]
+    fp32 = dtype_name == "fp32"
+    if op == "commit":
+        measured = measured_config(COMMIT_CONFIGS, SMALL_BATCH_COMMIT_CONFIGS, fp32, batch)
+    else:
+        measured = measured_config(VERIFY_CONFIGS, SMALL_BATCH_VERIFY_CONFIGS, (kind, fp32), batch)
+    return {}, dict(zip(_LAUNCH_KEYS, measured))
 
 
 def graph_time_us(calls, replays=7, min_calls=48):
@@ -153,9 +162,14 @@ class Case:
         # commit the deepest node (the whole chain accepted): the longest path
         deepest = max(range(len(parents)), key=self.tree.depth.__getitem__)
         self.accepted = torch.full((batch,), deepest, dtype=torch.int32, device="cuda")
+        # built once per step and shared by every GDN layer (`ancestor_table` asks for that): timed on its own
+        self.ancestors = None if chain else self.ancestor_table()
+
+    def ancestor_table(self):
+        return ancestor_table(self.parents, self.cu_nodes, self.max_depth)
 
     def bounds(self):
-        return dict(max_nodes=self.max_nodes, max_depth=self.max_depth, chain=self.chain)
+        return dict(max_nodes=self.max_nodes, max_depth=self.max_depth, chain=self.chain, ancestors=self.ancestors)
 
     def verify(self, s, config):
         return lambda: verify_packed_triton(
@@ -183,9 +197,12 @@ def input_bytes(case):
     return case.nodes * (per_node + HV * V * (2 + 4))  # + o (bf16), u (fp32)
 
 
-def time_ours(case, vcfg, ccfg, fcfg):
-    """Our kernels on one case: times (us), bytes moved and launch configs per op."""
+def time_ours(case, dtype_name):
+    """Our kernels on one case: times (us), bytes moved and launch configurations per op."""
     sets, B, sb, io = range(case.sets), case.batch, case.state_bytes, input_bytes(case)
+    kind = "chain" if case.chain else "tree" if case.max_nodes <= 64 else "large"
+    (vcfg, veff), (ccfg, ceff) = launch("verify", kind, dtype_name, B), launch("commit", kind, dtype_name, B)
+    fcfg, feff = launch("fused", "fused" if case.chain else kind, dtype_name, B)
     times = {
         "verify": graph_time_us([case.verify(s, vcfg) for s in sets]),
         "commit": graph_time_us([case.commit(s, ccfg) for s in sets]),
@@ -194,7 +211,7 @@ def time_ours(case, vcfg, ccfg, fcfg):
     }
     moved = {"verify": B * sb + io, "commit": 2 * B * sb, "verify+commit": 3 * B * sb + io,
              "verify+commit fused": 2 * B * sb + io}
-    configs = {"verify": vcfg, "commit": ccfg, "verify+commit": [vcfg, ccfg], "verify+commit fused": fcfg}
+    configs = {"verify": veff, "commit": ceff, "verify+commit": [veff, ceff], "verify+commit fused": feff}
     return times, moved, configs
 
 
@@ -202,10 +219,9 @@ def measure_chain(tokens, batch, dtype_name, records, hbm):
     dtype = STATE_DTYPES[dtype_name]
     parents = DraftTree.from_widths([1] * tokens).parents
     case = Case(parents, True, batch, dtype, store_all_tokens=tokens)
-    vcfg, ccfg, fcfg = VERIFY_CONFIG[("chain", dtype_name)], COMMIT_CONFIG[dtype_name], FUSED_CONFIG[dtype_name]
     sets = range(case.sets)
     sb, B = case.state_bytes, batch
-    times, moved, configs = time_ours(case, vcfg, ccfg, fcfg)
+    times, moved, configs = time_ours(case, dtype_name)
     # vLLM store_all: one state written per token into its own slot; initial state read from slot [b, 0]
     cu_seqlens = torch.arange(0, (B + 1) * tokens, tokens, dtype=torch.int32, device="cuda")
     num_accepted = torch.ones(B, dtype=torch.int32, device="cuda")
@@ -239,10 +255,11 @@ def measure_tree(widths, batch, dtype_name, records, hbm):
     dtype = STATE_DTYPES[dtype_name]
     parents = DraftTree.from_widths(list(widths)).with_root().parents
     case = Case(parents, False, batch, dtype)
-    vcfg = VERIFY_CONFIG[("large tree" if case.max_nodes > 64 else "tree", dtype_name)]
     sb = case.state_bytes
-    times, moved, configs = time_ours(case, vcfg, COMMIT_CONFIG[dtype_name], vcfg)
+    times, moved, configs = time_ours(case, dtype_name)
     io = input_bytes(case)
+    times["ancestor table (once per step, all layers)"] = graph_time_us([case.ancestor_table])
+    moved["ancestor table (once per step, all layers)"] = case.nodes * case.max_depth * 4
     if case.nodes * sb <= SERIAL_NODE_STATE_LIMIT:
         node_states = torch.empty(case.nodes, HV, V, K, dtype=dtype, device="cuda")
         times["serial per-node"] = graph_time_us([
@@ -274,25 +291,23 @@ def emit(records, kind, shape, nodes, batch, dtype_name, times, moved, hbm, case
 
 
 def tune(records):
-    """Fastest verify and commit launch configurations at B=64, chain T=4 and tree [4,2,2], by measurement."""
+    """Fastest verify, fused and commit launch configurations at B=64, chain T=4 and trees [4,2,2] / [4,4,2,2]."""
     for (kind, dtype_name), shape in (
         (("chain", "bf16"), [1] * 4), (("chain", "fp32"), [1] * 4),
         (("tree", "bf16"), [4, 2, 2]), (("tree", "fp32"), [4, 2, 2]),
-        (("large tree", "bf16"), [4, 4, 2, 2]), (("large tree", "fp32"), [4, 4, 2, 2]),
+        (("large", "bf16"), [4, 4, 2, 2]), (("large", "fp32"), [4, 4, 2, 2]),
     ):
         parents = DraftTree.from_widths(shape).parents if kind == "chain" else \
             DraftTree.from_widths(shape).with_root().parents
         case = Case(parents, kind == "chain", 64, STATE_DTYPES[dtype_name])
         sets = range(case.sets)
-        results = []
-        if kind == "large tree":
-            candidates = grid((16, 32), (32,), (8, 16))
+        if kind == "large":
+            candidates = grid((16, 32), (32,), (8, 16), (None,))
         elif kind == "tree":
-            candidates = grid((16, 32, 64), (32, 64), (4, 8))
+            candidates = grid((32, 64), (32, 64), (4, 8), (None, 128))
         else:
-            candidates = grid((32, 64, 128), (64, 128), (4, 8))
-        for config in candidates:
-            results.append((timed(lambda: [case.verify(s, config) for s in sets]), config))
+            candidates = grid((64, 128), (64, 128), (4, 8), (None, 128))
+        results = [(timed(lambda: [case.verify(s, c) for s in sets]), c) for c in candidates]
         best = min(results, key=lambda r: r[0])[1]
         config = dict(best, solve="substitution")
         results.append((timed(lambda: [case.verify(s, config) for s in sets]), config))
@@ -301,24 +316,24 @@ def tune(records):
             config = dict(best, precision="tf32x3")
             records.append(dict(tune="verify", kind=kind, state=dtype_name, config=config,
                                 us=timed(lambda: [case.verify(s, config) for s in sets])))
-        fastest_us, VERIFY_CONFIG[(kind, dtype_name)] = min(results, key=lambda r: r[0])
-        print(f"tune verify {kind} {dtype_name}: {VERIFY_CONFIG[(kind, dtype_name)]} {fastest_us:.2f} us", flush=True)
+        fastest_us, TUNED["verify", kind, dtype_name] = min(results, key=lambda r: r[0])
+        print(f"tune verify {kind} {dtype_name}: {TUNED['verify', kind, dtype_name]} {fastest_us:.2f} us", flush=True)
         if kind == "chain":
-            results = [(timed(lambda: [case.fused(s, c) for s in sets]), c) for c in grid((32, 64), (64, 128), (4, 8))]
-            records += [dict(tune="fused", kind=kind, state=dtype_name, us=us, config=c) for us, c in results]
-            fastest_us, FUSED_CONFIG[dtype_name] = min(results, key=lambda r: r[0])
-            print(f"tune fused {dtype_name}: {FUSED_CONFIG[dtype_name]} {fastest_us:.2f} us", flush=True)
-            results = [(timed(lambda: [case.commit(s, c) for s in sets]), c)
-                       for c in grid((32, 64, 128), (64, 128), (4, 8), solve=None)]
-            records += [dict(tune="commit", kind=kind, state=dtype_name, us=us, config=c) for us, c in results]
-            fastest_us, COMMIT_CONFIG[dtype_name] = min(results, key=lambda r: r[0])
-            print(f"tune commit {dtype_name}: {COMMIT_CONFIG[dtype_name]} {fastest_us:.2f} us", flush=True)
+            for op, make, candidates in (
+                ("fused", case.fused, grid((32, 64), (64, 128), (4, 8), (None, 128))),
+                ("commit", case.commit, grid((64, 128), (64, 128), (4, 8), (None, 128))),
+            ):
+                results = [(timed(lambda: [make(s, c) for s in sets]), c) for c in candidates]
+                records += [dict(tune=op, kind=kind, state=dtype_name, us=us, config=c) for us, c in results]
+                key = (op, "fused" if op == "fused" else kind, dtype_name)
+                fastest_us, TUNED[key] = min(results, key=lambda r: r[0])
+                print(f"tune {op} {dtype_name}: {TUNED[key]} {fastest_us:.2f} us", flush=True)
         del case
 
 
-def grid(block_v, block_k, num_warps, solve="neumann"):
-    extra = {} if solve is None else dict(solve=solve)
-    return [dict(block_v=bv, block_k=bk, num_warps=w, **extra) for bv in block_v for bk in block_k for w in num_warps]
+def grid(block_v, block_k, num_warps, max_registers):
+    return [dict(block_v=bv, block_k=bk, num_warps=w, max_registers=r)
+            for bv in block_v for bk in block_k for w in num_warps for r in max_registers]
 
 
 def timed(make_calls):
@@ -374,8 +389,7 @@ def main():
 
     def save():  # after every case, so a run cut short still leaves its results
         result = dict(command=command, device=facts, copy_bandwidth_Bps=hbm, seconds=round(time.time() - started, 1),
-                      verify_config={f"{k[0]}/{k[1]}": v for k, v in VERIFY_CONFIG.items()},
-                      commit_config=COMMIT_CONFIG, fused_config=FUSED_CONFIG, records=records)
+                      tuned={"/".join(k): v for k, v in TUNED.items()}, records=records)
         (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
         (out / f"{args.name}.md").write_text(markdown(records, facts, hbm, command))
 

@@ -11,6 +11,8 @@ from .triton_cases import CHAIN_BATCH, DEVICE, TREE_BATCH, packed_gdn, rows, to_
 from vllm_treewy.kernels.triton import (  # noqa: E402
     PendingCommit,
     ancestor_table,
+    ancestor_table_torch,
+    ancestor_table_triton,
     commit_packed_triton,
     verify_packed_triton,
 )
@@ -114,9 +116,10 @@ def test_pending_commit_fused_into_next_verify(state_dtype):
     assert torch.equal(o_fused, o_sep) and torch.equal(u_fused, u_sep)
 
 
-def test_ancestor_table_walks_parents():
+@pytest.mark.parametrize("build", [ancestor_table, ancestor_table_torch, ancestor_table_triton])
+def test_ancestor_table_walks_parents(build):
     packed = pack_trees(TREE_BATCH)
-    table = ancestor_table(packed.parents, packed.cu_nodes, packed.max_depth)
+    table = build(packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), packed.max_depth).cpu()
     for b, parents in enumerate(TREE_BATCH):
         for i, row in enumerate(table[rows(packed, b)].tolist()):
             expected, cur = [], i
@@ -124,3 +127,13 @@ def test_ancestor_table_walks_parents():
                 expected.append(cur)
                 cur = parents[cur] if cur >= 0 else -1
             assert row == expected
+
+
+def test_ancestor_table_kernel_matches_twin_past_one_node_block():
+    gen = torch.Generator().manual_seed(3)
+    trees = [tuple(int(torch.randint(-1, i, (), generator=gen)) for i in range(n)) for n in (130, 1, 65)]
+    packed = pack_trees(trees)
+    for depth in (1, 5):
+        expected = ancestor_table_torch(packed.parents, packed.cu_nodes, depth)
+        table = ancestor_table_triton(packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), depth).cpu()
+        assert torch.equal(table, expected)

@@ -2,7 +2,7 @@
 in place (one layer or all layers in one launch), the tree causal conv1d and its commit, and the per-node serial
 baseline. Every kernel has a torch twin in `vllm_treewy.kernels.closed_form` / `vllm_treewy.kernels.conv`."""
 
-from ._tree import ancestor_table
+from ._tree import ancestor_table, ancestor_table_torch, ancestor_table_triton
 from .commit import commit_layers_triton, commit_packed_triton, state_pool_table
 from .conv import conv_commit_triton, tree_conv_triton
 from .serial import serial_tree_triton
@@ -11,6 +11,8 @@ from .verify import PendingCommit, verify_packed_triton
 __all__ = [
     "PendingCommit",
     "ancestor_table",
+    "ancestor_table_torch",
+    "ancestor_table_triton",
     "commit_layers_triton",
     "commit_packed_triton",
     "conv_commit_triton",

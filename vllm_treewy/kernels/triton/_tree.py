@@ -15,7 +15,14 @@ import triton.language as tl
 
 def ancestor_table(parents: torch.Tensor, cu_nodes: torch.Tensor, max_depth: int) -> torch.Tensor:
     """`ancestors [N, max_depth]` int32 from local `parents [N]` and `cu_nodes [B+1]`; no host sync (capturable).
-    Build it once per step: every GDN layer shares the tree."""
+    Build it once per step: every GDN layer shares the tree. CUDA: one launch; elsewhere the torch twin."""
+    if parents.is_cuda:
+        return ancestor_table_triton(parents, cu_nodes, max_depth)
+    return ancestor_table_torch(parents, cu_nodes, max_depth)
+
+
+def ancestor_table_torch(parents: torch.Tensor, cu_nodes: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Torch twin of `ancestor_table_triton`: the walk up the parents, one step per column, for all nodes at once."""
     num_nodes = parents.numel()
     node = torch.arange(num_nodes, device=parents.device)
     cu = cu_nodes.long()
@@ -27,6 +34,27 @@ def ancestor_table(parents: torch.Tensor, cu_nodes: torch.Tensor, max_depth: int
     for d in range(table.shape[1]):
         table[:, d] = torch.where(cur >= 0, cur - start, -1)
         cur = torch.where(cur >= 0, global_parent[cur.clamp(min=0)], -1)
+    return table
+
+
+@triton.jit
+def _ancestor_table_kernel(parents, cu_nodes, table, D: tl.constexpr, BN: tl.constexpr):
+    i_b = tl.program_id(0)
+    bos = tl.load(cu_nodes + i_b)
+    n = tl.load(cu_nodes + i_b + 1) - bos
+    for first in range(0, n, BN):
+        node = first + tl.arange(0, BN)
+        live = node < n
+        cur = tl.where(live, node, -1)
+        for d in tl.static_range(D):
+            tl.store(table + (bos + node) * D + d, cur, mask=live)
+            cur = tl.load(parents + bos + cur, mask=cur >= 0, other=-1).to(tl.int32)
+
+
+def ancestor_table_triton(parents: torch.Tensor, cu_nodes: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """`ancestor_table` in one launch, one program per request (the torch twin is a dozen small launches)."""
+    table = torch.empty(parents.numel(), max(1, max_depth), dtype=torch.int32, device=parents.device)
+    _ancestor_table_kernel[(cu_nodes.numel() - 1,)](parents, cu_nodes, table, D=table.shape[1], BN=64)
     return table
 
 

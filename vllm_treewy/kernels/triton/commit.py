@@ -13,10 +13,19 @@ import triton
 import triton.language as tl
 
 from ._tree import path_factors, rebuild_chunk
-from .verify import block_nodes, default_precision, launch_config, max_ancestors, tree_ancestors
+from .verify import (
+    block_nodes,
+    default_precision,
+    launch_config,
+    max_ancestors,
+    measured_config,
+    tree_ancestors,
+)
 
-# (block_v, block_k, num_warps) measured fastest on the H200 (see VERIFY_CONFIGS), keyed by fp32 state
-COMMIT_CONFIGS = {False: (128, 64, 4), True: (64, 64, 4)}
+# (block_v, block_k, num_warps, max_registers) measured fastest on the H200 (see VERIFY_CONFIGS), keyed by fp32 state
+COMMIT_CONFIGS = {False: (128, 64, 4, 128), True: (64, 64, 4, None)}
+# narrow tiles measured faster at B=8, slower at B=16: up to their geometric midpoint (see SMALL_BATCH_VERIFY_CONFIGS)
+SMALL_BATCH_COMMIT_CONFIGS = {False: (11, (16, 128, 4, None))}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -60,11 +69,12 @@ def state_pool_table(pools: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _launch(state, table_dtype, state_indices, k, u, g, parents, cu_nodes, accepted, n_layers, pool,
-            max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps):
+            max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps, max_registers):
     H, K = k.shape[-2], k.shape[-1]
     HV, V = u.shape[-2], u.shape[-1]
-    block_v, block_k, num_warps = launch_config(COMMIT_CONFIGS[pool.dtype == torch.float32], V, K,
-                                                block_v, block_k, num_warps)
+    measured = measured_config(COMMIT_CONFIGS, SMALL_BATCH_COMMIT_CONFIGS, pool.dtype == torch.float32,
+                               state_indices.shape[0])
+    block_v, block_k, options = launch_config(measured, V, K, block_v, block_k, num_warps, max_registers)
     assert HV % H == 0 and V % block_v == 0 and K % block_k == 0 and pool.stride(-1) == 1
     max_anc = max_ancestors(max_nodes, max_depth, chain)
     ancestors = tree_ancestors(parents, cu_nodes, max_anc, chain, ancestors)
@@ -74,7 +84,7 @@ def _launch(state, table_dtype, state_indices, k, u, g, parents, cu_nodes, accep
         pool.stride(0), pool.stride(1), pool.stride(2), *layer_strides,
         H=H, HV=HV, K=K, V=V, BP=block_nodes(max_anc + 1), BV=block_v, BK=block_k,
         MAX_ANC=max_anc, IS_CHAIN=chain, PRECISION=precision or default_precision(pool.dtype),
-        STATE_TABLE_DTYPE=table_dtype, num_warps=num_warps, num_stages=1,
+        STATE_TABLE_DTYPE=table_dtype, **options,
     )
 
 
@@ -96,13 +106,14 @@ def commit_packed_triton(
     block_v: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    max_registers: int | None = None,
 ) -> None:
     """Write each request's accepted-node state into its slot of `state` [S, HV, V, K], in place.
     k [N, H, K]; u [N, HV, V] fp32 from `verify_packed_triton`; g [N, HV]; accepted [B] local node index (-1, or a
     negative slot: leave the slot unchanged); bounds and `ancestors` as in `verify_packed_triton`. Capturable in a
     CUDA graph."""
     _launch(state, None, state_indices, k, u, g, parents, cu_nodes, accepted, 1, state,
-            max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps)
+            max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps, max_registers)
 
 
 def commit_layers_triton(
@@ -123,6 +134,7 @@ def commit_layers_triton(
     block_v: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    max_registers: int | None = None,
     pool_like: torch.Tensor | None = None,
 ) -> None:
     """Commit all L GDN layers in one launch. `states`: the L per-layer pools [S, HV, V, K] (same shape, strides,
@@ -135,4 +147,4 @@ def commit_layers_triton(
         pool_like = states[0]
         table = state_pool_table(states)
     _launch(table, _TL_DTYPES[pool_like.dtype], state_indices, k, u, g, parents, cu_nodes, accepted, k.shape[0],
-            pool_like, max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps)
+            pool_like, max_nodes, max_depth, chain, ancestors, precision, block_v, block_k, num_warps, max_registers)

@@ -122,19 +122,39 @@ def _verify_kernel(
     tl.store(u + v_offs, b_u.to(u.dtype.element_ty), mask=valid[:, None])
 
 
-# (block_v, block_k, num_warps) measured fastest on the H200 at H=16, HV=32, K=V=128, B=64 (bench/kernels.py
-# --tune; bench/results/), keyed by (kind, fp32 state); "large": trees of more than 64 nodes.
+# (block_v, block_k, num_warps, max_registers) measured fastest on the H200 at H=16, HV=32, K=V=128, B=64
+# (bench/launch_sweep.py, bench/kernels.py --tune; bench/results/), keyed by (kind, fp32 state); "large": trees of
+# more than 64 nodes.
+# max_registers (ptxas .maxnreg; None: the compiler's choice) buys a fourth resident program per SM for a few spills.
 VERIFY_CONFIGS = {
-    ("chain", False): (128, 128, 4), ("chain", True): (64, 64, 4),
-    ("fused", False): (64, 128, 4), ("fused", True): (64, 64, 4),
-    ("tree", False): (64, 64, 4), ("tree", True): (32, 32, 4),
-    ("large", False): (32, 32, 8), ("large", True): (32, 32, 8),
+    ("chain", False): (128, 128, 4, 128), ("chain", True): (64, 64, 4, None),
+    ("fused", False): (64, 128, 4, 128), ("fused", True): (64, 64, 4, None),
+    ("tree", False): (64, 64, 4, 128), ("tree", True): (32, 32, 4, None),
+    ("large", False): (32, 32, 8, None), ("large", True): (32, 32, 8, None),
+}
+# Few requests leave most SMs idle with the wide tiles: narrower value tiles, as (up to this batch, configuration).
+# Narrow tiles measured faster at B=1 and slower at B=8 (bench/results/2026-11-29/sweep_small_batch.log); they
+# serve up to the geometric midpoint of the two.
+SMALL_BATCH_VERIFY_CONFIGS = {
+    ("chain", False): (2, (32, 128, 4, None)),
+    ("fused", False): (2, (32, 128, 4, None)),
 }
 
 
-def launch_config(measured, V, K, block_v, block_k, num_warps):
-    """Explicit arguments win; otherwise the measured configuration, clipped to the head dims."""
-    return (block_v or min(measured[0], V), block_k or min(measured[1], K), num_warps or measured[2])
+def measured_config(configs, small_batch_configs, key, batch: int):
+    """The launch configuration measured for `key` at this batch size (a static shape: no sync)."""
+    max_batch, config = small_batch_configs.get(key, (0, None))
+    return config if batch <= max_batch else configs[key]
+
+
+def launch_config(measured, V, K, block_v, block_k, num_warps, max_registers):
+    """Explicit arguments win; otherwise the measured configuration, clipped to the head dims. Returns the tile
+    sizes and the launch options."""
+    options = dict(num_warps=num_warps or measured[2], num_stages=1)
+    max_registers = max_registers or measured[3]
+    if max_registers and not interpreting():
+        options["maxnreg"] = max_registers
+    return block_v or min(measured[0], V), block_k or min(measured[1], K), options
 
 
 def interpreting() -> bool:
@@ -185,6 +205,7 @@ def verify_packed_triton(
     block_v: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    max_registers: int | None = None,
     pending: PendingCommit | None = None,
     ancestors: torch.Tensor | None = None,
     o: torch.Tensor | None = None,
@@ -197,13 +218,15 @@ def verify_packed_triton(
     (-1: child of the committed state); cu_nodes [B+1]. Compile-time bounds: max_nodes per request and max_depth
     (nodes on a root-to-node path, `vllm_treewy.tree`; default max_nodes); `chain=True` ignores parents.
     `ancestors`: the tree's `ancestor_table(parents, cu_nodes, max_depth)`, built here when not given (pass it to
-    share one table across layers). Launch configuration (block_v, block_k, num_warps): measured defaults.
+    share one table across layers). Launch configuration (block_v, block_k, num_warps, max_registers): measured
+    defaults for this batch size.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     n_nodes, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     kind = "fused" if pending is not None and chain else "chain" if chain else "tree" if max_nodes <= 64 else "large"
-    block_v, block_k, num_warps = launch_config(VERIFY_CONFIGS[kind, state.dtype == torch.float32], V, K,
-                                                block_v, block_k, num_warps)
+    measured = measured_config(VERIFY_CONFIGS, SMALL_BATCH_VERIFY_CONFIGS, (kind, state.dtype == torch.float32),
+                               state_indices.shape[0])
+    block_v, block_k, options = launch_config(measured, V, K, block_v, block_k, num_warps, max_registers)
     assert HV % H == 0 and K == triton.next_power_of_2(K) and V % block_v == 0 and K % block_k == 0
     assert state.stride(-1) == 1 and solve in SOLVES
     precision = precision or default_precision(state.dtype)
@@ -229,6 +252,6 @@ def verify_packed_triton(
         MAX_ANC=max_anc, IS_CHAIN=chain,
         SOLVE=solve, PRECISION=precision, LOWP_DOTS=lowp,
         HAS_PENDING=pending is not None, P_BP=p_bp, P_MAX_ANC=p_anc, P_IS_CHAIN=p_chain,
-        num_warps=num_warps, num_stages=1,
+        **options,
     )
     return o, u
