@@ -1,11 +1,13 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_treewy.kernels.closed_form import verify_packed
 from vllm_treewy.kernels.reference import reference_tree_recurrence
 from vllm_treewy.tree import pack_trees
 
-from .tree_cases import relative_error
+from .tree_cases import relative_error, trees
 from .triton_cases import CHAIN_BATCH, DEVICE, TREE_BATCH, packed_gdn, rows, to_device
 
 from vllm_treewy.kernels.triton import (  # noqa: E402
@@ -129,11 +131,11 @@ def test_ancestor_table_walks_parents(build):
             assert row == expected
 
 
-def test_ancestor_table_kernel_matches_twin_past_one_node_block():
-    gen = torch.Generator().manual_seed(3)
-    trees = [tuple(int(torch.randint(-1, i, (), generator=gen)) for i in range(n)) for n in (130, 1, 65)]
-    packed = pack_trees(trees)
-    for depth in (1, 5):
-        expected = ancestor_table_torch(packed.parents, packed.cu_nodes, depth)
-        table = ancestor_table_triton(packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), depth).cpu()
-        assert torch.equal(table, expected)
+@settings(max_examples=25, deadline=None)
+@given(batch=st.lists(trees(max_nodes=130, max_depth=12), min_size=1, max_size=4), depth=st.integers(1, 12))
+def test_ancestor_table_kernel_matches_twin(batch, depth):
+    """Random packed trees, past one 64-node block per request, depths clipped below and above the deepest path."""
+    packed = pack_trees(batch)
+    expected = ancestor_table_torch(packed.parents, packed.cu_nodes, depth)
+    table = ancestor_table_triton(packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), depth).cpu()
+    assert torch.equal(table, expected)
