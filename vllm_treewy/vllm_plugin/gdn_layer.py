@@ -21,6 +21,7 @@ from vllm.platforms import current_platform
 
 from vllm_treewy.vllm_plugin import reconstruct
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.spec_step import spec_step
 
 
 class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
@@ -70,26 +71,17 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     # -- verify and commit ------------------------------------------------------------------------------------
     def verify_spec_chains(self, metadata, x, a, b) -> torch.Tensor:
-        num_spec = metadata.num_spec_decodes
-        # Rows of the runner's input batch, where the accepted counts land; found on the host copy of the mask.
-        masks = metadata.spec_sequence_masks_cpu
-        if masks is None or metadata.num_prefills + metadata.num_decodes == 0:
-            batch_rows = torch.arange(num_spec, device=x.device)  # speculative decodes lead the batch
-        else:
-            batch_rows = masks.nonzero().squeeze(1)[:num_spec].to(x.device, non_blocking=True)
+        step = spec_step(metadata, x.device)
         return reconstruct.verify_chains(
             self, self.chain_kernels, x, a, b,
             conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state(),
-            slots=metadata.spec_state_indices_tensor[:num_spec, 0],
-            cu_nodes=metadata.spec_query_start_loc[: num_spec + 1],
-            batch_rows=batch_rows,
+            slots=step.slots, parents=step.parents, cu_nodes=step.cu_nodes, batch_rows=step.batch_rows,
             max_nodes=1 + self.num_spec,
         )
 
-    def commit_pending(self, num_accepted_tokens: torch.Tensor) -> None:
+    def commit_pending(self, accepted: torch.Tensor) -> None:
         reconstruct.commit_layer(
-            self, self.chain_kernels, num_accepted_tokens,
-            conv_history=self.conv_history(), ssm_state=self.ssm_state(),
+            self, self.chain_kernels, accepted, conv_history=self.conv_history(), ssm_state=self.ssm_state(),
         )
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
@@ -110,11 +102,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                                              b.index_select(0, spec)))
         # The prefills and plain decodes of the batch: vLLM's own path, shown a batch without speculation.
         rest_out = core_attn_out.new_zeros((rest.shape[0], *core_attn_out.shape[1:]))
-        rest_metadata = dataclasses.replace(
-            metadata, spec_sequence_masks=None, num_spec_decodes=0, num_spec_decode_tokens=0,
-            spec_sequence_masks_cpu=None, spec_token_indx=None, non_spec_token_indx=None,
-            spec_state_indices_tensor=None, spec_query_start_loc=None, num_accepted_tokens=None, num_actual_tokens=rest.shape[0],
-        )
+        rest_metadata = spec_step(metadata, mixed_qkv.device).rest_metadata
         attn_metadata = get_forward_context().attn_metadata
         attn_metadata[self.prefix] = rest_metadata
         try:

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from vllm_treewy import kernels as torch_kernels
-from vllm_treewy.tree import chain_parents
 
 L2NORM_EPS = 1e-6  # as vLLM's fused GDN kernels (use_qk_l2norm_in_kernel)
 
@@ -98,6 +97,7 @@ def verify_chains(
     conv_history: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
+    parents: torch.Tensor,
     cu_nodes: torch.Tensor,
     batch_rows: torch.Tensor,
     max_nodes: int,
@@ -105,9 +105,10 @@ def verify_chains(
     """Core attention outputs `[N, HV, V]` of the packed draft chains `x` (pre-conv qkv, `[N, conv_dim]`).
 
     conv_history `[S, conv_dim, width-1]` and ssm_state `[S, HV, V, K]` (views into vLLM's caches) are read at
-    `slots`, never written. The factors for the commit are left in `layer.pending_commit`.
+    `slots`, never written. `parents`, `cu_nodes`: the packed chains. The factors for the commit are left in
+    `layer.pending_commit`.
     """
-    parents = chain_parents(cu_nodes, x.shape[0])
+    assert parents.shape[0] == x.shape[0], "the chains' parents must cover every speculative token"
     activation = "silu" if layer.activation == "silu" else None
     conv_out = kernels.conv(x, conv_history, slots, conv_weight, layer.conv1d.bias, parents, cu_nodes, activation)
     query, key, value = (t.squeeze(0) for t in layer.rearrange_mixed_qkv(conv_out))
@@ -122,16 +123,19 @@ def verify_chains(
     return out
 
 
+def accepted_nodes(num_accepted_tokens: torch.Tensor, pending: PendingCommit) -> torch.Tensor:
+    """`[B]` local index of each speculative request's last accepted token (node `num_accepted - 1`)."""
+    return num_accepted_tokens[pending.batch_rows].to(pending.slots.dtype) - 1
+
+
 def commit_layer(
-    layer, kernels: ChainKernels, num_accepted_tokens: torch.Tensor, *, conv_history: torch.Tensor,
-    ssm_state: torch.Tensor,
+    layer, kernels: ChainKernels, accepted: torch.Tensor, *, conv_history: torch.Tensor, ssm_state: torch.Tensor,
 ) -> None:
-    """Rebuilds each speculative request's state at its last accepted token (node `num_accepted - 1`)."""
+    """Rebuilds each speculative request's state at its accepted node (`accepted_nodes`), in place."""
     pending = layer.pending_commit
     if pending is None:
         return
     layer.pending_commit = None
-    accepted = num_accepted_tokens[pending.batch_rows].to(pending.slots.dtype) - 1
     kernels.commit(ssm_state, pending.slots, pending.keys, pending.pseudo_values, pending.log_decays,
                    pending.parents, pending.cu_nodes, accepted, pending.max_nodes)
     kernels.conv_commit(conv_history, pending.slots, pending.conv_inputs, pending.parents, pending.cu_nodes, accepted)

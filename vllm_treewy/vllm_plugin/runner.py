@@ -11,13 +11,18 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
+from vllm_treewy.vllm_plugin.reconstruct import accepted_nodes
 
 
 def commit_accepted_states(runner) -> None:
     num_accepted = runner.num_accepted_tokens.gpu
+    batch_rows = accepted = None
     for layer in runner.compilation_config.static_forward_context.values():
         if isinstance(layer, ReconstructGatedDeltaNetAttention) and layer.pending_commit is not None:
-            layer.commit_pending(num_accepted)
+            if layer.pending_commit.batch_rows is not batch_rows:  # the layers of a step share their rows
+                batch_rows = layer.pending_commit.batch_rows
+                accepted = accepted_nodes(num_accepted, layer.pending_commit)
+            layer.commit_pending(accepted)
 
 
 def install() -> None:
