@@ -92,9 +92,44 @@ def test_chain_flag_equals_tree_walk():
         assert relative_error(a, b) <= 1e-6
 
 
+def commit_rounding_bound(state, slots, k, u, g, trees, accepted):
+    """Elementwise bound on how far two fp32 evaluations of the commit may differ, in fp64.
+
+    The fused and the separate commit compute the same ``h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) u_j k_j^T``
+    with different tiles and summation orders, so they agree to rounding only. With n = path length, each
+    evaluation's sum of n + 1 products carries at most (n + 2) eps of the sum of the terms' magnitudes (the
+    classic gamma_n summation bound, plus the product's rounding), and each decay factor exp(x) with x a sum of up
+    to n fp32 log decays carries (n |x| + 1) eps more. Two evaluations differ by at most twice that. A bf16 state
+    may also round the two fp32 results to neighbouring bf16 values: one bf16 step (2^-8 relative) more.
+    Slots that no commit touches get a zero bound: they must match exactly.
+    """
+    eps = torch.finfo(torch.float32).eps
+    bound = torch.zeros(state.shape, dtype=torch.float64)
+    ratio = u.shape[1] // k.shape[1]
+    start = 0
+    for parents, slot, a in zip(trees, slots.tolist(), accepted.tolist()):
+        if a >= 0 and slot >= 0:
+            path = [a]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            n = len(path)
+            log_decay = g[[start + j for j in path]].double().sum(0)  # c_a, [HV]
+            terms = (log_decay.exp() * (n * log_decay.abs() + 1))[:, None, None] * state[slot].double().abs()
+            for j in path:
+                x = g[[start + i for i in path[: path.index(j)]]].double().sum(0)  # c_a - c_j
+                factor = x.exp() * (n * x.abs() + 1)
+                keys = k[start + j].double().abs().repeat_interleave(ratio, 0)  # [HV, K]
+                terms += factor[:, None, None] * u[start + j].double().abs()[:, :, None] * keys[:, None, :]
+            bound[slot] = 2 * (n + 2) * eps * terms
+            if state.dtype == torch.bfloat16:
+                bound[slot] += 2.0**-8 * state[slot].double().abs()  # the old value's scale is not the new one's
+        start += len(parents)
+    return bound
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_pending_commit_fused_into_next_verify(state_dtype):
-    """Commit of step 1 inside step 2's verify == separate commit, then verify (state and outputs)."""
+    """Commit of step 1 inside step 2's verify == separate commit, then verify (state and outputs), to rounding."""
     prev, prev_inputs, pool, slots = packed_gdn(TREE_BATCH, seed=11)
     nxt, next_inputs, _, _ = packed_gdn(CHAIN_BATCH + [(-1,)], seed=12)
     accepted = torch.tensor([4, -1, 0, 2], dtype=torch.int32)
@@ -104,6 +139,7 @@ def test_pending_commit_fused_into_next_verify(state_dtype):
     bounds = dict(max_nodes=prev.max_nodes, max_depth=prev.max_depth)
     _, u = verify_packed_triton(pq, pk, pv, pg, pbeta, state, dev_slots, prev.parents.to(DEVICE),
                                 prev.cu_nodes.to(DEVICE), block_v=16, **bounds)
+    before = state.cpu().clone()
     separate = state.clone()
     commit_packed_triton(separate, dev_slots, pk, u, pg, prev.parents.to(DEVICE), prev.cu_nodes.to(DEVICE), dev_acc,
                          block_v=16, **bounds)
@@ -114,8 +150,15 @@ def test_pending_commit_fused_into_next_verify(state_dtype):
     pending = PendingCommit(pk, u, pg, prev.parents.to(DEVICE), prev.cu_nodes.to(DEVICE), dev_acc, **bounds)
     o_fused, u_fused = verify_packed_triton(nq, nk, nv, ng, nbeta, state, dev_slots, nxt.parents.to(DEVICE),
                                             nxt.cu_nodes.to(DEVICE), pending=pending, **step)
-    assert torch.equal(state, separate)
-    assert torch.equal(o_fused, o_sep) and torch.equal(u_fused, u_sep)
+    state, separate = state.cpu(), separate.cpu()
+    bound = commit_rounding_bound(before, slots, pk.cpu(), u.cpu(), pg.cpu(), TREE_BATCH, accepted)
+    assert bool(((state.double() - separate.double()).abs() <= bound).all())
+    assert not torch.equal(state, before), "the fused commit must have written the accepted states"
+    # The next verify is linear in h0 with coefficients of order one (normalised q, k, beta < 1): its outputs
+    # inherit the state's relative difference, ~1e-7 for fp32 and one bf16 step for a bf16 state.
+    tolerance = 1e-5 if state_dtype == torch.float32 else 2.0**-7
+    assert relative_error(o_fused.cpu(), o_sep.cpu()) <= tolerance
+    assert relative_error(u_fused.cpu(), u_sep.cpu()) <= tolerance
 
 
 @pytest.mark.parametrize("build", [ancestor_table, ancestor_table_torch, ancestor_table_triton])
