@@ -9,11 +9,14 @@ plugins. Invalid values fail while the config is built, in the front end, with o
 """
 
 # No `from __future__ import annotations`: vLLM's CLI builds its arguments from these field types at run time.
+import functools
 from typing import Literal
 
 from vllm.config.speculative import SpeculativeConfig
 from vllm.config.utils import config
 from vllm.utils.hashing import safe_hash
+
+from vllm_treewy.vllm_plugin import patch_points
 
 MambaStateCommit = Literal["store_all", "reconstruct"]
 RECONSTRUCT_METHODS = ("mtp",)
@@ -88,6 +91,7 @@ def reconstructs_mamba_state(speculative_config) -> bool:
 
 
 def _v2_unsupported_with_reconstruct(original):
+    @functools.wraps(original)
     def unsupported_features(self) -> list[str]:
         features = original(self)
         if reconstructs_mamba_state(self.speculative_config):
@@ -103,14 +107,8 @@ def install() -> None:
 
     vLLM falls back to V1 with a warning naming the feature, or refuses an explicit VLLM_USE_V2_MODEL_RUNNER=1.
     """
-    import vllm.config
-    import vllm.config.speculative
-    import vllm.engine.arg_utils
-    from vllm.config.vllm import VllmConfig
-
-    for module in (vllm.config, vllm.config.speculative, vllm.engine.arg_utils):
-        module.SpeculativeConfig = TreewySpeculativeConfig
-    if not getattr(VllmConfig._get_v2_model_runner_unsupported_features, "lists_reconstruct", False):
-        VllmConfig._get_v2_model_runner_unsupported_features = _v2_unsupported_with_reconstruct(
-            VllmConfig._get_v2_model_runner_unsupported_features
-        )
+    for point in patch_points.SPECULATIVE_CONFIG:
+        point.replace(TreewySpeculativeConfig)
+    point = patch_points.V2_UNSUPPORTED_FEATURES
+    if not getattr(point.resolve(), "lists_reconstruct", False):
+        point.replace(_v2_unsupported_with_reconstruct(point.resolve()))

@@ -9,15 +9,19 @@ which is where the commit keeps them.
 
 from __future__ import annotations
 
-import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as cpu_gdn
+import functools
+
+from vllm_treewy.vllm_plugin.patch_points import CPU_GDN_SPEC_AWARE, CPU_GDN_SPEC_FORWARD
 
 
 def _dispatching(original_spec_aware, original_spec_forward):
+    @functools.wraps(original_spec_aware)
     def spec_aware(layer, metadata, *args, **kwargs):
         if getattr(layer, "reconstructs_state", False):
             layer.pending_commit = None  # factors of an earlier pass that was never sampled (warm-up runs)
         return original_spec_aware(layer, metadata, *args, **kwargs)
 
+    @functools.wraps(original_spec_forward)
     def spec_forward(layer, metadata, mixed_qkv_spec, b_spec, a_spec, *args, **kwargs):
         if getattr(layer, "reconstructs_state", False):
             return layer.verify_spec_chains(metadata, mixed_qkv_spec, a_spec, b_spec)
@@ -28,8 +32,8 @@ def _dispatching(original_spec_aware, original_spec_forward):
 
 
 def install() -> None:
-    if getattr(cpu_gdn._spec_forward, "reconstruct_dispatch", False):
+    if getattr(CPU_GDN_SPEC_FORWARD.resolve(), "reconstruct_dispatch", False):
         return
-    cpu_gdn._cpu_gdn_attention_spec_aware, cpu_gdn._spec_forward = _dispatching(
-        cpu_gdn._cpu_gdn_attention_spec_aware, cpu_gdn._spec_forward
-    )
+    spec_aware, spec_forward = _dispatching(CPU_GDN_SPEC_AWARE.resolve(), CPU_GDN_SPEC_FORWARD.resolve())
+    CPU_GDN_SPEC_AWARE.replace(spec_aware)
+    CPU_GDN_SPEC_FORWARD.replace(spec_forward)

@@ -9,11 +9,11 @@ decode tokens of the same batch to vLLM; on CPU the same happens through `gdn_cp
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import AttentionCGSupport
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -21,6 +21,11 @@ from vllm.platforms import current_platform
 
 from vllm_treewy.vllm_plugin import reconstruct
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.patch_points import (
+    CPU_SSM_STATE_VIEW,
+    CPU_UNPACKED_CONV_WEIGHT,
+    GDN_CUDAGRAPH_SUPPORT,
+)
 from vllm_treewy.vllm_plugin.spec_step import spec_step
 
 
@@ -55,17 +60,13 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def ssm_state(self) -> torch.Tensor:
         """`[S, HV, V, K]` (vLLM's CPU kernels store `[HV, K, V]` in the same buffer: a transposed view there)."""
         if current_platform.is_cpu():
-            from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _ssm_state_view
-
-            return _ssm_state_view(self).transpose(-1, -2)
+            return CPU_SSM_STATE_VIEW.resolve()(self).transpose(-1, -2)
         return self.kv_cache[1]
 
     def conv_weight(self) -> torch.Tensor:
         """`(conv_dim, width)`; on CPU with AMX vLLM packs `conv1d.weight` in place and keeps a plain copy."""
         if current_platform.is_cpu():
-            from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _unpacked_conv_weight
-
-            return _unpacked_conv_weight(self)
+            return CPU_UNPACKED_CONV_WEIGHT.resolve()(self)
         weight = self.conv1d.weight
         return weight.view(weight.size(0), weight.size(-1))
 
@@ -119,6 +120,7 @@ def _no_full_graphs_under_reconstruct(original):
     graphs (the GDN core op already runs between the pieces, eagerly)."""
 
     @classmethod
+    @functools.wraps(original)
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
         if reconstructs_mamba_state(vllm_config.speculative_config):
             return AttentionCGSupport.NEVER
@@ -129,9 +131,7 @@ def _no_full_graphs_under_reconstruct(original):
 
 
 def install() -> None:
-    if not getattr(GDNAttentionMetadataBuilder.get_cudagraph_support.__func__, "declines_full_graphs", False):
-        GDNAttentionMetadataBuilder.get_cudagraph_support = _no_full_graphs_under_reconstruct(
-            GDNAttentionMetadataBuilder.get_cudagraph_support
-        )
+    if not getattr(GDN_CUDAGRAPH_SUPPORT.resolve().__func__, "declines_full_graphs", False):
+        GDN_CUDAGRAPH_SUPPORT.replace(_no_full_graphs_under_reconstruct(GDN_CUDAGRAPH_SUPPORT.resolve()))
     if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not ReconstructGatedDeltaNetAttention:
         QwenGatedDeltaNetAttention.register_oot(ReconstructGatedDeltaNetAttention)

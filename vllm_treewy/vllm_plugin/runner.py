@@ -8,9 +8,10 @@ a prefill, and no factors outlive the step.
 
 from __future__ import annotations
 
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+import functools
 
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
+from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 from vllm_treewy.vllm_plugin.reconstruct import accepted_nodes
 
 
@@ -26,13 +27,14 @@ def commit_accepted_states(runner) -> None:
 
 
 def install() -> None:
-    original = GPUModelRunner._update_states_after_model_execute
+    original = RUNNER_AFTER_SAMPLING.resolve()
     if getattr(original, "commits_reconstructed_states", False):
         return
 
+    @functools.wraps(original)
     def update_states_after_model_execute(self, output_token_ids, scheduler_output):
         original(self, output_token_ids, scheduler_output)
         commit_accepted_states(self)
 
     update_states_after_model_execute.commits_reconstructed_states = True
-    GPUModelRunner._update_states_after_model_execute = update_states_after_model_execute
+    RUNNER_AFTER_SAMPLING.replace(update_states_after_model_execute)

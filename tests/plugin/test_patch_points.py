@@ -1,0 +1,39 @@
+"""vLLM 0.32 still has every internal the adapter reaches into, with the parameters the adapter relies on.
+
+Runs after the plugin's `register()` too: the check looks through our wrappers (`__wrapped__`) at vLLM's own code.
+"""
+
+import dataclasses
+
+import pytest
+
+from vllm_treewy.vllm_plugin import patch_points, register
+from vllm_treewy.vllm_plugin.patch_points import PATCH_POINTS, PatchPoint
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["before register", "after register"])
+@pytest.mark.parametrize("point", PATCH_POINTS, ids=str)
+def test_vllm_still_has_the_patch_point(point, installed):
+    if installed:
+        register()
+    point.check()
+
+
+def test_a_moved_or_resigned_point_fails_the_check():
+    point = patch_points.RUNNER_AFTER_SAMPLING
+    with pytest.raises(AttributeError):
+        dataclasses.replace(point, attribute="GPUModelRunner._no_such_method").check()
+    with pytest.raises(TypeError, match="expected parameters"):
+        dataclasses.replace(point, parameters=("self", "sampled_token_ids", "scheduler_output")).check()
+    with pytest.raises(ModuleNotFoundError):
+        PatchPoint("vllm.v1.worker.no_such_module", "X", "wraps", "").check()
+
+
+def test_register_replaces_every_wrapped_point_and_is_idempotent():
+    register()
+    first = {str(p): p.resolve() for p in PATCH_POINTS}
+    register()
+    assert {str(p): p.resolve() for p in PATCH_POINTS} == first
+    for point in PATCH_POINTS:
+        if point.how == "wraps":
+            assert point.original() is not getattr(point.resolve(), "__func__", point.resolve()), point
