@@ -13,6 +13,7 @@ import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as cpu_gdn
 
 from tests.e2e.planted_bugs import planted_state_commit_bug
 from vllm_treewy.fixture import build_fixture, fixture_prompts
+from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.vllm_plugin.equivalence import (
     EquivalenceVerdict,
     GenerationRun,
@@ -108,12 +109,13 @@ def e2e(fixture_model, workloads) -> E2ERuns:
                 with planted_state_commit_bug(bug):
                     results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
 
+    exact = ExactModel(fixture_model)
     with engine(fixture_model, logprobs_mode="raw_logits", max_num_seqs=MAX_NUM_SEQS) as reference:
         for workload, (prompts, max_tokens) in workloads.items():
             results.reference[workload] = generate_greedy(reference, prompts, max_tokens)
         for name, workload, _, _ in plan:
             prompts, _ = workloads[workload]
             results.verdicts[name] = compare_tie_aware(
-                reference, prompts, results.reference[workload], results.runs[name].outputs
+                reference, prompts, results.reference[workload], results.runs[name].outputs, exact.next_token_logits
             )
     return results

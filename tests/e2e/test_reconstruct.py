@@ -26,9 +26,10 @@ def test_reconstruct_acceptance_matches_store_all(e2e, k):
         assert reconstruct.acceptance.accepted_per_position == store_all.acceptance.accepted_per_position
         assert reconstruct.acceptance.num_drafts == store_all.acceptance.num_drafts
         return
-    # Outputs split: every split prompt must sit at a bf16 tie of the reference in one of the two runs.
-    ties = {d.prompt_index for name in (f"reconstruct-k{k}", f"store_all-k{k}") for d in e2e.verdict(name).ties}
-    assert set(differing) <= ties, f"prompts {differing} split beyond a bf16 tie"
+    # Outputs split: every split prompt must sit at an excused divergence (a bf16 tie of the reference, or where
+    # the exact model sides with the speculative run) in one of the two runs.
+    excused = {d.prompt_index for name in (f"reconstruct-k{k}", f"store_all-k{k}") for d in e2e.verdict(name).excused}
+    assert set(differing) <= excused, f"prompts {differing} split beyond a bf16 tie"
 
 
 def test_reconstruct_survives_preemption(e2e):

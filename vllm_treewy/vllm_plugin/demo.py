@@ -13,6 +13,7 @@ import tempfile
 import time
 
 from vllm_treewy.fixture import build_fixture, fixture_prompts
+from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.vllm_plugin.equivalence import (
     GenerationRun,
     compare_tie_aware,
@@ -80,7 +81,10 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         reference = generate_greedy(reference_llm, prompts, max_tokens)
         reference_tps = sum(map(len, reference)) / (time.perf_counter() - start)
-        verdicts = {s: compare_tie_aware(reference_llm, prompts, reference, runs[s][0].outputs) for s in STRATEGIES}
+        exact = ExactModel(model).next_token_logits
+        verdicts = {
+            s: compare_tie_aware(reference_llm, prompts, reference, runs[s][0].outputs, exact) for s in STRATEGIES
+        }
 
     print(f"\nfixture model: {model}")
     print(FIXTURE_NOTE)

@@ -4,7 +4,12 @@ Greedy bf16 outputs can legitimately differ where the reference's top two logits
 each other (different kernels round differently). So each prompt is compared up to its first differing token;
 that divergence is a failure only if the reference, re-scored with `prompt_logprobs` in `raw_logits` mode,
 separates its own token from the speculative engine's token (or, if that token is not in its top two, from its
-second choice) by more than one bf16 step of the top logit.
+second choice) by more than one bf16 step of the top logit, and, where an exact (fp64) evaluation of the model is
+at hand, only if that exact model also prefers the reference's token by more than one bf16 step: the bf16
+reference is itself rounded, and where it is the one that strays from the model, the speculative engine is right.
+Measured on the fixture (a CPU without AVX-512-BF16, 2026-11-30): the no-speculation engine chose token 284 over 46
+by 0.0625 (two bf16 steps) at prompt 7, token 14, where the fp64 model prefers 46 by 0.0946 and transformers' own
+bf16 evaluation has the two exactly tied; reconstruct chose 46.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import gc
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
 
 # In-process engine core: starts in seconds, and tests can patch vLLM internals it runs.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -128,10 +136,16 @@ class Divergence:
     candidate_token: int
     logit_gap: float
     bf16_step: float
+    exact_gap: float | None = None  # the same gap in the exact (fp64) model, where one was at hand
 
     @property
     def is_tie(self) -> bool:
         return self.logit_gap <= self.bf16_step
+
+    @property
+    def is_failure(self) -> bool:
+        reference_strayed = self.exact_gap is not None and self.exact_gap <= self.bf16_step
+        return not self.is_tie and not reference_strayed
 
 
 @dataclass
@@ -146,7 +160,12 @@ class EquivalenceVerdict:
 
     @property
     def failures(self) -> list[Divergence]:
-        return [d for d in self.divergences if not d.is_tie]
+        return [d for d in self.divergences if d.is_failure]
+
+    @property
+    def excused(self) -> list[Divergence]:
+        """Divergences at a bf16 tie or where the exact model sides with the candidate."""
+        return [d for d in self.divergences if not d.is_failure]
 
     @property
     def passed(self) -> bool:
@@ -156,12 +175,14 @@ class EquivalenceVerdict:
         exact = self.num_prompts - len(self.divergences)
         text = (
             f"{'PASS' if self.passed else 'FAIL'}: {exact}/{self.num_prompts} prompts identical, "
-            f"{len(self.ties)} diverge at a bf16 tie, {len(self.failures)} diverge beyond one bf16 step"
+            f"{len(self.ties)} diverge at a bf16 tie, {len(self.excused) - len(self.ties)} where the exact model "
+            f"sides with the candidate, {len(self.failures)} diverge beyond one bf16 step"
         )
         for d in self.failures[:5]:
             text += (
                 f"\n  prompt {d.prompt_index} token {d.position}: reference {d.reference_token}, "
                 f"got {d.candidate_token}, logit gap {d.logit_gap:.4g} > bf16 step {d.bf16_step:.3g}"
+                + ("" if d.exact_gap is None else f" (exact model: {d.exact_gap:.4g})")
             )
         return text
 
@@ -171,8 +192,12 @@ def compare_tie_aware(
     prompt_ids: list[list[int]],
     reference_outputs: list[list[int]],
     candidate_outputs: list[list[int]],
+    exact_logits: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> EquivalenceVerdict:
-    """Compares candidate against reference outputs; `reference_llm` must run with logprobs_mode="raw_logits"."""
+    """Compares candidate against reference outputs; `reference_llm` must run with logprobs_mode="raw_logits".
+
+    `exact_logits(token_ids)`: the exact model's next-token logits, consulted where a divergence exceeds a tie.
+    """
     assert reference_llm.llm_engine.model_config.logprobs_mode == "raw_logits", "re-scoring needs raw logits"
     verdict = EquivalenceVerdict(len(prompt_ids), sum(map(len, reference_outputs)))
     first_diffs = {}
@@ -198,9 +223,11 @@ def compare_tie_aware(
         ranked = sorted(logits.items(), key=lambda kv: kv[1].logprob, reverse=True)
         top = ranked[0][1].logprob
         rival = logits[cand_token].logprob if cand_token in logits else ranked[1][1].logprob
-        verdict.divergences.append(
-            Divergence(i, pos, ref_token, cand_token, logits[ref_token].logprob - rival, bf16_step(top))
-        )
+        divergence = Divergence(i, pos, ref_token, cand_token, logits[ref_token].logprob - rival, bf16_step(top))
+        if not divergence.is_tie and exact_logits is not None:
+            exact = exact_logits(prompt_ids[i] + reference_outputs[i][:pos])
+            divergence.exact_gap = float(exact[ref_token] - exact[cand_token])
+        verdict.divergences.append(divergence)
     return verdict
 
 
