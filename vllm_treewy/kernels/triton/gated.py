@@ -76,9 +76,14 @@ class GatedPending:
 
 @triton.jit
 def _log_decay(a_raw, dt_bias, neg_exp_a_log):
-    """g = -exp(A_log) * softplus(a + dt_bias), softplus with vLLM's threshold of 20."""
+    """g = -exp(A_log) * softplus(a + dt_bias), softplus with vLLM's threshold of 20. log(1 + e) via Kahan's
+    log1p (log(u) * e / (u - 1), u = 1 + e rounded): accurate to a few ulps also where e = exp(x) is tiny, where
+    the plain log(1 + e) loses all relative precision (g -> 0)."""
     x = a_raw + dt_bias
-    return neg_exp_a_log * tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+    e = tl.exp(x)
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return neg_exp_a_log * tl.where(x <= 20.0, log1p, x)
 
 
 @triton.jit
@@ -254,8 +259,8 @@ def _gated_step_kernel(
                  mask=valid[:, None])
 
 
-# (block_k, num_warps, prefetch) per fp32 state: one 16-byte vector per value row and thread, one value row per thread
-GATED_CONFIGS = {False: (8, 4, 4), True: (4, 4, 4)}
+# (block_k, num_warps, prefetch, max_registers) per fp32 state: one 16-byte vector per value row and thread, one value row per thread
+GATED_CONFIGS = {False: (8, 4, 4, None), True: (4, 4, 4, None)}
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -264,7 +269,7 @@ def _nodes_block(max_nodes: int) -> int:
 
 def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
             *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation, pending, ancestors, out,
-            factors, do_verify, block_k, num_warps, prefetch):
+            factors, do_verify, block_k, num_warps, prefetch, max_registers):
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
@@ -273,6 +278,9 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
     block_k = min(block_k or GATED_CONFIGS[fp32][0], K)
     options = dict(num_warps=num_warps or GATED_CONFIGS[fp32][1], num_stages=1)
     prefetch = prefetch or GATED_CONFIGS[fp32][2]
+    max_registers = max_registers or GATED_CONFIGS[fp32][3]
+    if max_registers and not interpreting():
+        options["maxnreg"] = max_registers
     batch = state_indices.shape[0]
     if do_verify:
         n_nodes = mixed_qkv.shape[0]
@@ -345,6 +353,7 @@ def gdn_step_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     prefetch: int | None = None,
+    max_registers: int | None = None,
 ) -> tuple[torch.Tensor, GatedFactors]:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node,
     and the factors its commit needs. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -361,7 +370,7 @@ def gdn_step_triton(
                    cu_nodes, num_key_heads=num_key_heads, max_nodes=max_nodes, max_depth=max_depth, chain=chain,
                    scale=scale, norm_eps=norm_eps, activation=activation, pending=pending, ancestors=ancestors,
                    out=out, factors=factors, do_verify=True, block_k=block_k, num_warps=num_warps,
-                   prefetch=prefetch)
+                   prefetch=prefetch, max_registers=max_registers)
 
 
 def gdn_commit_triton(
@@ -373,10 +382,11 @@ def gdn_commit_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     prefetch: int | None = None,
+    max_registers: int | None = None,
 ) -> None:
     """Rebuild each request's accepted node's state in its slot, in place, from `gdn_step_triton`'s factors
     (the commit alone, for when no next verify follows to carry it)."""
     _launch(None, None, None, None, None, None, None, state, state_indices, None, None,
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
             activation="silu", pending=pending, ancestors=None, out=None, factors=None, do_verify=False,
-            block_k=block_k, num_warps=num_warps, prefetch=prefetch)
+            block_k=block_k, num_warps=num_warps, prefetch=prefetch, max_registers=max_registers)
