@@ -50,6 +50,23 @@ def compiled_op():
     return getattr(torch.ops._C, "fused_gdn_decode_post_conv_mtp", None)
 
 
+def probe_compiled(op):
+    """The compiled kernel's dtype for dt_bias (vLLM's parameter is created in the model dtype, bf16): try bf16,
+    then fp32; None if neither runs."""
+    for dtype in (torch.bfloat16, torch.float32):
+        try:
+            Step.DT_BIAS_DTYPE = dtype
+            step = Step(2, 2, torch.float32, sets=1)
+            step.compiled(op, 0)()
+            torch.cuda.synchronize()
+            print(f"compiled op runs with dt_bias {dtype}", flush=True)
+            return op
+        except Exception as error:  # noqa: BLE001
+            print(f"compiled op with dt_bias {dtype}: {repr(error)[:300]}", flush=True)
+    Step.DT_BIAS_DTYPE = torch.bfloat16
+    return None
+
+
 def fallback_op():
     try:
         from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
@@ -65,6 +82,8 @@ class Step:
     """One (T, B, state dtype): raw post-conv inputs, a cycled state pool (1 + T slots per request for store_all),
     our factor buffers and the pending commit of the previous step (the whole chain accepted: longest path)."""
 
+    DT_BIAS_DTYPE = torch.bfloat16
+
     def __init__(self, tokens, batch, state_dtype, seed=0, sets=None):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.T, self.B, self.dtype = tokens, batch, state_dtype
@@ -78,7 +97,7 @@ class Step:
         self.a = torch.randn(n, HV, device="cuda", generator=gen).bfloat16()
         self.b = torch.randn(n, HV, device="cuda", generator=gen).bfloat16()
         self.A_log = torch.randn(HV, device="cuda", generator=gen) * 0.5
-        self.dt_bias = torch.randn(HV, device="cuda", generator=gen).bfloat16()
+        self.dt_bias = torch.randn(HV, device="cuda", generator=gen).to(self.DT_BIAS_DTYPE)
         self.z = torch.randn(n, HV, V, device="cuda", generator=gen).bfloat16()
         self.norm_weight = (1 + 0.1 * torch.randn(V, device="cuda", generator=gen)).bfloat16()
         per_request = 1 + tokens
@@ -226,6 +245,8 @@ def main():
     facts = device_facts()
     hbm = copy_bandwidth()
     op, fb = compiled_op(), fallback_op()
+    if op is not None:
+        op = probe_compiled(op)
     print(json.dumps(facts), f"\ncopy bandwidth {hbm / 1e12:.3f} TB/s; compiled op {op is not None}", flush=True)
     records, tuned = [], {}
 
