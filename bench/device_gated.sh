@@ -14,6 +14,6 @@ fi
 if [ -n "$NCU" ]; then
   timeout 90 ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-    --section WarpStateStats python3 bench/profile_gated.py $NCU > $OUT/ncu.txt 2>&1
+    --section WarpStateStats --section ComputeWorkloadAnalysis python3 bench/profile_gated.py $NCU > $OUT/ncu.txt 2>&1
   grep -E "Registers|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Memory Throughput|Duration|Warp Cycles Per Issued|Block Limit" $OUT/ncu.txt | head -20
 fi
