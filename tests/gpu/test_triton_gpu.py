@@ -117,8 +117,11 @@ def test_commit_layers_and_pending_commit():
     pending = PendingCommit(k[0], u[0], g[0], packed.parents, packed.cu_nodes, accepted, **bounds(packed))
     fused = verify_packed_triton(*next_inputs, fused_pool, slots, nxt.parents, nxt.cu_nodes, pending=pending,
                                  **bounds(nxt, True))
-    assert torch.equal(fused_pool, single)
-    assert all(torch.equal(a, b) for a, b in zip(fused, separate))
+    # the fused and the separate commit run different tile shapes (VERIFY_CONFIGS["fused"] vs COMMIT_CONFIGS), whose
+    # tensor-core rebuilds need not round alike: one bf16 rounding apart at most (bit-exact under equal tiles: the
+    # interpreter test test_pending_commit_fused_into_next_verify)
+    assert relative_error(fused_pool, single) <= 1e-2
+    assert all(relative_error(a, b) <= 2e-2 for a, b in zip(fused, separate))
 
 
 def test_serial_baseline_vs_reference():

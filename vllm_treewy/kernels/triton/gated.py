@@ -11,21 +11,44 @@ One program per (value head, request) holds a whole head: the state [V, K] is st
 key chunks of BK columns, in the state's own precision widened to fp32; every product with the state (h0 k_i,
 h0 q_i, and the commit's rank-one updates) is a broadcast multiply and an fp32 sum on the CUDA cores. No tensor-core
 dot touches the state, so there is no padding of the node dimension to 16 and no tf32 rounding: the fp32 state path
-keeps plain fp32 accuracy (each output is an fp32 dot of length K, relative error ~ K * 2^-24 in the worst case,
-~ sqrt(K) * 2^-24 typically, far below the 2e-5 the tests hold it to) and moves the state at streaming speed.
-At T nodes a state element costs 2T fused multiply-adds for the verify and (path length + 1) for a commit, i.e.
-13 FMAs per 8 bytes (fp32, T=4) -- an arithmetic intensity of ~3 FLOP/B, far under the H200's ~14 FLOP/B of fp32
-CUDA-core rate over HBM bandwidth, so the kernel is memory-bound by construction.
+keeps plain fp32 accuracy (each h0 k_i is an fp32 dot of length K: relative error <= K * 2^-24 ~ 8e-6 in the worst
+case, ~ sqrt(K) * 2^-24 ~ 7e-7 typically; measured 1-3e-7 on u and the committed state at K=128 against fp64).
+At T nodes a state element costs 2T fused multiply-adds for the verify and (path length + 1) for a commit, 13 FMAs
+per 8 bytes at fp32, T=4: ~3 FLOP/B against the H200's ~14 FLOP/B of fp32 rate over HBM bandwidth.
 
-A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees go up to a few dozen nodes
-(BT = next power of two of the node count); for big trees the tensor-core `verify_packed_triton` stays the tool.
+Measured on the H200 (bench/results/kernels.md, 2026-11-30): this does NOT reach streaming speed. fp32 state, T=4:
+1.0x / 1.1x vLLM's compiled kernel at B=64 / 256 (2.2-2.5x faster than the ieee-dot `verify_packed_triton` path),
+at 1.4-1.6 TB/s; bf16 state 0.8x; T=8 spills registers. Causes found: each thread owns a value row and reads 16 bytes
+of it per step (a warp touches 32 lines per access; the commit alone in this layout streams at ~0.6 TB/s), every
+thread re-reads and unpacks the broadcast q/k chunks, and the 2T per-node partial sums of BK values each cost
+registers (occupancy). The next steps are listed in bench/results/kernels.md.
+
+A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
+`verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
+power of two): measured on the H200 are chains of up to 8 nodes; big trees stay with `verify_packed_triton`.
 
 Factors for the commit (`GatedFactors`): the raw key rows (a copy of mixed_qkv's k slice, input dtype), their
 inverse norms, the pseudo-values u (fp32) and the log decays g (fp32). The commit folds the inverse norm into u
 (h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) (u_j / |k_j|) k_raw_j^T), so the normalised keys are never stored.
 
-Torch twin: `vllm_treewy.kernels.gated.gdn_step_packed`; fp64 ground truth:
+Torch twin: `vllm_treewy.kernels.gated.gdn_step_packed` / `gdn_commit_packed`; fp64 ground truth:
 `vllm_treewy.kernels.reference.reference_gated_tree`.
+
+For the adapter (additive: the existing verify/commit/conv entry points are unchanged). Where vLLM would call
+`fused_gdn_decode_post_conv_mtp(mixed_qkv, a, b, A_log, dt_bias, ..., state, output_gate, norm_weight, out, scale,
+norm_eps, activation)` after the conv, a reconstruct step calls
+
+    out, factors = gdn_step_triton(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state,
+                                   state_indices, parents, cu_nodes, num_key_heads=H, max_nodes=T, chain=True,
+                                   scale=K**-0.5, norm_eps=eps, activation="silu", out=core_attn_out,
+                                   factors=step_buffers, pending=previous)   # previous: GatedPending or None
+
+with `state_indices` [B] (one slot per request; negative = padding), then keeps `GatedPending(factors, parents,
+cu_nodes, accepted, max_nodes=T, chain=True)` for the next step (factors hold copies of the keys, so mixed_qkv may
+be overwritten), or commits it alone with `gdn_commit_triton(state, state_indices, pending, num_key_heads=H)`.
+Buffers (`out`, `factors`, via `GatedFactors.empty`) can be preallocated so the call is CUDA-graph capturable; the
+step's factors must not be the pending step's (alternate two sets per layer): programs read the one while others
+write the other. vLLM passes the layer's `layer_norm_epsilon` as norm_eps.
 """
 
 from dataclasses import dataclass
@@ -259,8 +282,11 @@ def _gated_step_kernel(
                  mask=valid[:, None])
 
 
-# (block_k, num_warps, prefetch, max_registers) per fp32 state: one 16-byte vector per value row and thread, one value row per thread
-GATED_CONFIGS = {False: (8, 4, 4, None), True: (4, 4, 4, None)}
+# (block_k, num_warps, prefetch, max_registers) keyed by fp32 state: measured fastest at H=16, HV=32, K=V=128, chain
+# T=4, B=64 on the H200 among one-row-per-thread tiles (16-byte accesses) and sector-coalesced 16-warp tiles
+# (bench/gated_bench.py; bench/results/2026-11-30/gated.json "tune" records): fp32 193.9 us (16-warp tiles 249-278),
+# bf16 138.2 us (16-warp tiles 233-238).
+GATED_CONFIGS = {False: (8, 4, 2, 128), True: (4, 4, 2, 96)}
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -292,6 +318,8 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
             out = torch.empty(n_nodes, HV, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         if factors is None:
             factors = GatedFactors.empty(n_nodes, H, HV, K, V, mixed_qkv.dtype, mixed_qkv.device)
+        assert pending is None or pending.factors.u.data_ptr() != factors.u.data_ptr(), \
+            "the step's factors must not be the pending step's (double-buffer them)"
         out3 = out.view(n_nodes, HV, V)
         bt = _nodes_block(max_nodes)
         v_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight)
