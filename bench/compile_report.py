@@ -36,12 +36,13 @@ INTS = ["stride_qkv", "stride_a", "stride_b", "stride_z", "stride_zh", "stride_o
         "stride_head", "stride_v"]
 
 
-def compile_variant(state_dtype, tokens, block_k, num_warps, pending=True, verify=True, maxnreg=None, prefetch=4):
+def compile_variant(state_dtype, tokens, block_k, num_warps, pending=True, verify=True, maxnreg=None, prefetch=4,
+                    row_sums=False, late=False):
     sig = {name: PTR_TYPES.get(name, "*fp32") for name in PTRS}
     sig["state"] = "*fp32" if state_dtype == "fp32" else "*bf16"
     sig.update({name: "i64" for name in INTS})
     sig.update(scale="fp32", eps="fp32")
-    const = dict(H=16, HV=32, K=128, V=128, BT=max(2, triton.next_power_of_2(tokens)), BK=block_k, PREFETCH=prefetch,
+    const = dict(H=16, HV=32, K=128, V=128, BT=max(2, triton.next_power_of_2(tokens)), BK=block_k, PREFETCH=prefetch, ROW_SUMS=row_sums, LATE_NODE_TERMS=late,
                  MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu", DO_VERIFY=verify, HAS_PENDING=pending,
                  P_BP=max(2, triton.next_power_of_2(tokens)), P_MAX_ANC=tokens - 1, P_IS_CHAIN=True)
     for name in const:
@@ -93,6 +94,8 @@ def main():
     parser.add_argument("--modes", nargs="*", default=["fused", "verify", "commit"])
     parser.add_argument("--prefetch", type=int, nargs="*", default=[4])
     parser.add_argument("--maxnreg", type=int, nargs="*", default=[0])
+    parser.add_argument("--row-sums", action="store_true")
+    parser.add_argument("--late", action="store_true", help="node terms after the state loop")
     args = parser.parse_args()
     results = []
     for state in args.states:
@@ -101,8 +104,9 @@ def main():
                 for bk in args.block_k:
                     for w, pf, mr in [(w, pf, mr) for w in args.warps for pf in args.prefetch for mr in args.maxnreg]:
                         c = compile_variant(state, tokens, bk, w, pending=mode != "verify", verify=mode != "commit",
-                                            prefetch=pf, maxnreg=mr)
+                                            prefetch=pf, maxnreg=mr, row_sums=args.row_sums, late=args.late)
                         r = dict(state=state, tokens=tokens, mode=mode, block_k=bk, num_warps=w, prefetch=pf, maxnreg=mr,
+                                 row_sums=args.row_sums, late=args.late,
                                  **analyse(c))
                         results.append(r)
                         print(json.dumps(r), flush=True)

@@ -118,6 +118,46 @@ def _node(ancestors, bos, node, d, D: tl.constexpr, IS_CHAIN: tl.constexpr):
 
 
 @triton.jit
+def _node_terms(qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log, scale,
+                stride_a, stride_b, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """Everything per node that does not touch the state: gates, path sums c and decays exp(c_i - c_j), q/k
+    inverse norms and Gram matrices; stores the commit's factors g, k (raw) and 1/|k|."""
+    rows = tl.arange(0, BT)
+    valid = rows < n
+    node = bos + rows
+    # gates of the nodes, and their path sums c and decays exp(c_i - c_j) (running sums: no differences of
+    # long path sums)
+    b_a = tl.load(a + node * stride_a + i_hv, mask=valid, other=0.0).to(tl.float32)
+    g_own = _log_decay(b_a, bias, neg_exp_a_log)
+    b_beta = tl.sigmoid(tl.load(b + node * stride_b + i_hv, mask=valid, other=0.0).to(tl.float32))
+    local = tl.where(valid, rows, -1)
+    running_c = tl.zeros([BT], dtype=tl.float32)
+    log_decay = tl.full([BT, BT], float("-inf"), tl.float32)
+    for d in tl.static_range(MAX_ANC + 1):
+        cur = _node(ancestors, bos, local, d, MAX_ANC + 1, IS_CHAIN)
+        log_decay = tl.where(rows[None, :] == cur[:, None], running_c[:, None], log_decay)
+        a_cur = tl.load(a + (bos + cur) * stride_a + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
+        running_c += tl.where(cur >= 0, _log_decay(a_cur, bias, neg_exp_a_log), 0.0)
+    decay = tl.exp(log_decay)
+    # q/k norms and the small Gram matrices, from the whole rows (K elements; cached after the first touch)
+    o_k = tl.arange(0, K)
+    q_full = tl.load(q_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    k_full = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    q_inv = tl.rsqrt(tl.sum(q_full * q_full, 1) + 1e-6) * scale
+    k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
+    kk = tl.sum(k_full[:, None, :] * k_full[None, :, :], 2) * (k_inv[:, None] * k_inv[None, :])
+    qk = tl.sum(q_full[:, None, :] * k_full[None, :, :], 2) * (q_inv[:, None] * k_inv[None, :])
+    # factors for the commit: the log decays, and (once per key head) the raw keys and their inverse norms
+    tl.store(f_g + node * HV + i_hv, g_own, mask=valid)
+    first_of_group = (i_hv % (HV // H)) == 0
+    tl.store(f_kscale + node * H + i_h, k_inv, mask=valid & first_of_group)
+    tl.store(f_k + (node * H + i_h)[:, None] * K + o_k[None, :], k_full.to(f_k.dtype.element_ty),
+             mask=valid[:, None] & first_of_group)
+    return g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk
+
+
+@triton.jit
 def _gated_step_kernel(
     qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes,
     out, f_k, f_kscale, f_u, f_g,
@@ -126,7 +166,8 @@ def _gated_step_kernel(
     stride_slot, stride_head, stride_v,
     scale, eps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
+    LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr,
     HAS_PENDING: tl.constexpr, P_BP: tl.constexpr, P_MAX_ANC: tl.constexpr, P_IS_CHAIN: tl.constexpr,
 ):
@@ -170,34 +211,10 @@ def _gated_step_kernel(
         node = bos + rows
         q_row = qkv + node.to(tl.int64) * stride_qkv + i_h * K
         k_row = q_row + H * K
-        # gates of the nodes, and their path sums c and decays exp(c_i - c_j) (running sums: no differences of
-        # long path sums)
-        b_a = tl.load(a + node * stride_a + i_hv, mask=valid, other=0.0).to(tl.float32)
-        g_own = _log_decay(b_a, bias, neg_exp_a_log)
-        b_beta = tl.sigmoid(tl.load(b + node * stride_b + i_hv, mask=valid, other=0.0).to(tl.float32))
-        local = tl.where(valid, rows, -1)
-        running_c = tl.zeros([BT], dtype=tl.float32)
-        log_decay = tl.full([BT, BT], float("-inf"), tl.float32)
-        for d in tl.static_range(MAX_ANC + 1):
-            cur = _node(ancestors, bos, local, d, MAX_ANC + 1, IS_CHAIN)
-            log_decay = tl.where(rows[None, :] == cur[:, None], running_c[:, None], log_decay)
-            a_cur = tl.load(a + (bos + cur) * stride_a + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
-            running_c += tl.where(cur >= 0, _log_decay(a_cur, bias, neg_exp_a_log), 0.0)
-        decay = tl.exp(log_decay)
-        # q/k norms and the small Gram matrices, from the whole rows (K elements; cached after the first touch)
-        o_k = tl.arange(0, K)
-        q_full = tl.load(q_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        k_full = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        q_inv = tl.rsqrt(tl.sum(q_full * q_full, 1) + 1e-6) * scale
-        k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
-        kk = tl.sum(k_full[:, None, :] * k_full[None, :, :], 2) * (k_inv[:, None] * k_inv[None, :])
-        qk = tl.sum(q_full[:, None, :] * k_full[None, :, :], 2) * (q_inv[:, None] * k_inv[None, :])
-        # factors for the commit: the log decays, and (once per key head) the raw keys and their inverse norms
-        tl.store(f_g + node * HV + i_hv, g_own, mask=valid)
-        first_of_group = (i_hv % (HV // H)) == 0
-        tl.store(f_kscale + node * H + i_h, k_inv, mask=valid & first_of_group)
-        tl.store(f_k + (node * H + i_h)[:, None] * K + o_k[None, :], k_full.to(f_k.dtype.element_ty),
-                 mask=valid[:, None] & first_of_group)
+        if not LATE_NODE_TERMS:
+            g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+                qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log,
+                scale, stride_a, stride_b, H, HV, K, BT, MAX_ANC, IS_CHAIN)
         row_off = ()
         row_ok = ()
         for t in tl.static_range(BT):
@@ -212,8 +229,12 @@ def _gated_step_kernel(
         acc_k = ()
         acc_q = ()
         for t in tl.static_range(BT):
-            acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
-            acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
+            if ROW_SUMS:
+                acc_k = acc_k + (tl.zeros([V], dtype=tl.float32),)
+                acc_q = acc_q + (tl.zeros([V], dtype=tl.float32),)
+            else:
+                acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
+                acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
     ahead = ()
     for j in tl.static_range(PREFETCH):
         ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
@@ -241,18 +262,30 @@ def _gated_step_kernel(
             for t in tl.static_range(BT):
                 kc = tl.load(qkv + row_off[t] + H * K + i_h * K + cols, mask=row_ok[t], other=0.0).to(tl.float32)
                 qc = tl.load(qkv + row_off[t] + i_h * K + cols, mask=row_ok[t], other=0.0).to(tl.float32)
-                new_k = new_k + (acc_k[t] + h * kc[None, :],)
-                new_q = new_q + (acc_q[t] + h * qc[None, :],)
+                if ROW_SUMS:  # a thread's BK columns summed at once: in-thread when lanes run along V only
+                    new_k = new_k + (acc_k[t] + tl.sum(h * kc[None, :], 1),)
+                    new_q = new_q + (acc_q[t] + tl.sum(h * qc[None, :], 1),)
+                else:
+                    new_k = new_k + (acc_k[t] + h * kc[None, :],)
+                    new_q = new_q + (acc_q[t] + h * qc[None, :],)
             acc_k = new_k
             acc_q = new_q
 
     if DO_VERIFY:
+        if LATE_NODE_TERMS:  # nothing of this is needed in the loop: keeps its [BT, BT] tiles out of the loop's registers
+            g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+                qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log,
+                scale, stride_a, stride_b, H, HV, K, BT, MAX_ANC, IS_CHAIN)
         exp_c = tl.exp(running_c)
         hk = tl.zeros([BT, V], dtype=tl.float32)
         hq = tl.zeros([BT, V], dtype=tl.float32)
         for t in tl.static_range(BT):
-            hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
-            hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
+            if ROW_SUMS:
+                hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
+                hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
+            else:
+                hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
+                hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
         hk = hk * k_inv[:, None]
         hq = hq * q_inv[:, None]
         v_offs = (node * HV + i_hv)[:, None] * V + o_v[None, :]
@@ -295,7 +328,8 @@ def _nodes_block(max_nodes: int) -> int:
 
 def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
             *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation, pending, ancestors, out,
-            factors, do_verify, block_k, num_warps, prefetch, max_registers):
+            factors, do_verify, block_k, num_warps, prefetch, max_registers, row_sums=False,
+            late_node_terms=False):
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
@@ -346,7 +380,7 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         *v_args, state, state_indices, ancestors, cu_nodes, *f_args, *p_args,
         *strides, state.stride(0), state.stride(1), state.stride(2),
         float(K**-0.5 if scale is None else scale), float(norm_eps),
-        H=H, HV=HV, K=K, V=V, BT=bt, BK=block_k, PREFETCH=prefetch, MAX_ANC=max_anc, IS_CHAIN=chain,
+        H=H, HV=HV, K=K, V=V, BT=bt, BK=block_k, PREFETCH=prefetch, ROW_SUMS=row_sums, LATE_NODE_TERMS=late_node_terms, MAX_ANC=max_anc, IS_CHAIN=chain,
         ACT=activation, DO_VERIFY=do_verify,
         HAS_PENDING=pending is not None, P_BP=p_bp, P_MAX_ANC=p_anc, P_IS_CHAIN=p_chain,
         **options,
@@ -382,6 +416,8 @@ def gdn_step_triton(
     num_warps: int | None = None,
     prefetch: int | None = None,
     max_registers: int | None = None,
+    row_sums: bool = False,
+    late_node_terms: bool = False,
 ) -> tuple[torch.Tensor, GatedFactors]:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node,
     and the factors its commit needs. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -393,12 +429,19 @@ def gdn_step_triton(
     Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view) and `GatedFactors`.
     `pending`: the previous step's commit, applied to each request's slot before its verify reads it (one state
     read and one write per request per step in all). `ancestors`: as in `verify_packed_triton`.
+    Not yet measured on a GPU, off by default (the measured code path is the default): `row_sums=True` keeps one
+    per-node sum per row, summed over the thread's BK columns every step (2T registers instead of 2T x BK);
+    `late_node_terms=True` computes gates, decays and Gram matrices after the state loop, so their [BT, BT] tiles
+    (replicated in every thread) are not live in it. sm_90 compile at T=4, no register cap: 96 registers and no
+    spills with both, against 128 (fp32) / 216 (bf16) now; T=8 stays at ~250 (the epilogue's [BT, BT, V] products)
+    (bench/results/2026-11-30/compile_report.jsonl).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, num_key_heads=num_key_heads, max_nodes=max_nodes, max_depth=max_depth, chain=chain,
                    scale=scale, norm_eps=norm_eps, activation=activation, pending=pending, ancestors=ancestors,
                    out=out, factors=factors, do_verify=True, block_k=block_k, num_warps=num_warps,
-                   prefetch=prefetch, max_registers=max_registers)
+                   prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
+                   late_node_terms=late_node_terms)
 
 
 def gdn_commit_triton(
