@@ -8,6 +8,10 @@ Every time is the median over CUDA-graph replays of many back-to-back calls (vLL
 each call on its own set of state slots until 256 MiB of states are cycled, so the state reads come from HBM, not
 L2. HBM bound = one state read + one state write per request at the copy bandwidth measured in the same run.
 Inputs are what the layer holds at that point: q, k (normalised, q scaled), v in bf16; g, beta fp32.
+
+The like-for-like comparison with vLLM's compiled MTP kernel (`fused_gdn_decode_post_conv_mtp`, raw post-conv
+inputs, gates and gated RMSNorm inside) is `bench/gated_bench.py`; this file keeps the verify/commit kernels on
+precomputed gates and the trees against the per-node serial baseline.
 """
 
 import argparse

@@ -117,8 +117,11 @@ def test_commit_layers_and_pending_commit():
     pending = PendingCommit(k[0], u[0], g[0], packed.parents, packed.cu_nodes, accepted, **bounds(packed))
     fused = verify_packed_triton(*next_inputs, fused_pool, slots, nxt.parents, nxt.cu_nodes, pending=pending,
                                  **bounds(nxt, True))
-    assert torch.equal(fused_pool, single)
-    assert all(torch.equal(a, b) for a, b in zip(fused, separate))
+    # the fused and the separate commit run different tile shapes (VERIFY_CONFIGS["fused"] vs COMMIT_CONFIGS), whose
+    # tensor-core rebuilds need not round alike: one bf16 rounding apart at most (bit-exact under equal tiles: the
+    # interpreter test test_pending_commit_fused_into_next_verify)
+    assert relative_error(fused_pool, single) <= 1e-2
+    assert all(relative_error(a, b) <= 2e-2 for a, b in zip(fused, separate))
 
 
 def test_serial_baseline_vs_reference():
@@ -183,3 +186,82 @@ def test_cuda_graph_capture_and_replay(trees, chain):
         step()
         assert torch.equal(replayed[0], o) and torch.equal(replayed[1], u)
         assert bool(o.isfinite().all())
+
+
+def gated_batch(tokens, batch, state_dtype, seed):
+    """Raw post-conv inputs at real sizes (what vLLM's fused MTP kernel takes) and a pool with shuffled slots."""
+    gen = torch.Generator().manual_seed(seed)
+    n = tokens * batch
+    mixed_qkv = torch.randn(n, 2 * H * K + HV * V, generator=gen).bfloat16()
+    a, b = (torch.randn(n, HV, generator=gen) * 2).bfloat16(), torch.randn(n, HV, generator=gen).bfloat16()
+    A_log, dt_bias = torch.randn(HV, generator=gen) * 0.5, torch.randn(HV, generator=gen)
+    z = torch.randn(n, HV, V, generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(V, generator=gen)).bfloat16()
+    slots = torch.randperm(batch + 3, generator=gen)[:batch].to(torch.int32)
+    pool = (torch.randn(batch + 3, HV, V, K, generator=gen, dtype=torch.float64) * 0.3).to(state_dtype)
+    inputs = [x.cuda() for x in (mixed_qkv, a, b, A_log, dt_bias, z, weight)]
+    return inputs, pool.cuda(), slots.cuda()
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [2, 4, 8])
+def test_gated_step_vs_reference(state_dtype, tokens):
+    """gdn_step_triton at H=16, HV=32, K=V=128 vs the fp64 reference: outputs, u, and the state the fused commit
+    writes (the previous step's whole chain accepted), with the tuned launch defaults."""
+    from vllm_treewy.kernels.reference import reference_gated_tree
+    from vllm_treewy.kernels.triton import GatedPending, gdn_step_triton
+
+    batch = 3
+    inputs, pool, slots = gated_batch(tokens, batch, state_dtype, seed=tokens)
+    packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
+    before = pool.clone()
+    kw = dict(num_key_heads=H, max_nodes=tokens, chain=True)
+    out, factors = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
+    assert torch.equal(pool, before)
+    tolerance = 2e-5 if state_dtype == torch.float32 else 2e-2
+    chain = list(range(-1, tokens - 1))
+    states = []
+    for b in range(batch):
+        rows = slice(b * tokens, (b + 1) * tokens)
+        ref = reference_gated_tree(*(x[rows].cpu() for x in inputs[:3]), inputs[3].cpu(), inputs[4].cpu(),
+                                   inputs[5][rows].cpu(), inputs[6].cpu(), before[int(slots[b])].cpu(), chain, H)
+        assert relative_error(out[rows], ref.out) <= 1e-2  # stored in bf16
+        assert relative_error(factors.u[rows], ref.recurrence.u) <= tolerance
+        states.append(ref.recurrence.state[-1])
+    accepted = torch.full((batch,), tokens - 1, dtype=torch.int32, device="cuda")
+    accepted[1] = -1
+    pending = GatedPending(factors, packed.parents, packed.cu_nodes, accepted, max_nodes=tokens, chain=True)
+    fresh, _, _ = gated_batch(tokens, batch, state_dtype, seed=tokens + 100)
+    gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending=pending, **kw)
+    state_tolerance = 2e-5 if state_dtype == torch.float32 else 1e-2
+    for b in range(batch):
+        if b == 1:
+            assert torch.equal(pool[int(slots[b])], before[int(slots[b])])
+        else:
+            assert relative_error(pool[int(slots[b])], states[b]) <= state_tolerance
+
+
+def test_gated_step_graph_capture():
+    from vllm_treewy.kernels.triton import gdn_step_triton
+
+    inputs, pool, slots = gated_batch(4, 2, torch.float32, seed=5)
+    packed = pack_trees([DraftTree.from_widths([1] * 4)] * 2, device="cuda")
+    out = torch.empty(8, HV, V, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        return gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
+                               chain=True, out=out)
+
+    _, factors = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    fresh, fresh_pool, _ = gated_batch(4, 2, torch.float32, seed=6)
+    for static, new in zip([*inputs, pool], [*fresh, fresh_pool]):
+        static.copy_(new)
+    out.fill_(float("nan"))
+    graph.replay()
+    replayed = out.clone()
+    step()
+    assert torch.equal(replayed, out) and bool(out.isfinite().all())

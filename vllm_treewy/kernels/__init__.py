@@ -22,6 +22,11 @@ Batched versions over packed trees (``vllm_treewy.tree.pack_trees``: ``parents``
 ``verify_packed``/``commit_packed`` (gated delta rule, ``closed_form``) and ``conv_verify_packed``/
 ``conv_commit_packed`` (causal depthwise conv1d, ``conv``). The fp64 per-node ground truth is in ``reference``.
 The Triton kernels live in ``vllm_treewy.kernels.triton`` (imported only when used).
+
+The whole decode step after the conv, from vLLM's raw inputs (mixed_qkv, a, b, A_log, dt_bias, output gate, norm
+weight) to the normed, gated core output, with the previous step's commit fused in: ``gated.gdn_step_packed`` /
+``gated.gdn_commit_packed`` (torch) and ``triton.gdn_step_triton`` / ``triton.gdn_commit_triton``;
+fp64 truth ``reference.reference_gated_tree``.
 """
 
 from __future__ import annotations

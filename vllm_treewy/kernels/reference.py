@@ -83,3 +83,56 @@ def reference_tree_conv(
     elif activation is not None:
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     return TreeConv(out, histories)
+
+
+class GatedTree(NamedTuple):
+    out: torch.Tensor  # [T, HV, V] normed, gated core output
+    recurrence: TreeRecurrence  # o, u, every node's state (from the normalised q, k and the gates)
+    g: torch.Tensor  # [T, HV] log decays
+    beta: torch.Tensor  # [T, HV] write gates
+
+
+def reference_gates(a, b, A_log, dt_bias):
+    """g = -exp(A_log) softplus(a + dt_bias) (threshold 20, as vLLM), beta = sigmoid(b), in fp64."""
+    x = a.double() + dt_bias.double()
+    softplus = torch.where(x <= 20.0, torch.log1p(torch.exp(x)), x)
+    return -torch.exp(A_log.double()) * softplus, torch.sigmoid(b.double())
+
+
+def reference_gated_norm(o, z, weight, eps, activation="silu"):
+    """Gated RMSNorm over the last dim in fp64: o * rsqrt(mean(o^2) + eps) * weight * act(z)."""
+    o, z = o.double(), z.double()
+    gate = z * torch.sigmoid(z) if activation == "silu" else torch.sigmoid(z)
+    return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * weight.double() * gate
+
+
+def reference_gated_tree(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    h0: torch.Tensor,
+    parents: Sequence[int],
+    num_key_heads: int,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    activation: str = "silu",
+) -> GatedTree:
+    """One request's GDN step after the conv, node by node in fp64, from what vLLM's fused MTP kernel takes:
+    mixed_qkv ``[T, 2*H*K + HV*V]``, a, b ``[T, HV]``, A_log, dt_bias ``[HV]``, z ``[T, HV, V]``, norm_weight
+    ``[V]``, h0 ``[HV, V, K]``. q, k get vLLM's in-kernel L2 norm (``x / sqrt(|x|^2 + 1e-6)``), q the scale."""
+    num_nodes = mixed_qkv.shape[0]
+    num_value_heads, value_dim, key_dim = h0.shape
+    x = mixed_qkv.double()
+    q = x[:, : num_key_heads * key_dim].reshape(num_nodes, num_key_heads, key_dim)
+    k = x[:, num_key_heads * key_dim: 2 * num_key_heads * key_dim].reshape(num_nodes, num_key_heads, key_dim)
+    v = x[:, 2 * num_key_heads * key_dim:].reshape(num_nodes, num_value_heads, value_dim)
+    q = q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * (key_dim**-0.5 if scale is None else scale)
+    k = k / torch.sqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    g, beta = reference_gates(a, b, A_log, dt_bias)
+    recurrence = reference_tree_recurrence(q, k, v, g, beta, h0, parents)
+    out = reference_gated_norm(recurrence.o, z, norm_weight, eps, activation)
+    return GatedTree(out, recurrence, g, beta)

@@ -5,10 +5,13 @@ baseline. Every kernel has a torch twin in `vllm_treewy.kernels.closed_form` / `
 from ._tree import ancestor_table, ancestor_table_torch, ancestor_table_triton
 from .commit import commit_layers_triton, commit_packed_triton, state_pool_table
 from .conv import conv_commit_triton, tree_conv_triton
+from .gated import GatedFactors, GatedPending, gdn_commit_triton, gdn_step_triton
 from .serial import serial_tree_triton
 from .verify import PendingCommit, verify_packed_triton
 
 __all__ = [
+    "GatedFactors",
+    "GatedPending",
     "PendingCommit",
     "ancestor_table",
     "ancestor_table_torch",
@@ -16,6 +19,8 @@ __all__ = [
     "commit_layers_triton",
     "commit_packed_triton",
     "conv_commit_triton",
+    "gdn_commit_triton",
+    "gdn_step_triton",
     "serial_tree_triton",
     "state_pool_table",
     "tree_conv_triton",

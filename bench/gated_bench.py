@@ -1,0 +1,344 @@
+"""Like-for-like GDN MTP step on CUDA: our fused step after the conv (`gdn_step_triton`: gates, q/k L2 norm,
+closed-form verify, gated RMSNorm with the output gate, and the previous step's commit fused in) against vLLM 0.32's
+compiled store_all kernel `torch.ops._C.fused_gdn_decode_post_conv_mtp` (same inputs, same output), with vLLM's
+Triton fallback `fused_sigmoid_gating_delta_rule_update` (no norm, no output gate) as a second column.
+Qwen3.5-35B-A3B dims: H=16, HV=32, K=V=128; chains of T tokens; fp32 and bf16 SSM state.
+
+On the H200 (vLLM's compiled ops from ../shared/tools/gpu-vllm):
+    source .gpu-vllm/device-setup.sh && python3 bench/gated_bench.py --out $OUT
+
+Method (as bench/kernels.py): median over CUDA-graph replays of many back-to-back calls, every call on its own state
+slots until 256 MiB of states are cycled (state reads come from HBM, not L2); copy bandwidth measured in the same
+run. "2-state bound": one state read + one state write per request at that bandwidth (what reconstruct's fused step
+must move; store_all moves 1 + T states). Before timing, each configuration is checked against the fp64 reference
+(`reference_gated_tree`) and the compiled kernel's own output.
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from kernels import copy_bandwidth, device_facts, graph_time_us, measure_tree  # noqa: E402
+
+from vllm_treewy.kernels.reference import reference_gated_tree  # noqa: E402
+from vllm_treewy.kernels.triton import GatedPending, gdn_commit_triton, gdn_step_triton  # noqa: E402
+from vllm_treewy.kernels.triton.gated import GatedFactors  # noqa: E402
+from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
+
+H, HV, K, V = 16, 32, 128, 128
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CYCLED_STATE_BYTES = 256 << 20
+MAX_SLOT_SETS = 64
+EPS = 1e-6
+
+
+def compiled_op():
+    try:
+        import vllm._C_stable_libtorch  # noqa: F401  registers torch.ops._C.*
+    except Exception as error:  # noqa: BLE001
+        print("vllm._C_stable_libtorch:", repr(error)[:200])
+    return getattr(torch.ops._C, "fused_gdn_decode_post_conv_mtp", None)
+
+
+def probe_compiled(op):
+    """The compiled kernel's dtype for dt_bias (vLLM's parameter is created in the model dtype, bf16): try bf16,
+    then fp32; None if neither runs."""
+    for dtype in (torch.bfloat16, torch.float32):
+        try:
+            Step.DT_BIAS_DTYPE = dtype
+            step = Step(2, 2, torch.float32, sets=1)
+            step.compiled(op, 0)()
+            torch.cuda.synchronize()
+            print(f"compiled op runs with dt_bias {dtype}", flush=True)
+            return op
+        except Exception as error:  # noqa: BLE001
+            print(f"compiled op with dt_bias {dtype}: {repr(error)[:300]}", flush=True)
+    Step.DT_BIAS_DTYPE = torch.bfloat16
+    return None
+
+
+def fallback_op():
+    try:
+        from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+            fused_sigmoid_gating_delta_rule_update,
+        )
+        return fused_sigmoid_gating_delta_rule_update
+    except Exception as error:  # noqa: BLE001
+        print("fallback import:", repr(error)[:200])
+        return None
+
+
+class Step:
+    """One (T, B, state dtype): raw post-conv inputs, a cycled state pool (1 + T slots per request for store_all),
+    our factor buffers and the pending commit of the previous step (the whole chain accepted: longest path)."""
+
+    DT_BIAS_DTYPE = torch.bfloat16
+
+    def __init__(self, tokens, batch, state_dtype, seed=0, sets=None):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.T, self.B, self.dtype = tokens, batch, state_dtype
+        self.state_bytes = HV * V * K * torch.tensor([], dtype=state_dtype).element_size()
+        self.sets = sets or max(1, min(MAX_SLOT_SETS, math.ceil(CYCLED_STATE_BYTES / (batch * self.state_bytes))))
+        n = tokens * batch
+        self.n = n
+        packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
+        self.parents, self.cu_nodes, self.max_nodes = packed.parents, packed.cu_nodes, packed.max_nodes
+        self.mixed_qkv = torch.randn(n, 2 * H * K + HV * V, device="cuda", generator=gen).bfloat16()
+        self.a = torch.randn(n, HV, device="cuda", generator=gen).bfloat16()
+        self.b = torch.randn(n, HV, device="cuda", generator=gen).bfloat16()
+        self.A_log = torch.randn(HV, device="cuda", generator=gen) * 0.5
+        self.dt_bias = torch.randn(HV, device="cuda", generator=gen).to(self.DT_BIAS_DTYPE)
+        self.z = torch.randn(n, HV, V, device="cuda", generator=gen).bfloat16()
+        self.norm_weight = (1 + 0.1 * torch.randn(V, device="cuda", generator=gen)).bfloat16()
+        per_request = tokens  # vLLM's spec_state_indices [B, T]: token t's state into slot t, h0 read from slot 0
+        # slot 0 is vLLM's null block: never used
+        self.pool = (torch.randn(1 + self.sets * batch * per_request, HV, V, K, device="cuda", generator=gen) * 0.3
+                     ).to(state_dtype)
+        slots = 1 + torch.arange(self.sets * batch * per_request, device="cuda", dtype=torch.int32)
+        self.store_all_slots = slots.view(self.sets, batch, per_request)
+        self.slot_sets = self.store_all_slots[..., 0].contiguous()
+        self.cu_seqlens = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device="cuda")
+        self.num_accepted = torch.ones(batch, dtype=torch.int32, device="cuda")
+        self.out = torch.empty(n, HV, V, dtype=torch.bfloat16, device="cuda")
+        self.out_ref = torch.empty_like(self.out)
+        self.factors = GatedFactors.empty(n, H, HV, K, V, torch.bfloat16, "cuda")
+        self.prev = GatedFactors.empty(n, H, HV, K, V, torch.bfloat16, "cuda")
+        self.accepted = torch.full((batch,), tokens - 1, dtype=torch.int32, device="cuda")
+
+    def fill_prev(self):
+        """A realistic previous step: our own verify's factors on the same inputs."""
+        gdn_step_triton(*self.inputs(), self.pool, self.slot_sets[0], self.parents, self.cu_nodes,
+                        num_key_heads=H, max_nodes=self.max_nodes, chain=True, norm_eps=EPS, out=self.out,
+                        factors=self.prev)
+
+    def inputs(self):
+        return (self.mixed_qkv, self.a, self.b, self.A_log, self.dt_bias, self.z, self.norm_weight)
+
+    def pending(self):
+        return GatedPending(self.prev, self.parents, self.cu_nodes, self.accepted, max_nodes=self.max_nodes,
+                            chain=True)
+
+    def ours(self, s, config, fused=True):
+        pending = self.pending() if fused else None
+        return lambda: gdn_step_triton(
+            *self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes, num_key_heads=H,
+            max_nodes=self.max_nodes, chain=True, norm_eps=EPS, pending=pending, out=self.out,
+            factors=self.factors, **config)
+
+    def commit(self, s, config):
+        pending = self.pending()
+        return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], pending, num_key_heads=H, **config)
+
+    def compiled(self, op, s):
+        return lambda: op(self.mixed_qkv, self.a, self.b, self.A_log, self.dt_bias, self.store_all_slots[s],
+                          self.cu_seqlens, self.num_accepted, self.pool, self.z, self.norm_weight, self.out_ref,
+                          K**-0.5, EPS, "silu")
+
+    def fallback(self, op, s):
+        q = self.mixed_qkv[:, :H * K].unflatten(1, (H, K))[None]
+        k = self.mixed_qkv[:, H * K: 2 * H * K].unflatten(1, (H, K))[None]
+        v = self.mixed_qkv[:, 2 * H * K:].unflatten(1, (HV, V))[None]
+        a, b = self.a, self.b
+        return lambda: op(self.A_log, a, b, self.dt_bias, q, k, v, initial_state=self.pool,
+                          inplace_final_state=True, cu_seqlens=self.cu_seqlens,
+                          ssm_state_indices=self.store_all_slots[s], num_accepted_tokens=self.num_accepted,
+                          use_qk_l2norm_in_kernel=True)
+
+
+def relative_error(actual, expected):
+    expected = expected.double()
+    return float((actual.double() - expected).abs().max() / expected.abs().max())
+
+
+def check(step, op, config, records):
+    """Ours vs the fp64 reference (outputs, u, and the fused commit's state), and vs the compiled kernel's output
+    on the same committed state (first 4 requests)."""
+    slots = step.slot_sets[0]
+    before = step.pool.clone()
+    step.fill_prev()
+    torch.cuda.synchronize()
+    out_plain = step.out.clone()
+    u_plain = step.prev.u.clone()
+    worst = dict(out=0.0, u=0.0, commit=0.0, vs_compiled=None)
+    # verify only (pending=None) from the untouched pool: reference from h0
+    for b in range(min(step.B, 4)):
+        r = slice(b * step.T, (b + 1) * step.T)
+        ref = reference_gated_tree(step.mixed_qkv[r].cpu(), step.a[r].cpu(), step.b[r].cpu(), step.A_log.cpu(),
+                                   step.dt_bias.cpu(), step.z[r].cpu(), step.norm_weight.cpu(),
+                                   before[int(slots[b])].cpu(), list(range(-1, step.T - 1)), H, eps=EPS)
+        worst["out"] = max(worst["out"], relative_error(out_plain[r].cpu(), ref.out))
+        worst["u"] = max(worst["u"], relative_error(u_plain[r].cpu(), ref.recurrence.u))
+        if b == 0:
+            state_ref = ref.recurrence.state[-1]
+    # fused: the previous step (the same inputs, whole chain accepted) committed into slot, then verify on top
+    step.out.fill_(float("nan"))
+    step.ours(0, config)()
+    torch.cuda.synchronize()
+    worst["commit"] = relative_error(step.pool[int(slots[0])].cpu(), state_ref)
+    worst["out_written"] = bool(step.out.isfinite().all())
+    if op is not None:
+        step.pool.copy_(before)
+        step.out_ref.fill_(float("nan"))
+        step.compiled(op, 0)()
+        torch.cuda.synchronize()
+        worst["vs_compiled"] = relative_error(out_plain.cpu(), step.out_ref.cpu())
+    step.pool.copy_(before)
+    records.append(dict(check=True, T=step.T, B=step.B, state=str(step.dtype), config=config, **worst))
+    print(f"check T={step.T} B={step.B} {step.dtype} {config}: {worst}", flush=True)
+    return worst
+
+
+def time_case(step, op, fb, config, with_baselines=True, separate=True):
+    sets = range(step.sets)
+    step.fill_prev()
+    t = {}
+    t["ours fused"] = graph_time_us([step.ours(s, config) for s in sets])
+    if separate:
+        t["ours verify"] = graph_time_us([step.ours(s, config, fused=False) for s in sets])
+        t["ours commit"] = graph_time_us([step.commit(s, config) for s in sets])
+    if with_baselines and op is not None:
+        t["compiled store_all"] = graph_time_us([step.compiled(op, s) for s in sets])
+    if with_baselines and fb is not None:
+        try:
+            t["triton fallback store_all"] = graph_time_us([step.fallback(fb, s) for s in sets])
+        except Exception as error:  # noqa: BLE001
+            print("fallback failed:", repr(error)[:300], flush=True)
+    return t
+
+
+def _cfg(block_k, num_warps, prefetch, max_registers=None):
+    return dict(block_k=block_k, num_warps=num_warps, prefetch=prefetch, max_registers=max_registers)
+
+
+# candidates (first = the wrappers' default); each keeps one value row per thread (no replicated rows)
+CONFIGS = {
+    # one row per thread and 16-byte accesses (run 1's default), then tiles whose every warp access covers whole
+    # 32-byte sectors of several rows (16 warps: one [V, block_k] chunk spread over 512 threads)
+    "fp32": [_cfg(16, 16, 4), _cfg(8, 16, 4), _cfg(16, 16, 2), _cfg(4, 4, 2, 96)],
+    "bf16": [_cfg(16, 16, 4), _cfg(16, 16, 2), _cfg(32, 16, 2), _cfg(8, 4, 2, 128)],
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--name", default="gated")
+    parser.add_argument("--states", nargs="*", default=list(STATE_DTYPES))
+    parser.add_argument("--tokens", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64, 256])
+    parser.add_argument("--tune-tokens", type=int, nargs="*", default=[4])
+    parser.add_argument("--tune-batch", type=int, default=64)
+    parser.add_argument("--trees", type=int, nargs="*", default=[64])  # [4,2,2] tree batches
+    parser.add_argument("--no-tune", action="store_true")
+    parser.add_argument("--short-batches", type=int, nargs="*", default=[1, 64, 256],
+                        help="batches for the T != 4 rows")
+    parser.add_argument("--separate-batches", type=int, nargs="*", default=[1, 64, 256],
+                        help="batches where verify and commit are also timed alone")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    facts = device_facts()
+    hbm = copy_bandwidth()
+    op, fb = compiled_op(), fallback_op()
+    if op is not None:
+        op = probe_compiled(op)
+    print(json.dumps(facts), f"\ncopy bandwidth {hbm / 1e12:.3f} TB/s; compiled op {op is not None}", flush=True)
+    records, tuned = [], {}
+
+    def save():
+        result = dict(command="python3 bench/gated_bench.py " + " ".join(sys.argv[1:]), device=facts,
+                      copy_bandwidth_Bps=hbm, seconds=round(time.time() - started, 1), tuned=tuned, records=records)
+        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+
+    with torch.inference_mode():
+        # most important first (a run cut by its time limit keeps them): tuning at B=64, then T=4 rows, then the rest
+        for name in args.states:
+            dtype = STATE_DTYPES[name]
+            for T in args.tune_tokens:
+                step = Step(T, args.tune_batch, dtype)
+                best = None
+                for config in CONFIGS[name][: 1 if args.no_tune else None]:
+                    try:
+                        err = check(step, op if config is CONFIGS[name][0] else None, config, records)
+                        ok = err["out"] < 2e-2 and err["out_written"] and err["commit"] < (
+                            2e-5 if name == "fp32" else 1e-2)
+                        us = graph_time_us([step.ours(s, config) for s in range(step.sets)])
+                    except Exception:  # noqa: BLE001
+                        traceback.print_exc()
+                        continue
+                    records.append(dict(tune=True, T=T, B=args.tune_batch, state=name, config=config, us=us, ok=ok))
+                    print(f"tune {name} T={T}: {config} fused {us:.2f} us ok={ok}", flush=True)
+                    if ok and (best is None or us < best[0]):
+                        best = (us, config)
+                tuned[f"{name}/T={T}"] = best[1] if best else CONFIGS[name][0]
+                del step
+                save()
+        cases = [(T, B, name) for T in sorted(args.tokens, key=lambda t: t != 4) for name in args.states
+                 for B in args.batches if T == 4 or B in args.short_batches]
+        for T, B, name in cases:
+            dtype = STATE_DTYPES[name]
+            config = tuned.get(f"{name}/T={T}", tuned.get(f"{name}/T=4", CONFIGS[name][0]))
+            step = Step(T, B, dtype)
+            try:
+                if B in (1, 64):
+                    check(step, op, config, records)
+                t = time_case(step, op, fb, config, separate=B in args.separate_batches)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                continue
+            bound = 2 * B * step.state_bytes / hbm * 1e6
+            rec = dict(T=T, B=B, state=name, config=config, times_us={k: round(v, 2) for k, v in t.items()},
+                       two_state_bound_us=round(bound, 2), fused_x_bound=round(t["ours fused"] / bound, 3))
+            if "compiled store_all" in t:
+                rec["compiled_over_fused"] = round(t["compiled store_all"] / t["ours fused"], 3)
+                if "ours verify" in t:
+                    rec["compiled_over_separate"] = round(
+                        t["compiled store_all"] / (t["ours verify"] + t["ours commit"]), 3)
+                # store_all moves 1 state read + T written
+                rec["compiled_TBps"] = round((1 + T) * B * step.state_bytes / t["compiled store_all"] / 1e6, 3)
+            rec["fused_TBps"] = round(2 * B * step.state_bytes / t["ours fused"] / 1e6, 3)
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            del step
+            torch.cuda.empty_cache()
+            save()
+        trees = []
+        for B in args.trees:
+            for name in args.states:
+                try:
+                    measure_tree((4, 2, 2), B, name, trees, hbm)
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+                torch.cuda.empty_cache()
+        records.append(dict(trees=trees))
+        save()
+
+    print("\n| state | T | B | compiled | fallback | ours fused | ours verify+commit | compiled/fused | x 2-state "
+          "bound | config |")
+    for r in records:
+        if "times_us" in r:
+            t = r["times_us"]
+            sep = t.get("ours verify", 0) + t.get("ours commit", 0)
+            print(f"| {r['state']} | {r['T']} | {r['B']} | {t.get('compiled store_all', '')} | "
+                  f"{t.get('triton fallback store_all', '')} | {t['ours fused']} | {sep:.2f} | "
+                  f"{r.get('compiled_over_fused', '')} | {r['fused_x_bound']} | {r['config']} |")
+    for r in trees:
+        if r["op"] in ("verify", "serial per-node"):
+            print(f"tree [4,2,2] B={r['batch']} {r['state']} {r['op']}: {r['us']} us serial/ours "
+                  f"{r['serial_over_ours']}")
+    print(f"done in {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""The whole GDN decode step after the conv, for packed draft chains and small trees, in one launch: gates, q/k L2
+norm, the closed-form verify, the gated RMSNorm with the output gate, and optionally the previous step's commit
+(the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`, so the two compare like for like).
+
+    g_i    = -exp(A_log) * softplus(a_i + dt_bias)            beta_i = sigmoid(b_i)
+    q_i    = scale * q_i / sqrt(|q_i|^2 + 1e-6)              k_i    = k_i / sqrt(|k_i|^2 + 1e-6)
+    (o_i, u_i) = closed-form tree verify from h0 (design notes §1)
+    out_i  = o_i * rsqrt(mean_v(o_i^2) + eps) * norm_weight * act(z_i)      act = silu or sigmoid
+
+One program per (value head, request) holds a whole head: the state [V, K] is streamed once through registers in
+key chunks of BK columns, in the state's own precision widened to fp32; every product with the state (h0 k_i,
+h0 q_i, and the commit's rank-one updates) is a broadcast multiply and an fp32 sum on the CUDA cores. No tensor-core
+dot touches the state, so there is no padding of the node dimension to 16 and no tf32 rounding: the fp32 state path
+keeps plain fp32 accuracy (each h0 k_i is an fp32 dot of length K: relative error <= K * 2^-24 ~ 8e-6 in the worst
+case, ~ sqrt(K) * 2^-24 ~ 7e-7 typically; measured 1-3e-7 on u and the committed state at K=128 against fp64).
+At T nodes a state element costs 2T fused multiply-adds for the verify and (path length + 1) for a commit, 13 FMAs
+per 8 bytes at fp32, T=4: ~3 FLOP/B against the H200's ~14 FLOP/B of fp32 rate over HBM bandwidth.
+
+Measured on the H200 (bench/results/kernels.md, 2026-11-30): this does NOT reach streaming speed. fp32 state, T=4:
+1.0x / 1.1x vLLM's compiled kernel at B=64 / 256 (2.2-2.5x faster than the ieee-dot `verify_packed_triton` path),
+at 1.4-1.6 TB/s; bf16 state 0.8x; T=8 spills registers. Causes found: each thread owns a value row and reads 16 bytes
+of it per step (a warp touches 32 lines per access; the commit alone in this layout streams at ~0.6 TB/s), every
+thread re-reads and unpacks the broadcast q/k chunks, and the 2T per-node partial sums of BK values each cost
+registers (occupancy). The next steps are listed in bench/results/kernels.md.
+
+A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
+`verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
+power of two): measured on the H200 are chains of up to 8 nodes; big trees stay with `verify_packed_triton`.
+
+Factors for the commit (`GatedFactors`): the raw key rows (a copy of mixed_qkv's k slice, input dtype), their
+inverse norms, the pseudo-values u (fp32) and the log decays g (fp32). The commit folds the inverse norm into u
+(h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) (u_j / |k_j|) k_raw_j^T), so the normalised keys are never stored.
+
+Torch twin: `vllm_treewy.kernels.gated.gdn_step_packed` / `gdn_commit_packed`; fp64 ground truth:
+`vllm_treewy.kernels.reference.reference_gated_tree`.
+
+For the adapter (additive: the existing verify/commit/conv entry points are unchanged). Where vLLM would call
+`fused_gdn_decode_post_conv_mtp(mixed_qkv, a, b, A_log, dt_bias, ..., state, output_gate, norm_weight, out, scale,
+norm_eps, activation)` after the conv, a reconstruct step calls
+
+    out, factors = gdn_step_triton(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state,
+                                   state_indices, parents, cu_nodes, num_key_heads=H, max_nodes=T, chain=True,
+                                   scale=K**-0.5, norm_eps=eps, activation="silu", out=core_attn_out,
+                                   factors=step_buffers, pending=previous)   # previous: GatedPending or None
+
+with `state_indices` [B] (one slot per request; negative = padding), then keeps `GatedPending(factors, parents,
+cu_nodes, accepted, max_nodes=T, chain=True)` for the next step (factors hold copies of the keys, so mixed_qkv may
+be overwritten), or commits it alone with `gdn_commit_triton(state, state_indices, pending, num_key_heads=H)`.
+Buffers (`out`, `factors`, via `GatedFactors.empty`) can be preallocated so the call is CUDA-graph capturable; the
+step's factors must not be the pending step's (alternate two sets per layer): programs read the one while others
+write the other. vLLM passes the layer's `layer_norm_epsilon` as norm_eps.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .verify import interpreting, max_ancestors, tree_ancestors
+
+ACTIVATIONS = ("silu", "sigmoid")
+L2NORM_EPS = 1e-6  # vLLM's in-kernel q/k L2 norm
+
+
+@dataclass
+class GatedFactors:
+    """What the commit of a step needs, written by the step's verify. k: [N, H, K] raw keys (input dtype);
+    k_scale: [N, H] fp32 inverse key norms; u: [N, HV, V] fp32 pseudo-values; g: [N, HV] fp32 log decays."""
+
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    u: torch.Tensor
+    g: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_nodes, H, HV, K, V, dtype, device):
+        return cls(torch.empty(num_nodes, H, K, dtype=dtype, device=device),
+                   torch.empty(num_nodes, H, dtype=torch.float32, device=device),
+                   torch.empty(num_nodes, HV, V, dtype=torch.float32, device=device),
+                   torch.empty(num_nodes, HV, dtype=torch.float32, device=device))
+
+
+@dataclass
+class GatedPending:
+    """A step's factors and accepted nodes, to commit (alone, or inside the next step's verify).
+    accepted[b]: local index of request b's accepted node, -1 leaves its slot as it is. Tree bounds as in
+    `gdn_step_triton`."""
+
+    factors: GatedFactors
+    parents: torch.Tensor
+    cu_nodes: torch.Tensor
+    accepted: torch.Tensor
+    max_nodes: int
+    max_depth: int | None = None
+    chain: bool = False
+    ancestors: torch.Tensor | None = None
+
+
+@triton.jit
+def _log_decay(a_raw, dt_bias, neg_exp_a_log):
+    """g = -exp(A_log) * softplus(a + dt_bias), softplus with vLLM's threshold of 20. log(1 + e) via Kahan's
+    log1p (log(u) * e / (u - 1), u = 1 + e rounded): accurate to a few ulps also where e = exp(x) is tiny, where
+    the plain log(1 + e) loses all relative precision (g -> 0)."""
+    x = a_raw + dt_bias
+    e = tl.exp(x)
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return neg_exp_a_log * tl.where(x <= 20.0, log1p, x)
+
+
+@triton.jit
+def _node(ancestors, bos, node, d, D: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """d-th ancestor of local `node` (-1 past the root, and for node = -1)."""
+    if IS_CHAIN:
+        return tl.where((node >= 0) & (node - d >= 0), node - d, -1)
+    return tl.load(ancestors + (bos + node) * D + d, mask=node >= 0, other=-1)
+
+
+@triton.jit
+def _node_terms(qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log, scale,
+                stride_a, stride_b, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """Everything per node that does not touch the state: gates, path sums c and decays exp(c_i - c_j), q/k
+    inverse norms and Gram matrices; stores the commit's factors g, k (raw) and 1/|k|."""
+    rows = tl.arange(0, BT)
+    valid = rows < n
+    node = bos + rows
+    # gates of the nodes, and their path sums c and decays exp(c_i - c_j) (running sums: no differences of
+    # long path sums)
+    b_a = tl.load(a + node * stride_a + i_hv, mask=valid, other=0.0).to(tl.float32)
+    g_own = _log_decay(b_a, bias, neg_exp_a_log)
+    b_beta = tl.sigmoid(tl.load(b + node * stride_b + i_hv, mask=valid, other=0.0).to(tl.float32))
+    local = tl.where(valid, rows, -1)
+    running_c = tl.zeros([BT], dtype=tl.float32)
+    log_decay = tl.full([BT, BT], float("-inf"), tl.float32)
+    for d in tl.static_range(MAX_ANC + 1):
+        cur = _node(ancestors, bos, local, d, MAX_ANC + 1, IS_CHAIN)
+        log_decay = tl.where(rows[None, :] == cur[:, None], running_c[:, None], log_decay)
+        a_cur = tl.load(a + (bos + cur) * stride_a + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
+        running_c += tl.where(cur >= 0, _log_decay(a_cur, bias, neg_exp_a_log), 0.0)
+    decay = tl.exp(log_decay)
+    # q/k norms and the small Gram matrices, from the whole rows (K elements; cached after the first touch)
+    o_k = tl.arange(0, K)
+    q_full = tl.load(q_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    k_full = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    q_inv = tl.rsqrt(tl.sum(q_full * q_full, 1) + 1e-6) * scale
+    k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
+    kk = tl.sum(k_full[:, None, :] * k_full[None, :, :], 2) * (k_inv[:, None] * k_inv[None, :])
+    qk = tl.sum(q_full[:, None, :] * k_full[None, :, :], 2) * (q_inv[:, None] * k_inv[None, :])
+    # factors for the commit: the log decays, and (once per key head) the raw keys and their inverse norms
+    tl.store(f_g + node * HV + i_hv, g_own, mask=valid)
+    first_of_group = (i_hv % (HV // H)) == 0
+    tl.store(f_kscale + node * H + i_h, k_inv, mask=valid & first_of_group)
+    tl.store(f_k + (node * H + i_h)[:, None] * K + o_k[None, :], k_full.to(f_k.dtype.element_ty),
+             mask=valid[:, None] & first_of_group)
+    return g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk
+
+
+@triton.jit
+def _gated_step_kernel(
+    qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes,
+    out, f_k, f_kscale, f_u, f_g,
+    p_k, p_kscale, p_u, p_g, p_ancestors, p_cu_nodes, p_accepted,
+    stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
+    stride_slot, stride_head, stride_v,
+    scale, eps,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
+    LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
+    ACT: tl.constexpr, DO_VERIFY: tl.constexpr,
+    HAS_PENDING: tl.constexpr, P_BP: tl.constexpr, P_MAX_ANC: tl.constexpr, P_IS_CHAIN: tl.constexpr,
+):
+    i_hv, i_b = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    if slot < 0:
+        return
+    o_v = tl.arange(0, V)
+    o_kc = tl.arange(0, BK)
+    p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
+    neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    if HAS_PENDING:
+        # the previous step's accepted path, one slot per depth d (d = 0: the accepted node): the raw key row
+        # offset, and exp(c_a - c_j) u_j / |k_j| as a [V] vector; exp(c_a) for h0
+        accepted = tl.load(p_accepted + i_b)
+        p_bos = tl.load(p_cu_nodes + i_b)
+        running = tl.zeros([], dtype=tl.float32)
+        p_wu = ()
+        p_krow = ()
+        p_on = ()
+        for d in tl.static_range(P_MAX_ANC + 1):
+            cur = _node(p_ancestors, p_bos, accepted, d, P_MAX_ANC + 1, P_IS_CHAIN)
+            on = cur >= 0
+            j = p_bos + tl.maximum(cur, 0)
+            weight = tl.where(on, tl.exp(running), 0.0) * tl.load(p_kscale + j * H + i_h, mask=on, other=0.0)
+            p_wu = p_wu + (tl.load(p_u + (j * HV + i_hv) * V + o_v, mask=on, other=0.0) * weight,)
+            p_krow = p_krow + (j.to(tl.int64) * (H * K) + i_h * K,)
+            p_on = p_on + (on,)
+            running += tl.load(p_g + j * HV + i_hv, mask=on, other=0.0)
+        p_root = tl.exp(running)
+        store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
+
+    if DO_VERIFY:
+        bos = tl.load(cu_nodes + i_b)
+        n = tl.load(cu_nodes + i_b + 1) - bos
+        rows = tl.arange(0, BT)
+        valid = rows < n
+        node = bos + rows
+        q_row = qkv + node.to(tl.int64) * stride_qkv + i_h * K
+        k_row = q_row + H * K
+        if not LATE_NODE_TERMS:
+            g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+                qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log,
+                scale, stride_a, stride_b, H, HV, K, BT, MAX_ANC, IS_CHAIN)
+        row_off = ()
+        row_ok = ()
+        for t in tl.static_range(BT):
+            row_off = row_off + ((bos + t).to(tl.int64) * stride_qkv,)
+            row_ok = row_ok + (t < n,)
+
+    # the state, BK key columns at a time (BK = one 16-byte vector per value row): each thread owns whole value
+    # rows, and every product with the state accumulates elementwise into per-node [V, BK] partial sums (no
+    # reduction, no shuffle, no layout change inside the loop); PREFETCH chunks are in flight ahead of the one in
+    # use, loaded before the commit stores the current chunk
+    if DO_VERIFY:
+        acc_k = ()
+        acc_q = ()
+        for t in tl.static_range(BT):
+            if ROW_SUMS:
+                acc_k = acc_k + (tl.zeros([V], dtype=tl.float32),)
+                acc_q = acc_q + (tl.zeros([V], dtype=tl.float32),)
+            else:
+                acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
+                acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
+    ahead = ()
+    for j in tl.static_range(PREFETCH):
+        ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
+    # a loop, not unrolled: unrolled, the compiler hoists the small q/k loads of many chunks and runs out of
+    # registers; in flight stay the PREFETCH chunks ahead
+    for i_k in tl.range(0, K // BK):
+        cols = i_k * BK + o_kc
+        h = ahead[0].to(tl.float32)
+        rest = ()
+        for j in tl.static_range(1, PREFETCH):
+            rest = rest + (ahead[j],)
+        ahead = rest + (tl.load(p_state + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
+                                other=0.0),)
+        if HAS_PENDING:
+            h = p_root * h
+            for d in tl.static_range(P_MAX_ANC + 1):
+                pk = tl.load(p_k + p_krow[d] + cols, mask=p_on[d], other=0.0).to(tl.float32)
+                h += p_wu[d][:, None] * pk[None, :]
+            h = h.to(state.dtype.element_ty)
+            tl.store(p_state + cols[None, :], h, mask=store_commit)
+            h = h.to(tl.float32)
+        if DO_VERIFY:
+            new_k = ()
+            new_q = ()
+            for t in tl.static_range(BT):
+                kc = tl.load(qkv + row_off[t] + H * K + i_h * K + cols, mask=row_ok[t], other=0.0).to(tl.float32)
+                qc = tl.load(qkv + row_off[t] + i_h * K + cols, mask=row_ok[t], other=0.0).to(tl.float32)
+                if ROW_SUMS:  # a thread's BK columns summed at once: in-thread when lanes run along V only
+                    new_k = new_k + (acc_k[t] + tl.sum(h * kc[None, :], 1),)
+                    new_q = new_q + (acc_q[t] + tl.sum(h * qc[None, :], 1),)
+                else:
+                    new_k = new_k + (acc_k[t] + h * kc[None, :],)
+                    new_q = new_q + (acc_q[t] + h * qc[None, :],)
+            acc_k = new_k
+            acc_q = new_q
+
+    if DO_VERIFY:
+        if LATE_NODE_TERMS:  # nothing of this is needed in the loop: keeps its [BT, BT] tiles out of the loop's registers
+            g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+                qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log,
+                scale, stride_a, stride_b, H, HV, K, BT, MAX_ANC, IS_CHAIN)
+        exp_c = tl.exp(running_c)
+        hk = tl.zeros([BT, V], dtype=tl.float32)
+        hq = tl.zeros([BT, V], dtype=tl.float32)
+        for t in tl.static_range(BT):
+            if ROW_SUMS:
+                hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
+                hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
+            else:
+                hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
+                hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
+        hk = hk * k_inv[:, None]
+        hq = hq * q_inv[:, None]
+        v_offs = (node * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_v = tl.load(qkv + node.to(tl.int64)[:, None] * stride_qkv + 2 * H * K + i_hv * V + o_v[None, :],
+                      mask=valid[:, None], other=0.0).to(tl.float32)
+        r = b_beta[:, None] * (b_v - exp_c[:, None] * hk)
+        gmat = tl.where(rows[None, :] != rows[:, None], b_beta[:, None] * decay * kk, 0.0)
+        # forward substitution: rows above i are final when row i is solved
+        b_u = r
+        for i in range(1, n):
+            g_row = tl.sum(tl.where(rows[:, None] == i, gmat, 0.0), 0)
+            b_u = tl.where(rows[:, None] == i, b_u - tl.sum(g_row[:, None] * b_u, 0)[None, :], b_u)
+        pmat = decay * qk
+        b_o = exp_c[:, None] * hq + tl.sum(pmat[:, :, None] * b_u[None, :, :], 1)
+        tl.store(f_u + v_offs, b_u, mask=valid[:, None])
+        # gated RMSNorm over the head's V values, output gate fused
+        rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
+        w = tl.load(norm_weight + o_v).to(tl.float32)
+        b_z = tl.load(z + node[:, None] * stride_z + i_hv * stride_zh + o_v[None, :], mask=valid[:, None],
+                      other=0.0).to(tl.float32)
+        if ACT == "silu":
+            gate = b_z * tl.sigmoid(b_z)
+        else:
+            gate = tl.sigmoid(b_z)
+        y = b_o * rstd[:, None] * w[None, :] * gate
+        tl.store(out + node[:, None] * stride_out + i_hv * stride_outh + o_v[None, :], y.to(out.dtype.element_ty),
+                 mask=valid[:, None])
+
+
+# (block_k, num_warps, prefetch, max_registers) keyed by fp32 state: measured fastest at H=16, HV=32, K=V=128, chain
+# T=4, B=64 on the H200 among one-row-per-thread tiles (16-byte accesses) and sector-coalesced 16-warp tiles
+# (bench/gated_bench.py; bench/results/2026-11-30/gated.json "tune" records): fp32 193.9 us (16-warp tiles 249-278),
+# bf16 138.2 us (16-warp tiles 233-238).
+GATED_CONFIGS = {False: (8, 4, 2, 128), True: (4, 4, 2, 96)}
+
+
+def _nodes_block(max_nodes: int) -> int:
+    return max(2, triton.next_power_of_2(max_nodes))
+
+
+def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
+            *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation, pending, ancestors, out,
+            factors, do_verify, block_k, num_warps, prefetch, max_registers, row_sums=False,
+            late_node_terms=False):
+    S, HV, V, K = state.shape
+    H = num_key_heads
+    assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
+    assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
+    fp32 = state.dtype == torch.float32
+    block_k = min(block_k or GATED_CONFIGS[fp32][0], K)
+    options = dict(num_warps=num_warps or GATED_CONFIGS[fp32][1], num_stages=1)
+    prefetch = prefetch or GATED_CONFIGS[fp32][2]
+    max_registers = max_registers or GATED_CONFIGS[fp32][3]
+    if max_registers and not interpreting():
+        options["maxnreg"] = max_registers
+    batch = state_indices.shape[0]
+    if do_verify:
+        n_nodes = mixed_qkv.shape[0]
+        assert mixed_qkv.shape[1] == 2 * H * K + HV * V and mixed_qkv.stride(1) == 1
+        assert a.stride(1) == 1 and b.stride(1) == 1 and output_gate.stride(2) == 1
+        max_anc = max_ancestors(max_nodes, max_depth, chain)
+        ancestors = tree_ancestors(parents, cu_nodes, max_anc, chain, ancestors)
+        if out is None:
+            out = torch.empty(n_nodes, HV, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+        if factors is None:
+            factors = GatedFactors.empty(n_nodes, H, HV, K, V, mixed_qkv.dtype, mixed_qkv.device)
+        assert pending is None or pending.factors.u.data_ptr() != factors.u.data_ptr(), \
+            "the step's factors must not be the pending step's (double-buffer them)"
+        out3 = out.view(n_nodes, HV, V)
+        bt = _nodes_block(max_nodes)
+        v_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight)
+        strides = (mixed_qkv.stride(0), a.stride(0), b.stride(0), output_gate.stride(0), output_gate.stride(1),
+                   out3.stride(0), out3.stride(1))
+        f_args = (out3, factors.k, factors.k_scale, factors.u, factors.g)
+    else:
+        p = pending.factors
+        max_anc, bt, ancestors, cu_nodes = 0, 2, pending.cu_nodes, pending.cu_nodes
+        v_args = (p.k, p.g, p.g, p.g, p.g, p.u, p.g)
+        strides = (0,) * 7
+        f_args = (p.u, p.k, p.k_scale, p.u, p.g)
+    if pending is None:
+        p_args, p_bp, p_anc, p_chain = (factors.k, factors.k_scale, factors.u, factors.g, ancestors, cu_nodes,
+                                        state_indices), 2, 0, True
+    else:
+        pf = pending.factors
+        p_anc, p_chain = max_ancestors(pending.max_nodes, pending.max_depth, pending.chain), pending.chain
+        p_args = (pf.k, pf.k_scale, pf.u, pf.g,
+                  tree_ancestors(pending.parents, pending.cu_nodes, p_anc, p_chain, pending.ancestors),
+                  pending.cu_nodes, pending.accepted)
+        p_bp = _nodes_block(p_anc + 1)
+    _gated_step_kernel[(HV, batch)](
+        *v_args, state, state_indices, ancestors, cu_nodes, *f_args, *p_args,
+        *strides, state.stride(0), state.stride(1), state.stride(2),
+        float(K**-0.5 if scale is None else scale), float(norm_eps),
+        H=H, HV=HV, K=K, V=V, BT=bt, BK=block_k, PREFETCH=prefetch, ROW_SUMS=row_sums, LATE_NODE_TERMS=late_node_terms, MAX_ANC=max_anc, IS_CHAIN=chain,
+        ACT=activation, DO_VERIFY=do_verify,
+        HAS_PENDING=pending is not None, P_BP=p_bp, P_MAX_ANC=p_anc, P_IS_CHAIN=p_chain,
+        **options,
+    )
+    return out, factors
+
+
+def gdn_step_triton(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    output_gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    *,
+    num_key_heads: int,
+    max_nodes: int,
+    max_depth: int | None = None,
+    chain: bool = False,
+    scale: float | None = None,
+    norm_eps: float = 1e-6,
+    activation: str = "silu",
+    pending: GatedPending | None = None,
+    ancestors: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    factors: GatedFactors | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    prefetch: int | None = None,
+    max_registers: int | None = None,
+    row_sums: bool = False,
+    late_node_terms: bool = False,
+) -> tuple[torch.Tensor, GatedFactors]:
+    """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node,
+    and the factors its commit needs. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
+
+    mixed_qkv [N, 2*H*K + HV*V] (post-conv q | k | v, row stride free, last dim contiguous); a, b [N, HV] (raw
+    gate inputs); A_log, dt_bias [HV]; output_gate z [N, HV, V]; norm_weight [V]; state pool [S, HV, V, K] fp32 or
+    bf16 (read; written only with `pending`); state_indices [B] (negative: padding request, nothing written);
+    parents [N] local, cu_nodes [B+1] (`vllm_treewy.tree.pack_trees`); scale defaults to K**-0.5.
+    Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view) and `GatedFactors`.
+    `pending`: the previous step's commit, applied to each request's slot before its verify reads it (one state
+    read and one write per request per step in all). `ancestors`: as in `verify_packed_triton`.
+    Not yet measured on a GPU, off by default (the measured code path is the default): `row_sums=True` keeps one
+    per-node sum per row, summed over the thread's BK columns every step (2T registers instead of 2T x BK);
+    `late_node_terms=True` computes gates, decays and Gram matrices after the state loop, so their [BT, BT] tiles
+    (replicated in every thread) are not live in it. sm_90 compile at T=4, no register cap: 96 registers and no
+    spills with both, against 128 (fp32) / 216 (bf16) now; T=8 stays at ~250 (the epilogue's [BT, BT, V] products)
+    (bench/results/2026-11-30/compile_report.jsonl).
+    No host sync, no data-dependent shapes: capturable in a CUDA graph."""
+    return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
+                   cu_nodes, num_key_heads=num_key_heads, max_nodes=max_nodes, max_depth=max_depth, chain=chain,
+                   scale=scale, norm_eps=norm_eps, activation=activation, pending=pending, ancestors=ancestors,
+                   out=out, factors=factors, do_verify=True, block_k=block_k, num_warps=num_warps,
+                   prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
+                   late_node_terms=late_node_terms)
+
+
+def gdn_commit_triton(
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    pending: GatedPending,
+    *,
+    num_key_heads: int,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    prefetch: int | None = None,
+    max_registers: int | None = None,
+) -> None:
+    """Rebuild each request's accepted node's state in its slot, in place, from `gdn_step_triton`'s factors
+    (the commit alone, for when no next verify follows to carry it)."""
+    _launch(None, None, None, None, None, None, None, state, state_indices, None, None,
+            num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
+            activation="silu", pending=pending, ancestors=None, out=None, factors=None, do_verify=False,
+            block_k=block_k, num_warps=num_warps, prefetch=prefetch, max_registers=max_registers)
