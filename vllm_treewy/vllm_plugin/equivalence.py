@@ -212,24 +212,30 @@ class KVCacheReport:
     max_concurrency: float  # requests of max_model_len that fit, as vLLM logs it
     gdn_blocks_per_request: list[int]  # per GDN (Mamba) group: 1 + num_speculative_blocks
     gdn_state_bytes_per_request: int  # all GDN layers, at the pages vLLM allocates
+    # all GDN layers: states on the page beyond vLLM's conv and SSM state (reconstruct's pseudo-value buffer)
+    gdn_buffer_bytes_per_request: int = 0
 
 
 def kv_cache_report(llm: LLM) -> KVCacheReport:
     """Reads an in-process engine's KV-cache config (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.utils.torch_utils import get_dtype_size
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
     from vllm.v1.kv_cache_interface import MambaSpec
 
     vllm_config = llm.llm_engine.vllm_config
     kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-    blocks, state_bytes = [], 0
+    blocks, state_bytes, buffer_bytes = [], 0, 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
             blocks.append(1 + spec.num_speculative_blocks)
             state_bytes += len(group.layer_names) * spec.max_memory_usage_bytes(vllm_config)
+            buffer_bytes += len(group.layer_names) * sum(
+                math.prod(shape) * get_dtype_size(dtype) for shape, dtype in zip(spec.shapes[2:], spec.dtypes[2:]))
     return KVCacheReport(
         num_blocks=kv_cache_config.num_blocks,
         max_concurrency=get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config),
         gdn_blocks_per_request=blocks,
         gdn_state_bytes_per_request=state_bytes,
+        gdn_buffer_bytes_per_request=buffer_bytes,
     )

@@ -15,7 +15,7 @@ import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as cpu_gdn
 def _dispatching(original_spec_aware, original_spec_forward):
     def spec_aware(layer, metadata, *args, **kwargs):
         if getattr(layer, "reconstructs_state", False):
-            layer.pending_commit = None  # factors of an earlier pass that was never sampled (warm-up runs)
+            layer.pending_step = None  # an earlier pass that was never sampled (warm-up runs)
         return original_spec_aware(layer, metadata, *args, **kwargs)
 
     def spec_forward(layer, metadata, mixed_qkv_spec, b_spec, a_spec, *args, **kwargs):
