@@ -41,6 +41,9 @@ def engine_kwargs(args, num_tokens_per_request: int) -> dict:
         max_num_seqs=max(args.batch_sizes),
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.eager,
+        # The kernels a run uses compile at first use (the warm-up pass); vLLM's JIT warm-up compiles ~150
+        # kernel variants up front, most of which this model never runs.
+        kernel_config={"enable_jit_warmup": args.jit_warmup},
     )
     if not args.eager:
         sizes = sorted({b * num_tokens_per_request for b in args.batch_sizes})
@@ -56,6 +59,7 @@ def add_common_args(parser):
     parser.add_argument("--ssm-cache-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (a second opinion; compiled ops stay)")
+    parser.add_argument("--jit-warmup", action="store_true", help="vLLM's kernel JIT warm-up at engine start")
 
 
 def prompts_and_model():
@@ -83,6 +87,21 @@ def timed_batches(llm, prompts, args) -> tuple[dict, dict]:
     return outputs, tokens_per_s
 
 
+def teacher_forced_verdicts(llm, prompts, outputs) -> dict:
+    from vllm_treewy.vllm_plugin.equivalence import compare_teacher_forced
+
+    verdicts = {}
+    for b, out in outputs.items():
+        verdict = compare_teacher_forced(llm, prompts[:b], out)
+        verdicts[str(b)] = {
+            "passed": verdict.passed, "summary": verdict.summary(),
+            "identical": verdict.num_prompts - len(verdict.divergences),
+            "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures),
+        }
+        print(f"  batch {b} teacher-forced: {verdict.summary()}", flush=True)
+    return verdicts
+
+
 def run_spec(args) -> int:
     import vllm_treewy.vllm_plugin as plugin
     from vllm_treewy.vllm_plugin.equivalence import engine, kv_cache_report, read_acceptance
@@ -93,12 +112,14 @@ def run_spec(args) -> int:
             "attention_backend": "TRITON_ATTN"}
     name = f"{args.strategy}-k{args.k}"
     start = time.perf_counter()
-    with engine(model, speculative_config=spec, **engine_kwargs(args, 1 + args.k)) as llm:
+    extra = {"logprobs_mode": "raw_logits"} if args.self_check else {}
+    with engine(model, speculative_config=spec, **engine_kwargs(args, 1 + args.k), **extra) as llm:
         started = time.perf_counter() - start
         before = read_acceptance(llm)
         outputs, tokens_per_s = timed_batches(llm, prompts, args)
         after = read_acceptance(llm)
         kv = kv_cache_report(llm)
+        self_check = teacher_forced_verdicts(llm, prompts, outputs) if args.self_check else None
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     drafted = after.num_draft_tokens - before.num_draft_tokens
     result = {
@@ -106,6 +127,7 @@ def run_spec(args) -> int:
         "outputs": {str(b): o for b, o in outputs.items()},
         "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
         "acceptance_rate": accepted / max(drafted, 1), "kv_cache": asdict(kv),
+        "teacher_forced_verdicts": self_check,
     }
     Path(args.runs).mkdir(parents=True, exist_ok=True)
     (Path(args.runs) / f"{name}.json").write_text(json.dumps(result))
@@ -172,6 +194,9 @@ def main(argv=None) -> int:
     add_common_args(spec)
     spec.add_argument("--strategy", required=True, choices=["store_all", "reconstruct"])
     spec.add_argument("--k", type=int, default=3)
+    spec.add_argument("--self-check", action="store_true",
+                      help="also judge the outputs against this engine's own prefill logits "
+                           "(equivalence.compare_teacher_forced), without a reference engine")
     ref = sub.add_parser("reference", help="the no-speculation engine: tokens/s, then judges every run")
     add_common_args(ref)
     ref.add_argument("--out", required=True)

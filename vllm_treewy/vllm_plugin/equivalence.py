@@ -204,6 +204,43 @@ def compare_tie_aware(
     return verdict
 
 
+def compare_teacher_forced(
+    llm: LLM, prompt_ids: list[list[int]], candidate_outputs: list[list[int]]
+) -> EquivalenceVerdict:
+    """Every generated token against the same model's prefill logits for its own prefix (no second engine).
+
+    The engine's prompt logits (`raw_logits` mode) come from vLLM's prefill path, which never speculates; a
+    greedy token passes where it is that path's top token or within one bf16 step of it. Each prompt's first
+    token that is not the top one is recorded (a tie or a failure); a failure anywhere in a prompt is recorded
+    even after a tie. Stronger than `compare_tie_aware` (every position is checked, in its own context), but
+    prefill and decode kernels round differently, so near-ties show up as ties here too.
+    """
+    assert llm.llm_engine.model_config.logprobs_mode == "raw_logits", "re-scoring needs raw logits"
+    verdict = EquivalenceVerdict(len(prompt_ids), sum(map(len, candidate_outputs)))
+    rescore = llm.generate(
+        [{"prompt_token_ids": p + c} for p, c in zip(prompt_ids, candidate_outputs)],
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )
+    for i, (prompt, candidate, result) in enumerate(zip(prompt_ids, candidate_outputs, rescore)):
+        first_tie = None
+        for pos, token in enumerate(candidate):
+            logits = result.prompt_logprobs[len(prompt) + pos]  # token id -> Logprob (raw logit here)
+            top_token, top = max(logits.items(), key=lambda kv: kv[1].logprob)
+            if top_token == token:
+                continue
+            divergence = Divergence(i, pos, top_token, token, top.logprob - logits[token].logprob,
+                                    bf16_step(top.logprob))
+            if not divergence.is_tie:
+                verdict.divergences.append(divergence)
+                break
+            first_tie = first_tie or divergence
+        else:
+            if first_tie is not None:
+                verdict.divergences.append(first_tie)
+    return verdict
+
+
 @dataclass
 class KVCacheReport:
     """What vLLM's own KV-cache config says about a running engine."""
