@@ -45,6 +45,8 @@ def engine_kwargs(args, num_tokens_per_request: int) -> dict:
         # kernel variants up front, most of which this model never runs.
         kernel_config={"enable_jit_warmup": args.jit_warmup},
     )
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if not args.eager:
         sizes = sorted({b * num_tokens_per_request for b in args.batch_sizes})
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
@@ -59,6 +61,8 @@ def add_common_args(parser):
     parser.add_argument("--ssm-cache-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (a second opinion; compiled ops stay)")
+    # A smaller token budget shortens vLLM's start-up profile run (Triton autotuning at that many tokens).
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
     parser.add_argument("--jit-warmup", action="store_true", help="vLLM's kernel JIT warm-up at engine start")
 
 
