@@ -2,13 +2,18 @@
 
 Runs on the H200 through `../shared/tools/gpu-vllm` (vLLM with its compiled CUDA ops), in vLLM's default mode
 (torch.compile + CUDA graphs; `--eager` for the second opinion). One engine per process (a second `LLM` in one
-process fails there), so a shell loop runs the speculative engines first and the no-speculation reference last:
+process fails there), so a shell loop (`bench/run_gpu_vllm_e2e.sh`) runs the speculative engines first and the
+no-speculation reference last:
 
     source .gpu-vllm/device-setup.sh
     for s in store_all reconstruct; do
-      python3 bench/gpu_vllm_e2e.py spec --strategy $s --k 3 --runs /tmp/runs
+      python3 bench/gpu_vllm_e2e.py spec --strategy $s --k 3 --runs $OUT/runs
     done
-    python3 bench/gpu_vllm_e2e.py reference --runs /tmp/runs --out $OUT/gpu_vllm_e2e.json
+    python3 bench/gpu_vllm_e2e.py reference --runs $OUT/runs --out $OUT/gpu_vllm_e2e.json
+
+Each engine start takes ~170-185 s on a fresh H200 (measured 2026-11-30: vLLM's profile run with Triton
+autotuning ~95 s, torch.compile ~25 s, kernel JIT warm-up 33 s, now off by default), so three engines need about
+ten minutes of device time. `spec --self-check` judges one engine against its own prefill logits instead.
 
 Model: the fixture at shape `qwen35` (GDN 16 key heads, 32 value heads, K = V = 128). For each batch size the
 first B fixture prompts are submitted at once (`max_num_seqs` = the largest B) for `--max-tokens` greedy tokens;

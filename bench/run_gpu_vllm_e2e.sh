@@ -5,7 +5,8 @@
 # A run with k = 1 starts only while less than SKIP_K1_AFTER_S seconds have passed (device-time budget).
 set -u
 out=$1; ks=$2; shift 2
-log=$out/log.txt runs=/tmp/gpu_vllm_e2e_runs
+# Per-engine results under $OUT too: they come back even when the call runs out of time before the reference.
+log=$out/log.txt runs=$out/runs
 rm -rf "$runs"; start=$(date +%s)
 for k in $ks; do
   for s in store_all reconstruct; do

@@ -9,10 +9,12 @@ import contextlib
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as cpu_gdn
 
 from tests.e2e.planted_bugs import planted_state_commit_bug
 from vllm_treewy.fixture import build_fixture, fixture_prompts
+from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.equivalence import (
     EquivalenceVerdict,
     GenerationRun,
@@ -71,6 +73,27 @@ def count_mixed_batches(counter: dict):
         cpu_gdn._cpu_gdn_attention_spec_aware = original
 
 
+@contextlib.contextmanager
+def verify_inputs_overwritten(counter: dict):
+    """Overwrites what each reconstruct verify pass was handed as soon as it returns, as vLLM's piecewise CUDA
+    graphs do on the GPU (the GDN op's inputs live in the graph pool, which the next pieces of the forward reuse
+    before the commit runs after sampling). A commit that read them would rebuild the state from noise."""
+    original = ReconstructGatedDeltaNetAttention.verify_spec_chains
+
+    def verify_then_overwrite(layer, metadata, x, a, b):
+        out = original(layer, metadata, x, a, b)
+        for t in (x, a, b):
+            t.copy_(torch.randn_like(t))
+        counter["overwritten"] = counter.get("overwritten", 0) + 1
+        return out
+
+    ReconstructGatedDeltaNetAttention.verify_spec_chains = verify_then_overwrite
+    try:
+        yield
+    finally:
+        ReconstructGatedDeltaNetAttention.verify_spec_chains = original
+
+
 @pytest.fixture(scope="session")
 def fixture_model(tmp_path_factory) -> str:
     return str(build_fixture(tmp_path_factory.mktemp("qwen35-tiny")))
@@ -96,6 +119,7 @@ def e2e(fixture_model, workloads) -> E2ERuns:
     plan = [(f"{s}-k{k}", "standard", mtp(k, s), None) for k in SPEC_KS for s in STRATEGIES]
     plan += [(bug, "standard", mtp(3), bug) for bug in PLANTED_BUGS]
     plan += [("reconstruct-preempted", "long", mtp(3, "reconstruct"), None)]
+    plan += [("reconstruct-inputs-overwritten", "standard", mtp(3, "reconstruct"), "overwrite_verify_inputs")]
     for name, workload, spec, bug in plan:
         prompts, max_tokens = workloads[workload]
         kwargs = dict(max_num_seqs=MAX_NUM_SEQS, speculative_config=spec)
@@ -104,6 +128,9 @@ def e2e(fixture_model, workloads) -> E2ERuns:
         with count_mixed_batches(results.mixed_batches.setdefault(name, {})):
             if bug is None:
                 results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
+            elif bug == "overwrite_verify_inputs":
+                with verify_inputs_overwritten(results.mixed_batches[name]):
+                    results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
             else:
                 with planted_state_commit_bug(bug):
                     results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)

@@ -56,3 +56,12 @@ def test_gdn_state_blocks_per_request(e2e, fixture_model, k):
     assert store_all.gdn_buffer_bytes_per_request == 0
     assert reconstruct.gdn_state_bytes_per_request < store_all.gdn_state_bytes_per_request
     assert reconstruct.max_concurrency > store_all.max_concurrency
+
+
+def test_commit_does_not_read_what_verify_was_handed(e2e):
+    """The GPU's piecewise CUDA graphs reuse the GDN op's input memory before the commit runs (issue 9: 0/256
+    identical outputs); overwriting those inputs right after verify must change nothing."""
+    name = "reconstruct-inputs-overwritten"
+    assert e2e.mixed_batches[name]["overwritten"] > 0
+    assert e2e.verdict(name).passed, e2e.verdict(name).summary()
+    assert e2e.run(name).outputs == e2e.run("reconstruct-k3").outputs
