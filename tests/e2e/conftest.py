@@ -18,6 +18,7 @@ from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.equivalence import (
     EquivalenceVerdict,
     GenerationRun,
+    compare_teacher_forced,
     compare_tie_aware,
     engine,
     generate_greedy,
@@ -28,6 +29,7 @@ NUM_PROMPTS = 32
 SPEC_KS = (1, 2, 3, 4)
 STRATEGIES = ("store_all", "reconstruct")
 PLANTED_BUGS = ("off_by_one", "no_rollback")
+TEACHER_FORCED_RUNS = ("reconstruct-k3", "store_all-k3", *PLANTED_BUGS)
 # Few concurrent sequences: prompts queue up and prefill while earlier ones are in speculative decode.
 MAX_NUM_SEQS = 6
 # Preemption workload: prompts of ~230-240 tokens that cross a 256-token attention block while decoding, in
@@ -44,6 +46,7 @@ def mtp(k: int, strategy: str = "store_all") -> dict:
 class E2ERuns:
     runs: dict = field(default_factory=dict)  # name -> GenerationRun
     verdicts: dict = field(default_factory=dict)  # name -> EquivalenceVerdict
+    teacher_forced: dict = field(default_factory=dict)  # name -> EquivalenceVerdict (compare_teacher_forced)
     mixed_batches: dict = field(default_factory=dict)  # name -> counts of GDN batches
     reference: dict = field(default_factory=dict)  # workload -> reference outputs
 
@@ -143,4 +146,8 @@ def e2e(fixture_model, workloads) -> E2ERuns:
             results.verdicts[name] = compare_tie_aware(
                 reference, prompts, results.reference[workload], results.runs[name].outputs
             )
+        # The bench's one-engine check (`--self-check` on the GPU), held against runs known good and bad.
+        for name in TEACHER_FORCED_RUNS:
+            results.teacher_forced[name] = compare_teacher_forced(
+                reference, workloads["standard"][0], results.runs[name].outputs)
     return results
