@@ -57,16 +57,31 @@ class E2ERuns:
         return self.verdicts[name]
 
 
+def _new_prefill_slots(metadata) -> set[int]:
+    """State slots of the batch's prefills that start from no state (new or recomputed requests)."""
+    if metadata.num_prefills == 0 or metadata.has_initial_state is None:
+        return set()
+    return set(metadata.non_spec_state_indices_tensor[~metadata.has_initial_state].tolist())
+
+
 @contextlib.contextmanager
 def count_mixed_batches(counter: dict):
-    """Counts GDN forward calls whose batch holds both speculative decodes and prefills."""
+    """Counts GDN forward calls whose batch holds both speculative decodes and prefills, and those where a new
+    prefill takes a state slot that a speculative decode held in the layer's previous step (a request that
+    finished or was preempted right after a step, its slot handed on at once)."""
     original = cpu_gdn._cpu_gdn_attention_spec_aware
+    previous_spec_slots = {}  # layer -> slots of its previous step's speculative decodes
 
     def counting(layer, metadata, *args, **kwargs):
         counter["spec_batches"] = counter.get("spec_batches", 0) + (metadata.num_spec_decodes > 0)
         counter["mixed_batches"] = counter.get("mixed_batches", 0) + (
             metadata.num_spec_decodes > 0 and metadata.num_prefills > 0
         )
+        reused = _new_prefill_slots(metadata) & previous_spec_slots.get(layer.prefix, set())
+        counter["slot_reused_next_step"] = counter.get("slot_reused_next_step", 0) + bool(reused)
+        spec = metadata.spec_state_indices_tensor
+        previous_spec_slots[layer.prefix] = set(spec[: metadata.num_spec_decodes, 0].tolist()) if (
+            metadata.num_spec_decodes > 0) else set()
         return original(layer, metadata, *args, **kwargs)
 
     cpu_gdn._cpu_gdn_attention_spec_aware = counting

@@ -33,6 +33,13 @@ def test_reconstruct_acceptance_matches_store_all(e2e, k):
     assert set(differing) <= ties, f"prompts {differing} split beyond a bf16 tie"
 
 
+def test_slot_of_a_finished_request_is_reused_at_once(e2e):
+    """Requests finish right after a speculative step and a new prefill takes the slot in the next step; the
+    reconstruct runs above pass with that happening (a commit must never outlive its request's slot)."""
+    for k in SPEC_KS:
+        assert e2e.mixed_batches[f"reconstruct-k{k}"]["slot_reused_next_step"] > 0
+
+
 def test_reconstruct_survives_preemption(e2e):
     run = e2e.run("reconstruct-preempted")
     assert run.num_preemptions > 0, "the workload did not preempt any request"
