@@ -1,12 +1,25 @@
-"""Greedy equivalence and GDN state blocks of reconstruct vs store_all in real vLLM 0.32 on a CUDA GPU.
+"""Reconstruct vs store_all in real vLLM 0.32 on a CUDA GPU: tie-aware greedy equivalence, throughput, GDN memory.
 
-Runs on the H200 through `../shared/tools/gpu-vllm` (vLLM's Python on its Triton kernels, V1 runner, eager):
+Runs on the H200 through `../shared/tools/gpu-vllm` (vLLM with its compiled CUDA ops), in vLLM's default mode
+(torch.compile + CUDA graphs; `--eager` for the second opinion). One engine per process (a second `LLM` in one
+process fails there), so a shell loop (`bench/run_gpu_vllm_e2e.sh`) runs the speculative engines first and the
+no-speculation reference last:
 
-    source .gpu-vllm/device-setup.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 bench/gpu_vllm_e2e.py --out $OUT
+    source .gpu-vllm/device-setup.sh
+    for s in store_all reconstruct; do
+      python3 bench/gpu_vllm_e2e.py spec --strategy $s --k 3 --runs $OUT/runs
+    done
+    python3 bench/gpu_vllm_e2e.py reference --runs $OUT/runs --out $OUT/gpu_vllm_e2e.json
 
-Builds the Qwen3.5-shaped fixture (GDN: 16 key heads, 32 value heads, K = V = 128), runs MTP k=3 with
-store_all and with reconstruct, then the no-speculation reference, and writes a JSON report with the
-tie-aware verdicts, vLLM's acceptance counters, and its KV-cache report (GDN blocks per request, max concurrency).
+Each engine start takes ~170-185 s on a fresh H200 (measured 2026-11-30: vLLM's profile run with Triton
+autotuning ~95 s, torch.compile ~25 s, kernel JIT warm-up 33 s, now off by default), so three engines need about
+ten minutes of device time. `spec --self-check` judges one engine against its own prefill logits instead.
+
+Model: the fixture at shape `qwen35` (GDN 16 key heads, 32 value heads, K = V = 128). For each batch size the
+first B fixture prompts are submitted at once (`max_num_seqs` = the largest B) for `--max-tokens` greedy tokens;
+tokens/s is B * max_tokens over the `generate` call's wall time, after a warm-up pass over the same batch sizes.
+The reference engine times the same batches without speculation, then re-scores every divergence (tie-aware
+verdict: a divergence passes only where the reference's top two logits are within one bf16 step).
 """
 
 from __future__ import annotations
@@ -15,88 +28,190 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-# What vLLM's Python needs on this site, where its compiled CUDA extensions are absent (gpu-vllm README).
-GPU_ENGINE_KWARGS = dict(
-    attention_backend="TRITON_ATTN",
-    compilation_config={"custom_ops": ["none"]},
-    gdn_prefill_backend="triton",
-    enforce_eager=True,
-)
+FIXTURE_DIR = "/tmp/fixture-qwen35"
+
+
+def engine_kwargs(args, num_tokens_per_request: int) -> dict:
+    """What vLLM needs on the gpu-vllm site (gpu-vllm README), and CUDA graphs only at the measured sizes."""
+    kwargs = dict(
+        attention_backend="TRITON_ATTN",
+        gdn_prefill_backend="triton",
+        mamba_ssm_cache_dtype=args.ssm_cache_dtype,
+        max_num_seqs=max(args.batch_sizes),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.eager,
+        # The kernels a run uses compile at first use (the warm-up pass); vLLM's JIT warm-up compiles ~150
+        # kernel variants up front, most of which this model never runs.
+        kernel_config={"enable_jit_warmup": args.jit_warmup},
+    )
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if not args.eager:
+        sizes = sorted({b * num_tokens_per_request for b in args.batch_sizes})
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+    return kwargs
+
+
+def add_common_args(parser):
+    parser.add_argument("--runs", required=True, help="folder for the per-engine results")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    # Qwen3.5 checkpoints keep the SSM state in fp32 (mamba_ssm_dtype).
+    parser.add_argument("--ssm-cache-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (a second opinion; compiled ops stay)")
+    # A smaller token budget shortens vLLM's start-up profile run (Triton autotuning at that many tokens).
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
+    parser.add_argument("--jit-warmup", action="store_true", help="vLLM's kernel JIT warm-up at engine start")
+
+
+def prompts_and_model():
+    from transformers import AutoTokenizer
+
+    from vllm_treewy.fixture import build_fixture, fixture_prompts
+
+    model = FIXTURE_DIR if (Path(FIXTURE_DIR) / "fixture.json").exists() else str(
+        build_fixture(FIXTURE_DIR, shape="qwen35"))
+    return model, fixture_prompts(AutoTokenizer.from_pretrained(model), 256)
+
+
+def timed_batches(llm, prompts, args) -> tuple[dict, dict]:
+    """Outputs and tokens/s per batch size, after one warm-up pass over the same batch sizes."""
+    from vllm_treewy.vllm_plugin.equivalence import generate_greedy
+
+    for b in args.batch_sizes:
+        generate_greedy(llm, prompts[:b], [8] * b)
+    outputs, tokens_per_s = {}, {}
+    for b in args.batch_sizes:
+        start = time.perf_counter()
+        outputs[b] = generate_greedy(llm, prompts[:b], [args.max_tokens] * b)
+        tokens_per_s[b] = b * args.max_tokens / (time.perf_counter() - start)
+        print(f"  batch {b}: {tokens_per_s[b]:,.0f} tokens/s", flush=True)
+    return outputs, tokens_per_s
+
+
+def teacher_forced_verdicts(llm, prompts, outputs) -> dict:
+    from vllm_treewy.vllm_plugin.equivalence import compare_teacher_forced
+
+    verdicts = {}
+    for b, out in outputs.items():
+        verdict = compare_teacher_forced(llm, prompts[:b], out)
+        verdicts[str(b)] = {
+            "passed": verdict.passed, "summary": verdict.summary(),
+            "identical": verdict.num_prompts - len(verdict.divergences),
+            "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures),
+        }
+        print(f"  batch {b} teacher-forced: {verdict.summary()}", flush=True)
+    return verdicts
+
+
+def run_spec(args) -> int:
+    import vllm_treewy.vllm_plugin as plugin
+    from vllm_treewy.vllm_plugin.equivalence import engine, kv_cache_report, read_acceptance
+
+    plugin.register()  # in-process engine: this process is the only vLLM process
+    model, prompts = prompts_and_model()
+    spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
+            "attention_backend": "TRITON_ATTN"}
+    name = f"{args.strategy}-k{args.k}"
+    start = time.perf_counter()
+    extra = {"logprobs_mode": "raw_logits"} if args.self_check else {}
+    with engine(model, speculative_config=spec, **engine_kwargs(args, 1 + args.k), **extra) as llm:
+        started = time.perf_counter() - start
+        before = read_acceptance(llm)
+        outputs, tokens_per_s = timed_batches(llm, prompts, args)
+        after = read_acceptance(llm)
+        kv = kv_cache_report(llm)
+        self_check = teacher_forced_verdicts(llm, prompts, outputs) if args.self_check else None
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    result = {
+        "name": name, "strategy": args.strategy, "k": args.k, "engine_start_s": started,
+        "outputs": {str(b): o for b, o in outputs.items()},
+        "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
+        "acceptance_rate": accepted / max(drafted, 1), "kv_cache": asdict(kv),
+        "teacher_forced_verdicts": self_check,
+    }
+    Path(args.runs).mkdir(parents=True, exist_ok=True)
+    (Path(args.runs) / f"{name}.json").write_text(json.dumps(result))
+    print(name, "done", kv, flush=True)
+    return 0
+
+
+def device_facts() -> dict:
+    import torch
+    import vllm
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    return {"device": torch.cuda.get_device_name(), "nvidia_smi": smi, "torch": torch.__version__,
+            "vllm": vllm.__version__, "python": platform.python_version(),
+            "compiled_mtp_kernel": hasattr(torch.ops._C, "fused_gdn_decode_post_conv_mtp")}
+
+
+def run_reference(args) -> int:
+    from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, kv_cache_report
+
+    model, prompts = prompts_and_model()
+    runs = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
+    report = {
+        "command": args.command or " ".join([sys.executable, *sys.argv]),
+        **device_facts(),
+        "mode": "eager (enforce_eager), compiled ops" if args.eager else "default (torch.compile + CUDA graphs), "
+                "compiled ops",
+        "ssm_cache_dtype": args.ssm_cache_dtype, "max_tokens": args.max_tokens, "batch_sizes": args.batch_sizes,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "runs": {},
+    }
+    with engine(model, logprobs_mode="raw_logits", **engine_kwargs(args, 1)) as reference:
+        outputs, tokens_per_s = timed_batches(reference, prompts, args)
+        report["runs"]["no-spec"] = {"tokens_per_s": tokens_per_s, "kv_cache": asdict(kv_cache_report(reference))}
+        for run in runs:
+            entry = {key: run[key] for key in ("strategy", "k", "engine_start_s", "acceptance_rate", "kv_cache")}
+            entry["tokens_per_s"] = {int(b): t for b, t in run["tokens_per_s"].items()}
+            entry["speedup_vs_no_spec"] = {b: t / tokens_per_s[b] for b, t in entry["tokens_per_s"].items()}
+            entry["verdicts"] = {}
+            for b in args.batch_sizes:
+                verdict = compare_tie_aware(reference, prompts[:b], outputs[b], run["outputs"][str(b)])
+                entry["verdicts"][b] = {
+                    "passed": verdict.passed, "summary": verdict.summary(),
+                    "identical": verdict.num_prompts - len(verdict.divergences),
+                    "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures),
+                }
+            report["runs"][run["name"]] = entry
+    for name, entry in report["runs"].items():
+        print(name, json.dumps({k: v for k, v in entry.items() if k != "verdicts"}), flush=True)
+        for b, v in entry.get("verdicts", {}).items():
+            print(f"  batch {b}: {v['summary']}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    ok = all(v["passed"] for name, e in report["runs"].items() if name.startswith("reconstruct")
+             for v in e["verdicts"].values())
+    print("RECONSTRUCT PASSES AT EVERY BATCH" if ok else "RECONSTRUCT FAILS", flush=True)
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--k", type=int, nargs="+", default=[3])
-    # Qwen3.5 checkpoints keep the SSM state in fp32 (mamba_ssm_dtype); with a bf16 state every engine rounds
-    # the state at different points (per token vs per commit), which shows as divergences of a few bf16 steps.
-    parser.add_argument("--ssm-cache-dtype", default="float32", choices=["float32", "bfloat16"])
-    # A small value queues prompts, so prefills share batches with speculative decodes (the CUDA path's split).
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="role", required=True)
+    spec = sub.add_parser("spec", help="one speculative engine: outputs, tokens/s, KV report")
+    add_common_args(spec)
+    spec.add_argument("--strategy", required=True, choices=["store_all", "reconstruct"])
+    spec.add_argument("--k", type=int, default=3)
+    spec.add_argument("--self-check", action="store_true",
+                      help="also judge the outputs against this engine's own prefill logits "
+                           "(equivalence.compare_teacher_forced), without a reference engine")
+    ref = sub.add_parser("reference", help="the no-speculation engine: tokens/s, then judges every run")
+    add_common_args(ref)
+    ref.add_argument("--out", required=True)
+    ref.add_argument("--command", default=None, help="the whole shell command, for the report")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    import torch
-    from transformers import AutoTokenizer
-
-    import vllm_treewy.vllm_plugin as plugin
-    from vllm_treewy.fixture import build_fixture, fixture_prompts
-    from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
-
-    plugin.register()  # in-process engine: this process is the only vLLM process
-    model = str(build_fixture("/tmp/fixture-qwen35", shape="qwen35"))
-    prompts = fixture_prompts(AutoTokenizer.from_pretrained(model), args.num_prompts)
-    max_tokens = [20 + (i * 7) % 17 for i in range(len(prompts))]
-
-    engine_kwargs = {**GPU_ENGINE_KWARGS, "mamba_ssm_cache_dtype": args.ssm_cache_dtype}
-    if args.max_num_seqs is not None:
-        engine_kwargs["max_num_seqs"] = args.max_num_seqs
-    runs, seconds = {}, {}
-    for k in args.k:
-        for strategy in ("store_all", "reconstruct"):
-            spec = {"method": "mtp", "num_speculative_tokens": k, "mamba_state_commit": strategy,
-                    "attention_backend": "TRITON_ATTN"}
-            start = time.perf_counter()
-            runs[f"{strategy}-k{k}"] = run_greedy(model, prompts, max_tokens, speculative_config=spec,
-                                                  **engine_kwargs)
-            seconds[f"{strategy}-k{k}"] = time.perf_counter() - start
-            print(f"{strategy} k={k}: done in {seconds[f'{strategy}-k{k}']:.0f} s", flush=True)
-
-    report = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-        "note": "vLLM 0.32 Python on its Triton kernels (no compiled CUDA extensions: Triton attention, "
-                "no fused C++ GDN MTP decode), V1 runner, eager mode",
-        "runs": {},
-    }
-    report["ssm_cache_dtype"] = args.ssm_cache_dtype
-    with engine(model, logprobs_mode="raw_logits", **engine_kwargs) as reference:
-        reference_outputs = generate_greedy(reference, prompts, max_tokens)
-        for name, run in runs.items():
-            verdict = compare_tie_aware(reference, prompts, reference_outputs, run.outputs)
-            report["runs"][name] = {
-                "verdict": verdict.summary(), "passed": verdict.passed,
-                "divergence_gaps_in_bf16_steps": [round(d.logit_gap / d.bf16_step, 2) for d in verdict.divergences],
-                "acceptance": asdict(run.acceptance), "acceptance_rate": run.acceptance.acceptance_rate,
-                "kv_cache": asdict(run.kv_cache), "seconds_with_engine_start": seconds[name],
-            }
-            print(name, verdict.summary(), run.acceptance.accepted_per_position, run.kv_cache, flush=True)
-    (out / "gpu_vllm_e2e.json").write_text(json.dumps(report, indent=2) + "\n")
-    # vLLM's own store_all is the yardstick, reported but not required: reconstruct must pass.
-    ok = True
-    for k in args.k:
-        ok &= report["runs"][f"reconstruct-k{k}"]["passed"]
-        ok &= set(report["runs"][f"reconstruct-k{k}"]["kv_cache"]["gdn_blocks_per_request"]) == {1}
-        ok &= set(report["runs"][f"store_all-k{k}"]["kv_cache"]["gdn_blocks_per_request"]) == {1 + k}
-    print("ALL CHECKS PASSED" if ok else "CHECKS FAILED", flush=True)
-    return 0 if ok else 1
+    return run_spec(args) if args.role == "spec" else run_reference(args)
 
 
 if __name__ == "__main__":

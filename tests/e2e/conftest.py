@@ -9,14 +9,17 @@ import contextlib
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as cpu_gdn
 
 from tests.e2e.planted_bugs import planted_state_commit_bug
 from vllm_treewy.fixture import build_fixture, fixture_prompts
 from vllm_treewy.fixture.exact import ExactModel
+from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.equivalence import (
     EquivalenceVerdict,
     GenerationRun,
+    compare_teacher_forced,
     compare_tie_aware,
     engine,
     generate_greedy,
@@ -27,6 +30,7 @@ NUM_PROMPTS = 32
 SPEC_KS = (1, 2, 3, 4)
 STRATEGIES = ("store_all", "reconstruct")
 PLANTED_BUGS = ("off_by_one", "no_rollback")
+TEACHER_FORCED_RUNS = ("reconstruct-k3", "store_all-k3", *PLANTED_BUGS)
 # Few concurrent sequences: prompts queue up and prefill while earlier ones are in speculative decode.
 MAX_NUM_SEQS = 6
 # Preemption workload: prompts of ~230-240 tokens that cross a 256-token attention block while decoding, in
@@ -43,6 +47,7 @@ def mtp(k: int, strategy: str = "store_all") -> dict:
 class E2ERuns:
     runs: dict = field(default_factory=dict)  # name -> GenerationRun
     verdicts: dict = field(default_factory=dict)  # name -> EquivalenceVerdict
+    teacher_forced: dict = field(default_factory=dict)  # name -> EquivalenceVerdict (compare_teacher_forced)
     mixed_batches: dict = field(default_factory=dict)  # name -> counts of GDN batches
     reference: dict = field(default_factory=dict)  # workload -> reference outputs
 
@@ -53,16 +58,31 @@ class E2ERuns:
         return self.verdicts[name]
 
 
+def _new_prefill_slots(metadata) -> set[int]:
+    """State slots of the batch's prefills that start from no state (new or recomputed requests)."""
+    if metadata.num_prefills == 0 or metadata.has_initial_state is None:
+        return set()
+    return set(metadata.non_spec_state_indices_tensor[~metadata.has_initial_state].tolist())
+
+
 @contextlib.contextmanager
 def count_mixed_batches(counter: dict):
-    """Counts GDN forward calls whose batch holds both speculative decodes and prefills."""
+    """Counts GDN forward calls whose batch holds both speculative decodes and prefills, and those where a new
+    prefill takes a state slot that a speculative decode held in the layer's previous step (a request that
+    finished or was preempted right after a step, its slot handed on at once)."""
     original = cpu_gdn._cpu_gdn_attention_spec_aware
+    previous_spec_slots = {}  # layer -> slots of its previous step's speculative decodes
 
     def counting(layer, metadata, *args, **kwargs):
         counter["spec_batches"] = counter.get("spec_batches", 0) + (metadata.num_spec_decodes > 0)
         counter["mixed_batches"] = counter.get("mixed_batches", 0) + (
             metadata.num_spec_decodes > 0 and metadata.num_prefills > 0
         )
+        reused = _new_prefill_slots(metadata) & previous_spec_slots.get(layer.prefix, set())
+        counter["slot_reused_next_step"] = counter.get("slot_reused_next_step", 0) + bool(reused)
+        spec = metadata.spec_state_indices_tensor
+        previous_spec_slots[layer.prefix] = set(spec[: metadata.num_spec_decodes, 0].tolist()) if (
+            metadata.num_spec_decodes > 0) else set()
         return original(layer, metadata, *args, **kwargs)
 
     cpu_gdn._cpu_gdn_attention_spec_aware = counting
@@ -70,6 +90,27 @@ def count_mixed_batches(counter: dict):
         yield
     finally:
         cpu_gdn._cpu_gdn_attention_spec_aware = original
+
+
+@contextlib.contextmanager
+def verify_inputs_overwritten(counter: dict):
+    """Overwrites what each reconstruct verify pass was handed as soon as it returns, as vLLM's piecewise CUDA
+    graphs do on the GPU (the GDN op's inputs live in the graph pool, which the next pieces of the forward reuse
+    before the commit runs after sampling). A commit that read them would rebuild the state from noise."""
+    original = ReconstructGatedDeltaNetAttention.verify_spec_chains
+
+    def verify_then_overwrite(layer, metadata, x, a, b):
+        out = original(layer, metadata, x, a, b)
+        for t in (x, a, b):
+            t.copy_(torch.randn_like(t))
+        counter["overwritten"] = counter.get("overwritten", 0) + 1
+        return out
+
+    ReconstructGatedDeltaNetAttention.verify_spec_chains = verify_then_overwrite
+    try:
+        yield
+    finally:
+        ReconstructGatedDeltaNetAttention.verify_spec_chains = original
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +138,7 @@ def e2e(fixture_model, workloads) -> E2ERuns:
     plan = [(f"{s}-k{k}", "standard", mtp(k, s), None) for k in SPEC_KS for s in STRATEGIES]
     plan += [(bug, "standard", mtp(3), bug) for bug in PLANTED_BUGS]
     plan += [("reconstruct-preempted", "long", mtp(3, "reconstruct"), None)]
+    plan += [("reconstruct-inputs-overwritten", "standard", mtp(3, "reconstruct"), "overwrite_verify_inputs")]
     for name, workload, spec, bug in plan:
         prompts, max_tokens = workloads[workload]
         kwargs = dict(max_num_seqs=MAX_NUM_SEQS, speculative_config=spec)
@@ -105,6 +147,9 @@ def e2e(fixture_model, workloads) -> E2ERuns:
         with count_mixed_batches(results.mixed_batches.setdefault(name, {})):
             if bug is None:
                 results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
+            elif bug == "overwrite_verify_inputs":
+                with verify_inputs_overwritten(results.mixed_batches[name]):
+                    results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
             else:
                 with planted_state_commit_bug(bug):
                     results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
@@ -118,4 +163,8 @@ def e2e(fixture_model, workloads) -> E2ERuns:
             results.verdicts[name] = compare_tie_aware(
                 reference, prompts, results.reference[workload], results.runs[name].outputs, exact.next_token_logits
             )
+        # The bench's one-engine check (`--self-check` on the GPU), held against runs known good and bad.
+        for name in TEACHER_FORCED_RUNS:
+            results.teacher_forced[name] = compare_teacher_forced(
+                reference, workloads["standard"][0], results.runs[name].outputs)
     return results

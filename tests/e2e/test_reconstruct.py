@@ -1,8 +1,10 @@
 """Reconstruct-on-commit in vLLM's V1 runner on CPU, against the no-speculation engine and against store_all."""
 
 import pytest
+from transformers import AutoConfig
 
 from tests.e2e.conftest import SPEC_KS
+from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout
 
 pytestmark = pytest.mark.e2e
 
@@ -32,6 +34,13 @@ def test_reconstruct_acceptance_matches_store_all(e2e, k):
     assert set(differing) <= excused, f"prompts {differing} split beyond a bf16 tie"
 
 
+def test_slot_of_a_finished_request_is_reused_at_once(e2e):
+    """Requests finish right after a speculative step and a new prefill takes the slot in the next step; the
+    reconstruct runs above pass with that happening (a commit must never outlive its request's slot)."""
+    for k in SPEC_KS:
+        assert e2e.mixed_batches[f"reconstruct-k{k}"]["slot_reused_next_step"] > 0
+
+
 def test_reconstruct_survives_preemption(e2e):
     run = e2e.run("reconstruct-preempted")
     assert run.num_preemptions > 0, "the workload did not preempt any request"
@@ -39,10 +48,28 @@ def test_reconstruct_survives_preemption(e2e):
 
 
 @pytest.mark.parametrize("k", SPEC_KS)
-def test_gdn_state_blocks_per_request(e2e, k):
-    """vLLM's own KV-cache config: one GDN state block per request with reconstruct, 1 + k with store_all."""
+def test_gdn_state_blocks_per_request(e2e, fixture_model, k):
+    """vLLM's own KV-cache config: one GDN state block per request with reconstruct, 1 + k with store_all; the
+    reconstruct block also holds the pseudo-value buffer, and vLLM counts it."""
     reconstruct, store_all = e2e.run(f"reconstruct-k{k}").kv_cache, e2e.run(f"store_all-k{k}").kv_cache
     assert set(reconstruct.gdn_blocks_per_request) == {1}
     assert set(store_all.gdn_blocks_per_request) == {1 + k}
-    assert reconstruct.gdn_state_bytes_per_request * (1 + k) == store_all.gdn_state_bytes_per_request
+    config = AutoConfig.from_pretrained(fixture_model)
+    config = getattr(config, "text_config", config)
+    layout = BufferLayout.of_model(1, config.linear_num_key_heads, config.linear_num_value_heads,
+                                   config.linear_key_head_dim, config.linear_value_head_dim, k)
+    num_gdn_layers = config.layer_types.count("linear_attention")
+    buffer_bytes_per_layer = layout.num_nodes * (layout.factor_width * 4 + layout.conv_dim * 2)  # fp32, bf16
+    assert reconstruct.gdn_buffer_bytes_per_request == num_gdn_layers * buffer_bytes_per_layer
+    assert store_all.gdn_buffer_bytes_per_request == 0
+    assert reconstruct.gdn_state_bytes_per_request < store_all.gdn_state_bytes_per_request
     assert reconstruct.max_concurrency > store_all.max_concurrency
+
+
+def test_commit_does_not_read_what_verify_was_handed(e2e):
+    """The GPU's piecewise CUDA graphs reuse the GDN op's input memory before the commit runs (issue 9: 0/256
+    identical outputs); overwriting those inputs right after verify must change nothing."""
+    name = "reconstruct-inputs-overwritten"
+    assert e2e.mixed_batches[name]["overwritten"] > 0
+    assert e2e.verdict(name).passed, e2e.verdict(name).summary()
+    assert e2e.run(name).outputs == e2e.run("reconstruct-k3").outputs

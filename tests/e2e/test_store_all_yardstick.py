@@ -30,3 +30,16 @@ def test_planted_state_commit_bug_is_rejected(e2e, bug):
     assert not verdict.passed, verdict.summary()
     # The fixture makes GDN state matter: most prompts see the bug, not a lucky few.
     assert len(verdict.failures) >= verdict.num_prompts // 2, verdict.summary()
+
+
+@pytest.mark.parametrize("name", ("reconstruct-k3", "store_all-k3"))
+def test_teacher_forced_check_passes_sound_runs(e2e, name):
+    """The bench's one-engine check (each greedy token against the prefill logits of its own prefix)."""
+    verdict = e2e.teacher_forced[name]
+    assert verdict.passed, verdict.summary()
+
+
+@pytest.mark.parametrize("bug", PLANTED_BUGS)
+def test_teacher_forced_check_rejects_planted_bugs(e2e, bug):
+    verdict = e2e.teacher_forced[bug]
+    assert len(verdict.failures) >= verdict.num_prompts // 2, verdict.summary()

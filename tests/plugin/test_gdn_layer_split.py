@@ -49,14 +49,14 @@ def test_mixed_batch_goes_half_to_reconstruct_half_to_vllm(monkeypatch):
     monkeypatch.setattr(QwenGatedDeltaNetAttention, "_forward_core", vllm_forward_core)
     monkeypatch.setattr(gdn_layer.ReconstructGatedDeltaNetAttention, "verify_spec_chains", verify_spec_chains)
     layer = object.__new__(gdn_layer.ReconstructGatedDeltaNetAttention)
-    layer.prefix, layer.reconstructs_state, layer.pending_commit = "model.layers.0.linear_attn", True, object()
+    layer.prefix, layer.reconstructs_state, layer.pending_step = "model.layers.0.linear_attn", True, object()
 
     tokens = torch.arange(10.0)
     mixed_qkv = tokens[:, None].expand(-1, CONV_DIM).contiguous()
     out = torch.zeros(10, HV, V)
     layer._forward_core(mixed_qkv, torch.zeros(10, HV), torch.zeros(10, HV), out)
 
-    assert layer.pending_commit is None  # a stale pending commit is dropped at the start of every pass
+    assert layer.pending_step is None  # a stale pending commit is dropped at the start of every pass
     assert seen["spec_tokens"] == [3, 4, 5, 7, 8, 9]
     assert seen["tokens"] == [0, 1, 2, 6]
     rest_md = seen["metadata"]
@@ -82,7 +82,7 @@ def test_batch_of_only_spec_decodes_skips_vllm(monkeypatch):
     monkeypatch.setattr(gdn_layer.ReconstructGatedDeltaNetAttention, "verify_spec_chains",
                         lambda self, md, x, a, b: x[:, :1, None].expand(-1, HV, V) + 100.0)
     layer = object.__new__(gdn_layer.ReconstructGatedDeltaNetAttention)
-    layer.prefix, layer.reconstructs_state, layer.pending_commit = "l", True, None
+    layer.prefix, layer.reconstructs_state, layer.pending_step = "l", True, None
     out = torch.zeros(8, HV, V)  # padded beyond the 6 real tokens, as under CUDA graphs
     layer._forward_core(torch.arange(8.0)[:, None].expand(-1, CONV_DIM), torch.zeros(8, HV), torch.zeros(8, HV), out)
     torch.testing.assert_close(out[:6, 0, 0], torch.arange(6.0) + 100)

@@ -15,6 +15,9 @@ def test_one_step_is_derived_once_and_shared():
     assert step.slots.tolist() == [7, 9] and step.cu_nodes.tolist() == [0, 3, 6]
     assert step.parents.tolist() == [-1, 0, 1, -1, 0, 1]
     assert step.batch_rows.tolist() == [1, 3]
+    # Where each draft node's factors go in the pseudo-value buffer: its request's slot, its index there.
+    assert step.node_slots.tolist() == [7, 7, 7, 9, 9, 9]
+    assert step.node_indices.tolist() == [0, 1, 2, 0, 1, 2]
     assert step.parents is step.parents  # computed once
     rest = step.rest_metadata
     assert rest.num_spec_decodes == 0 and rest.spec_sequence_masks is None and rest.num_actual_tokens == 4
@@ -31,3 +34,4 @@ def test_a_new_step_is_derived_again():
     step = spec_step(only_spec, torch.device("cpu"))
     assert step is not first
     assert step.batch_rows.tolist() == [0, 1] and step.parents.tolist() == [-1, 0, -1, 0]
+    assert step.node_slots.tolist() == [3, 3, 4, 4] and step.node_indices.tolist() == [0, 1, 0, 1]

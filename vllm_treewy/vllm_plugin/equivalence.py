@@ -231,6 +231,43 @@ def compare_tie_aware(
     return verdict
 
 
+def compare_teacher_forced(
+    llm: LLM, prompt_ids: list[list[int]], candidate_outputs: list[list[int]]
+) -> EquivalenceVerdict:
+    """Every generated token against the same model's prefill logits for its own prefix (no second engine).
+
+    The engine's prompt logits (`raw_logits` mode) come from vLLM's prefill path, which never speculates; a
+    greedy token passes where it is that path's top token or within one bf16 step of it. Each prompt's first
+    token that is not the top one is recorded (a tie or a failure); a failure anywhere in a prompt is recorded
+    even after a tie. Stronger than `compare_tie_aware` (every position is checked, in its own context), but
+    prefill and decode kernels round differently, so near-ties show up as ties here too.
+    """
+    assert llm.llm_engine.model_config.logprobs_mode == "raw_logits", "re-scoring needs raw logits"
+    verdict = EquivalenceVerdict(len(prompt_ids), sum(map(len, candidate_outputs)))
+    rescore = llm.generate(
+        [{"prompt_token_ids": p + c} for p, c in zip(prompt_ids, candidate_outputs)],
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )
+    for i, (prompt, candidate, result) in enumerate(zip(prompt_ids, candidate_outputs, rescore)):
+        first_tie = None
+        for pos, token in enumerate(candidate):
+            logits = result.prompt_logprobs[len(prompt) + pos]  # token id -> Logprob (raw logit here)
+            top_token, top = max(logits.items(), key=lambda kv: kv[1].logprob)
+            if top_token == token:
+                continue
+            divergence = Divergence(i, pos, top_token, token, top.logprob - logits[token].logprob,
+                                    bf16_step(top.logprob))
+            if not divergence.is_tie:
+                verdict.divergences.append(divergence)
+                break
+            first_tie = first_tie or divergence
+        else:
+            if first_tie is not None:
+                verdict.divergences.append(first_tie)
+    return verdict
+
+
 @dataclass
 class KVCacheReport:
     """What vLLM's own KV-cache config says about a running engine."""
@@ -239,24 +276,30 @@ class KVCacheReport:
     max_concurrency: float  # requests of max_model_len that fit, as vLLM logs it
     gdn_blocks_per_request: list[int]  # per GDN (Mamba) group: 1 + num_speculative_blocks
     gdn_state_bytes_per_request: int  # all GDN layers, at the pages vLLM allocates
+    # all GDN layers: states on the page beyond vLLM's conv and SSM state (reconstruct's pseudo-value buffer)
+    gdn_buffer_bytes_per_request: int = 0
 
 
 def kv_cache_report(llm: LLM) -> KVCacheReport:
     """Reads an in-process engine's KV-cache config (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.utils.torch_utils import get_dtype_size
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
     from vllm.v1.kv_cache_interface import MambaSpec
 
     vllm_config = llm.llm_engine.vllm_config
     kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-    blocks, state_bytes = [], 0
+    blocks, state_bytes, buffer_bytes = [], 0, 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
             blocks.append(1 + spec.num_speculative_blocks)
             state_bytes += len(group.layer_names) * spec.max_memory_usage_bytes(vllm_config)
+            buffer_bytes += len(group.layer_names) * sum(
+                math.prod(shape) * get_dtype_size(dtype) for shape, dtype in zip(spec.shapes[2:], spec.dtypes[2:]))
     return KVCacheReport(
         num_blocks=kv_cache_config.num_blocks,
         max_concurrency=get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config),
         gdn_blocks_per_request=blocks,
         gdn_state_bytes_per_request=state_bytes,
+        gdn_buffer_bytes_per_request=buffer_bytes,
     )

@@ -18,7 +18,7 @@ def _dispatching(original_spec_aware, original_spec_forward):
     @functools.wraps(original_spec_aware)
     def spec_aware(layer, metadata, *args, **kwargs):
         if getattr(layer, "reconstructs_state", False):
-            layer.pending_commit = None  # factors of an earlier pass that was never sampled (warm-up runs)
+            layer.pending_step = None  # an earlier pass that was never sampled (warm-up runs)
         return original_spec_aware(layer, metadata, *args, **kwargs)
 
     @functools.wraps(original_spec_forward)

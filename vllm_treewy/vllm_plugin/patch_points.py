@@ -101,6 +101,23 @@ CPU_UNPACKED_CONV_WEIGHT = PatchPoint(
     _CPU_GDN, "_unpacked_conv_weight", "calls", "vLLM packs the CPU conv weight for AMX in place", ("layer",),
 )
 
+# The models whose GDN layers are `QwenGatedDeltaNetAttention`: vLLM sizes a hybrid's pages from these classmethods.
+_GDN_MODELS = (
+    ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLMBase"),
+    ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM"),
+)
+MODEL_STATE_SHAPES = tuple(
+    PatchPoint(module, f"{model}.get_mamba_state_shape_from_config", "wraps",
+               "the pseudo-value buffer is part of the GDN page vLLM sizes and allocates", ("cls", "vllm_config"))
+    for module, model in _GDN_MODELS
+)
+MODEL_STATE_DTYPES = tuple(
+    PatchPoint(module, f"{model}.get_mamba_state_dtype_from_config", "wraps",
+               "the pseudo-value buffer's dtypes beside the conv and SSM states", ("cls", "vllm_config"))
+    for module, model in _GDN_MODELS
+)
+
 PATCH_POINTS: tuple[PatchPoint, ...] = (
     *SPECULATIVE_CONFIG,
     V2_UNSUPPORTED_FEATURES,
@@ -111,4 +128,6 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     CPU_GDN_SPEC_FORWARD,
     CPU_SSM_STATE_VIEW,
     CPU_UNPACKED_CONV_WEIGHT,
+    *MODEL_STATE_SHAPES,
+    *MODEL_STATE_DTYPES,
 )

@@ -2,8 +2,9 @@
 
 The same code serves both platforms; only the kernels differ (`TORCH_KERNELS`: the closed form, CPU;
 `triton_kernels()`: the fused Triton kernels, CUDA). The verify pass reads the committed SSM state and conv
-history and writes neither; it leaves the per-node factors on the layer (`PendingCommit`). After rejection
-sampling, `commit_layer` rebuilds each request's state at its last accepted token, in place.
+history and writes neither; it stores the per-node factors in the layer's pseudo-value buffer (part of vLLM's
+KV cache, see `pseudo_value_buffer`). After rejection sampling, `commit_layer` reads them back and rebuilds each
+request's state at its last accepted token, in place.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_treewy import kernels as torch_kernels
+from vllm_treewy.vllm_plugin.pseudo_value_buffer import PseudoValueBuffer
 
 L2NORM_EPS = 1e-6  # as vLLM's fused GDN kernels (use_qk_l2norm_in_kernel)
 
@@ -56,25 +58,6 @@ def triton_kernels() -> ChainKernels:
     )
 
 
-@dataclass
-class PendingCommit:
-    """What a layer's verify pass leaves for the commit: per draft node its factors, per request its slot.
-
-    Requests are the batch's speculative decodes, in the order of `batch_rows` (their rows in the runner's
-    input batch, where the number of accepted tokens is read after rejection sampling).
-    """
-
-    batch_rows: torch.Tensor  # [B] int64
-    slots: torch.Tensor  # [B] state slot of each request
-    parents: torch.Tensor  # [N] local parent index, -1 = child of the committed state
-    cu_nodes: torch.Tensor  # [B + 1]
-    max_nodes: int  # bound on nodes per request (1 + num_speculative_tokens)
-    conv_inputs: torch.Tensor  # [N, conv_dim] pre-conv inputs: the conv history continues with them
-    keys: torch.Tensor  # [N, H, K] as the recurrence consumed them
-    pseudo_values: torch.Tensor  # [N, HV, V] u = beta * (v - alpha * h_parent k)
-    log_decays: torch.Tensor  # [N, HV] g
-
-
 def gating(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log decay g = -exp(A_log) * softplus(a + dt_bias) and write gate beta = sigmoid(b), fp32 `[N, HV]`."""
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
@@ -99,14 +82,16 @@ def verify_chains(
     slots: torch.Tensor,
     parents: torch.Tensor,
     cu_nodes: torch.Tensor,
-    batch_rows: torch.Tensor,
     max_nodes: int,
+    buffer: PseudoValueBuffer,
+    node_slots: torch.Tensor,
+    node_indices: torch.Tensor,
 ) -> torch.Tensor:
     """Core attention outputs `[N, HV, V]` of the packed draft chains `x` (pre-conv qkv, `[N, conv_dim]`).
 
     conv_history `[S, conv_dim, width-1]` and ssm_state `[S, HV, V, K]` (views into vLLM's caches) are read at
-    `slots`, never written. `parents`, `cu_nodes`: the packed chains. The factors for the commit are left in
-    `layer.pending_commit`.
+    `slots`, never written. `parents`, `cu_nodes`: the packed chains. The factors for the commit go to `buffer`
+    at each node's slot and local index (`node_slots`, `node_indices`), with the pre-conv inputs `x`.
     """
     assert parents.shape[0] == x.shape[0], "the chains' parents must cover every speculative token"
     activation = "silu" if layer.activation == "silu" else None
@@ -116,26 +101,31 @@ def verify_chains(
     key = _l2_normalised(key)
     g, beta = gating(layer, a, b)
     out, pseudo_values = kernels.verify(query, key, value, g, beta, ssm_state, slots, parents, cu_nodes, max_nodes)
-    layer.pending_commit = PendingCommit(
-        batch_rows=batch_rows, slots=slots, parents=parents, cu_nodes=cu_nodes, max_nodes=max_nodes,
-        conv_inputs=x, keys=key, pseudo_values=pseudo_values, log_decays=g,
-    )
+    buffer.write(node_slots, node_indices, key, pseudo_values, g, x)
     return out
 
 
-def accepted_nodes(num_accepted_tokens: torch.Tensor, pending: PendingCommit) -> torch.Tensor:
+def accepted_nodes(num_accepted_tokens: torch.Tensor, batch_rows: torch.Tensor) -> torch.Tensor:
     """`[B]` local index of each speculative request's last accepted token (node `num_accepted - 1`)."""
-    return num_accepted_tokens[pending.batch_rows].to(pending.slots.dtype) - 1
+    return num_accepted_tokens[batch_rows].to(torch.int32) - 1
 
 
 def commit_layer(
-    layer, kernels: ChainKernels, accepted: torch.Tensor, *, conv_history: torch.Tensor, ssm_state: torch.Tensor,
+    kernels: ChainKernels,
+    accepted: torch.Tensor,
+    *,
+    buffer: PseudoValueBuffer,
+    conv_history: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    node_slots: torch.Tensor,
+    node_indices: torch.Tensor,
+    max_nodes: int,
 ) -> None:
-    """Rebuilds each speculative request's state at its accepted node (`accepted_nodes`), in place."""
-    pending = layer.pending_commit
-    if pending is None:
-        return
-    layer.pending_commit = None
-    kernels.commit(ssm_state, pending.slots, pending.keys, pending.pseudo_values, pending.log_decays,
-                   pending.parents, pending.cu_nodes, accepted, pending.max_nodes)
-    kernels.conv_commit(conv_history, pending.slots, pending.conv_inputs, pending.parents, pending.cu_nodes, accepted)
+    """Rebuilds each speculative request's state at its accepted node (`accepted_nodes`), in place, from the
+    factors that `verify_chains` stored in `buffer`."""
+    keys, pseudo_values, log_decays, conv_inputs = buffer.read(node_slots, node_indices)
+    kernels.commit(ssm_state, slots, keys, pseudo_values, log_decays, parents, cu_nodes, accepted, max_nodes)
+    kernels.conv_commit(conv_history, slots, conv_inputs, parents, cu_nodes, accepted)

@@ -3,7 +3,8 @@
 `GPUModelRunner._update_states_after_model_execute` (which the CPU runner inherits) is where vLLM learns how
 many tokens each request accepted; right after it, every reconstruct GDN layer rebuilds its accepted states.
 Requests that finish, abort or get preempted after this step need nothing: their slot is freed or refilled by
-a prefill, and no factors outlive the step.
+a prefill, and every commit runs in the step of its verify (the factors in a slot's pseudo-value buffer are read
+only by the commit that follows their own verify).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ def commit_accepted_states(runner) -> None:
     num_accepted = runner.num_accepted_tokens.gpu
     batch_rows = accepted = None
     for layer in runner.compilation_config.static_forward_context.values():
-        if isinstance(layer, ReconstructGatedDeltaNetAttention) and layer.pending_commit is not None:
-            if layer.pending_commit.batch_rows is not batch_rows:  # the layers of a step share their rows
-                batch_rows = layer.pending_commit.batch_rows
-                accepted = accepted_nodes(num_accepted, layer.pending_commit)
+        if isinstance(layer, ReconstructGatedDeltaNetAttention) and layer.pending_step is not None:
+            if layer.pending_step.batch_rows is not batch_rows:  # the layers of a step share their rows
+                batch_rows = layer.pending_step.batch_rows
+                accepted = accepted_nodes(num_accepted, batch_rows)
             layer.commit_pending(accepted)
 
 

@@ -13,7 +13,7 @@ from functools import cached_property
 import torch
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
-from vllm_treewy.tree import chain_parents
+from vllm_treewy.tree import chain_parents, node_requests
 
 
 class SpecStep:
@@ -27,6 +27,21 @@ class SpecStep:
     def parents(self) -> torch.Tensor:
         """`[N]` local parents of the packed draft chains."""
         return chain_parents(self.cu_nodes, self.metadata.num_spec_decode_tokens)
+
+    @cached_property
+    def node_slots(self) -> torch.Tensor:
+        """`[N]` int64 state slot of each packed draft node (its request's)."""
+        return self.slots.long()[self._node_requests]
+
+    @cached_property
+    def node_indices(self) -> torch.Tensor:
+        """`[N]` int64 index of each packed draft node within its request (0 = the first speculative token)."""
+        num_nodes = self.metadata.num_spec_decode_tokens
+        return torch.arange(num_nodes, device=self.device) - self.cu_nodes.long()[self._node_requests]
+
+    @cached_property
+    def _node_requests(self) -> torch.Tensor:
+        return node_requests(self.cu_nodes, self.metadata.num_spec_decode_tokens)
 
     @cached_property
     def batch_rows(self) -> torch.Tensor:

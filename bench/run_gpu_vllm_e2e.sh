@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The device command behind bench/results/gpu_vllm_e2e (one engine per process; the reference judges last).
+# Usage, from the checkout root on the H200:  bash bench/run_gpu_vllm_e2e.sh OUT_DIR "KS" [extra args]
+# e.g.  bash bench/run_gpu_vllm_e2e.sh $OUT "3 1"      or      bash bench/run_gpu_vllm_e2e.sh $OUT 3 --eager
+# A run with k = 1 starts only while less than SKIP_K1_AFTER_S seconds have passed (device-time budget).
+set -u
+out=$1; ks=$2; shift 2
+# Per-engine results under $OUT too: they come back even when the call runs out of time before the reference.
+log=$out/log.txt runs=$out/runs
+rm -rf "$runs"; start=$(date +%s)
+for k in $ks; do
+  for s in store_all reconstruct; do
+    if [ "$k" != "${ks%% *}" ] && [ $(( $(date +%s) - start )) -gt "${SKIP_K1_AFTER_S:-260}" ]; then
+      echo "=== skipped $s k=$k (time)" >>"$log"; continue
+    fi
+    echo "=== $s k=$k at $(( $(date +%s) - start )) s" >>"$log"
+    python3 bench/gpu_vllm_e2e.py spec --strategy "$s" --k "$k" --runs "$runs" "$@" >>"$log" 2>&1
+    echo "=== rc=$?" >>"$log"
+  done
+done
+echo "=== reference at $(( $(date +%s) - start )) s" >>"$log"
+python3 bench/gpu_vllm_e2e.py reference --runs "$runs" --out "$out/gpu_vllm_e2e.json" \
+  --command "bash bench/run_gpu_vllm_e2e.sh \$OUT \"$ks\" $*" "$@" >>"$log" 2>&1
+echo "=== rc=$? at $(( $(date +%s) - start )) s" >>"$log"
+grep -E "^===|tokens/s|batch [0-9]+:|PASS|FAIL|k[0-9]+ done|Traceback|Error|cudagraph_mode|GDN spec decode|Maximum concurrency|no-spec|-k[0-9] \{" "$log" | cut -c1-400 | tail -90
