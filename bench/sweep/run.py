@@ -246,7 +246,15 @@ def write_command_record(plan: SweepPlan, argv: list[str]) -> None:
     (plan.out / "command.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(args: argparse.Namespace, argv: list[str]) -> int:
+    # SIGINT and SIGTERM stop the sweep cleanly (see run_sweep). A shell starts background jobs with SIGINT
+    # ignored, and an ignored signal stays ignored in children: set handlers, which children get as defaults.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     grid = GRIDS[args.grid]
     plan = plan_sweep(grid, Path(args.out), only_servers=args.only, port=args.port, dry_run=args.dry_run,
                       show_bench_progress=sys.stdout.isatty(), warm_worker=not args.process_per_point)  # fmt: skip

@@ -170,7 +170,9 @@ def write_workloads(data_dir: Path, lengths: LengthProfile, source: TextSource,
                 "summarize_heavy": (lengths.summarize_heavy_input, lengths.summarize_heavy_output),
             }[name]
             write_custom(path, *means, lengths, source, rng)
-            params = {"dataset_name": "custom", "dataset_path": str(path), "skip_chat_template": True}
+            # custom_output_len -1: each line's output_tokens (vLLM's default, 256, would override them).
+            params = {"dataset_name": "custom", "dataset_path": str(path), "custom_output_len": -1,
+                      "skip_chat_template": True}  # fmt: skip
         elif name == "bursty":
             path = data_dir / "bursty.burstgpt.csv"
             write_bursty(path, lengths, rng)
