@@ -170,6 +170,27 @@ GRIDS = {
         bench_flags=BENCH_FLAGS,
         labels=CPU_LABELS,
     ),
+    # The 27B grid's own pieces (config, word-level tokenizer with the 27B vocabulary, dummy weights, synthetic
+    # acceptance) on a CPU-sized shape: a check before device time is spent.
+    "cpu-dummy": Grid(
+        name="cpu-dummy",
+        description="the h200-27b grid's model path on CPU: 27B vocabulary, small layers, dummy weights, "
+                    "synthetic acceptance 2.8; store_all and reconstruct, chat, concurrency 2",
+        model="qwen35-27b-vocab-small",
+        max_model_len=512,
+        budgets=(CPU_BUDGETS[1],),
+        strategies=("store_all", "reconstruct"),
+        workloads=("chat",),
+        concurrencies=(2,),
+        request_rates=(),
+        burstiness=0.5,
+        lengths=CPU_LENGTHS,
+        min_prompts=4,
+        serve_flags=CPU_SERVE_FLAGS,
+        speculative_extra={"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.8},
+        bench_flags=BENCH_FLAGS,
+        labels=("CPU, 27B vocabulary on small layers, dummy weights, synthetic acceptance",),
+    ),
     "h200-27b": Grid(
         name="h200-27b",
         description="Qwen3.5-27B shape, dummy weights, synthetic acceptance 2.8 of 4, one H200",

@@ -238,6 +238,9 @@ def write_command_record(plan: SweepPlan, argv: list[str]) -> None:
     record = {
         "command": "python -m bench.sweep " + shlex.join(argv),
         "sweep_command": shlex.join(plan.sweep_cmd),
+        "serve_command": shlex.join(plan.serve_cmd),
+        "bench_command": shlex.join(plan.bench_cmd),
+        "port": plan.port,
         "grid": grid,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpu_count": os.cpu_count(), "processor": platform.processor()},  # fmt: skip
