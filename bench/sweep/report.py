@@ -10,7 +10,7 @@ bench parameters, and the server figures bench.sweep.point added) and writes bes
   geometric mean over the concurrency-swept workloads, per budget and concurrency (the bursty workload per
   arrival rate), each column oriented so that > 1 favours reconstruct; plus the acceptance-length agreement;
 - `plots/`: output throughput and mean TPOT against concurrency (one row per budget, one column per workload,
-  one line per strategy), and the throughput / per-user speed Pareto fronts.
+  one line per strategy), and the Pareto fronts of output throughput against per-user speed.
 """
 
 from __future__ import annotations
@@ -195,6 +195,9 @@ def write_ratios(rows: list[dict], points: list[dict], record: dict, fails: list
         "",
         f"{grid['description']}. Command: `{record['command']}` ({record['date_utc']}).",
         *(f"Setting: {label}." for label in grid.get("labels", ())),
+        f"Machine: {record['machine'].get('processor') or record['machine']['platform']}, "
+        f"{record['machine']['cpu_count']} CPUs, load average (1/5/15 min) at start "
+        f"{record['machine'].get('load_average_1_5_15min_at_start', 'not recorded')}.",
         "",
         "Each cell is a geometric mean over the workloads (`workloads` column) of one ratio per matched point "
         "(same budget, workload and concurrency or arrival rate); > 1 favours reconstruct: tput = R/S output "
@@ -258,23 +261,29 @@ def write_plots(points: list[dict], out: Path) -> list[Path]:
             plt.close(fig)
             written.append(path)
 
-    # Pareto: per-user speed (1000 / mean TPOT) against output throughput, every point of a budget; the front
-    # of each strategy joins the points no other point of that strategy beats on both.
-    fig, axes = plt.subplots(1, len(budgets), squeeze=False, figsize=(4.5 * len(budgets), 4))
+    # Pareto, per budget and workload: per-user speed (1000 / mean TPOT) against output throughput over the
+    # concurrency (or arrival-rate) sweep; each strategy's front joins the points none of its others beats on
+    # both. Log x: short outputs on a starved CPU front end can stream in one chunk, with a TPOT near zero.
+    workloads = sorted({p["workload"] for p in points})
+    fig, axes = plt.subplots(len(budgets), len(workloads), squeeze=False,
+                             figsize=(3.2 * len(workloads), 2.8 * len(budgets)))  # fmt: skip
     for i, budget in enumerate(budgets):
-        ax = axes[0][i]
-        for strategy in STRATEGY_ORDER:
-            xy = [(1000.0 / p["mean_tpot_ms"], p["output_throughput"]) for p in points
-                  if p["budget"] == budget and p["strategy"] == strategy and p["mean_tpot_ms"]
-                  and p["output_throughput"]]  # fmt: skip
-            if not xy:
-                continue
-            front = pareto_front(xy)
-            line = ax.plot(*zip(*front), marker="o", label=strategy)[0]
-            ax.scatter(*zip(*xy), s=8, alpha=0.35, color=line.get_color())
-        ax.set_title(f"Pareto, {budget}", fontsize=9)
-        ax.set_xlabel("tokens/s per user (1000 / mean TPOT)")
-        ax.set_ylabel("output tokens/s")
+        for j, workload in enumerate(workloads):
+            ax = axes[i][j]
+            for strategy in STRATEGY_ORDER:
+                xy = [(1000.0 / p["mean_tpot_ms"], p["output_throughput"]) for p in points
+                      if p["budget"] == budget and p["workload"] == workload and p["strategy"] == strategy
+                      and p["mean_tpot_ms"] and p["output_throughput"]]  # fmt: skip
+                if not xy:
+                    continue
+                line = ax.plot(*zip(*pareto_front(xy)), marker="o", label=strategy)[0]
+                ax.scatter(*zip(*xy), s=10, alpha=0.4, color=line.get_color())
+            ax.set_xscale("log")
+            ax.set_title(f"{workload}, {budget}", fontsize=9)
+            if i == len(budgets) - 1:
+                ax.set_xlabel("tokens/s per user")
+            if j == 0:
+                ax.set_ylabel("output tokens/s")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     path = plot_dir / "pareto.png"

@@ -243,7 +243,9 @@ def write_command_record(plan: SweepPlan, argv: list[str]) -> None:
         "port": plan.port,
         "grid": grid,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_count": os.cpu_count(), "processor": platform.processor()},  # fmt: skip
+                    "cpu_count": os.cpu_count(), "processor": platform.processor(),
+                    # Other work on a shared machine moves every figure; the report says how loaded it was.
+                    "load_average_1_5_15min_at_start": os.getloadavg()},  # fmt: skip
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (plan.out / "command.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
