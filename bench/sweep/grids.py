@@ -3,6 +3,7 @@ points it runs against each (workload x concurrency, or x arrival rate for the b
 
 - `cpu-ci`: one point (reconstruct, chat, concurrency 2) on the fixture: the CI test's grid.
 - `cpu`: the reduced CPU grid on the fixture, committed under bench/results/sweeps/cpu (2 cores: ~15 minutes).
+- `cpu-dummy`: the 27B grid's model path (27B vocabulary, dummy weights) on a CPU-sized shape, two points.
 - `h200-27b`: Qwen3.5-27B's shape with dummy weights and synthetic acceptance on one H200, through
   ../shared/tools/gpu-vllm (see `bench/sweep/README.md` for the device commands).
 
