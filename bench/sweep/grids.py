@@ -209,18 +209,20 @@ GRIDS = {
         concurrencies=(1, 8, 32, 64, 128, 256),
         request_rates=(4.0, 8.0, 16.0, 32.0, 64.0),
         burstiness=0.5,
+        # Outputs of a few hundred tokens: a single-stream 27B decodes ~100 tokens/s, so the low-concurrency
+        # points set the grid's length (device calls are 10 minutes, a session's device time 30).
         lengths=LengthProfile(
-            chat_input=256, chat_output=256,
-            mixed_short_input=128, mixed_long_input=1536, mixed_output=256,
-            balanced=512,
-            generation_heavy_input=128, generation_heavy_output=1024,
-            summarize_heavy_input=2048, summarize_heavy_output=128,
-            bursty_input=512, bursty_output=256,
+            chat_input=256, chat_output=192,
+            mixed_short_input=128, mixed_long_input=1536, mixed_output=192,
+            balanced=256,
+            generation_heavy_input=64, generation_heavy_output=512,
+            summarize_heavy_input=2048, summarize_heavy_output=64,
+            bursty_input=512, bursty_output=192,
             max_total=4096,
             samples=1024,
         ),  # fmt: skip
         prompts_per_slot=2.0,
-        min_prompts=16,
+        min_prompts=8,
         max_prompts=512,
         arrival_seconds=8.0,
         serve_flags=("--dtype", "bfloat16", "--no-enable-prefix-caching",

@@ -123,7 +123,7 @@ def test_grid_points_sweep_concurrency_or_arrival_rate():
     assert all(p["max_concurrency"] == 256 and p["burstiness"] == 0.5 for p in bursty)
     chat = [p for p in points if p["workload"] == "chat"]
     assert [p["max_concurrency"] for p in chat] == [1, 8, 32, 64, 128, 256]
-    assert [p["num_prompts"] for p in chat] == [16, 16, 64, 128, 256, 512]  # 2 per slot within [16, 512]
+    assert [p["num_prompts"] for p in chat] == [8, 16, 64, 128, 256, 512]  # 2 per slot within [8, 512]
     assert all(p["request_rate"] == "inf" for p in chat)
 
 
