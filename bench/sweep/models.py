@@ -1,0 +1,129 @@
+"""The models a grid serves, written locally (no model hub): the project's fixture, or a Qwen3.5 shape for
+`--load-format dummy` with a synthetic tokenizer whose vocabulary matches the config's.
+
+No vllm import: these run before any server starts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.sweep.workloads import TextSource
+
+# Qwen3.5-27B's text model (config.json of Qwen/Qwen3.5-27B, text_config): 64 layers, 3 Gated DeltaNet : 1 full
+# attention, GDN 16 key heads and 48 value heads of K = V = 128, attention 24 query / 4 KV heads of 256
+# (partial rotary 0.25), one MTP layer, fp32 SSM state. Vision tower left out: text-only serving.
+QWEN35_27B = dict(
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    attn_output_gate=True,
+    mtp_num_hidden_layers=1,
+    mamba_ssm_dtype="float32",
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)
+# The same vocabulary and layer pattern at a size a CPU serves in seconds: checks the dummy-weight path
+# (config, synthetic tokenizer, synthetic acceptance) before device time is spent on the full shape.
+QWEN35_27B_VOCAB_SMALL = dict(
+    QWEN35_27B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=64, linear_value_head_dim=64,
+)  # fmt: skip
+SHAPES = {"qwen35-27b": QWEN35_27B, "qwen35-27b-vocab-small": QWEN35_27B_VOCAB_SMALL}
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+FIXTURE_STREAM_PROMPTS = 64
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    path: Path
+    load_format: str  # "auto" (weights on disk) or "dummy"
+    text: TextSource
+
+
+def _tokenizer_text_source(model_dir: Path, token_stream: list[int]) -> TextSource:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return TextSource(token_stream, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def prepare_fixture(out_dir: Path) -> PreparedModel:
+    """The project's tiny Qwen3.5 hybrid with its MTP head; prompts are cut from the text its tokenizer learned,
+    which is also what its MTP head drafts well."""
+    from transformers import AutoTokenizer
+
+    from vllm_treewy.fixture import build_fixture, fixture_prompts
+
+    path = build_fixture(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stream = [t for prompt in fixture_prompts(tokenizer, FIXTURE_STREAM_PROMPTS) for t in prompt]
+    return PreparedModel(path, "auto", _tokenizer_text_source(path, stream))
+
+
+def write_word_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with exactly vocab_size tokens ("t0" ... ), so that every id a dummy-weight model
+    samples decodes, and a prompt of n words is n tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with spaces
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[0],
+        chat_template=(
+            "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+        ),
+    ).save_pretrained(out_dir)
+
+
+def prepare_qwen35_shape(out_dir: Path, shape: str) -> PreparedModel:
+    """config.json of a Qwen3.5 shape (weights come from `--load-format dummy`) and a matching tokenizer."""
+    from transformers import Qwen3_5TextConfig
+
+    dims = SHAPES[shape]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layer_types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    config = Qwen3_5TextConfig(
+        **dims,
+        layer_types=layer_types * (dims["num_hidden_layers"] // len(layer_types)),
+        eos_token_id=0,
+        bos_token_id=0,
+        architectures=["Qwen3_5ForCausalLM"],
+        dtype="bfloat16",
+    )
+    config.save_pretrained(out_dir)
+    (out_dir / "shape.json").write_text(json.dumps({"shape": shape, **dims}, indent=1) + "\n")
+    write_word_tokenizer(out_dir, dims["vocab_size"])
+    rng = random.Random(f"{shape}-prompts")
+    stream = [rng.randrange(len(SPECIAL_TOKENS), dims["vocab_size"]) for _ in range(65536)]
+    return PreparedModel(out_dir, "dummy", _tokenizer_text_source(out_dir, stream))
+
+
+def prepare_model(name: str, out_dir: Path) -> PreparedModel:
+    if name == "fixture-tiny":
+        return prepare_fixture(out_dir)
+    if name in SHAPES:
+        return prepare_qwen35_shape(out_dir, name)
+    raise ValueError(f"unknown model {name!r}; known: fixture-tiny, {', '.join(SHAPES)}")

@@ -1,0 +1,276 @@
+"""Runs one grid through vLLM's `vllm bench sweep serve`, then the report.
+
+    python -m bench.sweep run cpu --out bench/results/sweeps/cpu
+
+Writes under OUT: `model/` and `workloads/` (generated), `params/serve.json` and `params/bench.json` (the grid
+in vLLM's sweep format), `raw/GRID/...` (vLLM's per-point result JSON, each with our server figures),
+`sweep.log` (everything the sweep, the servers and the benchmarks printed), `command.json` (the commands, the
+grid and the machine), then the report (`report.py`). Progress (point i of n, elapsed, the point's headline
+figures) goes to stdout while the grid runs.
+
+An OUT that already holds results resumes: vLLM's sweep skips every point whose result exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.sweep.grids import GRIDS, Grid
+from bench.sweep.models import prepare_model
+from bench.sweep.workloads import write_workloads
+
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER_READY_TIMEOUT_S = 300
+SERVER_READY_TIMEOUT_S = 900  # the H200's first start compiles for minutes; a CPU start takes about one
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def vllm_cli() -> list[str]:
+    """The `vllm` console script beside this interpreter, else the module (the H200 site has no script)."""
+    script = Path(sys.executable).parent / "vllm"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+@dataclasses.dataclass
+class SweepPlan:
+    grid: Grid
+    out: Path
+    port: int
+    serve_cmd: list[str]
+    bench_cmd: list[str]
+    after_bench_cmd: list[str]
+    sweep_cmd: list[str]
+    env: dict
+    num_points: int
+    worker_socket: str | None  # the warm benchmark worker's socket, None: one process per point
+
+
+def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, port: int | None = None,
+               dry_run: bool = False, show_bench_progress: bool = False,
+               warm_worker: bool = True) -> SweepPlan:  # fmt: skip
+    """Prepares the model, the workload files and vLLM's parameter files; returns the commands to run."""
+    out = out.resolve()
+    model = prepare_model(grid.model, out / "model")
+    workload_data = write_workloads(out / "workloads", grid.lengths, model.text, grid.workloads)
+
+    serve_params = grid.serve_params()
+    if only_servers:
+        unknown = set(only_servers) - {r["_benchmark_name"] for r in serve_params}
+        if unknown:
+            raise SystemExit(f"no server named {sorted(unknown)} in grid {grid.name}")
+        serve_params = [r for r in serve_params if r["_benchmark_name"] in only_servers]
+    bench_params = grid.bench_params(workload_data)
+    params_dir = out / "params"
+    params_dir.mkdir(parents=True, exist_ok=True)
+    (params_dir / "serve.json").write_text(json.dumps(serve_params, indent=1) + "\n")
+    (params_dir / "bench.json").write_text(json.dumps(bench_params, indent=1) + "\n")
+
+    port = port or free_port()
+    base_url = f"http://{HOST}:{port}"
+    load_format = () if model.load_format == "auto" else ("--load-format", model.load_format)
+    serve_cmd = [*vllm_cli(), "serve", str(model.path), *grid.serve_flags, *load_format,
+                 "--host", HOST, "--port", str(port)]  # fmt: skip
+    worker_socket = f"/tmp/treewy-sweep-bench-{os.getpid()}-{port}.sock" if warm_worker and not dry_run else None
+    bench_cmd = [sys.executable, "-m", "bench.sweep.point", *(("--worker", worker_socket) if worker_socket else ()),
+                 "--backend", "vllm", "--model", str(model.path), "--host", HOST, "--port", str(port),
+                 *grid.bench_flags]  # fmt: skip
+    if not show_bench_progress:
+        bench_cmd.append("--disable-tqdm")
+    after_bench_cmd = [sys.executable, "-m", "bench.sweep.metrics", "reset-caches", base_url]
+    raw = out / "raw"
+    sweep_cmd = [
+        *vllm_cli(), "bench", "sweep", "serve",
+        "--serve-cmd", shlex.join(serve_cmd),
+        "--bench-cmd", shlex.join(bench_cmd),
+        "--after-bench-cmd", shlex.join(after_bench_cmd),
+        "--serve-params", str(params_dir / "serve.json"),
+        "--bench-params", str(params_dir / "bench.json"),
+        "--output-dir", str(raw),
+        "--experiment-name", grid.name,
+        "--num-runs", "1",
+        "--server-ready-timeout", str(SERVER_READY_TIMEOUT_S),
+        # A point that fails is recorded and skipped; the report lists it.
+        "--continue-on-error",
+        "--show-stdout",
+    ]  # fmt: skip
+    if (raw / grid.name).exists():
+        sweep_cmd.append("--resume")
+    if dry_run:
+        sweep_cmd.append("--dry-run")
+
+    env = dict(os.environ, **grid.env)
+    # The benchmark and reset commands import bench.sweep: the repository root must be importable.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    # A server runs its engine core in its own process, as deployed (the in-process engine is for tests).
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return SweepPlan(grid, out, port, serve_cmd, bench_cmd, after_bench_cmd, sweep_cmd, env,
+                     len(serve_params) * len(bench_params), worker_socket)  # fmt: skip
+
+
+@contextlib.contextmanager
+def bench_worker(plan: SweepPlan, log_path: Path):
+    """The warm benchmark worker (bench.sweep.point.serve_points) for the sweep's duration."""
+    if plan.worker_socket is None:
+        yield None
+        return
+    socket_path = Path(plan.worker_socket)
+    socket_path.unlink(missing_ok=True)
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.sweep.point", "--serve-worker", plan.worker_socket],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=plan.env,
+                                cwd=REPO_ROOT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+        while not socket_path.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"bench worker exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bench worker not ready after {WORKER_READY_TIMEOUT_S} s; see {log_path}")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        socket_path.unlink(missing_ok=True)
+
+
+def _fmt_duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s"
+
+
+def point_headline(result_path: Path) -> str:
+    """The figures progress prints once a point is done."""
+    try:
+        r = json.loads(result_path.read_text())
+    except (OSError, ValueError):
+        return "(no result file)"
+    parts = [f"{r.get('output_throughput', float('nan')):.1f} tok/s",
+             f"TTFT p99 {r.get('p99_ttft_ms', float('nan')):.0f} ms",
+             f"TPOT {r.get('mean_tpot_ms', float('nan')):.1f} ms",
+             f"running<= {r.get('server_peak_running_requests')}",
+             f"preempted {r.get('server_preemptions')}",
+             f"KV<= {100 * (r.get('server_peak_kv_cache_usage') or 0):.0f}%"]  # fmt: skip
+    if r.get("spec_decode_acceptance_length") is not None:
+        parts.append(f"accept len {r['spec_decode_acceptance_length']:.2f}")
+    if r.get("failed"):
+        parts.append(f"FAILED REQUESTS {r['failed']}")
+    return ", ".join(parts)
+
+
+_NAME = re.compile(r"'_benchmark_name': '([^']+)'")
+
+
+def run_sweep(plan: SweepPlan, log_path: Path, echo=print) -> int:
+    """Runs vLLM's sweep, logging all it prints and echoing progress; returns its exit status."""
+    start = time.monotonic()
+    with bench_worker(plan, log_path.with_name("bench_worker.log")), open(log_path, "a") as log, subprocess.Popen(
+        plan.sweep_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+        env=plan.env, cwd=REPO_ROOT, errors="replace",
+    ) as proc:  # fmt: skip
+        try:
+            _follow(proc, plan, log, log_path, start, echo)
+        except BaseException:
+            # SIGINT lets vLLM's sweep leave its server context, which kills the server's process group (the
+            # servers run in their own sessions: nothing else would stop them).
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+            raise
+        returncode = proc.wait()
+    echo(f"[sweep] finished in {_fmt_duration(time.monotonic() - start)} with exit status {returncode}", flush=True)
+    return returncode
+
+
+def _follow(proc, plan: SweepPlan, log, log_path: Path, start: float, echo) -> None:
+    done = 0
+    server = point = "?"
+    result_path = None
+    for line in proc.stdout:  # ends when the sweep exits (the servers it starts are in their own sessions)
+        log.write(line)
+        text = line.rstrip("\n")
+        if text.startswith("Server overrides:"):
+            match = _NAME.search(text)
+            server = match.group(1) if match else text
+            echo(f"[sweep {_fmt_duration(time.monotonic() - start)}] starting server {server}", flush=True)
+        elif text.startswith("Benchmark overrides:"):
+            match = _NAME.search(text)
+            point = match.group(1) if match else text
+        elif text.startswith("Output file:"):
+            result_path = Path(text.split(":", 1)[1].strip())
+        elif text in ("[END BENCHMARK]", "[SKIPPED BENCHMARK]") or text.startswith("[FAILED BENCHMARK]"):
+            done += 1
+            elapsed = time.monotonic() - start
+            eta = elapsed / done * (plan.num_points - done)
+            what = "skipped (result exists)" if text == "[SKIPPED BENCHMARK]" else (
+                text if text.startswith("[FAILED") else point_headline(result_path))  # fmt: skip
+            echo(f"[sweep {_fmt_duration(elapsed)}, ~{_fmt_duration(eta)} left] {done}/{plan.num_points} "
+                 f"{server} {point}: {what}", flush=True)  # fmt: skip
+        elif text.startswith("[FAILED SERVER COMBINATION]") or text.startswith("Traceback"):
+            echo(f"[sweep] {text} (see {log_path})", flush=True)
+
+
+def write_command_record(plan: SweepPlan, argv: list[str]) -> None:
+    grid = dataclasses.asdict(plan.grid)
+    record = {
+        "command": "python -m bench.sweep " + shlex.join(argv),
+        "sweep_command": shlex.join(plan.sweep_cmd),
+        "serve_command": shlex.join(plan.serve_cmd),
+        "bench_command": shlex.join(plan.bench_cmd),
+        "port": plan.port,
+        "grid": grid,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpu_count": os.cpu_count(), "processor": platform.processor(),
+                    # Other work on a shared machine moves every figure; the report says how loaded it was.
+                    "load_average_1_5_15min_at_start": os.getloadavg()},  # fmt: skip
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (plan.out / "command.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    # SIGINT and SIGTERM stop the sweep cleanly (see run_sweep). A shell starts background jobs with SIGINT
+    # ignored, and an ignored signal stays ignored in children: set handlers, which children get as defaults.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    grid = GRIDS[args.grid]
+    plan = plan_sweep(grid, Path(args.out), only_servers=args.only, port=args.port, dry_run=args.dry_run,
+                      show_bench_progress=sys.stdout.isatty(), warm_worker=not args.process_per_point)  # fmt: skip
+    print(f"[sweep] grid {grid.name}: {plan.num_points} points "
+          f"({len(grid.budgets)} budgets x {len(grid.strategies)} strategies, filtered by --only: {args.only}), "
+          f"output {plan.out}", flush=True)  # fmt: skip
+    write_command_record(plan, argv)
+    returncode = run_sweep(plan, plan.out / "sweep.log")
+    if args.dry_run or args.no_report:
+        return returncode
+    from bench.sweep.report import write_report
+
+    write_report(plan.out)
+    return returncode
