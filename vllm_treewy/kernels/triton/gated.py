@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tree import _ancestor
 from .verify import interpreting, max_ancestors, tree_ancestors
 
 ACTIVATIONS = ("silu", "sigmoid")
@@ -110,14 +111,6 @@ def _log_decay(a_raw, dt_bias, neg_exp_a_log):
 
 
 @triton.jit
-def _node(ancestors, bos, node, d, D: tl.constexpr, IS_CHAIN: tl.constexpr):
-    """d-th ancestor of local `node` (-1 past the root, and for node = -1)."""
-    if IS_CHAIN:
-        return tl.where((node >= 0) & (node - d >= 0), node - d, -1)
-    return tl.load(ancestors + (bos + node) * D + d, mask=node >= 0, other=-1)
-
-
-@triton.jit
 def _node_terms(qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log, scale,
                 stride_a, stride_b, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                 MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
@@ -135,7 +128,7 @@ def _node_terms(qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_r
     running_c = tl.zeros([BT], dtype=tl.float32)
     log_decay = tl.full([BT, BT], float("-inf"), tl.float32)
     for d in tl.static_range(MAX_ANC + 1):
-        cur = _node(ancestors, bos, local, d, MAX_ANC + 1, IS_CHAIN)
+        cur = _ancestor(ancestors, bos, local, d, MAX_ANC + 1, IS_CHAIN)
         log_decay = tl.where(rows[None, :] == cur[:, None], running_c[:, None], log_decay)
         a_cur = tl.load(a + (bos + cur) * stride_a + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
         running_c += tl.where(cur >= 0, _log_decay(a_cur, bias, neg_exp_a_log), 0.0)
@@ -192,7 +185,7 @@ def _gated_step_kernel(
         p_krow = ()
         p_on = ()
         for d in tl.static_range(P_MAX_ANC + 1):
-            cur = _node(p_ancestors, p_bos, accepted, d, P_MAX_ANC + 1, P_IS_CHAIN)
+            cur = _ancestor(p_ancestors, p_bos, accepted, d, P_MAX_ANC + 1, P_IS_CHAIN)
             on = cur >= 0
             j = p_bos + tl.maximum(cur, 0)
             weight = tl.where(on, tl.exp(running), 0.0) * tl.load(p_kscale + j * H + i_h, mask=on, other=0.0)
