@@ -1,2 +1,22 @@
-"""Tree drafting from MTP logits, tree acceptance and the verification budget (no vllm import). Not written yet:
-MTP chains need nothing here, vLLM drafts and verifies them."""
+"""Draft-tree speculative decoding pieces that need no vllm: greedy tree acceptance and the KV moves that compact
+the accepted path (``acceptance``). Tree drafting from MTP logits and the verification budget are not written yet."""
+
+from vllm_treewy.spec_decode.acceptance import (
+    GreedyTreeAcceptance,
+    KVMoves,
+    accepted_kv_moves,
+    accepted_kv_moves_reference,
+    greedy_tree_acceptance,
+    greedy_tree_acceptance_reference,
+    verified_block_offsets,
+)
+
+__all__ = [
+    "GreedyTreeAcceptance",
+    "KVMoves",
+    "accepted_kv_moves",
+    "accepted_kv_moves_reference",
+    "greedy_tree_acceptance",
+    "greedy_tree_acceptance_reference",
+    "verified_block_offsets",
+]
