@@ -102,7 +102,8 @@ def main(argv=None) -> int:
               f"({acc.acceptance_rate:.1%}) over {acc.num_drafts} drafts; per draft position: "
               + ", ".join(f"{r:.1%}" for r in acc.per_position_rate))
         print(f"  GDN state per request: {kv.gdn_state_bytes_per_request / 2**10:.0f} KiB "
-              f"({kv.gdn_blocks_per_request[0]} block(s) per GDN layer)")
+              f"({kv.gdn_blocks_per_request[0]} block(s) per GDN layer, of which "
+              f"{kv.gdn_buffer_bytes_per_request / 2**10:.0f} KiB pseudo-value buffer)")
         print(f"  max concurrency (vLLM's KV-cache report, {kv.num_blocks} blocks): {kv.max_concurrency:.1f}x")
         print(f"  {tps:.0f} tokens/s (2-core CPU, eager; not a speed benchmark)")
         print(f"  tie-aware comparison over {len(prompts)} prompts: {verdicts[strategy].summary()}")
