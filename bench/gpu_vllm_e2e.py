@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from vllm_treewy.fixture.exact import ExactModel
+
 FIXTURE_DIR = "/tmp/fixture-qwen35"
 
 
@@ -96,12 +98,12 @@ def timed_batches(llm, prompts, args) -> tuple[dict, dict]:
     return outputs, tokens_per_s
 
 
-def teacher_forced_verdicts(llm, prompts, outputs) -> dict:
+def teacher_forced_verdicts(llm, prompts, outputs, exact_logits) -> dict:
     from vllm_treewy.vllm_plugin.equivalence import compare_teacher_forced
 
     verdicts = {}
     for b, out in outputs.items():
-        verdict = compare_teacher_forced(llm, prompts[:b], out)
+        verdict = compare_teacher_forced(llm, prompts[:b], out, exact_logits)
         verdicts[str(b)] = {
             "passed": verdict.passed, "summary": verdict.summary(),
             "identical": verdict.num_prompts - len(verdict.divergences),
@@ -128,7 +130,8 @@ def run_spec(args) -> int:
         outputs, tokens_per_s = timed_batches(llm, prompts, args)
         after = read_acceptance(llm)
         kv = kv_cache_report(llm)
-        self_check = teacher_forced_verdicts(llm, prompts, outputs) if args.self_check else None
+        self_check = (teacher_forced_verdicts(llm, prompts, outputs, ExactModel(model).next_token_logits)
+                      if args.self_check else None)
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     drafted = after.num_draft_tokens - before.num_draft_tokens
     result = {
@@ -168,6 +171,7 @@ def run_reference(args) -> int:
         "ssm_cache_dtype": args.ssm_cache_dtype, "max_tokens": args.max_tokens, "batch_sizes": args.batch_sizes,
         "gpu_memory_utilization": args.gpu_memory_utilization, "runs": {},
     }
+    exact_logits = ExactModel(model).next_token_logits  # fp64, on the CPU: consulted beyond a bf16 tie only
     with engine(model, logprobs_mode="raw_logits", **engine_kwargs(args, 1)) as reference:
         outputs, tokens_per_s = timed_batches(reference, prompts, args)
         report["runs"]["no-spec"] = {"tokens_per_s": tokens_per_s, "kv_cache": asdict(kv_cache_report(reference))}
@@ -177,7 +181,7 @@ def run_reference(args) -> int:
             entry["speedup_vs_no_spec"] = {b: t / tokens_per_s[b] for b, t in entry["tokens_per_s"].items()}
             entry["verdicts"] = {}
             for b in args.batch_sizes:
-                verdict = compare_tie_aware(reference, prompts[:b], outputs[b], run["outputs"][str(b)])
+                verdict = compare_tie_aware(reference, prompts[:b], outputs[b], run["outputs"][str(b)], exact_logits)
                 entry["verdicts"][b] = {
                     "passed": verdict.passed, "summary": verdict.summary(),
                     "identical": verdict.num_prompts - len(verdict.divergences),

@@ -166,5 +166,5 @@ def e2e(fixture_model, workloads) -> E2ERuns:
         # The bench's one-engine check (`--self-check` on the GPU), held against runs known good and bad.
         for name in TEACHER_FORCED_RUNS:
             results.teacher_forced[name] = compare_teacher_forced(
-                reference, workloads["standard"][0], results.runs[name].outputs)
+                reference, workloads["standard"][0], results.runs[name].outputs, exact.next_token_logits)
     return results

@@ -232,7 +232,10 @@ def compare_tie_aware(
 
 
 def compare_teacher_forced(
-    llm: LLM, prompt_ids: list[list[int]], candidate_outputs: list[list[int]]
+    llm: LLM,
+    prompt_ids: list[list[int]],
+    candidate_outputs: list[list[int]],
+    exact_logits: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> EquivalenceVerdict:
     """Every generated token against the same model's prefill logits for its own prefix (no second engine).
 
@@ -240,7 +243,8 @@ def compare_teacher_forced(
     greedy token passes where it is that path's top token or within one bf16 step of it. Each prompt's first
     token that is not the top one is recorded (a tie or a failure); a failure anywhere in a prompt is recorded
     even after a tie. Stronger than `compare_tie_aware` (every position is checked, in its own context), but
-    prefill and decode kernels round differently, so near-ties show up as ties here too.
+    prefill and decode kernels round differently, so near-ties show up as ties here too. `exact_logits` as in
+    `compare_tie_aware`: a token beyond a tie passes where the exact model does not prefer the prefill's choice.
     """
     assert llm.llm_engine.model_config.logprobs_mode == "raw_logits", "re-scoring needs raw logits"
     verdict = EquivalenceVerdict(len(prompt_ids), sum(map(len, candidate_outputs)))
@@ -250,7 +254,7 @@ def compare_teacher_forced(
         use_tqdm=False,
     )
     for i, (prompt, candidate, result) in enumerate(zip(prompt_ids, candidate_outputs, rescore)):
-        first_tie = None
+        first_excused = None
         for pos, token in enumerate(candidate):
             logits = result.prompt_logprobs[len(prompt) + pos]  # token id -> Logprob (raw logit here)
             top_token, top = max(logits.items(), key=lambda kv: kv[1].logprob)
@@ -258,13 +262,16 @@ def compare_teacher_forced(
                 continue
             divergence = Divergence(i, pos, top_token, token, top.logprob - logits[token].logprob,
                                     bf16_step(top.logprob))
-            if not divergence.is_tie:
+            if not divergence.is_tie and exact_logits is not None:
+                exact = exact_logits(prompt + candidate[:pos])
+                divergence.exact_gap = float(exact[top_token] - exact[token])
+            if divergence.is_failure:
                 verdict.divergences.append(divergence)
                 break
-            first_tie = first_tie or divergence
+            first_excused = first_excused or divergence
         else:
-            if first_tie is not None:
-                verdict.divergences.append(first_tie)
+            if first_excused is not None:
+                verdict.divergences.append(first_excused)
     return verdict
 
 
