@@ -3,14 +3,16 @@ PYTHON ?= python3
 # vLLM's CUDA wheel where an NVIDIA driver is present, its CPU wheel elsewhere.
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST = $(PYTHON) -m pytest -q -rs
-# Every version pinned where a lock exists for the extra (CPU machines: CI and developers); `make lock` rewrites it.
+# Every version pinned on CPU machines (CI and developers) by the lock that `make lock` rewrites; pip fails if it
+# is missing. The CUDA extra has no lock yet (README).
 LOCK = requirements/$(VLLM_EXTRA).lock.txt
+CONSTRAINTS = $(if $(filter cpu,$(VLLM_EXTRA)),-c $(LOCK))
 LOCK_VENV = .lock-venv
 
 .PHONY: install lock test demo
 
 install:
-	$(PYTHON) -m pip install -q $(if $(wildcard $(LOCK)),-c $(LOCK)) -e '.[$(VLLM_EXTRA),test]'
+	$(PYTHON) -m pip install -q $(CONSTRAINTS) -e '.[$(VLLM_EXTRA),test]'
 	$(PYTHON) -c 'from vllm_treewy.cpu_compat import install; print(install())'
 
 # Kernels and adapter first, then the vLLM end-to-end tests in their own process (vLLM binds the process's

@@ -14,9 +14,9 @@ GATE_RANGES = {"near_one": (1e-6, 1e-3), "near_zero": (5.0, 30.0), "mixed": (1e-
 
 
 @st.composite
-def random_trees(draw, max_nodes: int = 64, max_depth: int = 8) -> tuple[int, ...]:
+def random_trees(draw, max_nodes: int = 64, max_depth: int = 8, min_nodes: int = 1) -> tuple[int, ...]:
     """Any parent-before-child tree; "deep" mode hangs nodes below recent ones to reach the depth cap."""
-    num_nodes = draw(st.integers(1, max_nodes))
+    num_nodes = draw(st.integers(min_nodes, max_nodes))
     depth_cap = draw(st.integers(1, max_depth))
     deep = draw(st.booleans())
     parents: list[int] = []

@@ -1,46 +1,19 @@
-"""Hypothesis strategies for the acceptance tests: small draft trees (modelled on tests/kernels/tree_cases.py),
+"""Hypothesis strategies for the acceptance tests: small draft trees (tests/kernels/tree_cases.py),
 batches of 1-6 requests with a small vocabulary so that draft tokens match the target's argmax often, and
 batches with a planted continuation (the target's greedy path runs down a chosen node, any branch)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from vllm_treewy.tree import DraftTree
-
-
-@st.composite
-def random_trees(draw, max_nodes: int = 12, max_depth: int = 5) -> tuple[int, ...]:
-    """Any parent-before-child tree, empty included; "deep" mode hangs nodes below recent ones."""
-    num_nodes = draw(st.integers(0, max_nodes))
-    depth_cap = draw(st.integers(1, max_depth))
-    deep = draw(st.booleans())
-    parents: list[int] = []
-    depths: list[int] = []
-    for i in range(num_nodes):
-        eligible = [-1] + [j for j in range(i) if depths[j] < depth_cap]
-        parent = draw(st.sampled_from(eligible[-2:] if deep else eligible))
-        parents.append(parent)
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return tuple(parents)
-
-
-def width_trees(max_nodes: int = 12) -> st.SearchStrategy[tuple[int, ...]]:
-    widths = st.lists(st.integers(1, 4), min_size=1, max_size=5).filter(
-        lambda w: sum(math.prod(w[: i + 1]) for i in range(len(w))) <= max_nodes
-    )
-    return widths.map(lambda w: DraftTree.from_widths(w).parents)
-
-
-def chains(max_nodes: int = 6) -> st.SearchStrategy[tuple[int, ...]]:
-    return st.integers(1, max_nodes).map(lambda n: DraftTree.from_widths([1] * n).parents)
+from tests.kernels.tree_cases import chains, random_trees, width_trees
 
 
 def trees(max_nodes: int = 12, max_depth: int = 5) -> st.SearchStrategy[tuple[int, ...]]:
-    return st.one_of(random_trees(max_nodes, max_depth), width_trees(max_nodes), chains(max_depth))
+    """The kernel tests' trees, small, and the empty tree too (a request that drafts nothing)."""
+    return st.one_of(random_trees(max_nodes, max_depth, min_nodes=0), width_trees(max_nodes), chains(max_depth))
 
 
 @dataclass(frozen=True)

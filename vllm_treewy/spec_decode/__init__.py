@@ -1,7 +1,7 @@
 """Draft-tree speculative decoding pieces that need no vllm: greedy tree acceptance and the KV moves that compact
 the accepted path (``acceptance``). Tree drafting from MTP logits and the verification budget are not written yet."""
 
-from vllm_treewy.spec_decode.acceptance import (
+from .acceptance import (
     GreedyTreeAcceptance,
     KVMoves,
     accepted_kv_moves,

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_treewy.tree import node_requests
+from ..tree import node_requests
 
 
 class GreedyTreeAcceptance(NamedTuple):

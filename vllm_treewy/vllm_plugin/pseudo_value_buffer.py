@@ -100,35 +100,26 @@ def _model_buffer_layout(vllm_config) -> BufferLayout:
     )
 
 
-def _with_buffer_shapes(original):
-    """vLLM sizes the attention pages of a hybrid from the model's GDN state shapes: the buffer must be in them."""
+def _appending_buffer_states(original, buffer_states):
+    """Wraps a model's `get_mamba_state_{shape,dtype}_from_config` classmethod so that, under reconstruct, the
+    buffer's two states follow vLLM's conv and SSM states: vLLM sizes a hybrid's pages from them."""
 
     @functools.wraps(original)
-    def get_mamba_state_shape_from_config(cls, vllm_config):
-        shapes = original(cls, vllm_config)
+    def with_buffer(cls, vllm_config):
+        states = original(cls, vllm_config)
         if not reconstructs_mamba_state(vllm_config.speculative_config):
-            return shapes
-        return (*shapes, *_model_buffer_layout(vllm_config).shapes())
+            return states
+        return (*states, *buffer_states(vllm_config, states))
 
-    get_mamba_state_shape_from_config.adds_pseudo_value_buffer = True
-    return classmethod(get_mamba_state_shape_from_config)
-
-
-def _with_buffer_dtypes(original):
-    @functools.wraps(original)
-    def get_mamba_state_dtype_from_config(cls, vllm_config):
-        dtypes = original(cls, vllm_config)
-        if not reconstructs_mamba_state(vllm_config.speculative_config):
-            return dtypes
-        return (*dtypes, *BufferLayout.dtypes(dtypes[0]))
-
-    get_mamba_state_dtype_from_config.adds_pseudo_value_buffer = True
-    return classmethod(get_mamba_state_dtype_from_config)
+    with_buffer.adds_pseudo_value_buffer = True
+    return classmethod(with_buffer)
 
 
 def install() -> None:
     """The GDN models' state shapes and dtypes (`MODEL_STATE_SHAPES`, `MODEL_STATE_DTYPES`) include the buffer."""
     for shape_point, dtype_point in zip(MODEL_STATE_SHAPES, MODEL_STATE_DTYPES, strict=True):
         if not getattr(shape_point.resolve(), "adds_pseudo_value_buffer", False):
-            shape_point.replace(_with_buffer_shapes(shape_point.resolve().__func__))
-            dtype_point.replace(_with_buffer_dtypes(dtype_point.resolve().__func__))
+            shape_point.replace(_appending_buffer_states(
+                shape_point.resolve().__func__, lambda vllm_config, _: _model_buffer_layout(vllm_config).shapes()))
+            dtype_point.replace(_appending_buffer_states(
+                dtype_point.resolve().__func__, lambda _, dtypes: BufferLayout.dtypes(dtypes[0])))
