@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import global_parents, node_requests
+from ..tree import chain_parents, global_parents, node_requests
 
 ACTIVATIONS = (None, "silu")
 
@@ -105,3 +105,35 @@ def conv_commit_packed(
     nodes = cu_nodes.long()[active] + accepted.long()[active]
     rows = _sequence_rows(nodes, active, global_parents(parents, cu_nodes), history_len, history_len)
     conv_state[slots[active]] = source[rows].transpose(1, 2)
+
+
+def conv_step_packed(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    inputs: torch.Tensor,
+    pending_nodes: torch.Tensor | None,
+    *,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """One speculative step: commit each slot's previous chain at ``pending_nodes [B]`` (-1: nothing pending) from its
+    per-slot input rows ``inputs [S, T, D]``, then the conv of this step's nodes, whose inputs replace the rows.
+    Torch twin of `vllm_treewy.kernels.triton.conv_step_triton`."""
+    slots = state_indices.long()
+    live = slots >= 0
+    if pending_nodes is not None:
+        rows_per_slot = inputs.shape[1]
+        pending_rows = inputs[slots.clamp(min=0)].reshape(-1, inputs.shape[2])  # a copy: step 3 overwrites them
+        pending_cu = torch.arange(slots.numel() + 1, device=x.device) * rows_per_slot
+        conv_commit_packed(conv_state, state_indices, pending_rows,
+                           chain_parents(pending_cu, pending_rows.shape[0]), pending_cu, pending_nodes)
+    out = conv_verify_packed(x, conv_state, state_indices, weight, bias, parents, cu_nodes, activation=activation)
+    requests = node_requests(cu_nodes, x.shape[0])
+    local = torch.arange(x.shape[0], device=x.device) - cu_nodes.long()[requests]
+    keep = live[requests]
+    inputs[slots[requests][keep], local[keep]] = x[keep].to(inputs.dtype)
+    return out

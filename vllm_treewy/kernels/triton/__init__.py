@@ -4,7 +4,7 @@ baseline. Every kernel has a torch twin in `vllm_treewy.kernels.closed_form` / `
 
 from ._tree import ancestor_table, ancestor_table_torch, ancestor_table_triton
 from .commit import commit_layers_triton, commit_packed_triton, state_pool_table
-from .conv import conv_commit_triton, tree_conv_triton
+from .conv import conv_commit_triton, conv_step_triton, tree_conv_triton
 from .gated import GatedFactors, GatedPending, gdn_commit_triton, gdn_step_triton
 from .serial import serial_tree_triton
 from .verify import PendingCommit, verify_packed_triton
@@ -19,6 +19,7 @@ __all__ = [
     "commit_layers_triton",
     "commit_packed_triton",
     "conv_commit_triton",
+    "conv_step_triton",
     "gdn_commit_triton",
     "gdn_step_triton",
     "serial_tree_triton",

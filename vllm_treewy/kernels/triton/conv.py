@@ -1,4 +1,5 @@
-"""Causal depthwise conv1d over packed draft trees, and the conv-history commit of the accepted path.
+"""Causal depthwise conv1d over packed draft trees, and the conv-history commit of the accepted path, apart or as
+one speculative step (`conv_step_triton`: the previous step's commit, then this step's conv).
 
 A node's input sequence is its request's committed history `conv_state[slot, :, 0 .. L-1]` (oldest first,
 L >= w-1; any strides, e.g. vLLM's) followed by its root-to-node path; its window is the last w entries.
@@ -18,21 +19,10 @@ def _step_up(parents, bos, cur):
 
 
 @triton.jit
-def _tree_conv_kernel(
-    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out,
-    stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, D,
-    W: tl.constexpr, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-):
-    i_d, i_b = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    if slot < 0:
-        return
-    bos = tl.load(cu_nodes + i_b)
-    n = tl.load(cu_nodes + i_b + 1) - bos
-    o_d = i_d * BD + tl.arange(0, BD)
-    mask_d = o_d < D
-    p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
+def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
+                   W: tl.constexpr, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   SILU: tl.constexpr):
+    """The conv outputs of one request's n nodes (packed from bos) over channels o_d; history at p_hist."""
     for start in range(0, n, BN):
         nodes = start + tl.arange(0, BN)
         valid = nodes < n
@@ -53,6 +43,25 @@ def _tree_conv_kernel(
             acc = acc * tl.sigmoid(acc)
         tl.store(out + (bos + nodes)[:, None].to(tl.int64) * stride_out + o_d[None, :], acc.to(out.dtype.element_ty),
                  mask=m)
+
+
+@triton.jit
+def _tree_conv_kernel(
+    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out,
+    stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, D,
+    W: tl.constexpr, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    i_d, i_b = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    if slot < 0:
+        return
+    bos = tl.load(cu_nodes + i_b)
+    n = tl.load(cu_nodes + i_b + 1) - bos
+    o_d = i_d * BD + tl.arange(0, BD)
+    p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
+    _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, o_d < D, stride_x, stride_out, stride_cs_col,
+                   W, L, BN, BD, HAS_BIAS, SILU)
 
 
 @triton.jit
@@ -84,6 +93,47 @@ def _conv_commit_kernel(
     # in place: every old column is read before any is overwritten
     tl.debug_barrier()
     tl.store(p_hist + (L - 1 - steps)[:, None] * stride_cs_col, new_hist, mask=m)
+
+
+@triton.jit
+def _conv_step_kernel(
+    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out, inputs, pending_nodes,
+    stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, stride_in_slot, stride_in_node, D,
+    W: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_PENDING: tl.constexpr,
+):
+    i_d, i_b = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    if slot < 0:
+        return
+    o_d = i_d * BD + tl.arange(0, BD)
+    mask_d = o_d < D
+    p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
+    p_inputs = inputs + slot * stride_in_slot + o_d[None, :]
+    if HAS_PENDING:
+        # the previous step's chain, committed at its accepted node: new column L-1-t takes the input t steps up
+        # from it (node - t), continued into the old history
+        node = tl.load(pending_nodes + i_b)
+        if node >= 0:
+            steps = tl.arange(0, BL)
+            src = node - steps
+            m = (steps < L)[:, None] & mask_d[None, :]
+            from_inputs = tl.load(p_inputs + src[:, None] * stride_in_node, mask=m & (src >= 0)[:, None], other=0.0)
+            from_hist = tl.load(p_hist + (L + src)[:, None] * stride_cs_col, mask=m & (src < 0)[:, None], other=0.0)
+            new_hist = from_inputs.to(conv_state.dtype.element_ty) + from_hist
+            tl.debug_barrier()  # every old column and input row is read before any is overwritten
+            tl.store(p_hist + (L - 1 - steps)[:, None] * stride_cs_col, new_hist, mask=m)
+            tl.debug_barrier()  # the conv below reads the new history
+    bos = tl.load(cu_nodes + i_b)
+    n = tl.load(cu_nodes + i_b + 1) - bos
+    _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
+                   W, L, BN, BD, HAS_BIAS, SILU)
+    # this step's inputs, for the commit inside the next step (the pending rows were read above)
+    for start in range(0, n, BN):
+        nodes = start + tl.arange(0, BN)
+        m = (nodes < n)[:, None] & mask_d[None, :]
+        own = tl.load(x + (bos + nodes)[:, None].to(tl.int64) * stride_x + o_d[None, :], mask=m, other=0.0)
+        tl.store(p_inputs + nodes[:, None] * stride_in_node, own.to(inputs.dtype.element_ty), mask=m)
 
 
 def tree_conv_triton(
@@ -136,3 +186,44 @@ def conv_commit_triton(
         x.stride(0), *conv_state.stride(), D,
         L=L, BL=triton.next_power_of_2(L), BD=block_d,
     )
+
+
+def conv_step_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    inputs: torch.Tensor,
+    pending_nodes: torch.Tensor | None,
+    *,
+    activation: str | None = None,
+    out: torch.Tensor | None = None,
+    block_nodes: int = 16,
+    block_d: int = 256,
+) -> torch.Tensor:
+    """One speculative step of the conv, per request b in slot s = state_indices[b] (negative: padding, untouched):
+
+    1. if `pending_nodes[b] >= 0`, commit the slot's previous step: its draft chain's inputs are `inputs[s, 0..]`
+       (written by the previous call), and the history moves on to its node `pending_nodes[b]`, in place;
+    2. the tree conv of this step's nodes (as `tree_conv_triton`) from the committed history;
+    3. this step's inputs x go to `inputs[s, 0 .. n_b-1]` for the commit inside the next step.
+
+    inputs [S, T, D] (per-slot rows, any slot/row strides, last dim contiguous); the rest as `tree_conv_triton`.
+    One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv.conv_step_packed`."""
+    D, W = weight.shape
+    assert x.stride(-1) == 1 and weight.is_contiguous() and activation in (None, "silu")
+    assert inputs.stride(-1) == 1 and inputs.shape[2] == D
+    L = conv_state.shape[2]
+    assert L >= W - 1
+    out = torch.empty_like(x) if out is None else out
+    _conv_step_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
+        x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out, inputs,
+        state_indices if pending_nodes is None else pending_nodes,
+        x.stride(0), out.stride(0), *conv_state.stride(), inputs.stride(0), inputs.stride(1), D,
+        W=W, L=L, BL=triton.next_power_of_2(L), BN=block_nodes, BD=block_d, HAS_BIAS=bias is not None,
+        SILU=activation == "silu", HAS_PENDING=pending_nodes is not None,
+    )
+    return out
