@@ -9,7 +9,7 @@ out=$1; ks=$2; shift 2
 log=$out/log.txt runs=$out/runs
 rm -rf "$runs"; start=$(date +%s)
 for k in $ks; do
-  for s in store_all reconstruct; do
+  for s in reconstruct store_all; do
     if [ "$k" != "${ks%% *}" ] && [ $(( $(date +%s) - start )) -gt "${SKIP_K1_AFTER_S:-260}" ]; then
       echo "=== skipped $s k=$k (time)" >>"$log"; continue
     fi
@@ -22,4 +22,4 @@ echo "=== reference at $(( $(date +%s) - start )) s" >>"$log"
 python3 bench/gpu_vllm_e2e.py reference --runs "$runs" --out "$out/gpu_vllm_e2e.json" \
   --command "bash bench/run_gpu_vllm_e2e.sh \$OUT \"$ks\" $*" "$@" >>"$log" 2>&1
 echo "=== rc=$? at $(( $(date +%s) - start )) s" >>"$log"
-grep -E "^===|tokens/s|batch [0-9]+:|PASS|FAIL|k[0-9]+ done|Traceback|Error|cudagraph_mode|GDN spec decode|Maximum concurrency|no-spec|-k[0-9] \{" "$log" | cut -c1-400 | tail -90
+grep -E "^===|tokens/s|batch [0-9]+:|PASS|FAIL|k[0-9]+ done|Traceback|Error|cudagraph_mode|Capturing CUDA graphs|GDN spec decode|Maximum concurrency|no-spec|-k[0-9] \{" "$log" | cut -c1-300 | tail -90

@@ -94,10 +94,10 @@ def count_mixed_batches(counter: dict):
 
 @contextlib.contextmanager
 def verify_inputs_overwritten(counter: dict):
-    """Overwrites what each reconstruct verify pass was handed as soon as it returns, as vLLM's piecewise CUDA
-    graphs do on the GPU (the GDN op's inputs live in the graph pool, which the next pieces of the forward reuse
-    before the commit runs after sampling). A commit that read them would rebuild the state from noise."""
-    original = ReconstructGatedDeltaNetAttention.verify_spec_chains
+    """Overwrites what each reconstruct step was handed as soon as it returns, as vLLM's CUDA graphs do on the GPU
+    (the GDN op's inputs live in the graph pool, which the next pieces of the forward reuse). The commit inside the
+    next step must read the pseudo-value buffer: a commit that read them would rebuild the state from noise."""
+    original = ReconstructGatedDeltaNetAttention.speculative_step
 
     def verify_then_overwrite(layer, metadata, x, a, b):
         out = original(layer, metadata, x, a, b)
@@ -106,11 +106,11 @@ def verify_inputs_overwritten(counter: dict):
         counter["overwritten"] = counter.get("overwritten", 0) + 1
         return out
 
-    ReconstructGatedDeltaNetAttention.verify_spec_chains = verify_then_overwrite
+    ReconstructGatedDeltaNetAttention.speculative_step = verify_then_overwrite
     try:
         yield
     finally:
-        ReconstructGatedDeltaNetAttention.verify_spec_chains = original
+        ReconstructGatedDeltaNetAttention.speculative_step = original
 
 
 @pytest.fixture(scope="session")

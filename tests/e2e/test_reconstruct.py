@@ -59,7 +59,7 @@ def test_gdn_state_blocks_per_request(e2e, fixture_model, k):
     layout = BufferLayout.of_model(1, config.linear_num_key_heads, config.linear_num_value_heads,
                                    config.linear_key_head_dim, config.linear_value_head_dim, k)
     num_gdn_layers = config.layer_types.count("linear_attention")
-    buffer_bytes_per_layer = layout.num_nodes * (layout.factor_width * 4 + layout.conv_dim * 2)  # fp32, bf16
+    buffer_bytes_per_layer = layout.num_nodes * (layout.factor_width * 4 + layout.conv_dim * 2) + 4  # fp32, bf16, count
     assert reconstruct.gdn_buffer_bytes_per_request == num_gdn_layers * buffer_bytes_per_layer
     assert store_all.gdn_buffer_bytes_per_request == 0
     assert reconstruct.gdn_state_bytes_per_request < store_all.gdn_state_bytes_per_request
@@ -67,8 +67,8 @@ def test_gdn_state_blocks_per_request(e2e, fixture_model, k):
 
 
 def test_commit_does_not_read_what_verify_was_handed(e2e):
-    """The GPU's piecewise CUDA graphs reuse the GDN op's input memory before the commit runs (issue 9: 0/256
-    identical outputs); overwriting those inputs right after verify must change nothing."""
+    """The GPU's CUDA graphs reuse the GDN op's input memory before the next step's commit runs (issue 9: 0/256
+    identical outputs when the commit read it); overwriting those inputs right after each step must change nothing."""
     name = "reconstruct-inputs-overwritten"
     assert e2e.mixed_batches[name]["overwritten"] > 0
     assert e2e.verdict(name).passed, e2e.verdict(name).summary()

@@ -1,4 +1,5 @@
-"""The CUDA path's split of a mixed batch: speculative chains to reconstruct, the rest to vLLM's own GDN code.
+"""The CUDA path's split of a mixed batch: speculative chains to reconstruct, the prefills to vLLM's own GDN code
+and its gated RMSNorm (the fused-norm path, `_forward_core_fused_norm`).
 
 Runs on CPU with stand-ins for both halves (the kernels themselves are tested in tests/kernels and on the H200):
 it checks the plumbing, i.e. which tokens go where, what metadata vLLM's half sees, and that the layer's
@@ -7,11 +8,12 @@ metadata is restored afterwards.
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 from vllm_treewy.vllm_plugin import gdn_layer
+from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata
 
 HV, V, CONV_DIM = 2, 3, 5
 
@@ -22,13 +24,32 @@ def _mixed_batch_metadata():
     spec = torch.tensor([3, 4, 5, 7, 8, 9])
     rest = torch.tensor([0, 1, 2, 6])
     masks = torch.tensor([False, True, False, True])
-    return GDNAttentionMetadata(
+    return ReconstructGDNAttentionMetadata(
         num_prefills=1, num_prefill_tokens=3, num_decodes=1, num_decode_tokens=1, num_spec_decodes=2,
         num_spec_decode_tokens=6, num_actual_tokens=10, spec_query_start_loc=torch.tensor([0, 3, 6]),
         non_spec_query_start_loc=torch.tensor([0, 3, 4]), spec_state_indices_tensor=torch.tensor([[7], [9]]),
         non_spec_state_indices_tensor=torch.tensor([5, 6]), spec_sequence_masks=masks, spec_sequence_masks_cpu=masks,
         spec_token_indx=spec, non_spec_token_indx=rest, num_accepted_tokens=torch.tensor([1, 2, 1, 3]),
+        commit_nodes=torch.tensor([0, 2]),
     )
+
+
+def _layer(monkeypatch, prefix, seen):
+    """A layer whose reconstruct step and vLLM half are stand-ins: the spec output is token + 100, vLLM's -1, and
+    the gated RMSNorm doubles."""
+
+    def step_triton(layer, md, x, a, b, output_gate, out, **caches):
+        seen["spec_tokens"] = x[:, 0].tolist()
+        seen["spec_gate"] = output_gate[:, 0, 0].tolist()
+        out.copy_(x[:, :1, None].expand(-1, HV, V) + 100.0)
+
+    monkeypatch.setattr(gdn_layer.reconstruct, "step_triton", step_triton)
+    monkeypatch.setattr(gdn_layer.ReconstructGatedDeltaNetAttention, "_caches", lambda self: {})
+    monkeypatch.setattr(QwenGatedDeltaNetAttention, "_rms_norm_gated_cuda",
+                        lambda self, x, gate, out: out.copy_(2 * x))
+    layer = object.__new__(gdn_layer.ReconstructGatedDeltaNetAttention)
+    layer.prefix, layer.reconstructs_state = prefix, True
+    return layer
 
 
 def test_mixed_batch_goes_half_to_reconstruct_half_to_vllm(monkeypatch):
@@ -42,48 +63,49 @@ def test_mixed_batch_goes_half_to_reconstruct_half_to_vllm(monkeypatch):
         seen["tokens"] = mixed_qkv[:, 0].tolist()
         core_attn_out.fill_(-1.0)
 
-    def verify_spec_chains(self, md, x, a, b):
-        seen["spec_tokens"] = x[:, 0].tolist()
-        return x[:, :1, None].expand(-1, HV, V) + 100.0
-
     monkeypatch.setattr(QwenGatedDeltaNetAttention, "_forward_core", vllm_forward_core)
-    monkeypatch.setattr(gdn_layer.ReconstructGatedDeltaNetAttention, "verify_spec_chains", verify_spec_chains)
-    layer = object.__new__(gdn_layer.ReconstructGatedDeltaNetAttention)
-    layer.prefix, layer.reconstructs_state, layer.pending_step = "model.layers.0.linear_attn", True, object()
+    layer = _layer(monkeypatch, "model.layers.0.linear_attn", seen)
 
     tokens = torch.arange(10.0)
     mixed_qkv = tokens[:, None].expand(-1, CONV_DIM).contiguous()
+    gate = tokens[:, None, None].expand(-1, HV, V).contiguous()
     out = torch.zeros(10, HV, V)
-    layer._forward_core(mixed_qkv, torch.zeros(10, HV), torch.zeros(10, HV), out)
+    layer._forward_core_fused_norm(mixed_qkv, torch.zeros(10, HV), torch.zeros(10, HV), gate, out)
 
-    assert layer.pending_step is None  # a stale pending commit is dropped at the start of every pass
-    assert seen["spec_tokens"] == [3, 4, 5, 7, 8, 9]
+    assert seen["spec_tokens"] == [3, 4, 5, 7, 8, 9] and seen["spec_gate"] == [3, 4, 5, 7, 8, 9]
     assert seen["tokens"] == [0, 1, 2, 6]
     rest_md = seen["metadata"]
     assert rest_md.spec_sequence_masks is None and rest_md.num_spec_decodes == 0
     assert rest_md.num_actual_tokens == 4 and rest_md.num_prefills == 1 and rest_md.num_decodes == 1
     assert rest_md.non_spec_state_indices_tensor.tolist() == [5, 6]
     assert context.attn_metadata["model.layers.0.linear_attn"] is metadata  # restored
-    expected = torch.full((10,), -1.0)
+    expected = torch.full((10,), -2.0)  # vLLM's half, then the gated RMSNorm
     expected[[3, 4, 5, 7, 8, 9]] = torch.tensor([103.0, 104, 105, 107, 108, 109])
     torch.testing.assert_close(out[:, 0, 0], expected)
 
 
 def test_batch_of_only_spec_decodes_skips_vllm(monkeypatch):
-    metadata = GDNAttentionMetadata(
+    metadata = ReconstructGDNAttentionMetadata(
         num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=2,
         num_spec_decode_tokens=6, num_actual_tokens=6, spec_query_start_loc=torch.tensor([0, 3, 6]),
         spec_state_indices_tensor=torch.tensor([[7], [9]]), spec_sequence_masks=torch.tensor([True, True]),
+        commit_nodes=torch.tensor([1, -1]),
     )
     context = SimpleNamespace(attn_metadata={"l": metadata})
     monkeypatch.setattr(gdn_layer, "get_forward_context", lambda: context)
     monkeypatch.setattr(QwenGatedDeltaNetAttention, "_forward_core",
                         lambda *args: (_ for _ in ()).throw(AssertionError("vLLM's half must not run")))
-    monkeypatch.setattr(gdn_layer.ReconstructGatedDeltaNetAttention, "verify_spec_chains",
-                        lambda self, md, x, a, b: x[:, :1, None].expand(-1, HV, V) + 100.0)
-    layer = object.__new__(gdn_layer.ReconstructGatedDeltaNetAttention)
-    layer.prefix, layer.reconstructs_state, layer.pending_step = "l", True, None
+    layer = _layer(monkeypatch, "l", {})
     out = torch.zeros(8, HV, V)  # padded beyond the 6 real tokens, as under CUDA graphs
-    layer._forward_core(torch.arange(8.0)[:, None].expand(-1, CONV_DIM), torch.zeros(8, HV), torch.zeros(8, HV), out)
+    layer._forward_core_fused_norm(torch.arange(8.0)[:, None].expand(-1, CONV_DIM), torch.zeros(8, HV),
+                                   torch.zeros(8, HV), torch.zeros(8, HV, V), out)
     torch.testing.assert_close(out[:6, 0, 0], torch.arange(6.0) + 100)
     assert out[6:].abs().sum() == 0
+
+
+def test_unfused_path_refuses_speculative_tokens_under_reconstruct(monkeypatch):
+    metadata = _mixed_batch_metadata()
+    monkeypatch.setattr(gdn_layer, "get_forward_context", lambda: SimpleNamespace(attn_metadata={"l": metadata}))
+    layer = _layer(monkeypatch, "l", {})
+    with pytest.raises(RuntimeError, match="fused-norm"):
+        layer._forward_core(torch.zeros(10, CONV_DIM), torch.zeros(10, HV), torch.zeros(10, HV), torch.zeros(10, HV, V))

@@ -20,11 +20,11 @@ def test_vllm_still_has_the_patch_point(point, installed):
 
 
 def test_a_moved_or_resigned_point_fails_the_check():
-    point = patch_points.RUNNER_AFTER_SAMPLING
+    point = patch_points.GDN_METADATA_BUILD
     with pytest.raises(AttributeError):
-        dataclasses.replace(point, attribute="GPUModelRunner._no_such_method").check()
+        dataclasses.replace(point, attribute="GDNAttentionMetadataBuilder._no_such_method").check()
     with pytest.raises(TypeError, match="expected parameters"):
-        dataclasses.replace(point, parameters=("self", "sampled_token_ids", "scheduler_output")).check()
+        dataclasses.replace(point, parameters=("self", "common_attn_metadata", "common_prefix_len")).check()
     with pytest.raises(ModuleNotFoundError):
         PatchPoint("vllm.v1.worker.no_such_module", "X", "wraps", "").check()
 

@@ -1,17 +1,17 @@
-"""The pseudo-value buffer: the commit's factors live in vLLM's KV-cache page, not in what verify was handed.
+"""The pseudo-value buffer: the commit's factors live in vLLM's KV-cache page, not in what a step was handed.
 
-Under vLLM's piecewise CUDA graphs the GDN op's input `mixed_qkv` is a graph output in the graph pool, which the
-later pieces of the same forward overwrite before the commit runs after sampling; the commit must not read it.
+Under vLLM's CUDA graphs the GDN op's input `mixed_qkv` is a graph output in the graph pool, which later pieces of
+the forward overwrite before the next step (whose verify runs the commit); the commit must not read it.
 """
 
-import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
+from vllm_treewy.kernels.gated import gates, inverse_norm, split_qkv
+from vllm_treewy.tree import chain_parents
 from vllm_treewy.vllm_plugin import reconstruct
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.patch_points import MODEL_STATE_SHAPES
@@ -19,79 +19,103 @@ from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout, PseudoValu
 
 H, HV, K, V, WIDTH, NUM_SPEC, NUM_SLOTS = 2, 4, 8, 8, 4, 3, 5
 CONV_DIM = 2 * H * K + HV * V
+LAYOUT = BufferLayout.of_model(1, H, HV, K, V, NUM_SPEC)
 
 
 def _gdn_layer_stand_in():
-    """What `verify_chains` reads of a GDN layer, with vLLM's own `rearrange_mixed_qkv`."""
-    layer = SimpleNamespace(
-        activation="silu", key_dim=H * K, value_dim=HV * V, tp_size=1, head_k_dim=K, head_v_dim=V,
-        conv1d=SimpleNamespace(bias=torch.randn(CONV_DIM) * 0.1),
-        A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV) * 0.5,
-    )
-    layer.rearrange_mixed_qkv = functools.partial(QwenGatedDeltaNetAttention.rearrange_mixed_qkv, layer)
-    return layer
+    """What `reconstruct.step_torch` reads of a GDN layer."""
+    return SimpleNamespace(activation="silu", conv1d=SimpleNamespace(bias=torch.randn(CONV_DIM) * 0.1),
+                           A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV) * 0.5)
 
 
-def _verify_then_commit(x, a, b, clobber_inputs: bool):
+def _empty_buffer(fill=float("nan")) -> PseudoValueBuffer:
+    factors_shape, conv_shape, count_shape = LAYOUT.shapes()
+    return PseudoValueBuffer(torch.full((NUM_SLOTS, *factors_shape), fill), torch.full((NUM_SLOTS, *conv_shape), fill),
+                             torch.zeros(NUM_SLOTS, dtype=torch.int32), LAYOUT)
+
+
+def _chains(slots, commit_nodes):
+    """Step metadata of requests with 1 + NUM_SPEC nodes each, in `slots`."""
+    n = 1 + NUM_SPEC
+    slots = torch.tensor(slots, dtype=torch.int32)
+    cu = torch.arange(slots.shape[0] + 1, dtype=torch.int32) * n
+    return SimpleNamespace(spec_slots=slots, spec_query_start_loc=cu, parents=chain_parents(cu, int(cu[-1])),
+                           commit_nodes=torch.tensor(commit_nodes, dtype=torch.int32),
+                           node_slots=slots.long().repeat_interleave(n), node_indices=torch.arange(n).repeat(len(slots)))
+
+
+def _two_steps(inputs, clobber_inputs: bool):
+    """Step 1 verifies two requests (slots 3, 1); step 2 commits their accepted nodes (2, 0) and verifies again."""
     torch.manual_seed(1)
     layer = _gdn_layer_stand_in()
-    conv_weight = torch.randn(CONV_DIM, WIDTH) * 0.3
-    conv_history = torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1)
-    ssm_state = torch.randn(NUM_SLOTS, HV, V, K) * 0.1
-    layout = BufferLayout.of_model(1, H, HV, K, V, NUM_SPEC)
-    factors_shape, conv_shape = layout.shapes()
-    buffer = PseudoValueBuffer(torch.full((NUM_SLOTS, *factors_shape), float("nan")),
-                               torch.full((NUM_SLOTS, *conv_shape), float("nan")), layout)
-    # Two requests of 1 + 3 nodes in slots 3 and 1.
-    slots, cu_nodes = torch.tensor([3, 1], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32)
-    parents = torch.tensor([-1, 0, 1, 2, -1, 0, 1, 2], dtype=torch.int32)
-    node_slots, node_indices = torch.tensor([3, 3, 3, 3, 1, 1, 1, 1]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
-    history_before = conv_history.clone()
-    out = reconstruct.verify_chains(
-        layer, reconstruct.TORCH_KERNELS, x, a, b, conv_weight=conv_weight, conv_history=conv_history,
-        ssm_state=ssm_state, slots=slots, parents=parents, cu_nodes=cu_nodes, max_nodes=1 + NUM_SPEC,
-        buffer=buffer, node_slots=node_slots, node_indices=node_indices,
-    )
-    if clobber_inputs:  # what the next CUDA graph pieces do to the op's inputs before the commit runs
-        for t in (x, a, b):
+    caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3, conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
+                  ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1, buffer=_empty_buffer())
+    before = {name: caches[name].clone() for name in ("conv_history", "ssm_state")}
+    first, second = inputs
+    out1 = reconstruct.step_torch(layer, _chains([3, 1], [-1, -1]), *first, **caches)
+    assert torch.equal(caches["ssm_state"], before["ssm_state"])  # verify writes no state
+    if clobber_inputs:  # what the next CUDA graph pieces do to the op's inputs before the next step
+        for t in first:
             t.normal_()
-    accepted = torch.tensor([2, 0], dtype=torch.int32)
-    reconstruct.commit_layer(
-        reconstruct.TORCH_KERNELS, accepted, buffer=buffer, conv_history=conv_history, ssm_state=ssm_state,
-        slots=slots, parents=parents, cu_nodes=cu_nodes, node_slots=node_slots, node_indices=node_indices,
-        max_nodes=1 + NUM_SPEC,
-    )
-    return out, conv_history, ssm_state, history_before
+    out2 = reconstruct.step_torch(layer, _chains([3, 1], [2, 0]), *second, **caches)
+    return out1, out2, caches, before, layer
 
 
-def test_commit_reads_the_buffer_not_the_verify_inputs():
+def test_next_steps_commit_reads_the_buffer_not_the_step_inputs():
     torch.manual_seed(0)
-    x, a, b = torch.randn(8, CONV_DIM), torch.randn(8, HV), torch.randn(8, HV)
-    out, history, state, before = _verify_then_commit(x.clone(), a.clone(), b.clone(), clobber_inputs=False)
-    out_c, history_c, state_c, _ = _verify_then_commit(x.clone(), a.clone(), b.clone(), clobber_inputs=True)
-    torch.testing.assert_close(out_c, out)
-    torch.testing.assert_close(state_c, state)
-    torch.testing.assert_close(history_c, history)
+    inputs = [(torch.randn(8, CONV_DIM), torch.randn(8, HV), torch.randn(8, HV)) for _ in range(2)]
+    copy = lambda: [tuple(t.clone() for t in step) for step in inputs]  # noqa: E731
+    out1, out2, caches, before, _ = _two_steps(copy(), clobber_inputs=False)
+    out1_c, out2_c, caches_c, _, _ = _two_steps(copy(), clobber_inputs=True)
+    torch.testing.assert_close(out1_c, out1)
+    torch.testing.assert_close(out2_c, out2)
+    torch.testing.assert_close(caches_c["ssm_state"], caches["ssm_state"])
     # The conv history continues with the accepted path's inputs: slot 3 accepted node 2, slot 1 node 0.
+    x = inputs[0][0]
+    history = caches["conv_history"]
     torch.testing.assert_close(history[3], x[0:3].T)
-    torch.testing.assert_close(history[1], torch.cat([before[1][:, 1:], x[4:5].T], dim=1))
+    torch.testing.assert_close(history[1], torch.cat([before["conv_history"][1][:, 1:], x[4:5].T], dim=1))
     untouched = [0, 2, 4]
-    torch.testing.assert_close(history[untouched], before[untouched])
+    torch.testing.assert_close(history[untouched], before["conv_history"][untouched])
+    torch.testing.assert_close(caches["ssm_state"][untouched], before["ssm_state"][untouched])
+    assert not torch.equal(caches["ssm_state"][[1, 3]], before["ssm_state"][[1, 3]])
+
+
+def test_committed_state_is_the_accepted_nodes_recurrent_state():
+    """The state that step 2 commits and verifies from is step 1's state after its accepted node, node by node."""
+    torch.manual_seed(0)
+    inputs = [(torch.randn(8, CONV_DIM), torch.randn(8, HV), torch.randn(8, HV)) for _ in range(2)]
+    _, _, caches, before, layer = _two_steps(inputs, clobber_inputs=False)
+    x, a, b = inputs[0]
+    for slot, rows, accepted in ((3, slice(0, 4), 2), (1, slice(4, 8), 0)):
+        window = torch.cat([before["conv_history"][slot].T, x[rows]])  # [W-1+4, D]
+        conv = torch.stack([(window[i : i + WIDTH] * caches["conv_weight"].T).sum(0) for i in range(4)])
+        conv = torch.nn.functional.silu(conv + layer.conv1d.bias)
+        q, k, v = split_qkv(conv.double(), H, K, V)
+        g, beta = gates(a[rows], b[rows], layer.A_log, layer.dt_bias, torch.float64)
+        h = before["ssm_state"][slot].double()
+        for t in range(accepted + 1):
+            kt = (k[t] * inverse_norm(k[t])[:, None]).repeat_interleave(HV // H, dim=0)  # [HV, K]
+            h = torch.exp(g[t])[:, None, None] * h
+            u = beta[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", h, kt))
+            h = h + u[..., None] * kt[:, None, :]
+        torch.testing.assert_close(caches["ssm_state"][slot].double(), h, rtol=1e-5, atol=1e-6)
 
 
 def test_buffer_round_trip_keeps_each_node_in_its_slot_row():
-    layout = BufferLayout.of_model(1, H, HV, K, V, NUM_SPEC)
-    factors_shape, conv_shape = layout.shapes()
-    assert factors_shape == (1 + NUM_SPEC, H * K + HV * V + HV) and conv_shape == (1 + NUM_SPEC, CONV_DIM)
-    buffer = PseudoValueBuffer(torch.zeros(NUM_SLOTS, *factors_shape), torch.zeros(NUM_SLOTS, *conv_shape,
-                                                                                   dtype=torch.bfloat16), layout)
+    factors_shape, conv_shape, count_shape = LAYOUT.shapes()
+    assert factors_shape == (1 + NUM_SPEC, HV * K + HV + HV * V + HV) and conv_shape == (1 + NUM_SPEC, CONV_DIM)
+    assert count_shape == (1,)
+    buffer = _empty_buffer(fill=0.0)
     slots, nodes = torch.tensor([4, 4, 0]), torch.tensor([0, 1, 0])
-    keys, values, decays = torch.randn(3, H, K), torch.randn(3, HV, V), -torch.rand(3, HV)
-    conv_inputs = torch.randn(3, CONV_DIM).bfloat16()
-    buffer.write(slots, nodes, keys, values, decays, conv_inputs)
-    read = buffer.read(torch.tensor([0, 4]), torch.tensor([0, 1]))
-    for got, want in zip(read, (keys[[2, 1]], values[[2, 1]], decays[[2, 1]], conv_inputs[[2, 1]])):
-        torch.testing.assert_close(got, want)
+    keys, key_scales, values, decays = torch.randn(3, H, K), torch.rand(3, H), torch.randn(3, HV, V), -torch.rand(3, HV)
+    buffer.write_factors(slots, nodes, keys, key_scales, values, decays)
+    read = buffer.slot_factors(torch.tensor([0, 4]))
+    ratio = HV // H
+    expected = (keys.repeat_interleave(ratio, 1), key_scales.repeat_interleave(ratio, 1), values, decays)
+    for got, want in zip(read, expected):
+        torch.testing.assert_close(got[0, 0], want[2])
+        torch.testing.assert_close(got[1, :2], want[:2])
     assert buffer.factors[[1, 2, 3]].abs().sum() == 0 and buffer.factors[4, 2:].abs().sum() == 0
 
 
@@ -111,15 +135,17 @@ def test_buffer_views_follow_vllms_states_on_the_page():
     conv_shape, ssm_shape = layer.get_state_shape()
     layout = layer.buffer_layout()
     state_bytes = torch.Size(conv_shape).numel() * 2 + torch.Size(ssm_shape).numel() * 4
-    buffer_bytes = layout.num_nodes * (layout.factor_width * 4 + layout.conv_dim * 2)
+    buffer_bytes = layout.num_nodes * (layout.factor_width * 4 + layout.conv_dim * 2) + 4
     page = state_bytes + buffer_bytes + 64  # vLLM pads pages to the attention page
     raw = torch.zeros(NUM_SLOTS, 1, 1, page, dtype=torch.int8)
     layer.bind_kv_cache(raw)
-    conv, ssm, factors, conv_inputs = layer.kv_cache
+    conv, ssm, factors, conv_inputs, counts = layer.kv_cache
     assert factors.shape == (NUM_SLOTS, *layout.shapes()[0]) and factors.dtype == torch.float32
     assert conv_inputs.shape == (NUM_SLOTS, *layout.shapes()[1]) and conv_inputs.dtype == torch.bfloat16
+    assert counts.shape == (NUM_SLOTS, 1) and counts.dtype == torch.int32
     factors.fill_(1.0)
     conv_inputs.fill_(2.0)
+    counts.fill_(3)
     assert conv.abs().sum() == 0 and ssm.abs().sum() == 0  # the buffer does not overlap vLLM's states
     assert int(raw[:, 0, 0, state_bytes + buffer_bytes:].abs().sum()) == 0  # nor the padding
     plain = _layer_for_binding(reconstructs=False)

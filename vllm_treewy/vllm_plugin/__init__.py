@@ -8,12 +8,12 @@ in every process (front end, engine core, workers) before it builds configs and 
 def register() -> None:
     from vllm.platforms import current_platform
 
-    from vllm_treewy.vllm_plugin import config, gdn_layer, pseudo_value_buffer, runner
+    from vllm_treewy.vllm_plugin import config, gdn_layer, pseudo_value_buffer, step_metadata
 
     config.install()
     gdn_layer.install()
     pseudo_value_buffer.install()
-    runner.install()
+    step_metadata.install()
     if current_platform.is_cpu():
         from vllm_treewy.vllm_plugin import gdn_cpu
 

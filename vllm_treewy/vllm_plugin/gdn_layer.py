@@ -1,20 +1,21 @@
 """The GDN layer under reconstruct-on-commit: one state block per request, drafts verified from it.
 
 `ReconstructGatedDeltaNetAttention` replaces vLLM's `QwenGatedDeltaNetAttention` (out-of-tree layer
-registration); with `mamba_state_commit="store_all"` it behaves exactly like its parent. On CUDA it takes the
-speculative tokens out of `_forward_core` (which vLLM's GDN custom op calls) and leaves the prefill and plain
-decode tokens of the same batch to vLLM; on CPU the same happens through `gdn_cpu`.
+registration); with `mamba_state_commit="store_all"` it behaves exactly like its parent. On CUDA it runs vLLM's
+fused-norm GDN path (`_forward_core_fused_norm`, where vLLM would call its compiled MTP kernel) and takes the
+speculative tokens out of it; the prefills of the same batch stay with vLLM. FULL CUDA graphs capture decode
+batches: every step's inputs are tensors of the GDN metadata (`step_metadata`). On CPU the same happens through
+`gdn_cpu`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from math import prod
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
-from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -23,13 +24,11 @@ from vllm.utils.torch_utils import get_dtype_size
 
 from vllm_treewy.vllm_plugin import reconstruct
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.patch_points import (
-    CPU_SSM_STATE_VIEW,
-    CPU_UNPACKED_CONV_WEIGHT,
-    GDN_CUDAGRAPH_SUPPORT,
-)
+from vllm_treewy.vllm_plugin.patch_points import CPU_SSM_STATE_VIEW, CPU_UNPACKED_CONV_WEIGHT
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout, PseudoValueBuffer
-from vllm_treewy.vllm_plugin.spec_step import SpecStep, spec_step
+from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata
+
+GATE_ACTIVATIONS = ("silu", "sigmoid")
 
 
 class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
@@ -38,15 +37,31 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reconstructs_state = reconstructs_mamba_state(self.speculative_config)
-        # The step whose drafts this layer verified and has not committed yet (indices only: the factors are in
-        # the pseudo-value buffer).
-        self.pending_step: SpecStep | None = None
-        if self.reconstructs_state:
-            # vLLM's fused spec-decode kernel writes a state per draft position: not under reconstruct.
-            self.enable_fused_gdn_spec_decode = False
-            self.chain_kernels = (
-                reconstruct.TORCH_KERNELS if current_platform.is_cpu() else reconstruct.triton_kernels()
-            )
+        mamba_cache_mode = get_current_vllm_config().cache_config.mamba_cache_mode
+        if self.reconstructs_state and mamba_cache_mode != "none":
+            # Prefix caching moves a request's state between blocks as it grows; the pending commit lives in its slot.
+            raise ValueError("mamba_state_commit='reconstruct' requires --mamba-cache-mode none "
+                             f"(got {mamba_cache_mode!r}: no prefix caching of GDN states yet)")
+        if self.reconstructs_state and current_platform.is_cuda_alike():
+            self._check_cuda_support()
+            # forward_cuda then takes vLLM's fused-norm path, whose speculative half `_forward_core_fused_norm` runs
+            # here; vLLM's compiled kernel (a state per draft position) is never called.
+            self.enable_fused_gdn_spec_decode = True
+
+    def _check_cuda_support(self) -> None:
+        reasons = []
+        if self.model_config.dtype != torch.bfloat16:
+            reasons.append(f"a bfloat16 model (got {self.model_config.dtype})")
+        if self.gqa_interleaved_layout:
+            reasons.append("the Qwen3.5 (non-interleaved) q/k/v/z layout")
+        if self.norm.activation not in GATE_ACTIVATIONS:
+            reasons.append(f"a silu or sigmoid output gate (got {self.norm.activation})")
+        for name, dim in (("head_k_dim", self.head_k_dim), ("head_v_dim", self.head_v_dim)):
+            if dim & (dim - 1):
+                reasons.append(f"a power-of-two {name} (got {dim})")
+        if reasons:
+            raise ValueError("mamba_state_commit='reconstruct' on CUDA runs the fused GDN step, which needs "
+                             + ", ".join(reasons) + "; use mamba_state_commit='store_all' for this model")
 
     def buffer_layout(self) -> BufferLayout:
         return BufferLayout.of_model(self.tp_size, self.num_k_heads, self.num_v_heads, self.head_k_dim,
@@ -56,8 +71,8 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         spec = super().get_kv_cache_spec(vllm_config)
         if not self.reconstructs_state:
             return spec
-        # One state block per request: drafts are verified from the committed state, which the commit updates
-        # in place, so no block per draft position is needed; the page also holds the pseudo-value buffer.
+        # One state block per request: drafts are verified from the committed state, which the next step's commit
+        # updates in place, so no block per draft position is needed; the page also holds the pseudo-value buffer.
         layout = self.buffer_layout()
         return dataclasses.replace(
             spec, num_speculative_blocks=0, shapes=(*spec.shapes, *layout.shapes()),
@@ -65,7 +80,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """vLLM's conv and SSM states, then (under reconstruct) the pseudo-value buffer's two views of the page."""
+        """vLLM's conv and SSM states, then (under reconstruct) the pseudo-value buffer's three views of the page."""
         super().bind_kv_cache(kv_cache)
         if not self.reconstructs_state:
             return
@@ -93,7 +108,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         return self.kv_cache[1]
 
     def pseudo_value_buffer(self) -> PseudoValueBuffer:
-        return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.buffer_layout())
+        return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.kv_cache[4].view(-1), self.buffer_layout())
 
     def conv_weight(self) -> torch.Tensor:
         """`(conv_dim, width)`; on CPU with AMX vLLM packs `conv1d.weight` in place and keeps a plain copy."""
@@ -102,75 +117,59 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         weight = self.conv1d.weight
         return weight.view(weight.size(0), weight.size(-1))
 
-    # -- verify and commit ------------------------------------------------------------------------------------
-    def verify_spec_chains(self, metadata, x, a, b) -> torch.Tensor:
-        step = spec_step(metadata, x.device)
-        out = reconstruct.verify_chains(
-            self, self.chain_kernels, x, a, b,
-            conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state(),
-            slots=step.slots, parents=step.parents, cu_nodes=step.cu_nodes, max_nodes=1 + self.num_spec,
-            buffer=self.pseudo_value_buffer(), node_slots=step.node_slots, node_indices=step.node_indices,
-        )
-        self.pending_step = step
-        return out
+    def _caches(self) -> dict:
+        return dict(conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state(),
+                    buffer=self.pseudo_value_buffer())
 
-    def commit_pending(self, accepted: torch.Tensor) -> None:
-        """Rebuilds the accepted states of the step this layer verified; `accepted` as `reconstruct.accepted_nodes`
-        gives it for the step's `batch_rows`."""
-        step, self.pending_step = self.pending_step, None
-        reconstruct.commit_layer(
-            self.chain_kernels, accepted, buffer=self.pseudo_value_buffer(), conv_history=self.conv_history(),
-            ssm_state=self.ssm_state(), slots=step.slots, parents=step.parents, cu_nodes=step.cu_nodes,
-            node_slots=step.node_slots, node_indices=step.node_indices, max_nodes=1 + self.num_spec,
-        )
+    # -- the speculative step ---------------------------------------------------------------------------------
+    def speculative_step(self, metadata: ReconstructGDNAttentionMetadata, x, a, b) -> torch.Tensor:
+        """CPU: core outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains `x`."""
+        return reconstruct.step_torch(self, metadata, x, a, b, **self._caches())
 
-    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
-        metadata = None
-        if self.reconstructs_state:
-            self.pending_step = None  # an earlier pass that was never sampled (warm-up runs)
-            attn_metadata = get_forward_context().attn_metadata
-            metadata = attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
-        if metadata is None or metadata.spec_sequence_masks is None:
-            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+    def _metadata(self) -> ReconstructGDNAttentionMetadata | None:
+        if not self.reconstructs_state:
+            return None
+        attn_metadata = get_forward_context().attn_metadata
+        metadata = attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
+        if metadata is None or metadata.num_spec_decodes == 0:
+            return None
+        return metadata
+
+    def _forward_core_fused_norm(self, mixed_qkv, b, a, output_gate, core_attn_out):
+        metadata = self._metadata()
+        if metadata is None:
+            return super()._forward_core_fused_norm(mixed_qkv, b, a, output_gate, core_attn_out)
+        caches = self._caches()
         if metadata.num_prefills == 0 and metadata.num_decodes == 0:
             n = metadata.num_actual_tokens
-            core_attn_out[:n] = self.verify_spec_chains(metadata, mixed_qkv[:n], a[:n], b[:n])
+            reconstruct.step_triton(self, metadata, mixed_qkv[:n], a[:n], b[:n], output_gate[:n],
+                                    core_attn_out[:n], **caches)
             return
         spec, rest = metadata.spec_token_indx, metadata.non_spec_token_indx
-        core_attn_out.index_copy_(
-            0, spec, self.verify_spec_chains(metadata, mixed_qkv.index_select(0, spec), a.index_select(0, spec),
-                                             b.index_select(0, spec)))
-        # The prefills and plain decodes of the batch: vLLM's own path, shown a batch without speculation.
+        spec_out = core_attn_out.new_zeros((spec.shape[0], *core_attn_out.shape[1:]))
+        reconstruct.step_triton(self, metadata, mixed_qkv.index_select(0, spec), a.index_select(0, spec),
+                                b.index_select(0, spec), output_gate.index_select(0, spec), spec_out, **caches)
+        core_attn_out.index_copy_(0, spec, spec_out)
+        # The prefills of the batch: vLLM's own path, shown a batch without speculation, then its gated RMSNorm.
         rest_out = core_attn_out.new_zeros((rest.shape[0], *core_attn_out.shape[1:]))
-        rest_metadata = spec_step(metadata, mixed_qkv.device).rest_metadata
         attn_metadata = get_forward_context().attn_metadata
-        attn_metadata[self.prefix] = rest_metadata
+        attn_metadata[self.prefix] = metadata.rest_metadata
         try:
-            super()._forward_core(mixed_qkv.index_select(0, rest), b.index_select(0, rest),
-                                  a.index_select(0, rest), rest_out)
+            super()._forward_core(mixed_qkv.index_select(0, rest), b.index_select(0, rest).contiguous(),
+                                  a.index_select(0, rest).contiguous(), rest_out)
         finally:
             attn_metadata[self.prefix] = metadata
+        self._rms_norm_gated_cuda(rest_out, output_gate.index_select(0, rest).contiguous(), rest_out)
         core_attn_out.index_copy_(0, rest, rest_out)
 
-
-def _no_full_graphs_under_reconstruct(original):
-    """The commit finds the step it commits through a Python object (`pending_step`), which a replayed FULL CUDA
-    graph would not refresh: under reconstruct the GDN builder declines FULL graphs and vLLM falls back to PIECEWISE
-    graphs (the GDN core op already runs between the pieces, eagerly)."""
-
-    @classmethod
-    @functools.wraps(original)
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-        if reconstructs_mamba_state(vllm_config.speculative_config):
-            return AttentionCGSupport.NEVER
-        return original(vllm_config, kv_cache_spec)
-
-    get_cudagraph_support.__func__.declines_full_graphs = True
-    return get_cudagraph_support
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        if self._metadata() is not None:
+            # vLLM's own speculative kernels would read a state per draft position, which reconstruct does not keep.
+            raise RuntimeError("mamba_state_commit='reconstruct' on CUDA verifies drafts on the fused-norm GDN path "
+                               "only; this batch took the unfused path (a non-bfloat16 activation?)")
+        return super()._forward_core(mixed_qkv, b, a, core_attn_out)
 
 
 def install() -> None:
-    if not getattr(GDN_CUDAGRAPH_SUPPORT.resolve().__func__, "declines_full_graphs", False):
-        GDN_CUDAGRAPH_SUPPORT.replace(_no_full_graphs_under_reconstruct(GDN_CUDAGRAPH_SUPPORT.resolve()))
     if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not ReconstructGatedDeltaNetAttention:
         QwenGatedDeltaNetAttention.register_oot(ReconstructGatedDeltaNetAttention)

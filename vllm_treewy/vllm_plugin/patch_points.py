@@ -71,24 +71,32 @@ V2_UNSUPPORTED_FEATURES = PatchPoint(
     "vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features", "wraps",
     "reconstruct hooks the V1 runner: list it so vLLM falls back to V1 and says why", ("self",),
 )
-GDN_CUDAGRAPH_SUPPORT = PatchPoint(
-    "vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder.get_cudagraph_support", "wraps",
-    "decline FULL CUDA graphs for GDN under reconstruct", ("cls", "vllm_config", "kv_cache_spec"),
+_GDN_BUILDER = "vllm.v1.attention.backends.gdn_attn"
+GDN_METADATA_BUILD = PatchPoint(
+    _GDN_BUILDER, "GDNAttentionMetadataBuilder.build", "wraps",
+    "once per step and KV-cache group, outside CUDA graphs: which node each slot commits, and the slots' counts",
+    ("self", "common_prefix_len", "common_attn_metadata", "num_accepted_tokens", "num_decode_draft_tokens_cpu"),
+)
+GDN_STAGES_SPEC_DECODE = PatchPoint(
+    _GDN_BUILDER, "GDNAttentionMetadataBuilder._stage_spec_decode", "calls",
+    "whether this batch's spec metadata goes to the FULL-graph buffers (then so do the commit nodes)",
+    ("self", "num_prefills", "num_decodes", "num_spec_decodes", "num_spec_decode_tokens"),
+)
+GDN_FORWARD_CORE_FUSED_NORM = PatchPoint(
+    _GDN_LAYER, "QwenGatedDeltaNetAttention._forward_core_fused_norm", "overrides",
+    "vLLM's fused-norm GDN op calls it on CUDA (forward_cuda takes that path when the layer's "
+    "enable_fused_gdn_spec_decode is set, which the layer does): the speculative tokens go to reconstruct there",
+    ("self", "mixed_qkv", "b", "a", "output_gate", "core_attn_out"),
+)
+GDN_RMS_NORM_GATED = PatchPoint(
+    _GDN_LAYER, "QwenGatedDeltaNetAttention._rms_norm_gated_cuda", "calls",
+    "the gated RMSNorm of a mixed batch's prefill tokens, as vLLM's fused-norm path applies it",
+    ("self", "x", "output_gate", "out"),
 )
 GDN_FORWARD_CORE = PatchPoint(
     _GDN_LAYER, "QwenGatedDeltaNetAttention._forward_core", "overrides",
-    "vLLM's GDN custom op calls it on CUDA: the speculative tokens go to reconstruct there",
-    ("self", "mixed_qkv", "b", "a", "core_attn_out"),
-)
-RUNNER_AFTER_SAMPLING = PatchPoint(
-    "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states_after_model_execute", "wraps",
-    "where the V1 runner (the CPU runner inherits it) learns the accepted counts: commit right after",
-    ("self", "output_token_ids", "scheduler_output"),
-)
-CPU_GDN_SPEC_AWARE = PatchPoint(
-    _CPU_GDN, "_cpu_gdn_attention_spec_aware", "wraps",
-    "the CPU GDN op's entry for batches with speculative tokens: drop factors of unsampled passes",
-    ("layer", "attn_metadata_i", "mixed_qkv", "b", "a", "core_attn_out"),
+    "vLLM's unfused GDN op calls it: refuse speculative tokens there under reconstruct; the prefills of a mixed "
+    "batch run through it", ("self", "mixed_qkv", "b", "a", "core_attn_out"),
 )
 CPU_GDN_SPEC_FORWARD = PatchPoint(
     _CPU_GDN, "_spec_forward", "wraps", "the CPU GDN op's speculative half, looked up at call time",
@@ -121,10 +129,11 @@ MODEL_STATE_DTYPES = tuple(
 PATCH_POINTS: tuple[PatchPoint, ...] = (
     *SPECULATIVE_CONFIG,
     V2_UNSUPPORTED_FEATURES,
-    GDN_CUDAGRAPH_SUPPORT,
+    GDN_METADATA_BUILD,
+    GDN_STAGES_SPEC_DECODE,
+    GDN_FORWARD_CORE_FUSED_NORM,
+    GDN_RMS_NORM_GATED,
     GDN_FORWARD_CORE,
-    RUNNER_AFTER_SAMPLING,
-    CPU_GDN_SPEC_AWARE,
     CPU_GDN_SPEC_FORWARD,
     CPU_SSM_STATE_VIEW,
     CPU_UNPACKED_CONV_WEIGHT,

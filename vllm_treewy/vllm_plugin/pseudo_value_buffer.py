@@ -1,12 +1,15 @@
 """The pseudo-value buffer: per GDN layer and state slot, what the commit needs of the slot's last verified drafts.
 
-Under reconstruct the verify pass writes, for each draft node of a request, its key, pseudo-value and log decay
-(fp32, as the recurrence used them) and its pre-conv input (in the conv state's dtype) into the request's state
-slot; the commit reads the accepted path back from there. The buffer is two more states on the GDN layer's
-MambaSpec page, after vLLM's conv and SSM states: vLLM allocates it with the KV cache, counts it in its KV-cache
-report and max concurrency, and frees or reuses it with the slot. Nothing that verify computes outlives the GDN op
-in a Python object, so nothing aliases memory that a CUDA graph replay reuses (vLLM's piecewise graphs hand the
-GDN op its inputs in the graph pool, which later pieces of the same forward overwrite).
+Under reconstruct a step verifies each request's draft nodes from its one committed state and writes, per node, the
+factors of the rank-one updates (raw key per value head, its inverse norm, pseudo-value, log decay; fp32, as the
+recurrence used them) and the node's pre-conv input (conv state dtype) into the request's state slot. The next step
+commits the accepted node from there before it verifies (`vllm_treewy.kernels.triton.gdn_step_triton`,
+`conv_step_triton`). A third, one-integer state counts the slot's verified, uncommitted nodes (0: nothing pending);
+the GDN metadata builder keeps it per step (`step_metadata`).
+
+The buffer is three more states on the GDN layer's MambaSpec page, after vLLM's conv and SSM states: vLLM allocates
+it with the KV cache, counts it in its KV-cache report and max concurrency, and frees or reuses it with the slot.
+Nothing a step computes outlives the GDN op in a Python object, so a replayed CUDA graph keeps it all.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import MODEL_STATE_DTYPES, MODEL_STATE_SHAPES
 
 FACTORS_DTYPE = torch.float32
+COUNT_DTYPE = torch.int32
 
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """Per state slot: `num_nodes` rows of factors `[keys | pseudo-values | log decays]` and of conv inputs.
-
-    Head counts and conv_dim are this tensor-parallel rank's.
-    """
+    """Per state slot: `num_nodes` rows of factors `[raw keys (HV, K) | key inverse norms (HV) | pseudo-values
+    (HV, V) | log decays (HV)]` (keys per value head: each (slot, value head) program owns what it reads and
+    rewrites), `num_nodes` rows of conv inputs, and the count of verified nodes. Head counts and conv_dim are this
+    tensor-parallel rank's."""
 
     num_k_heads: int
     num_v_heads: int
@@ -43,52 +47,49 @@ class BufferLayout:
                    1 + num_spec)
 
     @property
-    def key_width(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_width(self) -> int:
-        return self.num_v_heads * self.head_v_dim
+    def factor_widths(self) -> tuple[int, int, int, int]:
+        hv = self.num_v_heads
+        return hv * self.head_k_dim, hv, hv * self.head_v_dim, hv
 
     @property
     def factor_width(self) -> int:
-        return self.key_width + self.value_width + self.num_v_heads
+        return sum(self.factor_widths)
 
-    def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        return (self.num_nodes, self.factor_width), (self.num_nodes, self.conv_dim)
+    def shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int]]:
+        return (self.num_nodes, self.factor_width), (self.num_nodes, self.conv_dim), (1,)
 
     @staticmethod
-    def dtypes(conv_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-        return FACTORS_DTYPE, conv_dtype
+    def dtypes(conv_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        return FACTORS_DTYPE, conv_dtype, COUNT_DTYPE
+
+    def split(self, factors: torch.Tensor):
+        """Views of factor rows `[..., F]`: raw keys `[..., HV, K]`, key inverse norms `[..., HV]`, pseudo-values
+        `[..., HV, V]`, log decays `[..., HV]`."""
+        keys, key_scales, values, decays = factors.split(self.factor_widths, dim=-1)
+        return (keys.unflatten(-1, (self.num_v_heads, self.head_k_dim)), key_scales,
+                values.unflatten(-1, (self.num_v_heads, self.head_v_dim)), decays)
 
 
 @dataclass(frozen=True)
 class PseudoValueBuffer:
-    """Views of one layer's buffer: factors `[S, T, factor_width]`, conv inputs `[S, T, conv_dim]`."""
+    """Views of one layer's buffer: factors `[S, T, F]`, conv inputs `[S, T, conv_dim]`, verified-node counts `[S]`."""
 
     factors: torch.Tensor
     conv_inputs: torch.Tensor
+    verified_nodes: torch.Tensor
     layout: BufferLayout
 
-    def write(self, slots: torch.Tensor, nodes: torch.Tensor, keys: torch.Tensor, pseudo_values: torch.Tensor,
-              log_decays: torch.Tensor, conv_inputs: torch.Tensor) -> None:
-        """Stores packed draft nodes `[N, ...]` at (slot, local node index) `slots[i], nodes[i]`."""
-        n = keys.shape[0]
-        row = torch.cat([keys.reshape(n, -1).float(), pseudo_values.reshape(n, -1).float(),
-                         log_decays.reshape(n, -1).float()], dim=1)
-        self.factors.index_put_((slots, nodes), row)
-        self.conv_inputs.index_put_((slots, nodes), conv_inputs.to(self.conv_inputs.dtype))
+    def write_factors(self, slots, nodes, keys, key_scales, pseudo_values, log_decays) -> None:
+        """Stores packed nodes `[N, ...]` at (slot, local node index) `slots[i], nodes[i]`; keys and key scales per
+        key head `[N, H, K]`, `[N, H]` (stored per value head)."""
+        ratio = self.layout.num_v_heads // keys.shape[1]
+        row = torch.cat([keys.repeat_interleave(ratio, dim=1).flatten(1), key_scales.repeat_interleave(ratio, dim=1),
+                         pseudo_values.flatten(1), log_decays], dim=1)
+        self.factors.index_put_((slots, nodes), row.to(self.factors.dtype))
 
-    def read(self, slots: torch.Tensor, nodes: torch.Tensor):
-        """(keys `[N, H, K]`, pseudo-values `[N, HV, V]`, log decays `[N, HV]`, conv inputs `[N, conv_dim]`)."""
-        layout, n = self.layout, slots.shape[0]
-        # One gather per factor from a column view: each comes out contiguous, as the Triton kernels want it.
-        keys, values, decays = (
-            part[slots, nodes]
-            for part in self.factors.split([layout.key_width, layout.value_width, layout.num_v_heads], dim=-1)
-        )
-        return (keys.view(n, layout.num_k_heads, layout.head_k_dim),
-                values.view(n, layout.num_v_heads, layout.head_v_dim), decays, self.conv_inputs[slots, nodes])
+    def slot_factors(self, slots: torch.Tensor):
+        """The factor rows of `slots` `[B, T, ...]` (a copy), split as `BufferLayout.split`."""
+        return self.layout.split(self.factors[slots.long()])
 
 
 def _model_buffer_layout(vllm_config) -> BufferLayout:
@@ -102,7 +103,7 @@ def _model_buffer_layout(vllm_config) -> BufferLayout:
 
 def _appending_buffer_states(original, buffer_states):
     """Wraps a model's `get_mamba_state_{shape,dtype}_from_config` classmethod so that, under reconstruct, the
-    buffer's two states follow vLLM's conv and SSM states: vLLM sizes a hybrid's pages from them."""
+    buffer's states follow vLLM's conv and SSM states: vLLM sizes a hybrid's pages from them."""
 
     @functools.wraps(original)
     def with_buffer(cls, vllm_config):

@@ -1,131 +1,63 @@
-"""Reconstruct-on-commit for one GDN layer: verify a batch's draft chains from the committed state, commit later.
+"""One speculative step of a GDN layer under reconstruct-on-commit: commit the previous step's accepted node, then
+verify this step's drafts from the committed state, leaving the factors of their commit in the pseudo-value buffer.
 
-The same code serves both platforms; only the kernels differ (`TORCH_KERNELS`: the closed form, CPU;
-`triton_kernels()`: the fused Triton kernels, CUDA). The verify pass reads the committed SSM state and conv
-history and writes neither; it stores the per-node factors in the layer's pseudo-value buffer (part of vLLM's
-KV cache, see `pseudo_value_buffer`). After rejection sampling, `commit_layer` reads them back and rebuilds each
-request's state at its last accepted token, in place.
+CUDA: two launches, `conv_step_triton` and `gdn_step_triton` (gates, q/k L2 norm, verify, gated RMSNorm with the
+output gate: the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`). CPU: the same
+steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op expects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
-import torch.nn.functional as F
 
 from vllm_treewy import kernels as torch_kernels
+from vllm_treewy.kernels.conv import conv_step_packed
+from vllm_treewy.kernels.gated import gates, inverse_norm, split_qkv
+from vllm_treewy.tree import chain_parents
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import PseudoValueBuffer
 
-L2NORM_EPS = 1e-6  # as vLLM's fused GDN kernels (use_qk_l2norm_in_kernel)
+
+def commit_pending_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, slots: torch.Tensor,
+                         commit_nodes: torch.Tensor) -> None:
+    """Each slot's previous verify, committed at `commit_nodes` (-1: nothing) from its buffer rows, in place."""
+    keys, key_scales, pseudo_values, log_decays = buffer.slot_factors(slots)
+    rows = buffer.layout.num_nodes
+    cu = torch.arange(slots.shape[0] + 1, device=slots.device) * rows
+    flat = (t.flatten(0, 1) for t in (keys * key_scales[..., None], pseudo_values, log_decays))
+    torch_kernels.commit_packed(ssm_state, slots, *flat, chain_parents(cu, slots.shape[0] * rows), cu, commit_nodes)
 
 
-@dataclass(frozen=True)
-class ChainKernels:
-    """verify(q, k, v, g, beta, state, slots, parents, cu_nodes, max_nodes) -> (o, u); commit(state, slots, k, u,
-    g, parents, cu_nodes, accepted, max_nodes); conv(x, history, slots, weight, bias, parents, cu_nodes,
-    activation); conv_commit(history, slots, x, parents, cu_nodes, accepted)."""
-
-    verify: Callable
-    commit: Callable
-    conv: Callable
-    conv_commit: Callable
-
-
-TORCH_KERNELS = ChainKernels(
-    verify=lambda q, k, v, g, beta, state, slots, parents, cu, max_nodes: torch_kernels.verify_packed(
-        q, k, v, g, beta, state, slots, parents, cu, max_depth=max_nodes),
-    commit=lambda state, slots, k, u, g, parents, cu, accepted, max_nodes: torch_kernels.commit_packed(
-        state, slots, k, u, g, parents, cu, accepted, max_depth=max_nodes),
-    conv=lambda x, history, slots, weight, bias, parents, cu, activation: torch_kernels.conv_verify_packed(
-        x, history, slots, weight, bias, parents, cu, activation=activation),
-    conv_commit=torch_kernels.conv_commit_packed,
-)
-
-
-def triton_kernels() -> ChainKernels:
-    from vllm_treewy.kernels import triton as tk
-
-    return ChainKernels(
-        verify=lambda q, k, v, g, beta, state, slots, parents, cu, max_nodes: tk.verify_packed_triton(
-            q, k, v, g, beta, state, slots, parents, cu, max_nodes=max_nodes, chain=True),
-        commit=lambda state, slots, k, u, g, parents, cu, accepted, max_nodes: tk.commit_packed_triton(
-            state, slots, k, u, g, parents, cu, accepted, max_nodes=max_nodes, chain=True),
-        conv=lambda x, history, slots, weight, bias, parents, cu, activation: tk.tree_conv_triton(
-            x, history, slots, weight, bias, parents, cu, activation=activation),
-        conv_commit=tk.conv_commit_triton,
-    )
-
-
-def gating(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log decay g = -exp(A_log) * softplus(a + dt_bias) and write gate beta = sigmoid(b), fp32 `[N, HV]`."""
-    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
-    return g, torch.sigmoid(b.float())
-
-
-def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-
-
-def verify_chains(
-    layer,
-    kernels: ChainKernels,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    conv_weight: torch.Tensor,
-    conv_history: torch.Tensor,
-    ssm_state: torch.Tensor,
-    slots: torch.Tensor,
-    parents: torch.Tensor,
-    cu_nodes: torch.Tensor,
-    max_nodes: int,
-    buffer: PseudoValueBuffer,
-    node_slots: torch.Tensor,
-    node_indices: torch.Tensor,
-) -> torch.Tensor:
-    """Core attention outputs `[N, HV, V]` of the packed draft chains `x` (pre-conv qkv, `[N, conv_dim]`).
-
-    conv_history `[S, conv_dim, width-1]` and ssm_state `[S, HV, V, K]` (views into vLLM's caches) are read at
-    `slots`, never written. `parents`, `cu_nodes`: the packed chains. The factors for the commit go to `buffer`
-    at each node's slot and local index (`node_slots`, `node_indices`), with the pre-conv inputs `x`.
-    """
-    assert parents.shape[0] == x.shape[0], "the chains' parents must cover every speculative token"
+def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state, buffer) -> torch.Tensor:
+    """Core attention outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains `x` (pre-conv qkv
+    `[N, conv_dim]`), after committing each slot's previous step."""
+    slots, cu_nodes = metadata.spec_slots, metadata.spec_query_start_loc
+    commit_pending_torch(buffer, ssm_state, slots, metadata.commit_nodes)
     activation = "silu" if layer.activation == "silu" else None
-    conv_out = kernels.conv(x, conv_history, slots, conv_weight, layer.conv1d.bias, parents, cu_nodes, activation)
-    query, key, value = (t.squeeze(0) for t in layer.rearrange_mixed_qkv(conv_out))
-    query = _l2_normalised(query) * query.shape[-1] ** -0.5
-    key = _l2_normalised(key)
-    g, beta = gating(layer, a, b)
-    out, pseudo_values = kernels.verify(query, key, value, g, beta, ssm_state, slots, parents, cu_nodes, max_nodes)
-    buffer.write(node_slots, node_indices, key, pseudo_values, g, x)
-    return out
+    conv_out = conv_step_packed(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
+                                buffer.conv_inputs, metadata.commit_nodes, activation=activation)
+    layout = buffer.layout
+    q, k, v = split_qkv(conv_out, layout.num_k_heads, layout.head_k_dim, layout.head_v_dim)
+    q, k, v = q.float(), k.float(), v.float()
+    key_scales = inverse_norm(k)
+    g, beta = gates(a, b, layer.A_log, layer.dt_bias)
+    query = q * (inverse_norm(q) * layout.head_k_dim**-0.5)[..., None]
+    out, pseudo_values = torch_kernels.verify_packed(query, k * key_scales[..., None], v, g, beta, ssm_state, slots,
+                                                     metadata.parents, cu_nodes, max_depth=layout.num_nodes)
+    buffer.write_factors(metadata.node_slots, metadata.node_indices, k, key_scales, pseudo_values, g)
+    return out.to(x.dtype)
 
 
-def accepted_nodes(num_accepted_tokens: torch.Tensor, batch_rows: torch.Tensor) -> torch.Tensor:
-    """`[B]` local index of each speculative request's last accepted token (node `num_accepted - 1`)."""
-    return num_accepted_tokens[batch_rows].to(torch.int32) - 1
+def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv_history, ssm_state, buffer) -> None:
+    """Writes the normed, gated core outputs of the packed draft chains `x` (pre-conv qkv) into `out`
+    `[N, HV, V]`, after committing each slot's previous step. No host sync: capturable in a FULL CUDA graph."""
+    from vllm_treewy.kernels.triton import conv_step_triton, gdn_step_triton
 
-
-def commit_layer(
-    kernels: ChainKernels,
-    accepted: torch.Tensor,
-    *,
-    buffer: PseudoValueBuffer,
-    conv_history: torch.Tensor,
-    ssm_state: torch.Tensor,
-    slots: torch.Tensor,
-    parents: torch.Tensor,
-    cu_nodes: torch.Tensor,
-    node_slots: torch.Tensor,
-    node_indices: torch.Tensor,
-    max_nodes: int,
-) -> None:
-    """Rebuilds each speculative request's state at its accepted node (`accepted_nodes`), in place, from the
-    factors that `verify_chains` stored in `buffer`."""
-    keys, pseudo_values, log_decays, conv_inputs = buffer.read(node_slots, node_indices)
-    kernels.commit(ssm_state, slots, keys, pseudo_values, log_decays, parents, cu_nodes, accepted, max_nodes)
-    kernels.conv_commit(conv_history, slots, conv_inputs, parents, cu_nodes, accepted)
+    slots, cu_nodes, commit_nodes = metadata.spec_slots, metadata.spec_query_start_loc, metadata.commit_nodes
+    activation = "silu" if layer.activation == "silu" else None
+    conv_out = conv_step_triton(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
+                                buffer.conv_inputs, commit_nodes, activation=activation)
+    gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state, slots,
+                    metadata.parents, cu_nodes, num_key_heads=buffer.layout.num_k_heads,
+                    max_nodes=buffer.layout.num_nodes, chain=True, scale=buffer.layout.head_k_dim**-0.5,
+                    norm_eps=layer.layer_norm_epsilon, activation=layer.norm.activation, out=out,
+                    factors=buffer.factors, pending_nodes=commit_nodes)

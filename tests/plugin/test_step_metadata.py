@@ -1,0 +1,80 @@
+"""Per step, the GDN metadata builder decides which node each speculative slot commits inside its verify, and keeps
+the slots' verified-node counts: a slot that a finished or preempted request left with a pending commit is never
+committed into by the prefill that takes it next, nor by that request's first speculative step."""
+
+from types import SimpleNamespace
+
+import torch
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata, with_commit_nodes
+
+NUM_SLOTS, MAX_ROWS = 8, 16
+
+
+def _builder(full_graphs: bool):
+    counts = torch.zeros(NUM_SLOTS, 1, dtype=torch.int32)
+    layer = SimpleNamespace(kv_cache=(None, None, None, None, counts))
+    return SimpleNamespace(
+        layer_names=["gdn.0"], use_full_cuda_graph=full_graphs, decode_cudagraph_max_bs=MAX_ROWS,
+        num_accepted_tokens=torch.ones(MAX_ROWS, dtype=torch.int32),
+        vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn.0": layer})),
+    ), counts.view(-1)
+
+
+def _spec_step(slots, nodes, accepted, padding_rows=0):
+    """A batch of speculative decodes only (FULL-graph eligible), `padding_rows` trailing rows in the null slot 0."""
+    rows = len(slots) + padding_rows
+    cu = torch.tensor([0, *torch.tensor(nodes).cumsum(0).tolist()] + [sum(nodes)] * padding_rows, dtype=torch.int32)
+    return GDNAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=len(slots),
+        num_spec_decode_tokens=sum(nodes), num_actual_tokens=sum(nodes),
+        spec_query_start_loc=cu, spec_state_indices_tensor=torch.tensor(slots + [0] * padding_rows)[:, None],
+        spec_sequence_masks=torch.ones(rows, dtype=torch.bool),
+        num_accepted_tokens=torch.tensor(accepted + [1] * padding_rows, dtype=torch.int32),
+    )
+
+
+def _mixed_step(spec_slots, nodes, accepted, prefill_slots):
+    metadata = _spec_step(spec_slots, nodes, accepted)
+    metadata.num_prefills, metadata.num_prefill_tokens = len(prefill_slots), 5 * len(prefill_slots)
+    metadata.non_spec_state_indices_tensor = torch.tensor(prefill_slots)
+    return metadata
+
+
+def test_commit_nodes_follow_the_accepted_counts_of_slots_with_a_pending_verify():
+    builder, counts = _builder(full_graphs=False)
+    first = with_commit_nodes(builder, _spec_step([3, 5], [4, 1], [1, 1]))
+    assert isinstance(first, ReconstructGDNAttentionMetadata)
+    assert first.commit_nodes.tolist() == [-1, -1]  # fresh slots: nothing verified before
+    assert counts[[3, 5]].tolist() == [4, 1]
+    second = with_commit_nodes(builder, _spec_step([5, 3], [4, 4], [1, 3]))
+    assert second.commit_nodes.tolist() == [0, 2]  # accepted count - 1, in this step's row order
+    assert counts[[3, 5]].tolist() == [4, 4]
+
+
+def test_a_prefill_clears_the_slot_a_finished_request_left_pending():
+    builder, counts = _builder(full_graphs=False)
+    with_commit_nodes(builder, _spec_step([3, 5], [4, 4], [1, 1]))
+    # The request in slot 5 finished; a new request prefills there beside slot 3's next verify.
+    mixed = with_commit_nodes(builder, _mixed_step([3], [4], [2], prefill_slots=[5]))
+    assert mixed.commit_nodes.tolist() == [1]
+    assert counts[5] == 0
+    # Its first speculative step commits nothing, though vLLM's accepted count for it is 1.
+    after = with_commit_nodes(builder, _spec_step([5, 3], [4, 4], [1, 4]))
+    assert after.commit_nodes.tolist() == [-1, 3]
+
+
+def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
+    builder, counts = _builder(full_graphs=True)
+    first = with_commit_nodes(builder, _spec_step([3], [4], [1], padding_rows=2))
+    second = with_commit_nodes(builder, _spec_step([3], [4], [3], padding_rows=2))
+    assert first.commit_nodes.data_ptr() == second.commit_nodes.data_ptr() == builder.treewy_commit_nodes.data_ptr()
+    assert second.commit_nodes.tolist() == [2, -1, -1]  # padding rows (the null slot) commit nothing
+    assert counts[0] == 0  # nor are they counted
+
+
+def test_no_counts_before_the_kv_cache_is_bound():
+    builder, _ = _builder(full_graphs=False)
+    builder.vllm_config.compilation_config.static_forward_context["gdn.0"].kv_cache = (torch.empty(0),) * 2
+    assert with_commit_nodes(builder, _spec_step([3], [4], [2])).commit_nodes.tolist() == [-1]

@@ -1,0 +1,121 @@
+"""What the reconstruct GDN layers need per step, derived once per step by vLLM's GDN metadata builder.
+
+Each step commits every speculative request's previous verify inside its own verify (one state read and write). The
+builder decides, per request, which node that is: the slot's verified-node count (kept in the first layer's
+pseudo-value buffer, on the device) says whether the slot holds an uncommitted verify, and vLLM's device-side
+accepted counts say which node. It then records this step's counts: the speculative requests' node counts, and 0
+for every prefill, so a slot that a finished, aborted or preempted request left behind with a pending commit is
+never committed into by its next owner. All of it is device work outside the forward (so outside any CUDA graph),
+with no host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+from vllm_treewy.tree import chain_parents, node_requests
+from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD, GDN_STAGES_SPEC_DECODE
+
+
+@dataclass
+class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
+    # [rows of spec_state_indices_tensor] int32: the local node of the slot's previous verify to commit before this
+    # step's verify (-1: nothing to commit: a new request, or a padding row).
+    commit_nodes: torch.Tensor | None = None
+
+    @property
+    def spec_slots(self) -> torch.Tensor:
+        return self.spec_state_indices_tensor[:, 0]
+
+    @cached_property
+    def parents(self) -> torch.Tensor:
+        """`[N]` local parents of the packed draft chains."""
+        return chain_parents(self.spec_query_start_loc, self.num_spec_decode_tokens)
+
+    @cached_property
+    def _node_requests(self) -> torch.Tensor:
+        return node_requests(self.spec_query_start_loc, self.num_spec_decode_tokens)
+
+    @cached_property
+    def node_slots(self) -> torch.Tensor:
+        """`[N]` int64 state slot of each packed draft node (its request's)."""
+        return self.spec_slots.long()[self._node_requests]
+
+    @cached_property
+    def node_indices(self) -> torch.Tensor:
+        """`[N]` int64 index of each packed draft node within its request (0 = the last sampled token)."""
+        nodes = torch.arange(self.num_spec_decode_tokens, device=self.spec_query_start_loc.device)
+        return nodes - self.spec_query_start_loc.long()[self._node_requests]
+
+    @cached_property
+    def rest_metadata(self) -> GDNAttentionMetadata:
+        """The batch's prefills, as vLLM's own GDN path sees a batch without speculation."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(GDNAttentionMetadata)}
+        fields.update(
+            spec_sequence_masks=None, num_spec_decodes=0, num_spec_decode_tokens=0, spec_sequence_masks_cpu=None,
+            spec_token_indx=None, non_spec_token_indx=None, spec_state_indices_tensor=None,
+            spec_query_start_loc=None, num_accepted_tokens=None, num_actual_tokens=self.non_spec_token_indx.shape[0],
+        )
+        return GDNAttentionMetadata(**fields)
+
+
+def verified_node_counts(builder) -> torch.Tensor | None:
+    """`[S]` int32 of the builder's first GDN layer's buffer; None before vLLM binds the KV cache (profile run)."""
+    layer = builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]]
+    counts = layer.kv_cache[-1] if len(layer.kv_cache) == 5 else None
+    return None if counts is None or counts.numel() == 0 else counts.view(-1)
+
+
+def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDNAttentionMetadata:
+    fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
+    result = ReconstructGDNAttentionMetadata(**fields)
+    counts = verified_node_counts(builder)
+    if metadata.num_spec_decodes > 0:
+        slots = result.spec_slots
+        num_spec = metadata.num_spec_decodes
+        commit_nodes = torch.full_like(slots, -1)
+        if counts is not None:
+            pending = counts[slots[:num_spec].long()] > 0
+            accepted = metadata.num_accepted_tokens[:num_spec].to(slots.dtype) - 1
+            commit_nodes[:num_spec] = torch.where(pending, accepted, -1)
+            counts[slots[:num_spec].long()] = metadata.spec_query_start_loc[: num_spec + 1].diff().to(counts.dtype)
+        if GDN_STAGES_SPEC_DECODE.resolve()(builder, metadata.num_prefills, metadata.num_decodes, num_spec,
+                                            metadata.num_spec_decode_tokens):
+            staged = _persistent_commit_nodes(builder)[: slots.shape[0]]
+            staged.copy_(commit_nodes)
+            commit_nodes = staged
+        result.commit_nodes = commit_nodes
+    if counts is not None and metadata.num_prefills > 0 and metadata.non_spec_state_indices_tensor is not None:
+        counts[metadata.non_spec_state_indices_tensor.long()] = 0  # prefills: a slot's new owner commits nothing
+    return result
+
+
+def _persistent_commit_nodes(builder) -> torch.Tensor:
+    """The FULL CUDA graphs read the commit nodes at a fixed address, like the builder's own spec buffers."""
+    if not hasattr(builder, "treewy_commit_nodes"):
+        builder.treewy_commit_nodes = torch.full_like(builder.num_accepted_tokens, -1)
+    return builder.treewy_commit_nodes
+
+
+def _building_commit_nodes(original):
+    @functools.wraps(original)
+    def build(self, *args, **kwargs):
+        metadata = original(self, *args, **kwargs)
+        if not reconstructs_mamba_state(self.vllm_config.speculative_config):
+            return metadata
+        return with_commit_nodes(self, metadata)
+
+    build.builds_commit_nodes = True
+    return build
+
+
+def install() -> None:
+    if not getattr(GDN_METADATA_BUILD.resolve(), "builds_commit_nodes", False):
+        GDN_METADATA_BUILD.replace(_building_commit_nodes(GDN_METADATA_BUILD.resolve()))
