@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from kernels import copy_bandwidth, device_facts, graph_time_us, measure_tree  # noqa: E402
 
 from vllm_treewy.kernels.reference import reference_gated_tree  # noqa: E402
-from vllm_treewy.kernels.triton import GatedPending, gdn_commit_triton, gdn_step_triton  # noqa: E402
-from vllm_treewy.kernels.triton.gated import GatedFactors  # noqa: E402
+from vllm_treewy.kernels.triton import (  # noqa: E402
+    gdn_commit_triton, gdn_step_triton, slot_factor_width, split_slot_factors)
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
@@ -80,7 +80,8 @@ def fallback_op():
 
 class Step:
     """One (T, B, state dtype): raw post-conv inputs, a cycled state pool (1 + T slots per request for store_all),
-    our factor buffers and the pending commit of the previous step (the whole chain accepted: longest path)."""
+    our per-slot factor rows [S, T, F] and the pending commit of the previous step (the whole chain accepted:
+    longest path)."""
 
     DT_BIAS_DTYPE = torch.bfloat16
 
@@ -111,33 +112,32 @@ class Step:
         self.num_accepted = torch.ones(batch, dtype=torch.int32, device="cuda")
         self.out = torch.empty(n, HV, V, dtype=torch.bfloat16, device="cuda")
         self.out_ref = torch.empty_like(self.out)
-        self.factors = GatedFactors.empty(n, H, HV, K, V, torch.bfloat16, "cuda")
-        self.prev = GatedFactors.empty(n, H, HV, K, V, torch.bfloat16, "cuda")
+        self.factors = torch.empty(self.pool.shape[0], tokens, slot_factor_width(HV, K, V), device="cuda")
         self.accepted = torch.full((batch,), tokens - 1, dtype=torch.int32, device="cuda")
 
     def fill_prev(self):
-        """A realistic previous step: our own verify's factors on the same inputs."""
-        gdn_step_triton(*self.inputs(), self.pool, self.slot_sets[0], self.parents, self.cu_nodes,
-                        num_key_heads=H, max_nodes=self.max_nodes, chain=True, norm_eps=EPS, out=self.out,
-                        factors=self.prev)
+        """A realistic previous step in every slot set's rows: our own verify's factors on the same inputs."""
+        for s in range(self.sets):
+            gdn_step_triton(*self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes,
+                            num_key_heads=H, max_nodes=self.max_nodes, chain=True, norm_eps=EPS, out=self.out,
+                            factors=self.factors)
 
     def inputs(self):
         return (self.mixed_qkv, self.a, self.b, self.A_log, self.dt_bias, self.z, self.norm_weight)
 
-    def pending(self):
-        return GatedPending(self.prev, self.parents, self.cu_nodes, self.accepted, max_nodes=self.max_nodes,
-                            chain=True)
-
     def ours(self, s, config, fused=True):
-        pending = self.pending() if fused else None
+        pending = self.accepted if fused else None
         return lambda: gdn_step_triton(
             *self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes, num_key_heads=H,
-            max_nodes=self.max_nodes, chain=True, norm_eps=EPS, pending=pending, out=self.out,
+            max_nodes=self.max_nodes, chain=True, norm_eps=EPS, pending_nodes=pending, out=self.out,
             factors=self.factors, **config)
 
     def commit(self, s, config):
-        pending = self.pending()
-        return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], pending, num_key_heads=H, **config)
+        return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], self.factors, self.accepted,
+                                         num_key_heads=H, **config)
+
+    def u_rows(self, slot):
+        return split_slot_factors(self.factors[slot], HV, K, V)[2]
 
     def compiled(self, op, s):
         return lambda: op(self.mixed_qkv, self.a, self.b, self.A_log, self.dt_bias, self.store_all_slots[s],
@@ -168,7 +168,6 @@ def check(step, op, config, records):
     step.fill_prev()
     torch.cuda.synchronize()
     out_plain = step.out.clone()
-    u_plain = step.prev.u.clone()
     worst = dict(out=0.0, u=0.0, commit=0.0, vs_compiled=None)
     # verify only (pending=None) from the untouched pool: reference from h0
     for b in range(min(step.B, 4)):
@@ -177,7 +176,7 @@ def check(step, op, config, records):
                                    step.dt_bias.cpu(), step.z[r].cpu(), step.norm_weight.cpu(),
                                    before[int(slots[b])].cpu(), list(range(-1, step.T - 1)), H, eps=EPS)
         worst["out"] = max(worst["out"], relative_error(out_plain[r].cpu(), ref.out))
-        worst["u"] = max(worst["u"], relative_error(u_plain[r].cpu(), ref.recurrence.u))
+        worst["u"] = max(worst["u"], relative_error(step.u_rows(int(slots[b])).cpu(), ref.recurrence.u))
         if b == 0:
             state_ref = ref.recurrence.state[-1]
     # fused: the previous step (the same inputs, whole chain accepted) committed into slot, then verify on top

@@ -203,21 +203,32 @@ def gated_batch(tokens, batch, state_dtype, seed):
     return inputs, pool.cuda(), slots.cuda()
 
 
+def slot_factors(num_slots, tokens):
+    """[S, T, F] as a strided view into larger pages, as the adapter keeps them in the KV cache."""
+    from vllm_treewy.kernels.triton import slot_factor_width
+
+    width = slot_factor_width(HV, K, V)
+    return torch.full((num_slots, tokens + 1, width + 32), float("nan"), device="cuda")[:, :tokens, :width]
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [2, 4, 8])
 def test_gated_step_vs_reference(state_dtype, tokens):
-    """gdn_step_triton at H=16, HV=32, K=V=128 vs the fp64 reference: outputs, u, and the state the fused commit
-    writes (the previous step's whole chain accepted), with the tuned launch defaults."""
+    """gdn_step_triton at H=16, HV=32, K=V=128 vs the fp64 reference: outputs, u in the slot rows, and the state the
+    pending commit inside the next step writes (the previous step's whole chain accepted; one request padding-free
+    but with nothing pending), with the tuned launch defaults."""
     from vllm_treewy.kernels.reference import reference_gated_tree
-    from vllm_treewy.kernels.triton import GatedPending, gdn_step_triton
+    from vllm_treewy.kernels.triton import gdn_step_triton, split_slot_factors
 
     batch = 3
     inputs, pool, slots = gated_batch(tokens, batch, state_dtype, seed=tokens)
     packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
     before = pool.clone()
-    kw = dict(num_key_heads=H, max_nodes=tokens, chain=True)
-    out, factors = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
+    factors = slot_factors(pool.shape[0], tokens)
+    kw = dict(num_key_heads=H, max_nodes=tokens, chain=True, factors=factors)
+    out = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
     assert torch.equal(pool, before)
+    _, _, u, _ = split_slot_factors(factors, HV, K, V)
     tolerance = 2e-5 if state_dtype == torch.float32 else 2e-2
     chain = list(range(-1, tokens - 1))
     states = []
@@ -226,13 +237,12 @@ def test_gated_step_vs_reference(state_dtype, tokens):
         ref = reference_gated_tree(*(x[rows].cpu() for x in inputs[:3]), inputs[3].cpu(), inputs[4].cpu(),
                                    inputs[5][rows].cpu(), inputs[6].cpu(), before[int(slots[b])].cpu(), chain, H)
         assert relative_error(out[rows], ref.out) <= 1e-2  # stored in bf16
-        assert relative_error(factors.u[rows], ref.recurrence.u) <= tolerance
+        assert relative_error(u[int(slots[b])], ref.recurrence.u) <= tolerance
         states.append(ref.recurrence.state[-1])
     accepted = torch.full((batch,), tokens - 1, dtype=torch.int32, device="cuda")
     accepted[1] = -1
-    pending = GatedPending(factors, packed.parents, packed.cu_nodes, accepted, max_nodes=tokens, chain=True)
     fresh, _, _ = gated_batch(tokens, batch, state_dtype, seed=tokens + 100)
-    gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending=pending, **kw)
+    gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending_nodes=accepted, **kw)
     state_tolerance = 2e-5 if state_dtype == torch.float32 else 1e-2
     for b in range(batch):
         if b == 1:
@@ -247,12 +257,15 @@ def test_gated_step_graph_capture():
     inputs, pool, slots = gated_batch(4, 2, torch.float32, seed=5)
     packed = pack_trees([DraftTree.from_widths([1] * 4)] * 2, device="cuda")
     out = torch.empty(8, HV, V, dtype=torch.bfloat16, device="cuda")
+    factors = slot_factors(pool.shape[0], 4)
+    pending = torch.tensor([3, 1], dtype=torch.int32, device="cuda")
 
     def step():
         return gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
-                               chain=True, out=out)
+                               chain=True, out=out, factors=factors, pending_nodes=pending)
 
-    _, factors = step()
+    gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
+                    chain=True, out=out, factors=factors)  # rows to commit
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -260,8 +273,11 @@ def test_gated_step_graph_capture():
     fresh, fresh_pool, _ = gated_batch(4, 2, torch.float32, seed=6)
     for static, new in zip([*inputs, pool], [*fresh, fresh_pool]):
         static.copy_(new)
+    rows = factors.clone()
     out.fill_(float("nan"))
     graph.replay()
-    replayed = out.clone()
+    replayed, replayed_pool = out.clone(), pool.clone()
+    pool.copy_(fresh_pool)
+    factors.copy_(rows)
     step()
-    assert torch.equal(replayed, out) and bool(out.isfinite().all())
+    assert torch.equal(replayed, out) and torch.equal(replayed_pool, pool) and bool(out.isfinite().all())

@@ -1,27 +1,35 @@
-"""The fused GDN step after the conv (gates, q/k L2 norm, verify, gated RMSNorm, pending commit) against its torch
-twin and the fp64 per-node reference, on random packed trees, shapes, gates and head counts (Triton interpreter on
-CPU)."""
+"""The fused GDN step after the conv (gates, q/k L2 norm, verify, gated RMSNorm, the pending chain commit from the
+slots' factor rows) against its torch twin and the fp64 per-node reference, on random packed trees and chains,
+shapes, gates, head counts, padding and zero-node requests (Triton interpreter on CPU)."""
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_treewy.kernels.gated import gdn_commit_packed, gdn_step_packed
+from vllm_treewy.kernels.gated import gdn_commit_packed, gdn_step_packed, slot_factor_width, split_slot_factors
 from vllm_treewy.kernels.reference import reference_gated_tree
 from vllm_treewy.tree import pack_trees
 
 from .tree_cases import chains, relative_error, trees
 from .triton_cases import DEVICE, rows
 
-from vllm_treewy.kernels.triton import GatedPending, gdn_commit_triton, gdn_step_triton  # noqa: E402
+from vllm_treewy.kernels.triton import gdn_commit_triton, gdn_step_triton  # noqa: E402
 
 # a fp32 state keeps fp32 accuracy end to end (no tf32/bf16 rounding of the state products)
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is rounded once on the way out
+SPARE_SLOTS = 2
+VARIANTS = [dict(block_k=4), dict(block_k=8, row_sums=True, late_node_terms=True), dict(block_k=4, late_node_terms=True)]
 
 
-def gated_inputs(batch, key_heads, ratio, key_dim, value_dim, seed, gate_scale=1.0, dtype=torch.float32):
-    """Raw post-conv inputs as vLLM holds them: mixed_qkv, a, b, A_log, dt_bias, z, norm weight; a state pool."""
+def within(actual, expected, tolerance):
+    """relative_error <= tolerance; an empty batch (all requests without nodes) is trivially within."""
+    return actual.numel() == 0 or relative_error(actual, expected) <= tolerance
+
+
+def gated_inputs(batch, key_heads, ratio, key_dim, value_dim, seed, gate_scale=1.0, padding=(), dtype=torch.float32):
+    """Raw post-conv inputs as vLLM holds them: mixed_qkv, a, b, A_log, dt_bias, z, norm weight; a state pool in
+    fp64 and shuffled slots (-1 for the requests in `padding`)."""
     gen = torch.Generator().manual_seed(seed)
     packed = pack_trees(batch)
     n, hv = packed.num_nodes, key_heads * ratio
@@ -33,27 +41,68 @@ def gated_inputs(batch, key_heads, ratio, key_dim, value_dim, seed, gate_scale=1
     dt_bias = torch.randn(hv, generator=gen, dtype=torch.float64)
     z = torch.randn(n, hv, value_dim, generator=gen, dtype=torch.float64)
     weight = 1 + 0.1 * torch.randn(value_dim, generator=gen, dtype=torch.float64)
-    slots = torch.randperm(len(batch) + 2, generator=gen)[: len(batch)].to(torch.int32)
-    pool = torch.randn(len(batch) + 2, hv, value_dim, key_dim, generator=gen, dtype=torch.float64) * 0.3
+    slots = torch.randperm(len(batch) + SPARE_SLOTS, generator=gen)[: len(batch)].to(torch.int32)
+    slots[list(padding)] = -1
+    pool = torch.randn(len(batch) + SPARE_SLOTS, hv, value_dim, key_dim, generator=gen, dtype=torch.float64) * 0.3
     inputs = [x.to(dtype) for x in (mixed_qkv, a, b)] + [A_log.float(), dt_bias.float(), z.to(dtype), weight.to(dtype)]
     return packed, inputs, pool, slots
 
 
-def run_step(packed, inputs, state, slots, key_heads, chain=False, pending=None, **kw):
+def slot_factor_page(num_slots, rows_per_slot, hv, key_dim, value_dim, seed):
+    """factors [S, T, F] as a strided view into a larger page (row and slot strides past F), filled with random
+    sentinels so untouched rows can be told apart."""
+    width = slot_factor_width(hv, key_dim, value_dim)
+    page = torch.randn(num_slots, rows_per_slot + 1, width + 3, generator=torch.Generator().manual_seed(seed))
+    return page.to(DEVICE)[:, :rows_per_slot, :width]
+
+
+def run_step(packed, inputs, state, slots, key_heads, factors, chain=False, pending=None, **kw):
     dev = [x.to(DEVICE) for x in inputs]
     return gdn_step_triton(*dev, state, slots.to(DEVICE), packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE),
-                           num_key_heads=key_heads, max_nodes=packed.max_nodes, max_depth=packed.max_depth,
-                           chain=chain, pending=pending, **kw)
+                           factors=factors, pending_nodes=None if pending is None else pending.to(DEVICE),
+                           num_key_heads=key_heads, max_nodes=max(1, packed.max_nodes), max_depth=packed.max_depth,
+                           chain=chain, **kw)
 
 
-def check_against_reference(packed, inputs, pool_before, slots, batch, key_heads, out, factors, tolerance):
+def reference_of(packed, inputs, h0, slots, batch, key_heads, b):
+    r = rows(packed, b)
+    return reference_gated_tree(*(x[r] for x in inputs[:3]), *inputs[3:5], inputs[5][r], inputs[6],
+                                h0[int(slots[b])], batch[b], key_heads)
+
+
+def written_rows(packed, slots, num_slots, rows_per_slot):
+    """[S, T] bool: the factor rows a step writes (live requests' nodes)."""
+    mask = torch.zeros(num_slots, rows_per_slot, dtype=torch.bool)
+    for b in range(len(slots)):
+        if slots[b] >= 0:
+            mask[int(slots[b]), : int(packed.cu_nodes[b + 1] - packed.cu_nodes[b])] = True
+    return mask
+
+
+def check_step(packed, inputs, h0, slots, batch, key_heads, out, factors, before, tolerance):
+    """Outputs and written factor rows vs the fp64 reference from h0; every other row, and padding requests'
+    outputs (NaN before), untouched."""
+    hv, value_dim, key_dim = h0.shape[1:]
+    k_raw, k_scale, u, g = (x.cpu() for x in split_slot_factors(factors, hv, key_dim, value_dim))
+    ratio = hv // key_heads
     for b, parents in enumerate(batch):
         r = rows(packed, b)
-        expected = reference_gated_tree(*(x[r] for x in inputs[:3]), *inputs[3:5], inputs[5][r], inputs[6],
-                                        pool_before[int(slots[b])], parents, key_heads)
-        assert relative_error(out[r].cpu(), expected.out) <= tolerance
-        assert relative_error(factors.u[r].cpu(), expected.recurrence.u) <= tolerance
-        assert relative_error(factors.g[r].cpu(), expected.g) <= 1e-5
+        slot, n = int(slots[b]), len(parents)
+        if slot < 0:
+            assert bool(out[r].isnan().all())
+            continue
+        if n == 0:
+            continue
+        expected = reference_of(packed, inputs, h0, slots, batch, key_heads, b)
+        assert within(out[r].cpu(), expected.out, tolerance)
+        assert within(u[slot, :n], expected.recurrence.u, tolerance)
+        assert within(g[slot, :n], expected.g, 1e-5)
+        keys = inputs[0][r, key_heads * key_dim: 2 * key_heads * key_dim].unflatten(1, (key_heads, key_dim)).float()
+        assert torch.equal(k_raw[slot, :n], keys.repeat_interleave(ratio, 1))
+        assert relative_error(k_scale[slot, :n], keys.double().pow(2).sum(-1).add(1e-6).rsqrt()
+                              .repeat_interleave(ratio, 1)) <= 1e-6
+    kept = ~written_rows(packed, slots, factors.shape[0], factors.shape[1])
+    assert torch.equal(factors.cpu()[kept], before.cpu()[kept])
 
 
 @settings(max_examples=8, deadline=None)
@@ -65,81 +114,115 @@ def check_against_reference(packed, inputs, pool_before, slots, batch, key_heads
     state_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     gate_scale=st.sampled_from([0.1, 1.0, 3.0]),
     seed=st.integers(0, 2**16),
-    variant=st.sampled_from([{}, dict(row_sums=True, late_node_terms=True), dict(late_node_terms=True)]),
+    variant=st.sampled_from(VARIANTS),
 )
 def test_gated_step_matches_reference_and_twin(batch, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant):
+    """A tree step without a pending commit: outputs and factor rows vs fp64 and the twin; the state only read."""
     key_dim, value_dim = dims
     packed, inputs, pool, slots = gated_inputs(batch, key_heads, ratio, key_dim, value_dim, seed, gate_scale)
     state = pool.to(state_dtype).to(DEVICE)
     before = state.clone()
-    out, factors = run_step(packed, inputs, state, slots, key_heads, block_k=4, **variant)
+    factors = slot_factor_page(state.shape[0], packed.max_nodes, key_heads * ratio, key_dim, value_dim, seed)
+    factors_before = factors.clone()
+    out = run_step(packed, inputs, state, slots, key_heads, factors, **variant)
     assert torch.equal(state, before)  # verify never writes the state
     tolerance = TOLERANCE[state_dtype]
-    check_against_reference(packed, inputs, state.cpu(), slots, batch, key_heads, out, factors, tolerance)
-    twin_out, (_, twin_kscale, twin_u, twin_g) = gdn_step_packed(*inputs, state.cpu(), slots, packed.parents,
-                                                                  packed.cu_nodes, num_key_heads=key_heads)
-    assert relative_error(out.cpu(), twin_out) <= tolerance
-    assert relative_error(factors.u.cpu(), twin_u) <= tolerance
+    check_step(packed, inputs, state.cpu(), slots, batch, key_heads, out, factors, factors_before, tolerance)
+    twin_factors = factors_before.cpu()
+    twin_out = gdn_step_packed(*inputs, state.cpu(), slots, packed.parents, packed.cu_nodes, num_key_heads=key_heads,
+                               factors=twin_factors)
+    assert within(out.cpu(), twin_out, tolerance)
+    assert within(factors.cpu(), twin_factors.double(), tolerance)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("next_chain", [True, False])
-def test_pending_commit_inside_next_step(state_dtype, next_chain):
-    """Step 1 (a tree batch), then step 2 with step 1's commit fused in == commit alone, then step 2; both match
-    the fp64 reference's state after the accepted node."""
-    key_heads, ratio, key_dim, value_dim = 2, 2, 16, 32
-    first = [(-1, 0, 0, 1, 2), (-1, 0, 1), (-1,)]
-    second = [(-1, 0, 1, 2), (-1, 0), (-1, 0, 1)] if next_chain else [(-1, 0, 0), (-1, -1), (-1, 0, 1, 1)]
-    packed, inputs, pool, slots = gated_inputs(first, key_heads, ratio, key_dim, value_dim, seed=3)
+@st.composite
+def two_step_batches(draw):
+    """(first chains, second trees, accepted node of each first chain or -1, padding requests): zero-node requests
+    in either step, padding requests anywhere."""
+    size = draw(st.integers(1, 4))
+    first = draw(st.lists(st.one_of(st.just(()), chains(max_nodes=6)), min_size=size, max_size=size))
+    second = draw(st.lists(st.one_of(st.just(()), trees(max_nodes=8, max_depth=4)), min_size=size, max_size=size))
+    accepted = [draw(st.integers(-1, len(c) - 1)) for c in first]
+    padding = draw(st.lists(st.integers(0, size - 1), max_size=size - 1, unique=True))
+    return first, second, accepted, padding
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    steps=two_step_batches(),
+    key_heads=st.integers(1, 2),
+    ratio=st.sampled_from([1, 2]),
+    dims=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
+    state_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    gate_scale=st.sampled_from([0.1, 1.0, 3.0]),
+    seed=st.integers(0, 2**16),
+    variant=st.sampled_from(VARIANTS),
+)
+def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant):
+    """Step 1 (chains) writes its factor rows; step 2 commits step 1's accepted node inside its verify. Holds:
+    (1) fused == commit alone then step; (2) kernel == twin == fp64 (the committed state is the reference's state
+    after the accepted node); (3) rows, slots and padding requests outside the batch untouched; (4) step 2's
+    outputs and factors match the fp64 recurrence continued from that state."""
+    first, second, accepted, padding = steps
+    key_dim, value_dim = dims
+    hv = key_heads * ratio
+    packed1, inputs1, pool, slots = gated_inputs(first, key_heads, ratio, key_dim, value_dim, seed, gate_scale,
+                                                 padding)
+    packed2, inputs2, _, _ = gated_inputs(second, key_heads, ratio, key_dim, value_dim, seed + 1, gate_scale)
+    rows_per_slot = max(1, packed1.max_nodes, packed2.max_nodes)
     state = pool.to(state_dtype).to(DEVICE)
     h0 = state.cpu().clone()
-    _, factors = run_step(packed, inputs, state, slots, key_heads, block_k=8)
-    accepted = torch.tensor([3, -1, 0], dtype=torch.int32)
-    pending = GatedPending(factors, packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), accepted.to(DEVICE),
-                           max_nodes=packed.max_nodes, max_depth=packed.max_depth)
-    separate = state.clone()
-    gdn_commit_triton(separate, slots.to(DEVICE), pending, num_key_heads=key_heads, block_k=8)
-    # commit vs the fp64 reference state of the accepted node (a bf16 state is rounded once on the way out)
-    state_tolerance = 2e-5 if state_dtype == torch.float32 else 1e-2
-    for b, parents in enumerate(first):
-        r = rows(packed, b)
-        slot = int(slots[b])
-        if accepted[b] < 0:
-            assert torch.equal(separate[slot].cpu(), h0[slot])
-            continue
-        expected = reference_gated_tree(*(x[r] for x in inputs[:3]), *inputs[3:5], inputs[5][r], inputs[6],
-                                        h0[slot], parents, key_heads)
-        assert relative_error(separate[slot].cpu(), expected.recurrence.state[int(accepted[b])]) <= state_tolerance
-    # torch twin of the commit
-    twin = h0.clone()
-    gdn_commit_packed(twin, slots, factors.k.cpu(), factors.k_scale.cpu(), factors.u.cpu(), factors.g.cpu(),
-                      packed.parents, packed.cu_nodes, accepted)
-    assert relative_error(separate.cpu(), twin.double()) <= state_tolerance
-    nxt, next_inputs, _, _ = gated_inputs(second, key_heads, ratio, key_dim, value_dim, seed=4)
-    out_sep, f_sep = run_step(nxt, next_inputs, separate, slots, key_heads, chain=next_chain, block_k=8)
-    variant = dict(row_sums=True, late_node_terms=True) if next_chain else {}
-    out_fused, f_fused = run_step(nxt, next_inputs, state, slots, key_heads, chain=next_chain, pending=pending,
-                                  block_k=8, **variant)
+    factors = slot_factor_page(state.shape[0], rows_per_slot, hv, key_dim, value_dim, seed)
+    twin_factors = factors.cpu().clone()
+    run_step(packed1, inputs1, state, slots, key_heads, factors, chain=True, **variant)
+    gdn_step_packed(*inputs1, h0.clone(), slots, packed1.parents, packed1.cu_nodes, num_key_heads=key_heads,
+                    factors=twin_factors)
+    tolerance, state_tolerance = TOLERANCE[state_dtype], STATE_TOLERANCE[state_dtype]
+    assert within(factors.cpu(), twin_factors.double(), tolerance)
+    pending = torch.tensor(accepted, dtype=torch.int32)
+
+    # (1) the commit alone, then the step, on copies
+    separate, separate_factors = state.clone(), factors.clone()
+    gdn_commit_triton(separate, slots.to(DEVICE), separate_factors, pending.to(DEVICE), num_key_heads=key_heads,
+                      block_k=variant["block_k"])
+    assert torch.equal(separate_factors, factors)  # the commit writes no factors
+    committed = separate.cpu().clone()
+    out_separate = torch.full((packed2.num_nodes, hv, value_dim), float("nan"), device=DEVICE)
+    run_step(packed2, inputs2, separate, slots, key_heads, separate_factors, out=out_separate, **variant)
+    between = factors.clone()
+    out = torch.full_like(out_separate, float("nan"))
+    run_step(packed2, inputs2, state, slots, key_heads, factors, pending=pending, out=out, **variant)
     assert torch.equal(state, separate)
-    if variant:  # other summation order: equal within fp32 rounding
-        assert relative_error(out_fused.cpu(), out_sep.cpu().double()) <= 1e-5
-        assert relative_error(f_fused.u.cpu(), f_sep.u.cpu().double()) <= 1e-5
+    assert torch.equal(factors, separate_factors)
+    if not variant.get("row_sums"):  # same summation order in both calls
+        assert torch.equal(out.nan_to_num(0.0), out_separate.nan_to_num(0.0))
     else:
-        assert torch.equal(out_fused, out_sep) and torch.equal(f_fused.u, f_sep.u)
+        assert within(out.nan_to_num(0.0).cpu(), out_separate.nan_to_num(0.0).cpu().double(), 1e-5)
 
+    # (2) the committed state vs the fp64 state after the accepted node, and vs the twin
+    for b, chain in enumerate(first):
+        slot = int(slots[b])
+        if slot < 0:
+            continue
+        if accepted[b] < 0:
+            assert torch.equal(committed[slot], h0[slot])
+            continue
+        reference = reference_of(packed1, inputs1, h0, slots, first, key_heads, b)
+        assert within(committed[slot], reference.recurrence.state[accepted[b]], state_tolerance)
+    twin_state = h0.clone()
+    twin_committed_factors = twin_factors.clone()
+    gdn_commit_packed(twin_state, slots, twin_committed_factors, pending)
+    assert torch.equal(twin_committed_factors, twin_factors)
+    assert within(committed, twin_state.double(), state_tolerance)
+    twin_out = gdn_step_packed(*inputs2, h0.clone(), slots, packed2.parents, packed2.cu_nodes,
+                               num_key_heads=key_heads, factors=twin_factors, pending_nodes=pending)
+    live = torch.repeat_interleave(slots >= 0, packed2.cu_nodes.diff().long())
+    assert within(out.cpu()[live], twin_out[live].double(), tolerance)
 
-def test_padding_request_untouched():
-    batch = [(-1, 0, 1), (-1, 0), (-1, 0, 1, 2)]
-    packed, inputs, pool, slots = gated_inputs(batch, 1, 2, 16, 16, seed=9)
-    slots[1] = -1
-    state = pool.float().to(DEVICE)
-    before = state.clone()
-    out = torch.full((packed.num_nodes, 2, 16), float("nan"), device=DEVICE)
-    run_step(packed, inputs, state, slots, 1, chain=True, out=out, block_k=4)
-    assert torch.equal(state, before)
-    for b in range(len(batch)):
-        r = rows(packed, b)
-        assert bool(out[r].isnan().all() if b == 1 else out[r].isfinite().all())
+    # (3) untouched: slots outside the batch, and padding requests' state; (4) step 2 vs fp64 from `committed`
+    for slot in set(range(state.shape[0])) - {int(s) for s in slots if s >= 0}:
+        assert torch.equal(state[slot].cpu(), h0[slot])
+    check_step(packed2, inputs2, committed, slots, second, key_heads, out, factors, between, tolerance)
 
 
 @settings(max_examples=4, deadline=None)
@@ -148,9 +231,11 @@ def test_padding_request_untouched():
 def test_chain_flag_and_activation(batch, seed, activation):
     packed, inputs, pool, slots = gated_inputs(batch, 1, 2, 16, 16, seed)
     state = pool.float().to(DEVICE)
-    by_chain, _ = run_step(packed, inputs, state, slots, 1, chain=True, activation=activation, block_k=4)
-    by_walk, _ = run_step(packed, inputs, state, slots, 1, chain=False, activation=activation, block_k=4)
-    assert relative_error(by_chain.cpu(), by_walk.cpu().double()) <= 1e-6
-    twin, _ = gdn_step_packed(*inputs, state.cpu(), slots, packed.parents, packed.cu_nodes, num_key_heads=1,
-                              activation=activation)
-    assert relative_error(by_chain.cpu(), twin.double()) <= 2e-5
+    factors = slot_factor_page(state.shape[0], packed.max_nodes, 2, 16, 16, seed)
+    by_chain = run_step(packed, inputs, state, slots, 1, factors, chain=True, activation=activation, block_k=4)
+    by_walk = run_step(packed, inputs, state, slots, 1, factors.clone(), chain=False, activation=activation,
+                       block_k=4)
+    assert within(by_chain.cpu(), by_walk.cpu().double(), 1e-6)
+    twin = gdn_step_packed(*inputs, state.cpu(), slots, packed.parents, packed.cu_nodes, num_key_heads=1,
+                           factors=factors.cpu().clone(), activation=activation)
+    assert within(by_chain.cpu(), twin.double(), 2e-5)

@@ -24,7 +24,8 @@ Batched versions over packed trees (``vllm_treewy.tree.pack_trees``: ``parents``
 The Triton kernels live in ``vllm_treewy.kernels.triton`` (imported only when used).
 
 The whole decode step after the conv, from vLLM's raw inputs (mixed_qkv, a, b, A_log, dt_bias, output gate, norm
-weight) to the normed, gated core output, with the previous step's commit fused in: ``gated.gdn_step_packed`` /
+weight) to the normed, gated core output, with the previous step's commit fused in and the commit's factors in
+per-slot rows (``slot_factor_width``, ``split_slot_factors``): ``gated.gdn_step_packed`` /
 ``gated.gdn_commit_packed`` (torch) and ``triton.gdn_step_triton`` / ``triton.gdn_commit_triton``;
 fp64 truth ``reference.reference_gated_tree``.
 """
@@ -37,13 +38,18 @@ import torch
 
 from .closed_form import commit_packed, path_log_decay, verify_packed
 from .conv import conv_commit_packed, conv_verify_packed
+from .gated import gdn_commit_packed, gdn_step_packed, slot_factor_width, split_slot_factors
 from ..tree import DraftTree
 
 __all__ = [
     "commit_packed",
     "conv_commit_packed",
     "conv_verify_packed",
+    "gdn_commit_packed",
+    "gdn_step_packed",
     "path_log_decay",
+    "slot_factor_width",
+    "split_slot_factors",
     "tree_commit",
     "tree_verify",
     "verify_packed",

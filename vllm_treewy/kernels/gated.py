@@ -1,16 +1,37 @@
 """Torch twin of `vllm_treewy.kernels.triton.gated`: the GDN decode step after the conv (gates, q/k L2 norm,
-closed-form verify, gated RMSNorm with the output gate) and its commit, from the inputs vLLM's compiled
-`fused_gdn_decode_post_conv_mtp` takes. Built on `closed_form`'s packed verify and commit; fp32 (fp64 for fp64
+closed-form verify, gated RMSNorm with the output gate), its factors in per-slot rows, and the chain commit of the
+previous step's accepted node from those rows. Built on `closed_form`'s packed verify; fp32 (fp64 for fp64
 inputs). Ground truth: `reference.reference_gated_tree`.
+
+Slot factors: one fp32 tensor ``[S, T, F]`` (state slot, node row, F = `slot_factor_width`), columns in this
+order: raw post-conv keys per VALUE head ``[HV, K]`` (value head hv holds its key head's row), inverse key norms
+``[HV]``, pseudo-values u ``[HV, V]``, log decays g ``[HV]``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .closed_form import commit_packed, compute_dtype, verify_packed
+from ..tree import node_requests
+from .closed_form import compute_dtype, verify_packed
 
 L2NORM_EPS = 1e-6
+
+
+def slot_factor_width(num_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
+    """F, the floats of one node's factors: keys [HV, K], key inverse norms [HV], u [HV, V], g [HV]."""
+    return num_v_heads * (head_k_dim + 1 + head_v_dim + 1)
+
+
+def split_slot_factors(factors: torch.Tensor, num_v_heads: int, head_k_dim: int, head_v_dim: int):
+    """``[..., F]`` -> views (k [..., HV, K], k_scale [..., HV], u [..., HV, V], g [..., HV])."""
+    hv, kd, vd = num_v_heads, head_k_dim, head_v_dim
+    assert factors.shape[-1] == slot_factor_width(hv, kd, vd)
+    k = factors[..., : hv * kd].unflatten(-1, (hv, kd))
+    k_scale = factors[..., hv * kd: hv * (kd + 1)]
+    u = factors[..., hv * (kd + 1): hv * (kd + 1 + vd)].unflatten(-1, (hv, vd))
+    g = factors[..., hv * (kd + 1 + vd):]
+    return k, k_scale, u, g
 
 
 def split_qkv(mixed_qkv: torch.Tensor, num_key_heads: int, key_dim: int, value_dim: int):
@@ -39,11 +60,38 @@ def gated_rms_norm(o, z, weight, eps, activation="silu"):
     return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * weight.to(o.dtype) * gate
 
 
-def gdn_step_packed(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
-                    cu_nodes, *, num_key_heads, scale=None, norm_eps=1e-6, activation="silu", max_depth=None):
-    """``(out [N, HV, V] in mixed_qkv's dtype, (k, k_scale, u, g))``; the factors as `GatedFactors` holds them.
-    The state pool is only read."""
+def gdn_commit_packed(state, state_indices, factors, pending_nodes):
+    """In place, for each request b with slot s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0: the state
+    after node a of the chain whose factors are in rows factors[s, 0..a],
+
+        h_a = exp(c_a) h0 + sum_{j <= a} exp(c_a - c_j) (u_j k_scale_j) k_j^T,   c_j = g_0 + ... + g_j;
+
+    every decay is a sum of g from a down to j + 1 (the kernel's running sum), never a difference."""
     _, num_value_heads, value_dim, key_dim = state.shape
+    dtype = compute_dtype(state, factors)
+    live = (state_indices >= 0) & (pending_nodes >= 0)
+    slots, accepted = state_indices[live].long(), pending_nodes[live].long()
+    k, k_scale, u, g = (x[slots].to(dtype) for x in split_slot_factors(factors, num_value_heads, key_dim, value_dim))
+    on = torch.arange(factors.shape[1], device=factors.device) <= accepted[:, None]  # [L, T]: rows 0..a
+    g = torch.where(on[..., None], g, 0.0)
+    from_j = g.flip(1).cumsum(1).flip(1)  # [L, T, HV]: g_j + ... + g_a
+    after_j = torch.cat([from_j[:, 1:], torch.zeros_like(from_j[:, :1])], 1)  # g_{j+1} + ... + g_a
+    weight = torch.where(on[..., None], torch.exp(after_j) * k_scale, 0.0)
+    u = torch.where(on[..., None, None], u, 0.0) * weight[..., None]  # rows past a may hold anything (NaN)
+    k = torch.where(on[..., None, None], k, 0.0)
+    h = torch.exp(from_j[:, 0])[..., None, None] * state[slots].to(dtype) + torch.einsum("lthv,lthk->lhvk", u, k)
+    state[slots] = h.to(state.dtype)
+
+
+def gdn_step_packed(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
+                    cu_nodes, *, num_key_heads, factors, pending_nodes=None, scale=None, norm_eps=1e-6,
+                    activation="silu", max_depth=None):
+    """``out [N, HV, V]`` in mixed_qkv's dtype (zero for padding requests). With `pending_nodes`, first commits
+    each slot's previous step (`gdn_commit_packed`, reading its rows before anything is written); then verifies
+    from the (committed) state and writes each live node's factors to rows factors[slot, local index]."""
+    _, num_value_heads, value_dim, key_dim = state.shape
+    if pending_nodes is not None:
+        gdn_commit_packed(state, state_indices, factors, pending_nodes)
     dtype = compute_dtype(mixed_qkv, state)
     q, k, v = split_qkv(mixed_qkv, num_key_heads, key_dim, value_dim)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -53,12 +101,12 @@ def gdn_step_packed(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, s
     o, u = verify_packed(q * (inverse_norm(q) * scale)[..., None], k * k_scale[..., None], v, g, beta, state,
                          state_indices, parents, cu_nodes, max_depth=max_depth)
     out = gated_rms_norm(o, output_gate.to(dtype), norm_weight, norm_eps, activation)
-    live = (state_indices.long() >= 0).repeat_interleave(cu_nodes.long().diff())
+    request = node_requests(cu_nodes, mixed_qkv.shape[0])
+    slot = state_indices.long()[request]
+    live = slot >= 0
     out = torch.where(live[:, None, None], out, 0.0)
-    return out.to(mixed_qkv.dtype), (k, k_scale, u, g)
-
-
-def gdn_commit_packed(state, state_indices, k, k_scale, u, g, parents, cu_nodes, accepted, *, max_depth=None):
-    """Commit from `gdn_step_packed`'s factors (raw keys and their inverse norms), in place."""
-    commit_packed(state, state_indices, k.to(u.dtype) * k_scale.to(u.dtype)[..., None], u, g, parents, cu_nodes,
-                  accepted, max_depth=max_depth)
+    key_head = torch.arange(num_value_heads, device=k.device) // (num_value_heads // num_key_heads)
+    rows = torch.cat([k[:, key_head].flatten(1), k_scale[:, key_head], u.flatten(1), g], 1)
+    local = torch.arange(mixed_qkv.shape[0], device=k.device) - cu_nodes.long()[request]
+    factors[slot[live], local[live]] = rows[live].to(factors.dtype)
+    return out.to(mixed_qkv.dtype)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_treewy.kernels.gated import slot_factor_width, split_slot_factors
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import MODEL_STATE_DTYPES, MODEL_STATE_SHAPES
 
@@ -47,13 +48,8 @@ class BufferLayout:
                    1 + num_spec)
 
     @property
-    def factor_widths(self) -> tuple[int, int, int, int]:
-        hv = self.num_v_heads
-        return hv * self.head_k_dim, hv, hv * self.head_v_dim, hv
-
-    @property
     def factor_width(self) -> int:
-        return sum(self.factor_widths)
+        return slot_factor_width(self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int]]:
         return (self.num_nodes, self.factor_width), (self.num_nodes, self.conv_dim), (1,)
@@ -65,9 +61,7 @@ class BufferLayout:
     def split(self, factors: torch.Tensor):
         """Views of factor rows `[..., F]`: raw keys `[..., HV, K]`, key inverse norms `[..., HV]`, pseudo-values
         `[..., HV, V]`, log decays `[..., HV]`."""
-        keys, key_scales, values, decays = factors.split(self.factor_widths, dim=-1)
-        return (keys.unflatten(-1, (self.num_v_heads, self.head_k_dim)), key_scales,
-                values.unflatten(-1, (self.num_v_heads, self.head_v_dim)), decays)
+        return split_slot_factors(factors, self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
 
 @dataclass(frozen=True)

@@ -27,75 +27,45 @@ A whole head per program is what the gated RMSNorm needs (it normalises over V).
 `verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
 power of two): measured on the H200 are chains of up to 8 nodes; big trees stay with `verify_packed_triton`.
 
-Factors for the commit (`GatedFactors`): the raw key rows (a copy of mixed_qkv's k slice, input dtype), their
-inverse norms, the pseudo-values u (fp32) and the log decays g (fp32). The commit folds the inverse norm into u
-(h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) (u_j / |k_j|) k_raw_j^T), so the normalised keys are never stored.
+Factors for the commit live in the state slots' rows, `factors` [S, T, F] fp32 (`slot_factor_width`): per node
+the raw key rows PER VALUE HEAD (a copy of mixed_qkv's k slice), their inverse norms, the pseudo-values u and the
+log decays g. The commit folds the inverse norm into u (h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) (u_j / |k_j|)
+k_raw_j^T), so the normalised keys are never stored. Keys are stored per value head so that the program of (value
+head hv, request b) owns every factor column it reads and writes: no two programs share a row segment.
 
 Torch twin: `vllm_treewy.kernels.gated.gdn_step_packed` / `gdn_commit_packed`; fp64 ground truth:
-`vllm_treewy.kernels.reference.reference_gated_tree`.
+`vllm_treewy.kernels.reference.reference_gated_tree` (the state after a chain's node a is its recurrence state).
 
-For the adapter (additive: the existing verify/commit/conv entry points are unchanged). Where vLLM would call
-`fused_gdn_decode_post_conv_mtp(mixed_qkv, a, b, A_log, dt_bias, ..., state, output_gate, norm_weight, out, scale,
-norm_eps, activation)` after the conv, a reconstruct step calls
+For the adapter. Where vLLM would call `fused_gdn_decode_post_conv_mtp(mixed_qkv, a, b, A_log, dt_bias, ...,
+state, output_gate, norm_weight, out, scale, norm_eps, activation)` after the conv, a reconstruct step calls
 
-    out, factors = gdn_step_triton(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state,
-                                   state_indices, parents, cu_nodes, num_key_heads=H, max_nodes=T, chain=True,
-                                   scale=K**-0.5, norm_eps=eps, activation="silu", out=core_attn_out,
-                                   factors=step_buffers, pending=previous)   # previous: GatedPending or None
+    out = gdn_step_triton(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices,
+                          parents, cu_nodes, factors=slot_factors, pending_nodes=accepted_last_step,
+                          num_key_heads=H, max_nodes=T, chain=True, scale=K**-0.5, norm_eps=eps,
+                          activation="silu", out=core_attn_out)
 
-with `state_indices` [B] (one slot per request; negative = padding), then keeps `GatedPending(factors, parents,
-cu_nodes, accepted, max_nodes=T, chain=True)` for the next step (factors hold copies of the keys, so mixed_qkv may
-be overwritten), or commits it alone with `gdn_commit_triton(state, state_indices, pending, num_key_heads=H)`.
-Buffers (`out`, `factors`, via `GatedFactors.empty`) can be preallocated so the call is CUDA-graph capturable; the
-step's factors must not be the pending step's (alternate two sets per layer): programs read the one while others
-write the other. vLLM passes the layer's `layer_norm_epsilon` as norm_eps.
+with `state_indices` [B] (one slot per request; negative = padding), `slot_factors` [S, T, F] (e.g. a view into
+the KV cache page, stride(0) = page size in floats), and `accepted_last_step` int32 [B]: the local index of the
+node accepted in the slot's previous step (a chain), -1 for none. The kernel first commits that node in place from
+the rows the previous call wrote, then verifies from the committed state, then (after a barrier: every read of the
+pending rows comes first) overwrites the rows with this step's factors. The end of a sequence (or a test) commits
+alone: `gdn_commit_triton(state, state_indices, slot_factors, accepted, num_key_heads=H)`. Everything is
+preallocated by the caller (`out` optional), so the call is CUDA-graph capturable. vLLM passes the layer's
+`layer_norm_epsilon` as norm_eps.
 """
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ..gated import slot_factor_width, split_slot_factors
 from ._tree import _ancestor
 from .verify import interpreting, max_ancestors, tree_ancestors
 
 ACTIVATIONS = ("silu", "sigmoid")
 L2NORM_EPS = 1e-6  # vLLM's in-kernel q/k L2 norm
 
-
-@dataclass
-class GatedFactors:
-    """What the commit of a step needs, written by the step's verify. k: [N, H, K] raw keys (input dtype);
-    k_scale: [N, H] fp32 inverse key norms; u: [N, HV, V] fp32 pseudo-values; g: [N, HV] fp32 log decays."""
-
-    k: torch.Tensor
-    k_scale: torch.Tensor
-    u: torch.Tensor
-    g: torch.Tensor
-
-    @classmethod
-    def empty(cls, num_nodes, H, HV, K, V, dtype, device):
-        return cls(torch.empty(num_nodes, H, K, dtype=dtype, device=device),
-                   torch.empty(num_nodes, H, dtype=torch.float32, device=device),
-                   torch.empty(num_nodes, HV, V, dtype=torch.float32, device=device),
-                   torch.empty(num_nodes, HV, dtype=torch.float32, device=device))
-
-
-@dataclass
-class GatedPending:
-    """A step's factors and accepted nodes, to commit (alone, or inside the next step's verify).
-    accepted[b]: local index of request b's accepted node, -1 leaves its slot as it is. Tree bounds as in
-    `gdn_step_triton`."""
-
-    factors: GatedFactors
-    parents: torch.Tensor
-    cu_nodes: torch.Tensor
-    accepted: torch.Tensor
-    max_nodes: int
-    max_depth: int | None = None
-    chain: bool = False
-    ancestors: torch.Tensor | None = None
+__all__ = ["gdn_commit_triton", "gdn_step_triton", "slot_factor_width", "split_slot_factors"]
 
 
 @triton.jit
@@ -111,11 +81,10 @@ def _log_decay(a_raw, dt_bias, neg_exp_a_log):
 
 
 @triton.jit
-def _node_terms(qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log, scale,
-                stride_a, stride_b, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b,
+                i_hv, K: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
     """Everything per node that does not touch the state: gates, path sums c and decays exp(c_i - c_j), q/k
-    inverse norms and Gram matrices; stores the commit's factors g, k (raw) and 1/|k|."""
+    inverse norms and Gram matrices."""
     rows = tl.arange(0, BT)
     valid = rows < n
     node = bos + rows
@@ -141,28 +110,20 @@ def _node_terms(qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_r
     k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
     kk = tl.sum(k_full[:, None, :] * k_full[None, :, :], 2) * (k_inv[:, None] * k_inv[None, :])
     qk = tl.sum(q_full[:, None, :] * k_full[None, :, :], 2) * (q_inv[:, None] * k_inv[None, :])
-    # factors for the commit: the log decays, and (once per key head) the raw keys and their inverse norms
-    tl.store(f_g + node * HV + i_hv, g_own, mask=valid)
-    first_of_group = (i_hv % (HV // H)) == 0
-    tl.store(f_kscale + node * H + i_h, k_inv, mask=valid & first_of_group)
-    tl.store(f_k + (node * H + i_h)[:, None] * K + o_k[None, :], k_full.to(f_k.dtype.element_ty),
-             mask=valid[:, None] & first_of_group)
     return g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk
 
 
 @triton.jit
 def _gated_step_kernel(
-    qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes,
-    out, f_k, f_kscale, f_u, f_g,
-    p_k, p_kscale, p_u, p_g, p_ancestors, p_cu_nodes, p_accepted,
+    qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes, out, factors,
+    pending_nodes,
     stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
-    stride_slot, stride_head, stride_v,
+    stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
     scale, eps,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
-    ACT: tl.constexpr, DO_VERIFY: tl.constexpr,
-    HAS_PENDING: tl.constexpr, P_BP: tl.constexpr, P_MAX_ANC: tl.constexpr, P_IS_CHAIN: tl.constexpr,
+    ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr,
 ):
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -172,31 +133,36 @@ def _gated_step_kernel(
     o_v = tl.arange(0, V)
     o_kc = tl.arange(0, BK)
     p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
-    neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    # this program's columns of the slot's factor rows (see `slot_factor_width`): only (slot, i_hv) touches them
+    f_slot = factors + slot * stride_fslot
+    f_k = f_slot + i_hv * K
+    f_kscale = f_slot + HV * K + i_hv
+    f_u = f_slot + HV * (K + 1) + i_hv * V
+    f_g = f_slot + HV * (K + 1 + V) + i_hv
 
     if HAS_PENDING:
-        # the previous step's accepted path, one slot per depth d (d = 0: the accepted node): the raw key row
-        # offset, and exp(c_a - c_j) u_j / |k_j| as a [V] vector; exp(c_a) for h0
-        accepted = tl.load(p_accepted + i_b)
-        p_bos = tl.load(p_cu_nodes + i_b)
+        # the previous step's chain up to its accepted node a, rows d = 0..ROWS-1 back from a: the key row, and
+        # exp(c_a - c_j) u_j / |k_j| as a [V] vector; exp(c_a) for h0. Every pending row is read before the
+        # epilogue overwrites the rows (barrier there).
+        accepted = tl.load(pending_nodes + i_b)
         running = tl.zeros([], dtype=tl.float32)
         p_wu = ()
         p_krow = ()
         p_on = ()
-        for d in tl.static_range(P_MAX_ANC + 1):
-            cur = _ancestor(p_ancestors, p_bos, accepted, d, P_MAX_ANC + 1, P_IS_CHAIN)
-            on = cur >= 0
-            j = p_bos + tl.maximum(cur, 0)
-            weight = tl.where(on, tl.exp(running), 0.0) * tl.load(p_kscale + j * H + i_h, mask=on, other=0.0)
-            p_wu = p_wu + (tl.load(p_u + (j * HV + i_hv) * V + o_v, mask=on, other=0.0) * weight,)
-            p_krow = p_krow + (j.to(tl.int64) * (H * K) + i_h * K,)
+        for d in tl.static_range(ROWS):
+            on = accepted - d >= 0
+            row = tl.maximum(accepted - d, 0).to(tl.int64) * stride_frow
+            weight = tl.where(on, tl.exp(running), 0.0) * tl.load(f_kscale + row, mask=on, other=0.0)
+            p_wu = p_wu + (tl.load(f_u + row + o_v, mask=on, other=0.0) * weight,)
+            p_krow = p_krow + (f_k + row,)
             p_on = p_on + (on,)
-            running += tl.load(p_g + j * HV + i_hv, mask=on, other=0.0)
+            running += tl.load(f_g + row, mask=on, other=0.0)
         p_root = tl.exp(running)
         store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
 
     if DO_VERIFY:
+        neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        bias = tl.load(dt_bias + i_hv).to(tl.float32)
         bos = tl.load(cu_nodes + i_b)
         n = tl.load(cu_nodes + i_b + 1) - bos
         rows = tl.arange(0, BT)
@@ -206,8 +172,8 @@ def _gated_step_kernel(
         k_row = q_row + H * K
         if not LATE_NODE_TERMS:
             g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
-                qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log,
-                scale, stride_a, stride_b, H, HV, K, BT, MAX_ANC, IS_CHAIN)
+                qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
+                K, BT, MAX_ANC, IS_CHAIN)
         row_off = ()
         row_ok = ()
         for t in tl.static_range(BT):
@@ -243,8 +209,8 @@ def _gated_step_kernel(
                                 other=0.0),)
         if HAS_PENDING:
             h = p_root * h
-            for d in tl.static_range(P_MAX_ANC + 1):
-                pk = tl.load(p_k + p_krow[d] + cols, mask=p_on[d], other=0.0).to(tl.float32)
+            for d in tl.static_range(ROWS):
+                pk = tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0)
                 h += p_wu[d][:, None] * pk[None, :]
             h = h.to(state.dtype.element_ty)
             tl.store(p_state + cols[None, :], h, mask=store_commit)
@@ -267,8 +233,8 @@ def _gated_step_kernel(
     if DO_VERIFY:
         if LATE_NODE_TERMS:  # nothing of this is needed in the loop: keeps its [BT, BT] tiles out of the loop's registers
             g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
-                qkv, a, b, ancestors, f_k, f_kscale, f_g, bos, n, i_h, i_hv, q_row, k_row, bias, neg_exp_a_log,
-                scale, stride_a, stride_b, H, HV, K, BT, MAX_ANC, IS_CHAIN)
+                qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
+                K, BT, MAX_ANC, IS_CHAIN)
         exp_c = tl.exp(running_c)
         hk = tl.zeros([BT, V], dtype=tl.float32)
         hq = tl.zeros([BT, V], dtype=tl.float32)
@@ -281,7 +247,6 @@ def _gated_step_kernel(
                 hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
         hk = hk * k_inv[:, None]
         hq = hq * q_inv[:, None]
-        v_offs = (node * HV + i_hv)[:, None] * V + o_v[None, :]
         b_v = tl.load(qkv + node.to(tl.int64)[:, None] * stride_qkv + 2 * H * K + i_hv * V + o_v[None, :],
                       mask=valid[:, None], other=0.0).to(tl.float32)
         r = b_beta[:, None] * (b_v - exp_c[:, None] * hk)
@@ -293,7 +258,6 @@ def _gated_step_kernel(
             b_u = tl.where(rows[:, None] == i, b_u - tl.sum(g_row[:, None] * b_u, 0)[None, :], b_u)
         pmat = decay * qk
         b_o = exp_c[:, None] * hq + tl.sum(pmat[:, :, None] * b_u[None, :, :], 1)
-        tl.store(f_u + v_offs, b_u, mask=valid[:, None])
         # gated RMSNorm over the head's V values, output gate fused
         rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
         w = tl.load(norm_weight + o_v).to(tl.float32)
@@ -306,6 +270,16 @@ def _gated_step_kernel(
         y = b_o * rstd[:, None] * w[None, :] * gate
         tl.store(out + node[:, None] * stride_out + i_hv * stride_outh + o_v[None, :], y.to(out.dtype.element_ty),
                  mask=valid[:, None])
+        # this step's factors into the slot's rows, after every thread's last read of the pending rows; the raw
+        # keys reloaded here rather than kept live through the state loop
+        tl.debug_barrier()
+        f_row = rows.to(tl.int64) * stride_frow
+        o_k = tl.arange(0, K)
+        k_raw = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        tl.store(f_k + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
+        tl.store(f_kscale + f_row, k_inv, mask=valid)
+        tl.store(f_u + f_row[:, None] + o_v[None, :], b_u, mask=valid[:, None])
+        tl.store(f_g + f_row, g_own, mask=valid)
 
 
 # (block_k, num_warps, prefetch, max_registers) keyed by fp32 state: measured fastest at H=16, HV=32, K=V=128, chain
@@ -319,14 +293,23 @@ def _nodes_block(max_nodes: int) -> int:
     return max(2, triton.next_power_of_2(max_nodes))
 
 
+def _check_factors(factors, state, state_indices, pending_nodes):
+    S, HV, V, K = state.shape
+    assert factors.dtype == torch.float32 and factors.dim() == 3 and factors.stride(2) == 1
+    assert factors.shape[0] >= S and factors.shape[2] == slot_factor_width(HV, K, V)
+    assert pending_nodes is None or (pending_nodes.shape == state_indices.shape and
+                                     pending_nodes.dtype == torch.int32)
+
+
 def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
-            *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation, pending, ancestors, out,
-            factors, do_verify, block_k, num_warps, prefetch, max_registers, row_sums=False,
+            factors, pending_nodes, *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation,
+            ancestors, out, do_verify, block_k, num_warps, prefetch, max_registers, row_sums=False,
             late_node_terms=False):
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
+    _check_factors(factors, state, state_indices, pending_nodes)
     fp32 = state.dtype == torch.float32
     block_k = min(block_k or GATED_CONFIGS[fp32][0], K)
     options = dict(num_warps=num_warps or GATED_CONFIGS[fp32][1], num_stages=1)
@@ -337,48 +320,33 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
     batch = state_indices.shape[0]
     if do_verify:
         n_nodes = mixed_qkv.shape[0]
-        assert mixed_qkv.shape[1] == 2 * H * K + HV * V and mixed_qkv.stride(1) == 1
-        assert a.stride(1) == 1 and b.stride(1) == 1 and output_gate.stride(2) == 1
+        assert mixed_qkv.shape[1] == 2 * H * K + HV * V
+        assert n_nodes == 0 or (mixed_qkv.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1 and
+                                output_gate.stride(2) == 1)
+        assert max_nodes <= factors.shape[1], "a slot holds factors.shape[1] node rows"
         max_anc = max_ancestors(max_nodes, max_depth, chain)
         ancestors = tree_ancestors(parents, cu_nodes, max_anc, chain, ancestors)
         if out is None:
             out = torch.empty(n_nodes, HV, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-        if factors is None:
-            factors = GatedFactors.empty(n_nodes, H, HV, K, V, mixed_qkv.dtype, mixed_qkv.device)
-        assert pending is None or pending.factors.u.data_ptr() != factors.u.data_ptr(), \
-            "the step's factors must not be the pending step's (double-buffer them)"
         out3 = out.view(n_nodes, HV, V)
-        bt = _nodes_block(max_nodes)
-        v_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight)
+        v_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, ancestors,
+                  cu_nodes, out3)
         strides = (mixed_qkv.stride(0), a.stride(0), b.stride(0), output_gate.stride(0), output_gate.stride(1),
                    out3.stride(0), out3.stride(1))
-        f_args = (out3, factors.k, factors.k_scale, factors.u, factors.g)
-    else:
-        p = pending.factors
-        max_anc, bt, ancestors, cu_nodes = 0, 2, pending.cu_nodes, pending.cu_nodes
-        v_args = (p.k, p.g, p.g, p.g, p.g, p.u, p.g)
+        bt = _nodes_block(max_nodes)
+    else:  # commit alone: the verify's pointers are never dereferenced
+        max_anc, bt = 0, 2
+        v_args = (factors,) * 7 + (state, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
-        f_args = (p.u, p.k, p.k_scale, p.u, p.g)
-    if pending is None:
-        p_args, p_bp, p_anc, p_chain = (factors.k, factors.k_scale, factors.u, factors.g, ancestors, cu_nodes,
-                                        state_indices), 2, 0, True
-    else:
-        pf = pending.factors
-        p_anc, p_chain = max_ancestors(pending.max_nodes, pending.max_depth, pending.chain), pending.chain
-        p_args = (pf.k, pf.k_scale, pf.u, pf.g,
-                  tree_ancestors(pending.parents, pending.cu_nodes, p_anc, p_chain, pending.ancestors),
-                  pending.cu_nodes, pending.accepted)
-        p_bp = _nodes_block(p_anc + 1)
     _gated_step_kernel[(HV, batch)](
-        *v_args, state, state_indices, ancestors, cu_nodes, *f_args, *p_args,
-        *strides, state.stride(0), state.stride(1), state.stride(2),
+        *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
+        *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
         float(K**-0.5 if scale is None else scale), float(norm_eps),
-        H=H, HV=HV, K=K, V=V, BT=bt, BK=block_k, PREFETCH=prefetch, ROW_SUMS=row_sums, LATE_NODE_TERMS=late_node_terms, MAX_ANC=max_anc, IS_CHAIN=chain,
-        ACT=activation, DO_VERIFY=do_verify,
-        HAS_PENDING=pending is not None, P_BP=p_bp, P_MAX_ANC=p_anc, P_IS_CHAIN=p_chain,
-        **options,
+        H=H, HV=HV, K=K, V=V, ROWS=factors.shape[1], BT=bt, BK=block_k, PREFETCH=prefetch, ROW_SUMS=row_sums,
+        LATE_NODE_TERMS=late_node_terms, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation, DO_VERIFY=do_verify,
+        HAS_PENDING=pending_nodes is not None, **options,
     )
-    return out, factors
+    return out
 
 
 def gdn_step_triton(
@@ -394,6 +362,8 @@ def gdn_step_triton(
     parents: torch.Tensor,
     cu_nodes: torch.Tensor,
     *,
+    factors: torch.Tensor,
+    pending_nodes: torch.Tensor | None = None,
     num_key_heads: int,
     max_nodes: int,
     max_depth: int | None = None,
@@ -401,38 +371,36 @@ def gdn_step_triton(
     scale: float | None = None,
     norm_eps: float = 1e-6,
     activation: str = "silu",
-    pending: GatedPending | None = None,
     ancestors: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    factors: GatedFactors | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     prefetch: int | None = None,
     max_registers: int | None = None,
     row_sums: bool = False,
     late_node_terms: bool = False,
-) -> tuple[torch.Tensor, GatedFactors]:
-    """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node,
-    and the factors its commit needs. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
+) -> torch.Tensor:
+    """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
+    the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
 
     mixed_qkv [N, 2*H*K + HV*V] (post-conv q | k | v, row stride free, last dim contiguous); a, b [N, HV] (raw
     gate inputs); A_log, dt_bias [HV]; output_gate z [N, HV, V]; norm_weight [V]; state pool [S, HV, V, K] fp32 or
-    bf16 (read; written only with `pending`); state_indices [B] (negative: padding request, nothing written);
-    parents [N] local, cu_nodes [B+1] (`vllm_treewy.tree.pack_trees`); scale defaults to K**-0.5.
-    Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view) and `GatedFactors`.
-    `pending`: the previous step's commit, applied to each request's slot before its verify reads it (one state
-    read and one write per request per step in all). `ancestors`: as in `verify_packed_triton`.
-    Not yet measured on a GPU, off by default (the measured code path is the default): `row_sums=True` keeps one
-    per-node sum per row, summed over the thread's BK columns every step (2T registers instead of 2T x BK);
-    `late_node_terms=True` computes gates, decays and Gram matrices after the state loop, so their [BT, BT] tiles
-    (replicated in every thread) are not live in it. sm_90 compile at T=4, no register cap: 96 registers and no
-    spills with both, against 128 (fp32) / 216 (bf16) now; T=8 stays at ~250 (the epilogue's [BT, BT, V] products)
-    (bench/results/2026-11-30/compile_report.jsonl).
+    bf16; state_indices [B] (negative: padding request, nothing read or written); parents [N] local, cu_nodes [B+1]
+    (`vllm_treewy.tree.pack_trees`; requests may have 0 nodes); scale defaults to K**-0.5.
+    factors: fp32 [S, T, F] (`slot_factor_width`; strides of the first two dims free, last dim contiguous), T >=
+    max_nodes: request b's node t writes row factors[state_indices[b], t].
+    pending_nodes: int32 [B] or None. pending_nodes[b] = a >= 0 first commits the slot's previous step in place, the
+    chain 0..a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves the slot as it is. The
+    verify then reads the committed state. One state read and (with a pending commit) one write per request.
+    Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view; padding requests' rows untouched).
+    `ancestors`: as in `verify_packed_triton`. `row_sums`: one per-node sum per row, summed over the thread's BK
+    columns every step (2T registers instead of 2T x BK); `late_node_terms`: gates, decays and Gram matrices
+    computed after the state loop, so their [BT, BT] tiles are not live in it.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
-                   cu_nodes, num_key_heads=num_key_heads, max_nodes=max_nodes, max_depth=max_depth, chain=chain,
-                   scale=scale, norm_eps=norm_eps, activation=activation, pending=pending, ancestors=ancestors,
-                   out=out, factors=factors, do_verify=True, block_k=block_k, num_warps=num_warps,
+                   cu_nodes, factors, pending_nodes, num_key_heads=num_key_heads, max_nodes=max_nodes,
+                   max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps, activation=activation,
+                   ancestors=ancestors, out=out, do_verify=True, block_k=block_k, num_warps=num_warps,
                    prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms)
 
@@ -440,7 +408,8 @@ def gdn_step_triton(
 def gdn_commit_triton(
     state: torch.Tensor,
     state_indices: torch.Tensor,
-    pending: GatedPending,
+    factors: torch.Tensor,
+    pending_nodes: torch.Tensor,
     *,
     num_key_heads: int,
     block_k: int | None = None,
@@ -448,9 +417,10 @@ def gdn_commit_triton(
     prefetch: int | None = None,
     max_registers: int | None = None,
 ) -> None:
-    """Rebuild each request's accepted node's state in its slot, in place, from `gdn_step_triton`'s factors
-    (the commit alone, for when no next verify follows to carry it)."""
-    _launch(None, None, None, None, None, None, None, state, state_indices, None, None,
+    """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
+    s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a of the
+    chain in rows factors[s, 0..a]: h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) (u_j k_scale_j) k_j^T."""
+    _launch(None, None, None, None, None, None, None, state, state_indices, None, None, factors, pending_nodes,
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
-            activation="silu", pending=pending, ancestors=None, out=None, factors=None, do_verify=False,
-            block_k=block_k, num_warps=num_warps, prefetch=prefetch, max_registers=max_registers)
+            activation="silu", ancestors=None, out=None, do_verify=False, block_k=block_k, num_warps=num_warps,
+            prefetch=prefetch, max_registers=max_registers)
