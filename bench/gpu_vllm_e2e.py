@@ -194,8 +194,9 @@ def run_reference(args) -> int:
             print(f"  batch {b}: {v['summary']}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    ok = all(v["passed"] for name, e in report["runs"].items() if name.startswith("reconstruct")
-             for v in e["verdicts"].values())
+    verdicts = [v for name, e in report["runs"].items() if name.startswith("reconstruct")
+                for v in e["verdicts"].values()]
+    ok = bool(verdicts) and all(v["passed"] for v in verdicts)  # no reconstruct run (it crashed) is a failure
     print("RECONSTRUCT PASSES AT EVERY BATCH" if ok else "RECONSTRUCT FAILS", flush=True)
     return 0 if ok else 1
 

@@ -150,12 +150,13 @@ def pack_trees(
 def node_requests(cu_nodes: torch.Tensor, num_nodes: int | None = None) -> torch.Tensor:
     """``[N]`` int64: the request each packed node belongs to.
 
-    Given ``num_nodes`` (known from the caller's shapes) there is no host sync, so it can run in a CUDA graph.
+    Given ``num_nodes`` (known from the caller's shapes) there is no host sync, so it can run in a CUDA graph; nodes
+    past ``cu_nodes[-1]`` (a replayed graph's padding) count as the last request's.
     """
     cu_nodes = cu_nodes.long()
-    num_requests = cu_nodes.numel() - 1
-    requests = torch.arange(num_requests, device=cu_nodes.device)
-    return torch.repeat_interleave(requests, cu_nodes.diff(), output_size=num_nodes)
+    num_nodes = int(cu_nodes[-1]) if num_nodes is None else num_nodes
+    nodes = torch.arange(num_nodes, device=cu_nodes.device)
+    return torch.searchsorted(cu_nodes[1:], nodes, right=True).clamp(max=max(cu_nodes.numel() - 2, 0))
 
 
 def global_parents(parents: torch.Tensor, cu_nodes: torch.Tensor) -> torch.Tensor:
