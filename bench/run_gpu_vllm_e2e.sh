@@ -2,7 +2,8 @@
 # The device command behind bench/results/gpu_vllm_e2e (one engine per process; the reference judges last).
 # Usage, from the checkout root on the H200:  bash bench/run_gpu_vllm_e2e.sh OUT_DIR "KS" [extra args]
 # e.g.  bash bench/run_gpu_vllm_e2e.sh $OUT "3 1"      or      bash bench/run_gpu_vllm_e2e.sh $OUT 3 --eager
-# A run with k = 1 starts only while less than SKIP_K1_AFTER_S seconds have passed (device-time budget).
+# A run with k = 1 starts only while less than SKIP_K1_AFTER_S seconds have passed (device-time budget); a failed
+# reconstruct run ends the call.
 set -u
 out=$1; ks=$2; shift 2
 # Per-engine results under $OUT too: they come back even when the call runs out of time before the reference.
@@ -15,7 +16,11 @@ for k in $ks; do
     fi
     echo "=== $s k=$k at $(( $(date +%s) - start )) s" >>"$log"
     python3 bench/gpu_vllm_e2e.py spec --strategy "$s" --k "$k" --runs "$runs" "$@" >>"$log" 2>&1
-    echo "=== rc=$?" >>"$log"
+    rc=$?
+    echo "=== rc=$rc" >>"$log"
+    if [ "$rc" != 0 ] && [ "$s" = reconstruct ]; then  # nothing to judge: keep the device time
+      grep -E "Error|error|Assert" "$log" | tail -20; exit 1
+    fi
   done
 done
 echo "=== reference at $(( $(date +%s) - start )) s" >>"$log"
