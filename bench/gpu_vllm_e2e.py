@@ -54,9 +54,13 @@ def engine_kwargs(args, num_tokens_per_request: int) -> dict:
     )
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.no_async_scheduling:
+        kwargs["async_scheduling"] = False
     if not args.eager:
         sizes = sorted({b * num_tokens_per_request for b in args.batch_sizes})
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+        if args.cudagraph_mode is not None:
+            kwargs["compilation_config"]["cudagraph_mode"] = args.cudagraph_mode
     return kwargs
 
 
@@ -71,6 +75,8 @@ def add_common_args(parser):
     # A smaller token budget shortens vLLM's start-up profile run (Triton autotuning at that many tokens).
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
     parser.add_argument("--jit-warmup", action="store_true", help="vLLM's kernel JIT warm-up at engine start")
+    parser.add_argument("--cudagraph-mode", default=None, help="default: vLLM's (FULL_AND_PIECEWISE)")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="a second opinion: vLLM's sync scheduler")
 
 
 def prompts_and_model():
