@@ -29,7 +29,8 @@ def _spec_step(slots, nodes, accepted, padding_rows=0):
     return GDNAttentionMetadata(
         num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=len(slots),
         num_spec_decode_tokens=sum(nodes), num_actual_tokens=sum(nodes),
-        spec_query_start_loc=cu, spec_state_indices_tensor=torch.tensor(slots + [0] * padding_rows)[:, None],
+        # vLLM's FULL-graph buffer has 1 + k columns and broadcasts the one block of each request into them
+        spec_query_start_loc=cu, spec_state_indices_tensor=torch.tensor(slots + [0] * padding_rows)[:, None].expand(-1, 4),
         spec_sequence_masks=torch.ones(rows, dtype=torch.bool),
         num_accepted_tokens=torch.tensor(accepted + [1] * padding_rows, dtype=torch.int32),
     )
@@ -46,6 +47,8 @@ def test_commit_nodes_follow_the_accepted_counts_of_slots_with_a_pending_verify(
     builder, counts = _builder(full_graphs=False)
     first = with_commit_nodes(builder, _spec_step([3, 5], [4, 1], [1, 1]))
     assert isinstance(first, ReconstructGDNAttentionMetadata)
+    # the kernels index the slots flat: one per row, whatever vLLM's column stride (a broadcast 1 + k here)
+    assert first.spec_slots.tolist() == [3, 5] and first.spec_slots.is_contiguous()
     assert first.commit_nodes.tolist() == [-1, -1]  # fresh slots: nothing verified before
     assert counts[[3, 5]].tolist() == [4, 1]
     second = with_commit_nodes(builder, _spec_step([5, 3], [4, 4], [1, 3]))
@@ -70,7 +73,9 @@ def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
     first = with_commit_nodes(builder, _spec_step([3], [4], [1], padding_rows=2))
     second = with_commit_nodes(builder, _spec_step([3], [4], [3], padding_rows=2))
     assert first.commit_nodes.data_ptr() == second.commit_nodes.data_ptr() == builder.treewy_commit_nodes.data_ptr()
+    assert first.spec_slots.data_ptr() == second.spec_slots.data_ptr() == builder.treewy_spec_slots.data_ptr()
     assert second.commit_nodes.tolist() == [2, -1, -1]  # padding rows (the null slot) commit nothing
+    assert second.spec_slots.tolist() == [3, 0, 0] and second.spec_slots.is_contiguous()
     assert counts[0] == 0  # nor are they counted
 
 

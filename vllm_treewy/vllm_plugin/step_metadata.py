@@ -26,13 +26,13 @@ from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD, GDN_STAGES_
 
 @dataclass
 class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
-    # [rows of spec_state_indices_tensor] int32: the local node of the slot's previous verify to commit before this
-    # step's verify (-1: nothing to commit: a new request, or a padding row).
+    # [rows of spec_state_indices_tensor] int32, contiguous (the kernels index it flat): each speculative row's state
+    # slot. vLLM's own column 0 is strided: its FULL-graph buffer has 1 + k columns, which it fills by broadcasting
+    # reconstruct's one block per request.
+    spec_slots: torch.Tensor | None = None
+    # [rows] int32: the local node of the slot's previous verify to commit before this step's verify (-1: nothing to
+    # commit: a new request, or a padding row).
     commit_nodes: torch.Tensor | None = None
-
-    @property
-    def spec_slots(self) -> torch.Tensor:
-        return self.spec_state_indices_tensor[:, 0]
 
     @cached_property
     def parents(self) -> torch.Tensor:
@@ -78,7 +78,7 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
     result = ReconstructGDNAttentionMetadata(**fields)
     counts = verified_node_counts(builder)
     if metadata.num_spec_decodes > 0:
-        slots = result.spec_slots
+        slots = metadata.spec_state_indices_tensor[:, 0].contiguous()
         num_spec = metadata.num_spec_decodes
         commit_nodes = torch.full_like(slots, -1)
         if counts is not None:
@@ -88,20 +88,22 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
             counts[slots[:num_spec].long()] = metadata.spec_query_start_loc[: num_spec + 1].diff().to(counts.dtype)
         if GDN_STAGES_SPEC_DECODE.resolve()(builder, metadata.num_prefills, metadata.num_decodes, num_spec,
                                             metadata.num_spec_decode_tokens):
-            staged = _persistent_commit_nodes(builder)[: slots.shape[0]]
-            staged.copy_(commit_nodes)
-            commit_nodes = staged
-        result.commit_nodes = commit_nodes
+            slots, commit_nodes = (_staged(builder, name, values) for name, values in
+                                   (("treewy_spec_slots", slots), ("treewy_commit_nodes", commit_nodes)))
+        result.spec_slots, result.commit_nodes = slots, commit_nodes
     if counts is not None and metadata.num_prefills > 0 and metadata.non_spec_state_indices_tensor is not None:
         counts[metadata.non_spec_state_indices_tensor.long()] = 0  # prefills: a slot's new owner commits nothing
     return result
 
 
-def _persistent_commit_nodes(builder) -> torch.Tensor:
-    """The FULL CUDA graphs read the commit nodes at a fixed address, like the builder's own spec buffers."""
-    if not hasattr(builder, "treewy_commit_nodes"):
-        builder.treewy_commit_nodes = torch.full_like(builder.num_accepted_tokens, -1)
-    return builder.treewy_commit_nodes
+def _staged(builder, name: str, values: torch.Tensor) -> torch.Tensor:
+    """`values` copied into the builder's persistent buffer `name`: the FULL CUDA graphs read them at a fixed address,
+    like the builder's own spec buffers."""
+    if not hasattr(builder, name):
+        setattr(builder, name, torch.full_like(builder.num_accepted_tokens, -1))
+    staged = getattr(builder, name)[: values.shape[0]]
+    staged.copy_(values)
+    return staged
 
 
 def _building_commit_nodes(original):

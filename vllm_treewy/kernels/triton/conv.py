@@ -156,7 +156,7 @@ def tree_conv_triton(
     "silu". The history is only read. Capturable in a CUDA graph."""
     D, W = weight.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and activation in (None, "silu")
-    assert conv_state.shape[2] >= W - 1
+    assert conv_state.shape[2] >= W - 1 and state_indices.stride(0) == 1
     out = torch.empty_like(x) if out is None else out
     _tree_conv_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
         x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out,
@@ -180,7 +180,7 @@ def conv_commit_triton(
     """Write the last L entries of history + accepted path into each request's slot of conv_state [S, D, L], in
     place; accepted [B] local node index, -1 (or a negative slot) leaves the slot unchanged."""
     D, L = conv_state.shape[1], conv_state.shape[2]
-    assert x.stride(-1) == 1
+    assert x.stride(-1) == 1 and state_indices.stride(0) == 1 and accepted.stride(0) == 1
     _conv_commit_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
         conv_state, state_indices, x, parents, cu_nodes, accepted,
         x.stride(0), *conv_state.stride(), D,
@@ -215,7 +215,7 @@ def conv_step_triton(
     One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv.conv_step_packed`."""
     D, W = weight.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and activation in (None, "silu")
-    assert inputs.stride(-1) == 1 and inputs.shape[2] == D
+    assert inputs.stride(-1) == 1 and inputs.shape[2] == D and state_indices.stride(0) == 1
     L = conv_state.shape[2]
     assert L >= W - 1
     out = torch.empty_like(x) if out is None else out

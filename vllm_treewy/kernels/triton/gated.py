@@ -298,7 +298,8 @@ def _check_factors(factors, state, state_indices, pending_nodes):
     assert factors.dtype == torch.float32 and factors.dim() == 3 and factors.stride(2) == 1
     assert factors.shape[0] >= S and factors.shape[2] == slot_factor_width(HV, K, V)
     assert pending_nodes is None or (pending_nodes.shape == state_indices.shape and
-                                     pending_nodes.dtype == torch.int32)
+                                     pending_nodes.dtype == torch.int32 and pending_nodes.stride(0) == 1)
+    assert state_indices.stride(0) == 1, "the kernels index state_indices flat (a strided column would be misread)"
 
 
 def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
