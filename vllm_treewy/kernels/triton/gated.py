@@ -108,8 +108,15 @@ def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log,
     k_full = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     q_inv = tl.rsqrt(tl.sum(q_full * q_full, 1) + 1e-6) * scale
     k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
-    kk = tl.sum(k_full[:, None, :] * k_full[None, :, :], 2) * (k_inv[:, None] * k_inv[None, :])
-    qk = tl.sum(q_full[:, None, :] * k_full[None, :, :], 2) * (q_inv[:, None] * k_inv[None, :])
+    # one column j at a time: [BT, K] tiles, not [BT, BT, K] products (registers at T=8)
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in tl.static_range(BT):
+        k_j = tl.sum(tl.where(rows[:, None] == j, k_full, 0.0), 0)
+        kk = tl.where(rows[None, :] == j, tl.sum(k_full * k_j[None, :], 1)[:, None], kk)
+        qk = tl.where(rows[None, :] == j, tl.sum(q_full * k_j[None, :], 1)[:, None], qk)
+    kk = kk * (k_inv[:, None] * k_inv[None, :])
+    qk = qk * (q_inv[:, None] * k_inv[None, :])
     return g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk
 
 
@@ -123,7 +130,8 @@ def _gated_step_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
-    ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr,
+    ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, STATE_DOT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
 ):
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -179,21 +187,31 @@ def _gated_step_kernel(
         for t in tl.static_range(BT):
             row_off = row_off + ((bos + t).to(tl.int64) * stride_qkv,)
             row_ok = row_ok + (t < n,)
+        if STATE_DOT:
+            # columns of the [BK, NQ] right operand: k_0..k_{BT-1}, q_0..q_{BT-1}, zero padding up to 16
+            NQ: tl.constexpr = max(16, 2 * BT)
+            o_q = tl.arange(0, NQ)
+            q_node = o_q % BT
+            kq_ok = (q_node < n) & (o_q < 2 * BT)
+            kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(o_q < BT, H * K, 0) + i_h * K
 
     # the state, BK key columns at a time (BK = one 16-byte vector per value row): each thread owns whole value
     # rows, and every product with the state accumulates elementwise into per-node [V, BK] partial sums (no
     # reduction, no shuffle, no layout change inside the loop); PREFETCH chunks are in flight ahead of the one in
     # use, loaded before the commit stores the current chunk
     if DO_VERIFY:
-        acc_k = ()
-        acc_q = ()
-        for t in tl.static_range(BT):
-            if ROW_SUMS:
-                acc_k = acc_k + (tl.zeros([V], dtype=tl.float32),)
-                acc_q = acc_q + (tl.zeros([V], dtype=tl.float32),)
-            else:
-                acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
-                acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
+        if STATE_DOT:
+            acc_kq = tl.zeros([V, NQ], dtype=tl.float32)
+        else:
+            acc_k = ()
+            acc_q = ()
+            for t in tl.static_range(BT):
+                if ROW_SUMS:
+                    acc_k = acc_k + (tl.zeros([V], dtype=tl.float32),)
+                    acc_q = acc_q + (tl.zeros([V], dtype=tl.float32),)
+                else:
+                    acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
+                    acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
     ahead = ()
     for j in tl.static_range(PREFETCH):
         ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
@@ -207,15 +225,25 @@ def _gated_step_kernel(
             rest = rest + (ahead[j],)
         ahead = rest + (tl.load(p_state + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
                                 other=0.0),)
+        h_stored = ahead[0]
         if HAS_PENDING:
             h = p_root * h
             for d in tl.static_range(ROWS):
                 pk = tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0)
                 h += p_wu[d][:, None] * pk[None, :]
-            h = h.to(state.dtype.element_ty)
-            tl.store(p_state + cols[None, :], h, mask=store_commit)
-            h = h.to(tl.float32)
-        if DO_VERIFY:
+            h_stored = h.to(state.dtype.element_ty)
+            tl.store(p_state + cols[None, :], h_stored, mask=store_commit)
+            h = h_stored.to(tl.float32)
+        if DO_VERIFY and STATE_DOT:
+            # every h k_t and h q_t of the chunk in one tensor-core product, the state as the 128-row operand:
+            # bf16 x bf16 products are exact in fp32; an fp32 state goes as tf32 hi + lo parts (tf32x3; the bf16
+            # q/k are exact in tf32), keeping ~fp32 accuracy
+            kq = tl.load(kq_row[None, :] + cols[:, None], mask=kq_ok[None, :], other=0.0)
+            if DOT_BF16:
+                acc_kq = tl.dot(h_stored, kq, acc_kq)
+            else:
+                acc_kq = tl.dot(h, kq.to(tl.float32), acc_kq, input_precision="tf32x3")
+        if DO_VERIFY and not STATE_DOT:
             new_k = ()
             new_q = ()
             for t in tl.static_range(BT):
@@ -239,7 +267,11 @@ def _gated_step_kernel(
         hk = tl.zeros([BT, V], dtype=tl.float32)
         hq = tl.zeros([BT, V], dtype=tl.float32)
         for t in tl.static_range(BT):
-            if ROW_SUMS:
+            if STATE_DOT:
+                hk = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == t, acc_kq, 0.0), 1)[None, :], hk)
+                hq = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == BT + t, acc_kq, 0.0), 1)[None, :],
+                              hq)
+            elif ROW_SUMS:
                 hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
                 hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
             else:
@@ -257,7 +289,11 @@ def _gated_step_kernel(
             g_row = tl.sum(tl.where(rows[:, None] == i, gmat, 0.0), 0)
             b_u = tl.where(rows[:, None] == i, b_u - tl.sum(g_row[:, None] * b_u, 0)[None, :], b_u)
         pmat = decay * qk
-        b_o = exp_c[:, None] * hq + tl.sum(pmat[:, :, None] * b_u[None, :, :], 1)
+        b_o = exp_c[:, None] * hq
+        for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
+            u_j = tl.sum(tl.where(rows[:, None] == j, b_u, 0.0), 0)
+            p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
+            b_o += p_j[:, None] * u_j[None, :]
         # gated RMSNorm over the head's V values, output gate fused
         rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
         w = tl.load(norm_weight + o_v).to(tl.float32)
@@ -304,7 +340,7 @@ def _check_factors(factors, state, state_indices, pending_nodes):
 def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
             factors, pending_nodes, *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation,
             ancestors, out, do_verify, block_k, num_warps, prefetch, max_registers, row_sums=False,
-            late_node_terms=False):
+            late_node_terms=False, state_dot=False):
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
@@ -338,13 +374,16 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
+    # DOT_BF16 (bf16 x bf16 products) not in the interpreter: Triton 3.6's interpreter multiplies bf16 operands'
+    # raw bits in tl.dot; there the bf16 state takes the fp32 (tf32x3) dot, which is exact for bf16 values too
     _gated_step_kernel[(HV, batch)](
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
         float(K**-0.5 if scale is None else scale), float(norm_eps),
         H=H, HV=HV, K=K, V=V, ROWS=factors.shape[1], BT=bt, BK=block_k, PREFETCH=prefetch, ROW_SUMS=row_sums,
         LATE_NODE_TERMS=late_node_terms, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation, DO_VERIFY=do_verify,
-        HAS_PENDING=pending_nodes is not None, **options,
+        HAS_PENDING=pending_nodes is not None, STATE_DOT=state_dot and do_verify,
+        DOT_BF16=do_verify and state.dtype == mixed_qkv.dtype == torch.bfloat16 and not interpreting(), **options,
     )
     return out
 
@@ -379,6 +418,7 @@ def gdn_step_triton(
     max_registers: int | None = None,
     row_sums: bool = False,
     late_node_terms: bool = False,
+    state_dot: bool = False,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -395,14 +435,16 @@ def gdn_step_triton(
     Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view; padding requests' rows untouched).
     `ancestors`: as in `verify_packed_triton`. `row_sums`: one per-node sum per row, summed over the thread's BK
     columns every step (2T registers instead of 2T x BK); `late_node_terms`: gates, decays and Gram matrices
-    computed after the state loop, so their [BT, BT] tiles are not live in it.
+    computed after the state loop, so their [BT, BT] tiles are not live in it. `state_dot`: the products with the
+    state on the tensor cores, [h k_0 .. h q_{T-1}] = h [V, BK] @ [k; q]^T per chunk (the state tile stays in the
+    load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, num_key_heads=num_key_heads, max_nodes=max_nodes,
                    max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps, activation=activation,
                    ancestors=ancestors, out=out, do_verify=True, block_k=block_k, num_warps=num_warps,
                    prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
-                   late_node_terms=late_node_terms)
+                   late_node_terms=late_node_terms, state_dot=state_dot)
 
 
 def gdn_commit_triton(
