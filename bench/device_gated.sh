@@ -5,6 +5,7 @@ set -o pipefail
 source .gpu-vllm/device-setup.sh
 cd .scratch/kernels
 export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH
+python3 -c "import vllm_treewy.kernels.triton.gated as g; print('kernel from', g.__file__)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit \
   --format=csv > $OUT/smi.txt 2>&1
 if [ -z "$SKIP_BENCH" ]; then
