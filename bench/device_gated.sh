@@ -1,6 +1,6 @@
 # One device call (H200): bench, the gated GPU tests, optionally one ncu profile. Run from the checkout root of
 # /work/main with this tree copied to .scratch/kernels:  bash .scratch/kernels/bench/device_gated.sh
-# Env: BENCH_ARGS, BENCH_TIMEOUT, SKIP_BENCH, SKIP_TESTS, TEST_TIMEOUT, NCU ("fp32 4 64 '{json config}'").
+# Env: BENCH_ARGS, BENCH_TIMEOUT, SKIP_BENCH, SKIP_TESTS, TEST_TIMEOUT, NCU_TIMEOUT, NCU ("fp32 4 64 '{json config}'").
 set -o pipefail
 source .gpu-vllm/device-setup.sh
 cd .scratch/kernels
@@ -17,7 +17,7 @@ if [ -z "$SKIP_TESTS" ]; then
     tee $OUT/gpu_tests.log | tail -5
 fi
 if [ -n "$NCU" ]; then
-  eval "timeout 60 ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 2 --launch-count 1 \
+  eval "timeout ${NCU_TIMEOUT:-60} ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section ComputeWorkloadAnalysis python3 bench/profile_gated.py $NCU" > $OUT/ncu.txt 2>&1
   grep -E "Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Duration|Warp Cycles Per Issued" \

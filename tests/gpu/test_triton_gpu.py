@@ -214,7 +214,7 @@ def slot_factors(num_slots, tokens):
 # launch variants: the defaults, and each layout explicitly (the bf16 x bf16 tensor-core dot runs only on a GPU)
 GATED_VARIANTS = {
     "default": {},
-    "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True),
+    "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True, state_dot=False),
     "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True),
 }
 

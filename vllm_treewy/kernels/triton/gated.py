@@ -131,7 +131,7 @@ def _gated_step_kernel(
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, STATE_DOT: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    EXACT_TF32: tl.constexpr,
 ):
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -147,6 +147,10 @@ def _gated_step_kernel(
     f_kscale = f_slot + HV * K + i_hv
     f_u = f_slot + HV * (K + 1) + i_hv * V
     f_g = f_slot + HV * (K + 1 + V) + i_hv
+    # the first PREFETCH state chunks in flight before anything else (everything below is independent of them)
+    ahead = ()
+    for j in tl.static_range(PREFETCH):
+        ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
 
     if HAS_PENDING:
         # the previous step's chain up to its accepted node a, rows d = 0..ROWS-1 back from a: the key row, and
@@ -212,9 +216,11 @@ def _gated_step_kernel(
                 else:
                     acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
                     acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
-    ahead = ()
-    for j in tl.static_range(PREFETCH):
-        ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
+    if DO_VERIFY and STATE_DOT:  # the [BK, NQ] q/k chunks travel with the state chunks: off the loop's critical path
+        ahead_kq = ()
+        for j in tl.static_range(PREFETCH):
+            ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kc)[:, None],
+                                           mask=kq_ok[None, :] & (j * BK < K), other=0.0),)
     # a loop, not unrolled: unrolled, the compiler hoists the small q/k loads of many chunks and runs out of
     # registers; in flight stay the PREFETCH chunks ahead
     for i_k in tl.range(0, K // BK):
@@ -225,24 +231,29 @@ def _gated_step_kernel(
             rest = rest + (ahead[j],)
         ahead = rest + (tl.load(p_state + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
                                 other=0.0),)
-        h_stored = ahead[0]
+        if DO_VERIFY and STATE_DOT:
+            kq = ahead_kq[0].to(tl.float32)
+            rest = ()
+            for j in tl.static_range(1, PREFETCH):
+                rest = rest + (ahead_kq[j],)
+            ahead_kq = rest + (tl.load(kq_row[None, :] + (cols + PREFETCH * BK)[:, None],
+                                       mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             h = p_root * h
             for d in tl.static_range(ROWS):
                 pk = tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0)
                 h += p_wu[d][:, None] * pk[None, :]
-            h_stored = h.to(state.dtype.element_ty)
-            tl.store(p_state + cols[None, :], h_stored, mask=store_commit)
-            h = h_stored.to(tl.float32)
+            h = h.to(state.dtype.element_ty)
+            tl.store(p_state + cols[None, :], h, mask=store_commit)
+            h = h.to(tl.float32)
         if DO_VERIFY and STATE_DOT:
-            # every h k_t and h q_t of the chunk in one tensor-core product, the state as the 128-row operand:
-            # bf16 x bf16 products are exact in fp32; an fp32 state goes as tf32 hi + lo parts (tf32x3; the bf16
-            # q/k are exact in tf32), keeping ~fp32 accuracy
-            kq = tl.load(kq_row[None, :] + cols[:, None], mask=kq_ok[None, :], other=0.0)
-            if DOT_BF16:
-                acc_kq = tl.dot(h_stored, kq, acc_kq)
+            # every h k_t and h q_t of the chunk in one tensor-core product, the state as the 128-row operand, in
+            # fp32 operands: one tf32 pass where both are exact in tf32 (a bf16 state, bf16 q/k: exact products,
+            # fp32 sums), else tf32x3 (hi and lo parts; ~fp32 accuracy)
+            if EXACT_TF32:
+                acc_kq = tl.dot(h, kq, acc_kq, input_precision="tf32")
             else:
-                acc_kq = tl.dot(h, kq.to(tl.float32), acc_kq, input_precision="tf32x3")
+                acc_kq = tl.dot(h, kq, acc_kq, input_precision="tf32x3")
         if DO_VERIFY and not STATE_DOT:
             new_k = ()
             new_q = ()
@@ -288,6 +299,10 @@ def _gated_step_kernel(
         for i in range(1, n):
             g_row = tl.sum(tl.where(rows[:, None] == i, gmat, 0.0), 0)
             b_u = tl.where(rows[:, None] == i, b_u - tl.sum(g_row[:, None] * b_u, 0)[None, :], b_u)
+        # the norm's inputs in flight before the solve's loop (a later block: not hoisted over it)
+        w = tl.load(norm_weight + o_v).to(tl.float32)
+        b_z = tl.load(z + node[:, None] * stride_z + i_hv * stride_zh + o_v[None, :], mask=valid[:, None],
+                      other=0.0).to(tl.float32)
         pmat = decay * qk
         b_o = exp_c[:, None] * hq
         for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
@@ -296,9 +311,6 @@ def _gated_step_kernel(
             b_o += p_j[:, None] * u_j[None, :]
         # gated RMSNorm over the head's V values, output gate fused
         rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
-        w = tl.load(norm_weight + o_v).to(tl.float32)
-        b_z = tl.load(z + node[:, None] * stride_z + i_hv * stride_zh + o_v[None, :], mask=valid[:, None],
-                      other=0.0).to(tl.float32)
         if ACT == "silu":
             gate = b_z * tl.sigmoid(b_z)
         else:
@@ -318,11 +330,14 @@ def _gated_step_kernel(
         tl.store(f_g + f_row, g_own, mask=valid)
 
 
-# (block_k, num_warps, prefetch, max_registers) keyed by fp32 state: measured fastest at H=16, HV=32, K=V=128, chain
-# T=4, B=64 on the H200 among one-row-per-thread tiles (16-byte accesses) and sector-coalesced 16-warp tiles
-# (bench/gated_bench.py; bench/results/2026-11-30/gated.json "tune" records): fp32 193.9 us (16-warp tiles 249-278),
-# bf16 138.2 us (16-warp tiles 233-238).
-GATED_CONFIGS = {False: (8, 4, 2, 128), True: (4, 4, 2, 96)}
+# launch defaults keyed by "state is fp32": the tensor-core layout (state_dot), fastest correct candidate at H=16,
+# HV=32, K=V=128, chain T=4 on the H200 at B=64 and at B=1 (bench/gated_bench.py; bench/results/2026-11-30b/)
+GATED_CONFIGS = {
+    True: dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False, late_node_terms=True,
+               state_dot=True),
+    False: dict(block_k=64, num_warps=8, prefetch=1, max_registers=None, row_sums=False, late_node_terms=True,
+                state_dot=True),
+}
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -339,20 +354,19 @@ def _check_factors(factors, state, state_indices, pending_nodes):
 
 def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
             factors, pending_nodes, *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation,
-            ancestors, out, do_verify, block_k, num_warps, prefetch, max_registers, row_sums=False,
-            late_node_terms=False, state_dot=False):
+            ancestors, out, do_verify, **launch):
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
     _check_factors(factors, state, state_indices, pending_nodes)
     fp32 = state.dtype == torch.float32
-    block_k = min(block_k or GATED_CONFIGS[fp32][0], K)
-    options = dict(num_warps=num_warps or GATED_CONFIGS[fp32][1], num_stages=1)
-    prefetch = prefetch or GATED_CONFIGS[fp32][2]
-    max_registers = max_registers or GATED_CONFIGS[fp32][3]
-    if max_registers and not interpreting():
-        options["maxnreg"] = max_registers
+    launch = {**GATED_CONFIGS[fp32], **{k: v for k, v in launch.items() if v is not None}}
+    block_k = min(launch["block_k"], K)
+    assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
+    options = dict(num_warps=launch["num_warps"], num_stages=1)
+    if launch["max_registers"] and not interpreting():
+        options["maxnreg"] = launch["max_registers"]
     batch = state_indices.shape[0]
     if do_verify:
         n_nodes = mixed_qkv.shape[0]
@@ -374,16 +388,14 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
-    # DOT_BF16 (bf16 x bf16 products) not in the interpreter: Triton 3.6's interpreter multiplies bf16 operands'
-    # raw bits in tl.dot; there the bf16 state takes the fp32 (tf32x3) dot, which is exact for bf16 values too
     _gated_step_kernel[(HV, batch)](
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
         float(K**-0.5 if scale is None else scale), float(norm_eps),
-        H=H, HV=HV, K=K, V=V, ROWS=factors.shape[1], BT=bt, BK=block_k, PREFETCH=prefetch, ROW_SUMS=row_sums,
-        LATE_NODE_TERMS=late_node_terms, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation, DO_VERIFY=do_verify,
-        HAS_PENDING=pending_nodes is not None, STATE_DOT=state_dot and do_verify,
-        DOT_BF16=do_verify and state.dtype == mixed_qkv.dtype == torch.bfloat16 and not interpreting(), **options,
+        H=H, HV=HV, K=K, V=V, ROWS=factors.shape[1], BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
+        ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation, DO_VERIFY=do_verify,
+        HAS_PENDING=pending_nodes is not None, STATE_DOT=launch["state_dot"] and do_verify,
+        EXACT_TF32=do_verify and state.dtype == mixed_qkv.dtype == torch.bfloat16, **options,
     )
     return out
 
@@ -416,9 +428,9 @@ def gdn_step_triton(
     num_warps: int | None = None,
     prefetch: int | None = None,
     max_registers: int | None = None,
-    row_sums: bool = False,
-    late_node_terms: bool = False,
-    state_dot: bool = False,
+    row_sums: bool | None = None,
+    late_node_terms: bool | None = None,
+    state_dot: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
