@@ -8,20 +8,22 @@ norm, the closed-form verify, the gated RMSNorm with the output gate, and option
     out_i  = o_i * rsqrt(mean_v(o_i^2) + eps) * norm_weight * act(z_i)      act = silu or sigmoid
 
 One program per (value head, request) holds a whole head: the state [V, K] is streamed once through registers in
-key chunks of BK columns, in the state's own precision widened to fp32; every product with the state (h0 k_i,
-h0 q_i, and the commit's rank-one updates) is a broadcast multiply and an fp32 sum on the CUDA cores. No tensor-core
-dot touches the state, so there is no padding of the node dimension to 16 and no tf32 rounding: the fp32 state path
-keeps plain fp32 accuracy (each h0 k_i is an fp32 dot of length K: relative error <= K * 2^-24 ~ 8e-6 in the worst
-case, ~ sqrt(K) * 2^-24 ~ 7e-7 typically; measured 1-3e-7 on u and the committed state at K=128 against fp64).
-At T nodes a state element costs 2T fused multiply-adds for the verify and (path length + 1) for a commit, 13 FMAs
-per 8 bytes at fp32, T=4: ~3 FLOP/B against the H200's ~14 FLOP/B of fp32 rate over HBM bandwidth.
+key chunks of BK columns. Two layouts (launch option `state_dot`):
+- tensor cores (default): the chunk keeps its load's layout (a warp covers 4 rows x 128 bytes: whole line segments,
+  loads and the commit's stores coalesced); the commit's rank-one updates are elementwise in that layout, and all
+  products with the state come from one tensor-core dot per chunk, [h k_0 .. h k_{T-1}, h q_0 .. h q_{T-1}] =
+  h [V, BK] @ [k; q]^T [BK, 16] (state as the 128-row operand, nodes padded to 16 columns), fp32 operands: one
+  tf32 pass when the state and q/k are bf16 (exact products), tf32x3 (hi + lo parts) for an fp32 state (~fp32:
+  measured 1-2e-7 on u and the committed state at K=128 against fp64). The [BK, 16] q/k chunks are prefetched
+  with the state chunks.
+- one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
+  (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
+  layout (no tf32 at all) and for block_k < 16.
 
-Measured on the H200 (bench/results/kernels.md, 2026-11-30): this does NOT reach streaming speed. fp32 state, T=4:
-1.0x / 1.1x vLLM's compiled kernel at B=64 / 256 (2.2-2.5x faster than the ieee-dot `verify_packed_triton` path),
-at 1.4-1.6 TB/s; bf16 state 0.8x; T=8 spills registers. Causes found: each thread owns a value row and reads 16 bytes
-of it per step (a warp touches 32 lines per access; the commit alone in this layout streams at ~0.6 TB/s), every
-thread re-reads and unpacks the broadcast q/k chunks, and the 2T per-node partial sums of BK values each cost
-registers (occupancy). The next steps are listed in bench/results/kernels.md.
+Measured on the H200 (bench/results/kernels.md, 2026-11-30b run 1, before the q/k prefetch): fp32 state, chain T=4,
+1.09x / 1.15x vLLM's compiled kernel at B=64 / 256, 0.87x at B=1; the commit alone now streams at 3.0 TB/s, but
+the verify part is latency-bound per program (~15 us of dependent steps per head at 2 resident programs per SM),
+and T=8 is 0.55x. The bf16 tensor-core path of run 1 was wrong (fixed since, not yet re-measured on a GPU).
 
 A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
 `verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
@@ -199,10 +201,10 @@ def _gated_step_kernel(
             kq_ok = (q_node < n) & (o_q < 2 * BT)
             kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(o_q < BT, H * K, 0) + i_h * K
 
-    # the state, BK key columns at a time (BK = one 16-byte vector per value row): each thread owns whole value
-    # rows, and every product with the state accumulates elementwise into per-node [V, BK] partial sums (no
-    # reduction, no shuffle, no layout change inside the loop); PREFETCH chunks are in flight ahead of the one in
-    # use, loaded before the commit stores the current chunk
+    # the state, BK key columns at a time; PREFETCH chunks are in flight ahead of the one in use, loaded before the
+    # commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of tensor-core products. Else (BK = one
+    # 16-byte vector per value row) each thread owns whole value rows, and every product with the state accumulates
+    # elementwise into per-node [V, BK] partial sums (no reduction, no shuffle, no layout change inside the loop)
     if DO_VERIFY:
         if STATE_DOT:
             acc_kq = tl.zeros([V, NQ], dtype=tl.float32)
@@ -330,14 +332,13 @@ def _gated_step_kernel(
         tl.store(f_g + f_row, g_own, mask=valid)
 
 
-# launch defaults keyed by "state is fp32": the tensor-core layout (state_dot), fastest correct candidate at H=16,
-# HV=32, K=V=128, chain T=4 on the H200 at B=64 and at B=1 (bench/gated_bench.py; bench/results/2026-11-30b/)
-GATED_CONFIGS = {
-    True: dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False, late_node_terms=True,
-               state_dot=True),
-    False: dict(block_k=64, num_warps=8, prefetch=1, max_registers=None, row_sums=False, late_node_terms=True,
-                state_dot=True),
-}
+# launch defaults, both state dtypes: the tensor-core layout at block_k=32, 8 warps, one chunk ahead. Fastest
+# correct candidate for the fp32 state at H=16, HV=32, K=V=128, chain T=4 on the H200, at B=64 and at B=1
+# (bench/results/2026-11-30b/gated_run1.json: 176.2 / 15.7 us); for bf16 states it compiles to 101 registers at T=4
+# (2 programs of 8 warps per SM) where block_k=64 needs 162 (bench/results/2026-11-30b/compile_report.jsonl); the
+# corrected bf16 path is not yet timed.
+LAUNCH_DEFAULTS = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False, late_node_terms=True,
+                       state_dot=True)
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -360,8 +361,7 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
     _check_factors(factors, state, state_indices, pending_nodes)
-    fp32 = state.dtype == torch.float32
-    launch = {**GATED_CONFIGS[fp32], **{k: v for k, v in launch.items() if v is not None}}
+    launch = {**LAUNCH_DEFAULTS, **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
     options = dict(num_warps=launch["num_warps"], num_stages=1)
