@@ -188,12 +188,13 @@ def _gated_step_kernel(
             g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
                 qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
                 K, BT, MAX_ANC, IS_CHAIN)
-        row_off = ()
-        row_ok = ()
-        for t in tl.static_range(BT):
-            row_off = row_off + ((bos + t).to(tl.int64) * stride_qkv,)
-            row_ok = row_ok + (t < n,)
-        if STATE_DOT:
+        if not STATE_DOT:  # the row layout's per-node q/k row offsets
+            row_off = ()
+            row_ok = ()
+            for t in tl.static_range(BT):
+                row_off = row_off + ((bos + t).to(tl.int64) * stride_qkv,)
+                row_ok = row_ok + (t < n,)
+        else:
             # columns of the [BK, NQ] right operand: k_0..k_{BT-1}, q_0..q_{BT-1}, zero padding up to 16
             NQ: tl.constexpr = max(16, 2 * BT)
             o_q = tl.arange(0, NQ)
@@ -441,8 +442,9 @@ def gdn_step_triton(
     (`vllm_treewy.tree.pack_trees`; requests may have 0 nodes); scale defaults to K**-0.5.
     factors: fp32 [S, T, F] (`slot_factor_width`; strides of the first two dims free, last dim contiguous), T >=
     max_nodes: request b's node t writes row factors[state_indices[b], t].
-    pending_nodes: int32 [B] or None. pending_nodes[b] = a >= 0 first commits the slot's previous step in place, the
-    chain 0..a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves the slot as it is. The
+    pending_nodes: int32 [B] or None. pending_nodes[b] = a (0 <= a < T) first commits the slot's previous step in
+    place, the chain 0..a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves the slot as it
+    is. The
     verify then reads the committed state. One state read and (with a pending commit) one write per request.
     Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view; padding requests' rows untouched).
     `ancestors`: as in `verify_packed_triton`. `row_sums`: one per-node sum per row, summed over the thread's BK
