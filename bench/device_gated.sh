@@ -1,19 +1,25 @@
-# One device call (H200): bench, GPU tests, one ncu profile. Run from the checkout root of /work/main with this tree
-# copied to .scratch/kernels:  bash .scratch/kernels/bench/device_gated.sh
+# One device call (H200): bench, the gated GPU tests, optionally one ncu profile. Run from the checkout root of
+# /work/main with this tree copied to .scratch/kernels:  bash .scratch/kernels/bench/device_gated.sh
+# Env: BENCH_ARGS, BENCH_TIMEOUT, SKIP_BENCH, SKIP_TESTS, TEST_TIMEOUT, NCU_TIMEOUT, NCU ("fp32 4 64 '{json config}'").
 set -o pipefail
 source .gpu-vllm/device-setup.sh
 cd .scratch/kernels
 export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH
+python3 -c "import vllm_treewy.kernels.triton.gated as g; print('kernel from', g.__file__)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit \
   --format=csv > $OUT/smi.txt 2>&1
-BENCH_ARGS=${BENCH_ARGS:-}
-timeout ${BENCH_TIMEOUT:-330} python3 bench/gated_bench.py --out $OUT $BENCH_ARGS 2>&1 | tee $OUT/gated.log
+if [ -z "$SKIP_BENCH" ]; then
+  timeout ${BENCH_TIMEOUT:-200} python3 bench/gated_bench.py --out $OUT ${BENCH_ARGS:-} 2>&1 | tee $OUT/gated.log | \
+    grep -E "^tune|^\| |done in|Error|error" | cut -c1-220
+fi
 if [ -z "$SKIP_TESTS" ]; then
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -m gpu tests/gpu -q -x ${TEST_ARGS:-} 2>&1 | tee $OUT/gpu_tests.log | tail -5
+  timeout ${TEST_TIMEOUT:-90} python3 -m pytest -m gpu tests/gpu -k gated -q -p no:cacheprovider 2>&1 | \
+    tee $OUT/gpu_tests.log | tail -5
 fi
 if [ -n "$NCU" ]; then
-  timeout 90 ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 2 --launch-count 1 \
+  eval "timeout ${NCU_TIMEOUT:-60} ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section ComputeWorkloadAnalysis python3 bench/profile_gated.py $NCU > $OUT/ncu.txt 2>&1
-  grep -E "Registers|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Memory Throughput|Duration|Warp Cycles Per Issued|Block Limit" $OUT/ncu.txt | head -20
+    --section WarpStateStats --section ComputeWorkloadAnalysis python3 bench/profile_gated.py $NCU" > $OUT/ncu.txt 2>&1
+  grep -E "Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Duration|Warp Cycles Per Issued" \
+    $OUT/ncu.txt | head -12
 fi

@@ -211,9 +211,18 @@ def slot_factors(num_slots, tokens):
     return torch.full((num_slots, tokens + 1, width + 32), float("nan"), device="cuda")[:, :tokens, :width]
 
 
+# launch variants: the defaults, and each layout explicitly (the bf16 x bf16 tensor-core dot runs only on a GPU)
+GATED_VARIANTS = {
+    "default": {},
+    "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True, state_dot=False),
+    "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(GATED_VARIANTS))
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [2, 4, 8])
-def test_gated_step_vs_reference(state_dtype, tokens):
+def test_gated_step_vs_reference(state_dtype, tokens, variant):
     """gdn_step_triton at H=16, HV=32, K=V=128 vs the fp64 reference: outputs, u in the slot rows, and the state the
     pending commit inside the next step writes (the previous step's whole chain accepted; one request padding-free
     but with nothing pending), with the tuned launch defaults."""
@@ -225,7 +234,7 @@ def test_gated_step_vs_reference(state_dtype, tokens):
     packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
     before = pool.clone()
     factors = slot_factors(pool.shape[0], tokens)
-    kw = dict(num_key_heads=H, max_nodes=tokens, chain=True, factors=factors)
+    kw = dict(num_key_heads=H, max_nodes=tokens, chain=True, factors=factors, **GATED_VARIANTS[variant])
     out = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
     assert torch.equal(pool, before)
     _, _, u, _ = split_slot_factors(factors, HV, K, V)

@@ -8,20 +8,22 @@ norm, the closed-form verify, the gated RMSNorm with the output gate, and option
     out_i  = o_i * rsqrt(mean_v(o_i^2) + eps) * norm_weight * act(z_i)      act = silu or sigmoid
 
 One program per (value head, request) holds a whole head: the state [V, K] is streamed once through registers in
-key chunks of BK columns, in the state's own precision widened to fp32; every product with the state (h0 k_i,
-h0 q_i, and the commit's rank-one updates) is a broadcast multiply and an fp32 sum on the CUDA cores. No tensor-core
-dot touches the state, so there is no padding of the node dimension to 16 and no tf32 rounding: the fp32 state path
-keeps plain fp32 accuracy (each h0 k_i is an fp32 dot of length K: relative error <= K * 2^-24 ~ 8e-6 in the worst
-case, ~ sqrt(K) * 2^-24 ~ 7e-7 typically; measured 1-3e-7 on u and the committed state at K=128 against fp64).
-At T nodes a state element costs 2T fused multiply-adds for the verify and (path length + 1) for a commit, 13 FMAs
-per 8 bytes at fp32, T=4: ~3 FLOP/B against the H200's ~14 FLOP/B of fp32 rate over HBM bandwidth.
+key chunks of BK columns. Two layouts (launch option `state_dot`):
+- tensor cores (default): the chunk keeps its load's layout (a warp covers 4 rows x 128 bytes: whole line segments,
+  loads and the commit's stores coalesced); the commit's rank-one updates are elementwise in that layout, and all
+  products with the state come from one tensor-core dot per chunk, [h k_0 .. h k_{T-1}, h q_0 .. h q_{T-1}] =
+  h [V, BK] @ [k; q]^T [BK, 16] (state as the 128-row operand, nodes padded to 16 columns), fp32 operands: one
+  tf32 pass when the state and q/k are bf16 (exact products), tf32x3 (hi + lo parts) for an fp32 state (~fp32:
+  measured 1-2e-7 on u and the committed state at K=128 against fp64). The [BK, 16] q/k chunks are prefetched
+  with the state chunks.
+- one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
+  (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
+  layout (no tf32 at all) and for block_k < 16.
 
-Measured on the H200 (bench/results/kernels.md, 2026-11-30): this does NOT reach streaming speed. fp32 state, T=4:
-1.0x / 1.1x vLLM's compiled kernel at B=64 / 256 (2.2-2.5x faster than the ieee-dot `verify_packed_triton` path),
-at 1.4-1.6 TB/s; bf16 state 0.8x; T=8 spills registers. Causes found: each thread owns a value row and reads 16 bytes
-of it per step (a warp touches 32 lines per access; the commit alone in this layout streams at ~0.6 TB/s), every
-thread re-reads and unpacks the broadcast q/k chunks, and the 2T per-node partial sums of BK values each cost
-registers (occupancy). The next steps are listed in bench/results/kernels.md.
+Measured on the H200 (bench/results/kernels.md, 2026-11-30b run 1, before the q/k prefetch): fp32 state, chain T=4,
+1.09x / 1.15x vLLM's compiled kernel at B=64 / 256, 0.87x at B=1; the commit alone now streams at 3.0 TB/s, but
+the verify part is latency-bound per program (~15 us of dependent steps per head at 2 resident programs per SM),
+and T=8 is 0.55x. The bf16 tensor-core path of run 1 was wrong (fixed since, not yet re-measured on a GPU).
 
 A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
 `verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
@@ -108,8 +110,15 @@ def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log,
     k_full = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     q_inv = tl.rsqrt(tl.sum(q_full * q_full, 1) + 1e-6) * scale
     k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
-    kk = tl.sum(k_full[:, None, :] * k_full[None, :, :], 2) * (k_inv[:, None] * k_inv[None, :])
-    qk = tl.sum(q_full[:, None, :] * k_full[None, :, :], 2) * (q_inv[:, None] * k_inv[None, :])
+    # one column j at a time: [BT, K] tiles, not [BT, BT, K] products (registers at T=8)
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in tl.static_range(BT):
+        k_j = tl.sum(tl.where(rows[:, None] == j, k_full, 0.0), 0)
+        kk = tl.where(rows[None, :] == j, tl.sum(k_full * k_j[None, :], 1)[:, None], kk)
+        qk = tl.where(rows[None, :] == j, tl.sum(q_full * k_j[None, :], 1)[:, None], qk)
+    kk = kk * (k_inv[:, None] * k_inv[None, :])
+    qk = qk * (q_inv[:, None] * k_inv[None, :])
     return g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk
 
 
@@ -123,7 +132,8 @@ def _gated_step_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
-    ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr,
+    ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, STATE_DOT: tl.constexpr,
+    EXACT_TF32: tl.constexpr,
 ):
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -139,6 +149,10 @@ def _gated_step_kernel(
     f_kscale = f_slot + HV * K + i_hv
     f_u = f_slot + HV * (K + 1) + i_hv * V
     f_g = f_slot + HV * (K + 1 + V) + i_hv
+    # the first PREFETCH state chunks in flight before anything else (everything below is independent of them)
+    ahead = ()
+    for j in tl.static_range(PREFETCH):
+        ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
 
     if HAS_PENDING:
         # the previous step's chain up to its accepted node a, rows d = 0..ROWS-1 back from a: the key row, and
@@ -174,29 +188,42 @@ def _gated_step_kernel(
             g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
                 qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
                 K, BT, MAX_ANC, IS_CHAIN)
-        row_off = ()
-        row_ok = ()
-        for t in tl.static_range(BT):
-            row_off = row_off + ((bos + t).to(tl.int64) * stride_qkv,)
-            row_ok = row_ok + (t < n,)
+        if not STATE_DOT:  # the row layout's per-node q/k row offsets
+            row_off = ()
+            row_ok = ()
+            for t in tl.static_range(BT):
+                row_off = row_off + ((bos + t).to(tl.int64) * stride_qkv,)
+                row_ok = row_ok + (t < n,)
+        else:
+            # columns of the [BK, NQ] right operand: k_0..k_{BT-1}, q_0..q_{BT-1}, zero padding up to 16
+            NQ: tl.constexpr = max(16, 2 * BT)
+            o_q = tl.arange(0, NQ)
+            q_node = o_q % BT
+            kq_ok = (q_node < n) & (o_q < 2 * BT)
+            kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(o_q < BT, H * K, 0) + i_h * K
 
-    # the state, BK key columns at a time (BK = one 16-byte vector per value row): each thread owns whole value
-    # rows, and every product with the state accumulates elementwise into per-node [V, BK] partial sums (no
-    # reduction, no shuffle, no layout change inside the loop); PREFETCH chunks are in flight ahead of the one in
-    # use, loaded before the commit stores the current chunk
+    # the state, BK key columns at a time; PREFETCH chunks are in flight ahead of the one in use, loaded before the
+    # commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of tensor-core products. Else (BK = one
+    # 16-byte vector per value row) each thread owns whole value rows, and every product with the state accumulates
+    # elementwise into per-node [V, BK] partial sums (no reduction, no shuffle, no layout change inside the loop)
     if DO_VERIFY:
-        acc_k = ()
-        acc_q = ()
-        for t in tl.static_range(BT):
-            if ROW_SUMS:
-                acc_k = acc_k + (tl.zeros([V], dtype=tl.float32),)
-                acc_q = acc_q + (tl.zeros([V], dtype=tl.float32),)
-            else:
-                acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
-                acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
-    ahead = ()
-    for j in tl.static_range(PREFETCH):
-        ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
+        if STATE_DOT:
+            acc_kq = tl.zeros([V, NQ], dtype=tl.float32)
+        else:
+            acc_k = ()
+            acc_q = ()
+            for t in tl.static_range(BT):
+                if ROW_SUMS:
+                    acc_k = acc_k + (tl.zeros([V], dtype=tl.float32),)
+                    acc_q = acc_q + (tl.zeros([V], dtype=tl.float32),)
+                else:
+                    acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
+                    acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
+    if DO_VERIFY and STATE_DOT:  # the [BK, NQ] q/k chunks travel with the state chunks: off the loop's critical path
+        ahead_kq = ()
+        for j in tl.static_range(PREFETCH):
+            ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kc)[:, None],
+                                           mask=kq_ok[None, :] & (j * BK < K), other=0.0),)
     # a loop, not unrolled: unrolled, the compiler hoists the small q/k loads of many chunks and runs out of
     # registers; in flight stay the PREFETCH chunks ahead
     for i_k in tl.range(0, K // BK):
@@ -207,6 +234,13 @@ def _gated_step_kernel(
             rest = rest + (ahead[j],)
         ahead = rest + (tl.load(p_state + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
                                 other=0.0),)
+        if DO_VERIFY and STATE_DOT:
+            kq = ahead_kq[0].to(tl.float32)
+            rest = ()
+            for j in tl.static_range(1, PREFETCH):
+                rest = rest + (ahead_kq[j],)
+            ahead_kq = rest + (tl.load(kq_row[None, :] + (cols + PREFETCH * BK)[:, None],
+                                       mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             h = p_root * h
             for d in tl.static_range(ROWS):
@@ -215,7 +249,15 @@ def _gated_step_kernel(
             h = h.to(state.dtype.element_ty)
             tl.store(p_state + cols[None, :], h, mask=store_commit)
             h = h.to(tl.float32)
-        if DO_VERIFY:
+        if DO_VERIFY and STATE_DOT:
+            # every h k_t and h q_t of the chunk in one tensor-core product, the state as the 128-row operand, in
+            # fp32 operands: one tf32 pass where both are exact in tf32 (a bf16 state, bf16 q/k: exact products,
+            # fp32 sums), else tf32x3 (hi and lo parts; ~fp32 accuracy)
+            if EXACT_TF32:
+                acc_kq = tl.dot(h, kq, acc_kq, input_precision="tf32")
+            else:
+                acc_kq = tl.dot(h, kq, acc_kq, input_precision="tf32x3")
+        if DO_VERIFY and not STATE_DOT:
             new_k = ()
             new_q = ()
             for t in tl.static_range(BT):
@@ -239,7 +281,11 @@ def _gated_step_kernel(
         hk = tl.zeros([BT, V], dtype=tl.float32)
         hq = tl.zeros([BT, V], dtype=tl.float32)
         for t in tl.static_range(BT):
-            if ROW_SUMS:
+            if STATE_DOT:
+                hk = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == t, acc_kq, 0.0), 1)[None, :], hk)
+                hq = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == BT + t, acc_kq, 0.0), 1)[None, :],
+                              hq)
+            elif ROW_SUMS:
                 hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
                 hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
             else:
@@ -256,13 +302,18 @@ def _gated_step_kernel(
         for i in range(1, n):
             g_row = tl.sum(tl.where(rows[:, None] == i, gmat, 0.0), 0)
             b_u = tl.where(rows[:, None] == i, b_u - tl.sum(g_row[:, None] * b_u, 0)[None, :], b_u)
-        pmat = decay * qk
-        b_o = exp_c[:, None] * hq + tl.sum(pmat[:, :, None] * b_u[None, :, :], 1)
-        # gated RMSNorm over the head's V values, output gate fused
-        rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
+        # the norm's inputs in flight before the solve's loop (a later block: not hoisted over it)
         w = tl.load(norm_weight + o_v).to(tl.float32)
         b_z = tl.load(z + node[:, None] * stride_z + i_hv * stride_zh + o_v[None, :], mask=valid[:, None],
                       other=0.0).to(tl.float32)
+        pmat = decay * qk
+        b_o = exp_c[:, None] * hq
+        for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
+            u_j = tl.sum(tl.where(rows[:, None] == j, b_u, 0.0), 0)
+            p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
+            b_o += p_j[:, None] * u_j[None, :]
+        # gated RMSNorm over the head's V values, output gate fused
+        rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
         if ACT == "silu":
             gate = b_z * tl.sigmoid(b_z)
         else:
@@ -282,11 +333,13 @@ def _gated_step_kernel(
         tl.store(f_g + f_row, g_own, mask=valid)
 
 
-# (block_k, num_warps, prefetch, max_registers) keyed by fp32 state: measured fastest at H=16, HV=32, K=V=128, chain
-# T=4, B=64 on the H200 among one-row-per-thread tiles (16-byte accesses) and sector-coalesced 16-warp tiles
-# (bench/gated_bench.py; bench/results/2026-11-30/gated.json "tune" records): fp32 193.9 us (16-warp tiles 249-278),
-# bf16 138.2 us (16-warp tiles 233-238).
-GATED_CONFIGS = {False: (8, 4, 2, 128), True: (4, 4, 2, 96)}
+# launch defaults, both state dtypes: the tensor-core layout at block_k=32, 8 warps, one chunk ahead. Fastest
+# correct candidate for the fp32 state at H=16, HV=32, K=V=128, chain T=4 on the H200, at B=64 and at B=1
+# (bench/results/2026-11-30b/gated_run1.json: 176.2 / 15.7 us); for bf16 states it compiles to 101 registers at T=4
+# (2 programs of 8 warps per SM) where block_k=64 needs 162 (bench/results/2026-11-30b/compile_report.jsonl); the
+# corrected bf16 path is not yet timed.
+LAUNCH_DEFAULTS = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False, late_node_terms=True,
+                       state_dot=True)
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -304,20 +357,18 @@ def _check_factors(factors, state, state_indices, pending_nodes):
 
 def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
             factors, pending_nodes, *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation,
-            ancestors, out, do_verify, block_k, num_warps, prefetch, max_registers, row_sums=False,
-            late_node_terms=False):
+            ancestors, out, do_verify, **launch):
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
     _check_factors(factors, state, state_indices, pending_nodes)
-    fp32 = state.dtype == torch.float32
-    block_k = min(block_k or GATED_CONFIGS[fp32][0], K)
-    options = dict(num_warps=num_warps or GATED_CONFIGS[fp32][1], num_stages=1)
-    prefetch = prefetch or GATED_CONFIGS[fp32][2]
-    max_registers = max_registers or GATED_CONFIGS[fp32][3]
-    if max_registers and not interpreting():
-        options["maxnreg"] = max_registers
+    launch = {**LAUNCH_DEFAULTS, **{k: v for k, v in launch.items() if v is not None}}
+    block_k = min(launch["block_k"], K)
+    assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
+    options = dict(num_warps=launch["num_warps"], num_stages=1)
+    if launch["max_registers"] and not interpreting():
+        options["maxnreg"] = launch["max_registers"]
     batch = state_indices.shape[0]
     if do_verify:
         n_nodes = mixed_qkv.shape[0]
@@ -343,9 +394,10 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
         float(K**-0.5 if scale is None else scale), float(norm_eps),
-        H=H, HV=HV, K=K, V=V, ROWS=factors.shape[1], BT=bt, BK=block_k, PREFETCH=prefetch, ROW_SUMS=row_sums,
-        LATE_NODE_TERMS=late_node_terms, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation, DO_VERIFY=do_verify,
-        HAS_PENDING=pending_nodes is not None, **options,
+        H=H, HV=HV, K=K, V=V, ROWS=factors.shape[1], BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
+        ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation, DO_VERIFY=do_verify,
+        HAS_PENDING=pending_nodes is not None, STATE_DOT=launch["state_dot"] and do_verify,
+        EXACT_TF32=do_verify and state.dtype == mixed_qkv.dtype == torch.bfloat16, **options,
     )
     return out
 
@@ -378,8 +430,9 @@ def gdn_step_triton(
     num_warps: int | None = None,
     prefetch: int | None = None,
     max_registers: int | None = None,
-    row_sums: bool = False,
-    late_node_terms: bool = False,
+    row_sums: bool | None = None,
+    late_node_terms: bool | None = None,
+    state_dot: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -390,20 +443,23 @@ def gdn_step_triton(
     (`vllm_treewy.tree.pack_trees`; requests may have 0 nodes); scale defaults to K**-0.5.
     factors: fp32 [S, T, F] (`slot_factor_width`; strides of the first two dims free, last dim contiguous), T >=
     max_nodes: request b's node t writes row factors[state_indices[b], t].
-    pending_nodes: int32 [B] or None. pending_nodes[b] = a >= 0 first commits the slot's previous step in place, the
-    chain 0..a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves the slot as it is. The
+    pending_nodes: int32 [B] or None. pending_nodes[b] = a (0 <= a < T) first commits the slot's previous step in
+    place, the chain 0..a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves the slot as it
+    is. The
     verify then reads the committed state. One state read and (with a pending commit) one write per request.
     Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view; padding requests' rows untouched).
     `ancestors`: as in `verify_packed_triton`. `row_sums`: one per-node sum per row, summed over the thread's BK
     columns every step (2T registers instead of 2T x BK); `late_node_terms`: gates, decays and Gram matrices
-    computed after the state loop, so their [BT, BT] tiles are not live in it.
+    computed after the state loop, so their [BT, BT] tiles are not live in it. `state_dot`: the products with the
+    state on the tensor cores, [h k_0 .. h q_{T-1}] = h [V, BK] @ [k; q]^T per chunk (the state tile stays in the
+    load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, num_key_heads=num_key_heads, max_nodes=max_nodes,
                    max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps, activation=activation,
                    ancestors=ancestors, out=out, do_verify=True, block_k=block_k, num_warps=num_warps,
                    prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
-                   late_node_terms=late_node_terms)
+                   late_node_terms=late_node_terms, state_dot=state_dot)
 
 
 def gdn_commit_triton(
