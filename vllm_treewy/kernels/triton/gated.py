@@ -333,13 +333,17 @@ def _gated_step_kernel(
         tl.store(f_g + f_row, g_own, mask=valid)
 
 
-# launch defaults, both state dtypes: the tensor-core layout at block_k=32, 8 warps, one chunk ahead. Fastest
-# correct candidate for the fp32 state at H=16, HV=32, K=V=128, chain T=4 on the H200, at B=64 and at B=1
-# (bench/results/2026-11-30b/gated_run1.json: 176.2 / 15.7 us); for bf16 states it compiles to 101 registers at T=4
-# (2 programs of 8 warps per SM) where block_k=64 needs 162 (bench/results/2026-11-30b/compile_report.jsonl); the
-# corrected bf16 path is not yet timed.
-LAUNCH_DEFAULTS = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False, late_node_terms=True,
-                       state_dot=True)
+# launch defaults per state dtype, the fastest candidate measured correct on the H200 at H=16, HV=32, K=V=128, chain
+# T=4 (bench/results/2026-11-30b/gated_run1.json): fp32, the tensor-core layout at block_k=32, 8 warps, one chunk
+# ahead (176.2 / 15.7 us at B=64 / 1); bf16, one value row per thread with row sums and late node terms (160.3 /
+# 20.9 us) until the corrected bf16 tensor-core path (101 registers at T=4, bench/results/2026-11-30b/
+# compile_report.jsonl; its uncorrected run took 137-147 us) is measured correct on the GPU.
+LAUNCH_DEFAULTS = {
+    torch.float32: dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
+                        late_node_terms=True, state_dot=True),
+    torch.bfloat16: dict(block_k=8, num_warps=4, prefetch=2, max_registers=None, row_sums=True,
+                         late_node_terms=True, state_dot=False),
+}
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -363,7 +367,7 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
     _check_factors(factors, state, state_indices, pending_nodes)
-    launch = {**LAUNCH_DEFAULTS, **{k: v for k, v in launch.items() if v is not None}}
+    launch = {**LAUNCH_DEFAULTS[state.dtype], **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
     options = dict(num_warps=launch["num_warps"], num_stages=1)
