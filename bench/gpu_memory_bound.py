@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--acceptance-length", type=float, default=2.8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--shape", default="qwen35-27b", help="a shape of bench.sweep.models.SHAPES")
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (the CPU smoke test; not on the GPU)")
     args = parser.parse_args(argv)
 
     import vllm_treewy.vllm_plugin as plugin
@@ -42,7 +44,11 @@ def main(argv=None) -> int:
     from vllm_treewy.vllm_plugin.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()
-    model = prepare_qwen35_shape(Path("/tmp/qwen35-27b"), "qwen35-27b").path
+    from vllm.platforms import current_platform
+
+    # what the gpu-vllm site runs (its README); vLLM's CPU backend picks its own
+    CUDA_ONLY = dict(attention_backend="TRITON_ATTN", gdn_prefill_backend="triton") if current_platform.is_cuda() else {}
+    model = prepare_qwen35_shape(Path(f"/tmp/{args.shape}"), args.shape).path
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
             "rejection_sample_method": "synthetic", "synthetic_acceptance_length": args.acceptance_length}
     rng = random.Random(0)
@@ -56,10 +62,10 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     try:
         with engine(str(model), load_format="dummy", skip_tokenizer_init=True, speculative_config=spec,
-                    gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=False,
+                    gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager,
                     max_model_len=args.prompt_len + args.max_tokens + 2 * args.k, max_num_seqs=args.requests,
-                    max_num_batched_tokens=args.max_num_batched_tokens, attention_backend="TRITON_ATTN",
-                    gdn_prefill_backend="triton", mamba_ssm_cache_dtype="float32") as llm:
+                    max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype="float32",
+                    **CUDA_ONLY) as llm:
             result["engine_start_s"] = time.perf_counter() - start
             llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
             before = read_acceptance(llm)
