@@ -27,9 +27,10 @@ TREE_LAYOUT = BufferLayout.of_model(1, H, HV, K, V, TREE.num_nodes - 1)
 
 
 def _gdn_layer_stand_in():
-    """What `reconstruct.step_torch` reads of a GDN layer."""
+    """What `reconstruct.step_torch` and `step_triton` read of a GDN layer."""
     return SimpleNamespace(activation="silu", conv1d=SimpleNamespace(bias=torch.randn(CONV_DIM) * 0.1),
-                           A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV) * 0.5)
+                           A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV) * 0.5,
+                           norm=SimpleNamespace(weight=torch.ones(V), activation="silu"), layer_norm_epsilon=1e-6)
 
 
 def _empty_buffer(fill=float("nan"), layout=LAYOUT) -> PseudoValueBuffer:
@@ -53,22 +54,33 @@ def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):
                            node_slots=slots.long().repeat_interleave(n), node_indices=torch.arange(n).repeat(len(slots)))
 
 
-def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTree | None = None):
+def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTree | None = None, triton=False):
     """Step 1 verifies two requests (slots 3, 1); step 2 commits their accepted nodes `commit_nodes` and verifies
-    again. The drafts are chains, or the verified block `tree` in both steps."""
+    again. The drafts are chains, or the verified block `tree` in both steps. `triton`: `reconstruct.step_triton`
+    (normed outputs) with a bf16 SSM state (its launch defaults take the row layout, which K = 8 needs)."""
     torch.manual_seed(1)
     layer = _gdn_layer_stand_in()
     caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3, conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
                   ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1,
                   buffer=_empty_buffer(layout=LAYOUT if tree is None else TREE_LAYOUT))
+    if triton:
+        caches["ssm_state"] = caches["ssm_state"].bfloat16()
     before = {name: caches[name].clone() for name in ("conv_history", "ssm_state")}
+
+    def step(metadata, x, a, b):
+        if not triton:
+            return reconstruct.step_torch(layer, metadata, x, a, b, **caches)
+        out = torch.full((x.shape[0], HV, V), float("nan"))
+        reconstruct.step_triton(layer, metadata, x, a, b, torch.randn(x.shape[0], HV, V), out, **caches)
+        return out
+
     first, second = inputs
-    out1 = reconstruct.step_torch(layer, _step_metadata([3, 1], [-1, -1], tree), *first, **caches)
+    out1 = step(_step_metadata([3, 1], [-1, -1], tree), *first)
     assert torch.equal(caches["ssm_state"], before["ssm_state"])  # verify writes no state
     if clobber_inputs:  # what the next CUDA graph pieces do to the op's inputs before the next step
         for t in first:
             t.normal_()
-    out2 = reconstruct.step_torch(layer, _step_metadata([3, 1], list(commit_nodes), tree), *second, **caches)
+    out2 = step(_step_metadata([3, 1], list(commit_nodes), tree), *second)
     return out1, out2, caches, before, layer
 
 
@@ -117,24 +129,28 @@ def _path(tree: DraftTree, node: int) -> list[int]:
     return path
 
 
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("tree, commit_nodes", [
     (None, (2, 0)),
     # slot 3 accepts 9 (path 0, 2, 5, 9: the root's second branch), slot 1 accepts 4 (path 0, 1, 4)
     (TREE, (9, 4)),
-])
-def test_committed_state_is_the_accepted_nodes_recurrent_state(tree, commit_nodes):
+], ids=["chains", "tree"])
+def test_committed_state_is_the_accepted_nodes_recurrent_state(tree, commit_nodes, triton):
     """The SSM state and conv history that step 2 commits and verifies from are step 1's after its accepted node,
     node by node along the accepted node's path (a chain prefix, or a path through the tree)."""
     torch.manual_seed(0)
     block = tree or DraftTree.from_widths([1] * (1 + NUM_SPEC))
     n = block.num_nodes
     inputs = [(torch.randn(2 * n, CONV_DIM), torch.randn(2 * n, HV), torch.randn(2 * n, HV)) for _ in range(2)]
-    _, _, caches, before, layer = _two_steps(inputs, clobber_inputs=False, commit_nodes=commit_nodes, tree=tree)
+    _, out2, caches, before, layer = _two_steps(inputs, clobber_inputs=False, commit_nodes=commit_nodes, tree=tree,
+                                                triton=triton)
+    assert not bool(out2.isnan().any())
+    tolerance = dict(rtol=1e-2, atol=1e-3) if triton else dict(rtol=1e-5, atol=1e-6)  # bf16 state for triton
     for request, (slot, accepted) in enumerate(zip((3, 1), commit_nodes)):
         path = [request * n + node for node in _path(block, accepted)]
         h, history = _path_recurrence(layer, caches["conv_weight"], before["conv_history"][slot],
                                       before["ssm_state"][slot], *inputs[0], path)
-        torch.testing.assert_close(caches["ssm_state"][slot].double(), h, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(caches["ssm_state"][slot].double(), h, **tolerance)
         torch.testing.assert_close(caches["conv_history"][slot].double(), history, rtol=0, atol=0)
 
 
