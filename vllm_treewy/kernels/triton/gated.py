@@ -51,10 +51,10 @@ the KV cache page, stride(0) = page size in floats), and `accepted_last_step` in
 node accepted in the slot's previous step, -1 for none (a tree step passes `ancestors` for its verify and
 `pending_ancestors`, the previous step's [T, D] table, for the commit; a chain needs neither). The kernel first
 commits that node in place from the rows the previous call wrote, then verifies from the committed state, then
-(after a barrier: every read of the pending rows comes first) overwrites the rows with this step's factors. The end of a sequence (or a test) commits
-alone: `gdn_commit_triton(state, state_indices, slot_factors, accepted, num_key_heads=H)`. Everything is
-preallocated by the caller (`out` optional), so the call is CUDA-graph capturable. vLLM passes the layer's
-`layer_norm_epsilon` as norm_eps.
+(after a barrier: every read of the pending rows comes first) overwrites the rows with this step's factors. The
+end of a sequence (or a test) commits alone: `gdn_commit_triton(state, state_indices, slot_factors, accepted,
+num_key_heads=H)` (a tree's: `pending_ancestors=` its table). Everything is preallocated by the caller (`out`
+optional), so the call is CUDA-graph capturable. vLLM passes the layer's `layer_norm_epsilon` as norm_eps.
 """
 
 import torch
@@ -472,8 +472,8 @@ def gdn_step_triton(
     load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
-                   cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads, max_nodes=max_nodes,
-                   max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps, activation=activation,
+                   cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
+                   max_nodes=max_nodes, max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps, activation=activation,
                    ancestors=ancestors, out=out, do_verify=True, block_k=block_k, num_warps=num_warps,
                    prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot)
