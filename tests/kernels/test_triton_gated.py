@@ -1,6 +1,7 @@
 """The fused GDN step after the conv (gates, q/k L2 norm, verify, gated RMSNorm, the pending chain commit from the
-slots' factor rows) against its torch twin and the fp64 per-node reference, on random packed trees and chains,
-shapes, gates, head counts, padding and zero-node requests (Triton interpreter on CPU)."""
+slots' factor rows, along a chain or a static tree) against its torch twin and the fp64 per-node reference, on
+random packed trees and chains, shapes, gates, head counts, padding and zero-node requests (Triton interpreter on
+CPU)."""
 
 import torch
 from hypothesis import given, settings
@@ -8,7 +9,8 @@ from hypothesis import strategies as st
 
 from vllm_treewy.kernels.gated import gdn_commit_packed, gdn_step_packed, slot_factor_width, split_slot_factors
 from vllm_treewy.kernels.reference import reference_gated_tree
-from vllm_treewy.tree import pack_trees
+from vllm_treewy.kernels.triton._tree import ancestor_table_torch
+from vllm_treewy.tree import DraftTree, pack_trees
 
 from .tree_cases import chains, relative_error, trees
 from .triton_cases import DEVICE, rows
@@ -60,10 +62,16 @@ def slot_factor_page(num_slots, rows_per_slot, hv, key_dim, value_dim, seed):
     return page.to(DEVICE)[:, :rows_per_slot, :width]
 
 
-def run_step(packed, inputs, state, slots, key_heads, factors, chain=False, pending=None, **kw):
+def on_device(x):
+    return None if x is None else x.to(DEVICE)
+
+
+def run_step(packed, inputs, state, slots, key_heads, factors, chain=False, pending=None, pending_ancestors=None,
+             **kw):
     dev = [x.to(DEVICE) for x in inputs]
     return gdn_step_triton(*dev, state, slots.to(DEVICE), packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE),
-                           factors=factors, pending_nodes=None if pending is None else pending.to(DEVICE),
+                           factors=factors, pending_nodes=on_device(pending),
+                           pending_ancestors=on_device(pending_ancestors),
                            num_key_heads=key_heads, max_nodes=max(1, packed.max_nodes), max_depth=packed.max_depth,
                            chain=chain, **kw)
 
@@ -141,14 +149,17 @@ def test_gated_step_matches_reference_and_twin(batch, key_heads, ratio, dims, st
 
 @st.composite
 def two_step_batches(draw):
-    """(first chains, second trees, accepted node of each first chain or -1, padding requests): zero-node requests
-    in either step, padding requests anywhere."""
+    """(first drafts, their static tree or None for chains, second trees, accepted node of each first draft or -1,
+    padding requests): the first step is chains of any lengths or one tree shape for every request; zero-node
+    requests in either step, padding requests anywhere."""
     size = draw(st.integers(1, 4))
-    first = draw(st.lists(st.one_of(st.just(()), chains(max_nodes=6)), min_size=size, max_size=size))
+    first_tree = draw(st.one_of(st.none(), trees(max_nodes=8, max_depth=4)))
+    drafts = chains(max_nodes=6) if first_tree is None else st.just(first_tree)
+    first = draw(st.lists(st.one_of(st.just(()), drafts), min_size=size, max_size=size))
     second = draw(st.lists(st.one_of(st.just(()), trees(max_nodes=8, max_depth=4)), min_size=size, max_size=size))
     accepted = [draw(st.integers(-1, len(c) - 1)) for c in first]
     padding = draw(st.lists(st.integers(0, size - 1), max_size=size - 1, unique=True))
-    return first, second, accepted, padding
+    return first, first_tree, second, accepted, padding
 
 
 @settings(max_examples=8, deadline=None)
@@ -165,23 +176,29 @@ def two_step_batches(draw):
 )
 def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant,
                                        input_dtype):
-    """Step 1 (chains) writes its factor rows; step 2 commits step 1's accepted node inside its verify. Holds:
+    """Step 1 (chains, or one tree shape) writes its factor rows; step 2 commits step 1's accepted node (along its
+    path: `pending_ancestors` for the tree) inside its verify. Holds:
     (1) fused == commit alone then step; (2) kernel == twin == fp64 (the committed state is the reference's state
     after the accepted node); (3) rows, slots and padding requests outside the batch untouched; (4) step 2's
     outputs and factors match the fp64 recurrence continued from that state."""
-    first, second, accepted, padding = steps
+    first, first_tree, second, accepted, padding = steps
+    if first_tree is None:
+        pending_ancestors = None
+    else:
+        pending_ancestors = ancestor_table_torch(torch.tensor(first_tree, dtype=torch.int32),
+                                                 torch.tensor([0, len(first_tree)]), DraftTree(first_tree).max_depth)
     key_dim, value_dim = dims
     hv = key_heads * ratio
     packed1, inputs1, pool, slots = gated_inputs(first, key_heads, ratio, key_dim, value_dim, seed, gate_scale,
                                                  padding, input_dtype)
     packed2, inputs2, _, _ = gated_inputs(second, key_heads, ratio, key_dim, value_dim, seed + 1, gate_scale,
                                           dtype=input_dtype)
-    rows_per_slot = max(1, packed1.max_nodes, packed2.max_nodes)
+    rows_per_slot = max(1, packed1.max_nodes, packed2.max_nodes, len(first_tree or ()))
     state = pool.to(state_dtype).to(DEVICE)
     h0 = state.cpu().clone()
     factors = slot_factor_page(state.shape[0], rows_per_slot, hv, key_dim, value_dim, seed)
     twin_factors = factors.cpu().clone()
-    run_step(packed1, inputs1, state, slots, key_heads, factors, chain=True, **variant)
+    run_step(packed1, inputs1, state, slots, key_heads, factors, chain=first_tree is None, **variant)
     gdn_step_packed(*inputs1, h0.clone(), slots, packed1.parents, packed1.cu_nodes, num_key_heads=key_heads,
                     factors=twin_factors)
     tolerance, state_tolerance = TOLERANCE[state_dtype], STATE_TOLERANCE[state_dtype]
@@ -192,14 +209,15 @@ def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtyp
     # (1) the commit alone, then the step, on copies
     separate, separate_factors = state.clone(), factors.clone()
     gdn_commit_triton(separate, slots.to(DEVICE), separate_factors, pending.to(DEVICE), num_key_heads=key_heads,
-                      block_k=variant["block_k"])
+                      pending_ancestors=on_device(pending_ancestors), block_k=variant["block_k"])
     assert torch.equal(separate_factors, factors)  # the commit writes no factors
     committed = separate.cpu().clone()
     out_separate = torch.full((packed2.num_nodes, hv, value_dim), float("nan"), device=DEVICE)
     run_step(packed2, inputs2, separate, slots, key_heads, separate_factors, out=out_separate, **variant)
     between = factors.clone()
     out = torch.full_like(out_separate, float("nan"))
-    run_step(packed2, inputs2, state, slots, key_heads, factors, pending=pending, out=out, **variant)
+    run_step(packed2, inputs2, state, slots, key_heads, factors, pending=pending, pending_ancestors=pending_ancestors,
+             out=out, **variant)
     assert torch.equal(state, separate)
     assert torch.equal(factors, separate_factors)
     if not variant.get("row_sums"):  # same summation order in both calls
@@ -208,7 +226,7 @@ def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtyp
         assert within(out.nan_to_num(0.0).cpu(), out_separate.nan_to_num(0.0).cpu().double(), 1e-5)
 
     # (2) the committed state vs the fp64 state after the accepted node, and vs the twin
-    for b, chain in enumerate(first):
+    for b in range(len(first)):
         slot = int(slots[b])
         if slot < 0:
             continue
@@ -219,11 +237,12 @@ def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtyp
         assert within(committed[slot], reference.recurrence.state[accepted[b]], state_tolerance)
     twin_state = h0.clone()
     twin_committed_factors = twin_factors.clone()
-    gdn_commit_packed(twin_state, slots, twin_committed_factors, pending)
+    gdn_commit_packed(twin_state, slots, twin_committed_factors, pending, pending_ancestors)
     assert torch.equal(twin_committed_factors, twin_factors)
     assert within(committed, twin_state.double(), state_tolerance)
     twin_out = gdn_step_packed(*inputs2, h0.clone(), slots, packed2.parents, packed2.cu_nodes,
-                               num_key_heads=key_heads, factors=twin_factors, pending_nodes=pending)
+                               num_key_heads=key_heads, factors=twin_factors, pending_nodes=pending,
+                               pending_ancestors=pending_ancestors)
     live = torch.repeat_interleave(slots >= 0, packed2.cu_nodes.diff().long())
     assert within(out.cpu()[live], twin_out[live].double(), out_tolerance)
 

@@ -11,7 +11,8 @@ import torch
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
 from vllm_treewy.kernels.gated import gates, inverse_norm, split_qkv
-from vllm_treewy.tree import chain_parents
+from vllm_treewy.kernels.triton import ancestor_table_torch
+from vllm_treewy.tree import DraftTree, chain_parents
 from vllm_treewy.vllm_plugin import reconstruct
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.patch_points import MODEL_STATE_SHAPES
@@ -20,44 +21,66 @@ from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout, PseudoValu
 H, HV, K, V, WIDTH, NUM_SPEC, NUM_SLOTS = 2, 4, 8, 8, 4, 3, 5
 CONV_DIM = 2 * H * K + HV * V
 LAYOUT = BufferLayout.of_model(1, H, HV, K, V, NUM_SPEC)
+# the verified block of draft_tree_widths [2, 2, 1]: root 0; 1, 2; 3, 4 (below 1), 5, 6 (below 2); 7 .. 10
+TREE = DraftTree.from_widths([2, 2, 1]).with_root()
+TREE_LAYOUT = BufferLayout.of_model(1, H, HV, K, V, TREE.num_nodes - 1)
 
 
 def _gdn_layer_stand_in():
-    """What `reconstruct.step_torch` reads of a GDN layer."""
+    """What `reconstruct.step_torch` and `step_triton` read of a GDN layer."""
     return SimpleNamespace(activation="silu", conv1d=SimpleNamespace(bias=torch.randn(CONV_DIM) * 0.1),
-                           A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV) * 0.5)
+                           A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV) * 0.5,
+                           norm=SimpleNamespace(weight=torch.ones(V), activation="silu"), layer_norm_epsilon=1e-6)
 
 
-def _empty_buffer(fill=float("nan")) -> PseudoValueBuffer:
-    factors_shape, conv_shape, count_shape = LAYOUT.shapes()
+def _empty_buffer(fill=float("nan"), layout=LAYOUT) -> PseudoValueBuffer:
+    factors_shape, conv_shape, count_shape = layout.shapes()
     return PseudoValueBuffer(torch.full((NUM_SLOTS, *factors_shape), fill), torch.full((NUM_SLOTS, *conv_shape), fill),
-                             torch.zeros(NUM_SLOTS, dtype=torch.int32), LAYOUT)
+                             torch.zeros(NUM_SLOTS, dtype=torch.int32), layout)
 
 
-def _chains(slots, commit_nodes):
-    """Step metadata of requests with 1 + NUM_SPEC nodes each, in `slots`."""
-    n = 1 + NUM_SPEC
+def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):
+    """Step metadata of requests in `slots`, each verifying a chain of 1 + NUM_SPEC nodes, or the block `tree`."""
+    n = 1 + NUM_SPEC if tree is None else tree.num_nodes
     slots = torch.tensor(slots, dtype=torch.int32)
     cu = torch.arange(slots.shape[0] + 1, dtype=torch.int32) * n
-    return SimpleNamespace(spec_slots=slots, spec_query_start_loc=cu, parents=chain_parents(cu, int(cu[-1])),
+    if tree is None:
+        parents, ancestors = chain_parents(cu, int(cu[-1])), None
+    else:
+        parents = torch.tensor(tree.parents * len(slots), dtype=torch.int32)
+        ancestors = ancestor_table_torch(parents, cu, tree.max_depth)
+    return SimpleNamespace(spec_slots=slots, spec_query_start_loc=cu, parents=parents, ancestors=ancestors,
                            commit_nodes=torch.tensor(commit_nodes, dtype=torch.int32),
                            node_slots=slots.long().repeat_interleave(n), node_indices=torch.arange(n).repeat(len(slots)))
 
 
-def _two_steps(inputs, clobber_inputs: bool):
-    """Step 1 verifies two requests (slots 3, 1); step 2 commits their accepted nodes (2, 0) and verifies again."""
+def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTree | None = None, triton=False):
+    """Step 1 verifies two requests (slots 3, 1); step 2 commits their accepted nodes `commit_nodes` and verifies
+    again. The drafts are chains, or the verified block `tree` in both steps. `triton`: `reconstruct.step_triton`
+    (normed outputs) with a bf16 SSM state (its launch defaults take the row layout, which K = 8 needs)."""
     torch.manual_seed(1)
     layer = _gdn_layer_stand_in()
     caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3, conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
-                  ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1, buffer=_empty_buffer())
+                  ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1,
+                  buffer=_empty_buffer(layout=LAYOUT if tree is None else TREE_LAYOUT))
+    if triton:
+        caches["ssm_state"] = caches["ssm_state"].bfloat16()
     before = {name: caches[name].clone() for name in ("conv_history", "ssm_state")}
+
+    def step(metadata, x, a, b):
+        if not triton:
+            return reconstruct.step_torch(layer, metadata, x, a, b, **caches)
+        out = torch.full((x.shape[0], HV, V), float("nan"))
+        reconstruct.step_triton(layer, metadata, x, a, b, torch.randn(x.shape[0], HV, V), out, **caches)
+        return out
+
     first, second = inputs
-    out1 = reconstruct.step_torch(layer, _chains([3, 1], [-1, -1]), *first, **caches)
+    out1 = step(_step_metadata([3, 1], [-1, -1], tree), *first)
     assert torch.equal(caches["ssm_state"], before["ssm_state"])  # verify writes no state
     if clobber_inputs:  # what the next CUDA graph pieces do to the op's inputs before the next step
         for t in first:
             t.normal_()
-    out2 = reconstruct.step_torch(layer, _chains([3, 1], [2, 0]), *second, **caches)
+    out2 = step(_step_metadata([3, 1], list(commit_nodes), tree), *second)
     return out1, out2, caches, before, layer
 
 
@@ -81,25 +104,54 @@ def test_next_steps_commit_reads_the_buffer_not_the_step_inputs():
     assert not torch.equal(caches["ssm_state"][[1, 3]], before["ssm_state"][[1, 3]])
 
 
-def test_committed_state_is_the_accepted_nodes_recurrent_state():
-    """The state that step 2 commits and verifies from is step 1's state after its accepted node, node by node."""
+def _path_recurrence(layer, conv_weight, history, h, x, a, b, path):
+    """fp64, node by node along `path` (packed rows, root first) from conv history `[D, W-1]` and SSM state h: each
+    node's conv window (history, then the path's inputs), then the gated delta rule. The state and the conv
+    history after the path's last node."""
+    window = torch.cat([history.T, x[path]]).double()  # [W-1+P, D]
+    conv = torch.stack([(window[i : i + WIDTH] * conv_weight.T.double()).sum(0) for i in range(len(path))])
+    q, k, v = split_qkv(torch.nn.functional.silu(conv + layer.conv1d.bias.double()), H, K, V)
+    g, beta = gates(a[path], b[path], layer.A_log, layer.dt_bias, torch.float64)
+    h = h.double()
+    for t in range(len(path)):
+        kt = (k[t] * inverse_norm(k[t])[:, None]).repeat_interleave(HV // H, dim=0)  # [HV, K]
+        h = torch.exp(g[t])[:, None, None] * h
+        u = beta[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", h, kt))
+        h = h + u[..., None] * kt[:, None, :]
+    return h, window[-(WIDTH - 1):].T
+
+
+def _path(tree: DraftTree, node: int) -> list[int]:
+    """Local indices of `node` and its ancestors, root first."""
+    path = [node]
+    while tree.parents[path[0]] >= 0:
+        path.insert(0, tree.parents[path[0]])
+    return path
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("tree, commit_nodes", [
+    (None, (2, 0)),
+    # slot 3 accepts 9 (path 0, 2, 5, 9: the root's second branch), slot 1 accepts 4 (path 0, 1, 4)
+    (TREE, (9, 4)),
+], ids=["chains", "tree"])
+def test_committed_state_is_the_accepted_nodes_recurrent_state(tree, commit_nodes, triton):
+    """The SSM state and conv history that step 2 commits and verifies from are step 1's after its accepted node,
+    node by node along the accepted node's path (a chain prefix, or a path through the tree)."""
     torch.manual_seed(0)
-    inputs = [(torch.randn(8, CONV_DIM), torch.randn(8, HV), torch.randn(8, HV)) for _ in range(2)]
-    _, _, caches, before, layer = _two_steps(inputs, clobber_inputs=False)
-    x, a, b = inputs[0]
-    for slot, rows, accepted in ((3, slice(0, 4), 2), (1, slice(4, 8), 0)):
-        window = torch.cat([before["conv_history"][slot].T, x[rows]])  # [W-1+4, D]
-        conv = torch.stack([(window[i : i + WIDTH] * caches["conv_weight"].T).sum(0) for i in range(4)])
-        conv = torch.nn.functional.silu(conv + layer.conv1d.bias)
-        q, k, v = split_qkv(conv.double(), H, K, V)
-        g, beta = gates(a[rows], b[rows], layer.A_log, layer.dt_bias, torch.float64)
-        h = before["ssm_state"][slot].double()
-        for t in range(accepted + 1):
-            kt = (k[t] * inverse_norm(k[t])[:, None]).repeat_interleave(HV // H, dim=0)  # [HV, K]
-            h = torch.exp(g[t])[:, None, None] * h
-            u = beta[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", h, kt))
-            h = h + u[..., None] * kt[:, None, :]
-        torch.testing.assert_close(caches["ssm_state"][slot].double(), h, rtol=1e-5, atol=1e-6)
+    block = tree or DraftTree.from_widths([1] * (1 + NUM_SPEC))
+    n = block.num_nodes
+    inputs = [(torch.randn(2 * n, CONV_DIM), torch.randn(2 * n, HV), torch.randn(2 * n, HV)) for _ in range(2)]
+    _, out2, caches, before, layer = _two_steps(inputs, clobber_inputs=False, commit_nodes=commit_nodes, tree=tree,
+                                                triton=triton)
+    assert not bool(out2.isnan().any())
+    tolerance = dict(rtol=1e-2, atol=1e-3) if triton else dict(rtol=1e-5, atol=1e-6)  # bf16 state for triton
+    for request, (slot, accepted) in enumerate(zip((3, 1), commit_nodes)):
+        path = [request * n + node for node in _path(block, accepted)]
+        h, history = _path_recurrence(layer, caches["conv_weight"], before["conv_history"][slot],
+                                      before["ssm_state"][slot], *inputs[0], path)
+        torch.testing.assert_close(caches["ssm_state"][slot].double(), h, **tolerance)
+        torch.testing.assert_close(caches["conv_history"][slot].double(), history, rtol=0, atol=0)
 
 
 def test_buffer_round_trip_keeps_each_node_in_its_slot_row():

@@ -107,6 +107,20 @@ def conv_commit_packed(
     conv_state[slots[active]] = source[rows].transpose(1, 2)
 
 
+def pending_row_parents(rows_per_slot: int, num_slots: int, pending_ancestors: torch.Tensor | None,
+                        device: torch.device) -> torch.Tensor:
+    """``[num_slots * rows_per_slot]`` int32 local parents of the previous step's per-slot rows (slot after slot): a
+    chain's, or the tree of ``pending_ancestors [T, D]`` (node i's parent is its ancestor d = 1; rows past T, never
+    on an accepted path, hang below the root). No host sync."""
+    cu = torch.arange(num_slots + 1, device=device) * rows_per_slot
+    if pending_ancestors is None:
+        return chain_parents(cu, num_slots * rows_per_slot)
+    parents = torch.full((rows_per_slot,), -1, dtype=torch.int32, device=device)
+    if pending_ancestors.shape[1] > 1:
+        parents[: pending_ancestors.shape[0]] = pending_ancestors[:, 1]
+    return parents.repeat(num_slots)
+
+
 def conv_step_packed(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -118,11 +132,12 @@ def conv_step_packed(
     inputs: torch.Tensor,
     pending_nodes: torch.Tensor | None,
     *,
+    pending_ancestors: torch.Tensor | None = None,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """One speculative step: commit each slot's previous chain at ``pending_nodes [B]`` (-1: nothing pending) from its
-    per-slot input rows ``inputs [S, T, D]``, then the conv of this step's nodes, whose inputs replace the rows.
-    Torch twin of `vllm_treewy.kernels.triton.conv_step_triton`."""
+    """One speculative step: commit each slot's previous draft (a chain, or the tree ``pending_ancestors``) at
+    ``pending_nodes [B]`` (-1: nothing pending) from its per-slot input rows ``inputs [S, T, D]``, then the conv of
+    this step's nodes, whose inputs replace the rows. Torch twin of `vllm_treewy.kernels.triton.conv_step_triton`."""
     slots = state_indices.long()
     live = slots >= 0
     if pending_nodes is not None:
@@ -130,7 +145,8 @@ def conv_step_packed(
         pending_rows = inputs[slots.clamp(min=0)].reshape(-1, inputs.shape[2])  # a copy: step 3 overwrites them
         pending_cu = torch.arange(slots.numel() + 1, device=x.device) * rows_per_slot
         conv_commit_packed(conv_state, state_indices, pending_rows,
-                           chain_parents(pending_cu, pending_rows.shape[0]), pending_cu, pending_nodes)
+                           pending_row_parents(rows_per_slot, slots.numel(), pending_ancestors, x.device), pending_cu,
+                           pending_nodes)
     out = conv_verify_packed(x, conv_state, state_indices, weight, bias, parents, cu_nodes, activation=activation)
     requests = node_requests(cu_nodes, x.shape[0])
     local = torch.arange(x.shape[0], device=x.device) - cu_nodes.long()[requests]

@@ -1,7 +1,7 @@
 """Torch twin of `vllm_treewy.kernels.triton.gated`: the GDN decode step after the conv (gates, q/k L2 norm,
-closed-form verify, gated RMSNorm with the output gate), its factors in per-slot rows, and the chain commit of the
-previous step's accepted node from those rows. Built on `closed_form`'s packed verify; fp32 (fp64 for fp64
-inputs). Ground truth: `reference.reference_gated_tree`.
+closed-form verify, gated RMSNorm with the output gate), its factors in per-slot rows, and the commit of the
+previous step's accepted node (its path in a chain or a static tree) from those rows. Built on `closed_form`'s
+packed verify; fp32 (fp64 for fp64 inputs). Ground truth: `reference.reference_gated_tree`.
 
 Slot factors: one fp32 tensor ``[S, T, F]`` (state slot, node row, F = `slot_factor_width`), columns in this
 order: raw post-conv keys per VALUE head ``[HV, K]`` (value head hv holds its key head's row), inverse key norms
@@ -60,38 +60,55 @@ def gated_rms_norm(o, z, weight, eps, activation="silu"):
     return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * weight.to(o.dtype) * gate
 
 
-def gdn_commit_packed(state, state_indices, factors, pending_nodes):
+def pending_paths(pending_nodes: torch.Tensor, rows_per_slot: int,
+                  pending_ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, P]`` int64 local rows of each accepted node's path, the node first and root-most last, -1 past the root
+    (and for pending_nodes -1): a chain's ``a, a-1, .., 0`` (P = rows_per_slot), a tree's ``pending_ancestors[a]``
+    (P = its D)."""
+    accepted = pending_nodes.long()
+    if pending_ancestors is None:
+        path = accepted[:, None] - torch.arange(rows_per_slot, device=accepted.device)
+    else:
+        path = pending_ancestors.long()[accepted.clamp(min=0)]
+    return torch.where((accepted[:, None] >= 0) & (path >= 0), path, -1)
+
+
+def gdn_commit_packed(state, state_indices, factors, pending_nodes, pending_ancestors=None):
     """In place, for each request b with slot s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0: the state
-    after node a of the chain whose factors are in rows factors[s, 0..a],
+    after node a, whose path's factors are in rows factors[s, j] (`pending_paths`: 0..a for a chain, else the
+    previous step's tree as an ancestor table ``pending_ancestors [T, D]`` shared by every slot),
 
-        h_a = exp(c_a) h0 + sum_{j <= a} exp(c_a - c_j) (u_j k_scale_j) k_j^T,   c_j = g_0 + ... + g_j;
+        h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j k_scale_j) k_j^T,   c_j = sum of g root..j;
 
-    every decay is a sum of g from a down to j + 1 (the kernel's running sum), never a difference."""
+    every decay is a running sum of g from a up to the child of j (the kernel's), never a difference."""
     _, num_value_heads, value_dim, key_dim = state.shape
     dtype = compute_dtype(state, factors)
     live = (state_indices >= 0) & (pending_nodes >= 0)
-    slots, accepted = state_indices[live].long(), pending_nodes[live].long()
-    k, k_scale, u, g = (x[slots].to(dtype) for x in split_slot_factors(factors, num_value_heads, key_dim, value_dim))
-    on = torch.arange(factors.shape[1], device=factors.device) <= accepted[:, None]  # [L, T]: rows 0..a
+    slots = state_indices[live].long()
+    path = pending_paths(pending_nodes[live], factors.shape[1], pending_ancestors)  # [L, P]
+    on = path >= 0
+    path_rows = factors[slots[:, None], path.clamp(min=0)].to(dtype)  # [L, P, F]: rows off the path hold anything
+    k, k_scale, u, g = split_slot_factors(path_rows, num_value_heads, key_dim, value_dim)
     g = torch.where(on[..., None], g, 0.0)
-    from_j = g.flip(1).cumsum(1).flip(1)  # [L, T, HV]: g_j + ... + g_a
-    after_j = torch.cat([from_j[:, 1:], torch.zeros_like(from_j[:, :1])], 1)  # g_{j+1} + ... + g_a
-    weight = torch.where(on[..., None], torch.exp(after_j) * k_scale, 0.0)
-    u = torch.where(on[..., None, None], u, 0.0) * weight[..., None]  # rows past a may hold anything (NaN)
+    up_to_j = g.cumsum(1)  # [L, P, HV]: g_a + ... + g_j along the path
+    below_j = torch.cat([torch.zeros_like(up_to_j[:, :1]), up_to_j[:, :-1]], 1)  # c_a - c_j
+    weight = torch.where(on[..., None], torch.exp(below_j) * k_scale, 0.0)
+    u = torch.where(on[..., None, None], u, 0.0) * weight[..., None]  # NaN-safe: off-path rows are masked out
     k = torch.where(on[..., None, None], k, 0.0)
-    h = torch.exp(from_j[:, 0])[..., None, None] * state[slots].to(dtype) + torch.einsum("lthv,lthk->lhvk", u, k)
+    h = torch.exp(up_to_j[:, -1])[..., None, None] * state[slots].to(dtype) + torch.einsum("lphv,lphk->lhvk", u, k)
     state[slots] = h.to(state.dtype)
 
 
 def gdn_step_packed(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
-                    cu_nodes, *, num_key_heads, factors, pending_nodes=None, scale=None, norm_eps=1e-6,
-                    activation="silu", max_depth=None):
+                    cu_nodes, *, num_key_heads, factors, pending_nodes=None, pending_ancestors=None, scale=None,
+                    norm_eps=1e-6, activation="silu", max_depth=None):
     """``out [N, HV, V]`` in mixed_qkv's dtype (zero for padding requests). With `pending_nodes`, first commits
-    each slot's previous step (`gdn_commit_packed`, reading its rows before anything is written); then verifies
+    each slot's previous step (`gdn_commit_packed`, its chain or the tree `pending_ancestors`, reading its rows
+    before anything is written); then verifies
     from the (committed) state and writes each live node's factors to rows factors[slot, local index]."""
     _, num_value_heads, value_dim, key_dim = state.shape
     if pending_nodes is not None:
-        gdn_commit_packed(state, state_indices, factors, pending_nodes)
+        gdn_commit_packed(state, state_indices, factors, pending_nodes, pending_ancestors)
     dtype = compute_dtype(mixed_qkv, state)
     q, k, v = split_qkv(mixed_qkv, num_key_heads, key_dim, value_dim)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

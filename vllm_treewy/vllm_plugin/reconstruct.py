@@ -4,6 +4,12 @@ verify this step's drafts from the committed state, leaving the factors of their
 CUDA: two launches, `conv_step_triton` and `gdn_step_triton` (gates, q/k L2 norm, verify, gated RMSNorm with the
 output gate: the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`). CPU: the same
 steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op expects.
+
+The drafts are chains or one static tree shape per speculating request (the verified block: root, then the draft
+nodes). The step metadata carries `parents` `[N]` (local, packed) and `ancestors`: None for chains, else the packed
+ancestor table `[N, D]` of this step's block (`vllm_treewy.kernels.triton._tree.ancestor_table(parents, cu, D)`,
+D = the tree's depth counted in nodes). The previous step verified the same shape, so its table, which the pending
+commit follows, is any request's rows of this one.
 """
 
 from __future__ import annotations
@@ -11,30 +17,39 @@ from __future__ import annotations
 import torch
 
 from vllm_treewy import kernels as torch_kernels
-from vllm_treewy.kernels.conv import conv_step_packed
+from vllm_treewy.kernels.conv import conv_step_packed, pending_row_parents
 from vllm_treewy.kernels.gated import gates, inverse_norm, split_qkv
-from vllm_treewy.tree import chain_parents
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import PseudoValueBuffer
 
 
+def pending_tree(metadata, num_nodes: int) -> torch.Tensor | None:
+    """The previous step's tree, which its pending commit follows, as the `[T, D]` ancestor table that every slot
+    shares: the shape is static, so it is the first request's rows of this step's table. None for chains."""
+    return None if metadata.ancestors is None else metadata.ancestors[:num_nodes]
+
+
 def commit_pending_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, slots: torch.Tensor,
-                         commit_nodes: torch.Tensor) -> None:
-    """Each slot's previous verify, committed at `commit_nodes` (-1: nothing) from its buffer rows, in place."""
+                         commit_nodes: torch.Tensor, pending_ancestors: torch.Tensor | None = None) -> None:
+    """Each slot's previous verify, committed at `commit_nodes` (-1: nothing) from its buffer rows, in place: along
+    the chain, or along the path in the tree `pending_ancestors` `[T, D]` (`pending_tree`)."""
     keys, key_scales, pseudo_values, log_decays = buffer.slot_factors(slots)
     rows = buffer.layout.num_nodes
     cu = torch.arange(slots.shape[0] + 1, device=slots.device) * rows
     flat = (t.flatten(0, 1) for t in (keys * key_scales[..., None], pseudo_values, log_decays))
-    torch_kernels.commit_packed(ssm_state, slots, *flat, chain_parents(cu, slots.shape[0] * rows), cu, commit_nodes)
+    parents = pending_row_parents(rows, slots.shape[0], pending_ancestors, slots.device)
+    torch_kernels.commit_packed(ssm_state, slots, *flat, parents, cu, commit_nodes)
 
 
 def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state, buffer) -> torch.Tensor:
-    """Core attention outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains `x` (pre-conv qkv
-    `[N, conv_dim]`), after committing each slot's previous step."""
+    """Core attention outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains or trees `x`
+    (pre-conv qkv `[N, conv_dim]`), after committing each slot's previous step."""
     slots, cu_nodes = metadata.spec_slots, metadata.spec_query_start_loc
-    commit_pending_torch(buffer, ssm_state, slots, metadata.commit_nodes)
+    pending_ancestors = pending_tree(metadata, buffer.layout.num_nodes)
+    commit_pending_torch(buffer, ssm_state, slots, metadata.commit_nodes, pending_ancestors)
     activation = "silu" if layer.activation == "silu" else None
     conv_out = conv_step_packed(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
-                                buffer.conv_inputs, metadata.commit_nodes, activation=activation)
+                                buffer.conv_inputs, metadata.commit_nodes, pending_ancestors=pending_ancestors,
+                                activation=activation)
     layout = buffer.layout
     q, k, v = split_qkv(conv_out, layout.num_k_heads, layout.head_k_dim, layout.head_v_dim)
     q, k, v = q.float(), k.float(), v.float()
@@ -48,16 +63,20 @@ def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state
 
 
 def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv_history, ssm_state, buffer) -> None:
-    """Writes the normed, gated core outputs of the packed draft chains `x` (pre-conv qkv) into `out`
+    """Writes the normed, gated core outputs of the packed draft chains or trees `x` (pre-conv qkv) into `out`
     `[N, HV, V]`, after committing each slot's previous step. No host sync: capturable in a FULL CUDA graph."""
     from vllm_treewy.kernels.triton import conv_step_triton, gdn_step_triton
 
     slots, cu_nodes, commit_nodes = metadata.spec_slots, metadata.spec_query_start_loc, metadata.commit_nodes
+    layout, ancestors = buffer.layout, metadata.ancestors
+    pending_ancestors = pending_tree(metadata, layout.num_nodes)
     activation = "silu" if layer.activation == "silu" else None
     conv_out = conv_step_triton(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
-                                buffer.conv_inputs, commit_nodes, activation=activation)
+                                buffer.conv_inputs, commit_nodes, pending_ancestors=pending_ancestors,
+                                activation=activation)
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state, slots,
-                    metadata.parents, cu_nodes, num_key_heads=buffer.layout.num_k_heads,
-                    max_nodes=buffer.layout.num_nodes, chain=True, scale=buffer.layout.head_k_dim**-0.5,
-                    norm_eps=layer.layer_norm_epsilon, activation=layer.norm.activation, out=out,
-                    factors=buffer.factors, pending_nodes=commit_nodes)
+                    metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=layout.num_nodes,
+                    max_depth=None if ancestors is None else ancestors.shape[1], chain=ancestors is None,
+                    ancestors=ancestors, scale=layout.head_k_dim**-0.5, norm_eps=layer.layer_norm_epsilon,
+                    activation=layer.norm.activation, out=out, factors=buffer.factors, pending_nodes=commit_nodes,
+                    pending_ancestors=pending_ancestors)

@@ -97,10 +97,11 @@ def _conv_commit_kernel(
 
 @triton.jit
 def _conv_step_kernel(
-    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out, inputs, pending_nodes,
+    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out, inputs, pending_nodes, pending_ancestors,
     stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, stride_in_slot, stride_in_node, D,
     W: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_PENDING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_DEPTH: tl.constexpr,
+    PENDING_IS_CHAIN: tl.constexpr,
 ):
     i_d, i_b = tl.program_id(0), tl.program_id(1)
     slot = tl.load(state_indices + i_b).to(tl.int64)
@@ -111,12 +112,20 @@ def _conv_step_kernel(
     p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
     p_inputs = inputs + slot * stride_in_slot + o_d[None, :]
     if HAS_PENDING:
-        # the previous step's chain, committed at its accepted node: new column L-1-t takes the input t steps up
-        # from it (node - t), continued into the old history
+        # the previous step's draft, committed at its accepted node: new column L-1-t takes the input t steps up
+        # from it, continued into the old history (src = -1, -2, ..: its newest columns)
         node = tl.load(pending_nodes + i_b)
         if node >= 0:
             steps = tl.arange(0, BL)
-            src = node - steps
+            if PENDING_IS_CHAIN:
+                src = node - steps
+            else:
+                # the node's table row is its path, node first, then -1 past the root; counted over BL >= L
+                # entries, path_len is min(length, BL): exact wherever a kept step (< L) is on the path
+                path = tl.load(pending_ancestors + node * PENDING_DEPTH + steps, mask=steps < PENDING_DEPTH,
+                               other=-1)
+                path_len = tl.sum((path >= 0).to(tl.int32), 0)
+                src = tl.where(steps < path_len, path, path_len - 1 - steps)
             m = (steps < L)[:, None] & mask_d[None, :]
             from_inputs = tl.load(p_inputs + src[:, None] * stride_in_node, mask=m & (src >= 0)[:, None], other=0.0)
             from_hist = tl.load(p_hist + (L + src)[:, None] * stride_cs_col, mask=m & (src < 0)[:, None], other=0.0)
@@ -199,6 +208,7 @@ def conv_step_triton(
     inputs: torch.Tensor,
     pending_nodes: torch.Tensor | None,
     *,
+    pending_ancestors: torch.Tensor | None = None,
     activation: str | None = None,
     out: torch.Tensor | None = None,
     block_nodes: int = 16,
@@ -206,8 +216,11 @@ def conv_step_triton(
 ) -> torch.Tensor:
     """One speculative step of the conv, per request b in slot s = state_indices[b] (negative: padding, untouched):
 
-    1. if `pending_nodes[b] >= 0`, commit the slot's previous step: its draft chain's inputs are `inputs[s, 0..]`
-       (written by the previous call), and the history moves on to its node `pending_nodes[b]`, in place;
+    1. if `pending_nodes[b] >= 0`, commit the slot's previous step: its draft's inputs are `inputs[s, 0..]`
+       (written by the previous call), and the history moves on along the path to its node `pending_nodes[b]`, in
+       place. The draft is a chain, or with `pending_ancestors` the previous step's tree, shared by every slot (a
+       static shape): an int32 [T, D] ancestor table (row i: node i's d-th ancestors, d = 0 is i, -1 past the
+       root; `vllm_treewy.kernels.triton._tree.ancestor_table`);
     2. the tree conv of this step's nodes (as `tree_conv_triton`) from the committed history;
     3. this step's inputs x go to `inputs[s, 0 .. n_b-1]` for the commit inside the next step.
 
@@ -218,12 +231,18 @@ def conv_step_triton(
     assert inputs.stride(-1) == 1 and inputs.shape[2] == D and state_indices.stride(0) == 1
     L = conv_state.shape[2]
     assert L >= W - 1
+    assert pending_ancestors is None or (pending_ancestors.dim() == 2 and pending_ancestors.is_contiguous() and
+                                         pending_ancestors.dtype == torch.int32 and
+                                         pending_ancestors.shape[0] <= inputs.shape[1])
     out = torch.empty_like(x) if out is None else out
     _conv_step_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
         x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out, inputs,
         state_indices if pending_nodes is None else pending_nodes,
+        state_indices if pending_ancestors is None else pending_ancestors,
         x.stride(0), out.stride(0), *conv_state.stride(), inputs.stride(0), inputs.stride(1), D,
         W=W, L=L, BL=triton.next_power_of_2(L), BN=block_nodes, BD=block_d, HAS_BIAS=bias is not None,
         SILU=activation == "silu", HAS_PENDING=pending_nodes is not None,
+        PENDING_DEPTH=1 if pending_ancestors is None else pending_ancestors.shape[1],
+        PENDING_IS_CHAIN=pending_ancestors is None,
     )
     return out

@@ -48,12 +48,13 @@ state, output_gate, norm_weight, out, scale, norm_eps, activation)` after the co
 
 with `state_indices` [B] (one slot per request; negative = padding), `slot_factors` [S, T, F] (e.g. a view into
 the KV cache page, stride(0) = page size in floats), and `accepted_last_step` int32 [B]: the local index of the
-node accepted in the slot's previous step (a chain), -1 for none. The kernel first commits that node in place from
-the rows the previous call wrote, then verifies from the committed state, then (after a barrier: every read of the
-pending rows comes first) overwrites the rows with this step's factors. The end of a sequence (or a test) commits
-alone: `gdn_commit_triton(state, state_indices, slot_factors, accepted, num_key_heads=H)`. Everything is
-preallocated by the caller (`out` optional), so the call is CUDA-graph capturable. vLLM passes the layer's
-`layer_norm_epsilon` as norm_eps.
+node accepted in the slot's previous step, -1 for none (a tree step passes `ancestors` for its verify and
+`pending_ancestors`, the previous step's [T, D] table, for the commit; a chain needs neither). The kernel first
+commits that node in place from the rows the previous call wrote, then verifies from the committed state, then
+(after a barrier: every read of the pending rows comes first) overwrites the rows with this step's factors. The
+end of a sequence (or a test) commits alone: `gdn_commit_triton(state, state_indices, slot_factors, accepted,
+num_key_heads=H)` (a tree's: `pending_ancestors=` its table). Everything is preallocated by the caller (`out`
+optional), so the call is CUDA-graph capturable. vLLM passes the layer's `layer_norm_epsilon` as norm_eps.
 """
 
 import torch
@@ -125,15 +126,15 @@ def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log,
 @triton.jit
 def _gated_step_kernel(
     qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes, out, factors,
-    pending_nodes,
+    pending_nodes, pending_ancestors,
     stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
     stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
     scale, eps,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
-    ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, STATE_DOT: tl.constexpr,
-    EXACT_TF32: tl.constexpr,
+    ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
+    PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, EXACT_TF32: tl.constexpr,
 ):
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -155,17 +156,19 @@ def _gated_step_kernel(
         ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
 
     if HAS_PENDING:
-        # the previous step's chain up to its accepted node a, rows d = 0..ROWS-1 back from a: the key row, and
-        # exp(c_a - c_j) u_j / |k_j| as a [V] vector; exp(c_a) for h0. Every pending row is read before the
-        # epilogue overwrites the rows (barrier there).
+        # the previous step's path to its accepted node a, row j = the d-th ancestor of a (d = 0..PENDING_ROWS-1;
+        # a chain's is a - d, a tree's comes from the table): the key row, and exp(c_a - c_j) u_j / |k_j| as a [V]
+        # vector (running sums of g up the path); exp(c_a) for h0. Every pending row is read before the epilogue
+        # overwrites the rows (barrier there).
         accepted = tl.load(pending_nodes + i_b)
         running = tl.zeros([], dtype=tl.float32)
         p_wu = ()
         p_krow = ()
         p_on = ()
-        for d in tl.static_range(ROWS):
-            on = accepted - d >= 0
-            row = tl.maximum(accepted - d, 0).to(tl.int64) * stride_frow
+        for d in tl.static_range(PENDING_ROWS):
+            path_row = _ancestor(pending_ancestors, 0, accepted, d, PENDING_ROWS, PENDING_IS_CHAIN)
+            on = path_row >= 0
+            row = tl.maximum(path_row, 0).to(tl.int64) * stride_frow
             weight = tl.where(on, tl.exp(running), 0.0) * tl.load(f_kscale + row, mask=on, other=0.0)
             p_wu = p_wu + (tl.load(f_u + row + o_v, mask=on, other=0.0) * weight,)
             p_krow = p_krow + (f_k + row,)
@@ -243,7 +246,7 @@ def _gated_step_kernel(
                                        mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             h = p_root * h
-            for d in tl.static_range(ROWS):
+            for d in tl.static_range(PENDING_ROWS):
                 pk = tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0)
                 h += p_wu[d][:, None] * pk[None, :]
             h = h.to(state.dtype.element_ty)
@@ -350,23 +353,27 @@ def _nodes_block(max_nodes: int) -> int:
     return max(2, triton.next_power_of_2(max_nodes))
 
 
-def _check_factors(factors, state, state_indices, pending_nodes):
+def _check_factors(factors, state, state_indices, pending_nodes, pending_ancestors):
     S, HV, V, K = state.shape
     assert factors.dtype == torch.float32 and factors.dim() == 3 and factors.stride(2) == 1
     assert factors.shape[0] >= S and factors.shape[2] == slot_factor_width(HV, K, V)
     assert pending_nodes is None or (pending_nodes.shape == state_indices.shape and
                                      pending_nodes.dtype == torch.int32 and pending_nodes.stride(0) == 1)
+    assert pending_ancestors is None or (pending_ancestors.dim() == 2 and pending_ancestors.is_contiguous() and
+                                         pending_ancestors.dtype == torch.int32 and
+                                         pending_ancestors.shape[0] <= factors.shape[1]), \
+        "pending_ancestors: int32 [T, D] contiguous, one row per factor row of the previous step's tree"
     assert state_indices.stride(0) == 1, "the kernels index state_indices flat (a strided column would be misread)"
 
 
 def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
-            factors, pending_nodes, *, num_key_heads, max_nodes, max_depth, chain, scale, norm_eps, activation,
-            ancestors, out, do_verify, **launch):
+            factors, pending_nodes, pending_ancestors, *, num_key_heads, max_nodes, max_depth, chain, scale,
+            norm_eps, activation, ancestors, out, do_verify, **launch):
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
-    _check_factors(factors, state, state_indices, pending_nodes)
+    _check_factors(factors, state, state_indices, pending_nodes, pending_ancestors)
     launch = {**LAUNCH_DEFAULTS[state.dtype], **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
@@ -396,11 +403,14 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         strides = (0,) * 7
     _gated_step_kernel[(HV, batch)](
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
+        state_indices if pending_ancestors is None else pending_ancestors,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
         float(K**-0.5 if scale is None else scale), float(norm_eps),
-        H=H, HV=HV, K=K, V=V, ROWS=factors.shape[1], BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
-        ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation, DO_VERIFY=do_verify,
-        HAS_PENDING=pending_nodes is not None, STATE_DOT=launch["state_dot"] and do_verify,
+        H=H, HV=HV, K=K, V=V, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
+        ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain,
+        ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
+        PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
+        PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
         EXACT_TF32=do_verify and state.dtype == mixed_qkv.dtype == torch.bfloat16, **options,
     )
     return out
@@ -421,6 +431,7 @@ def gdn_step_triton(
     *,
     factors: torch.Tensor,
     pending_nodes: torch.Tensor | None = None,
+    pending_ancestors: torch.Tensor | None = None,
     num_key_heads: int,
     max_nodes: int,
     max_depth: int | None = None,
@@ -448,9 +459,11 @@ def gdn_step_triton(
     factors: fp32 [S, T, F] (`slot_factor_width`; strides of the first two dims free, last dim contiguous), T >=
     max_nodes: request b's node t writes row factors[state_indices[b], t].
     pending_nodes: int32 [B] or None. pending_nodes[b] = a (0 <= a < T) first commits the slot's previous step in
-    place, the chain 0..a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves the slot as it
-    is. The
-    verify then reads the committed state. One state read and (with a pending commit) one write per request.
+    place, the path to node a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves the slot
+    as it is. pending_ancestors: the previous step's tree, shared by every slot (a static shape), as an int32 [T', D]
+    ancestor table (T' <= T; row i: node i's d-th ancestors, d = 0 is i, -1 past the root;
+    `vllm_treewy.kernels.triton._tree.ancestor_table`); None: a chain, a's path is 0..a. The verify then reads the
+    committed state. One state read and (with a pending commit) one write per request.
     Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view; padding requests' rows untouched).
     `ancestors`: as in `verify_packed_triton`. `row_sums`: one per-node sum per row, summed over the thread's BK
     columns every step (2T registers instead of 2T x BK); `late_node_terms`: gates, decays and Gram matrices
@@ -459,8 +472,8 @@ def gdn_step_triton(
     load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
-                   cu_nodes, factors, pending_nodes, num_key_heads=num_key_heads, max_nodes=max_nodes,
-                   max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps, activation=activation,
+                   cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
+                   max_nodes=max_nodes, max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps, activation=activation,
                    ancestors=ancestors, out=out, do_verify=True, block_k=block_k, num_warps=num_warps,
                    prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot)
@@ -473,15 +486,18 @@ def gdn_commit_triton(
     pending_nodes: torch.Tensor,
     *,
     num_key_heads: int,
+    pending_ancestors: torch.Tensor | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     prefetch: int | None = None,
     max_registers: int | None = None,
 ) -> None:
     """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
-    s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a of the
-    chain in rows factors[s, 0..a]: h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) (u_j k_scale_j) k_j^T."""
+    s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a, whose
+    path (a and its ancestors: rows 0..a for a chain, else `pending_ancestors[a]`, as in `gdn_step_triton`) has its
+    factors in rows factors[s, j]: h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j k_scale_j) k_j^T."""
     _launch(None, None, None, None, None, None, None, state, state_indices, None, None, factors, pending_nodes,
+            pending_ancestors,
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
             activation="silu", ancestors=None, out=None, do_verify=False, block_k=block_k, num_warps=num_warps,
             prefetch=prefetch, max_registers=max_registers)
