@@ -26,15 +26,15 @@ from vllm_treewy.kernels.triton.gated import _gated_step_kernel  # noqa: E402
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTR_TYPES = {"qkv": "*bf16", "a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "z": "*bf16",
              "norm_weight": "*bf16", "state_indices": "*i32", "ancestors": "*i32", "cu_nodes": "*i32",
-             "out": "*bf16", "factors": "*fp32", "pending_nodes": "*i32"}
+             "out": "*bf16", "factors": "*fp32", "pending_nodes": "*i32", "pending_ancestors": "*i32"}
 FLOATS = ("scale", "eps")
 
 
 def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, maxnreg=None, **variant):
     """`variant`: the kernel's launch constexprs beyond the shape ones (BK, PREFETCH, ROW_SUMS, ...)."""
     names = _gated_step_kernel.arg_names
-    const = dict(H=16, HV=32, K=128, V=128, ROWS=tokens, BT=max(2, triton.next_power_of_2(tokens)),
-                 MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu", DO_VERIFY=verify, HAS_PENDING=pending,
+    const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
+                 BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu", DO_VERIFY=verify, HAS_PENDING=pending,
                  EXACT_TF32=verify and state_dtype == "bf16", **variant)  # q/k/v are bf16 here
     sig = {}
     for name in names:

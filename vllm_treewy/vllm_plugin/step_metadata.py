@@ -33,6 +33,9 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     # [rows] int32: the local node of the slot's previous verify to commit before this step's verify (-1: nothing to
     # commit: a new request, or a padding row).
     commit_nodes: torch.Tensor | None = None
+    # [N, D] int32 ancestor table of the verified draft trees (`vllm_treewy.kernels.triton.ancestor_table`); None for
+    # chains, the only shape vLLM drafts until draft trees are wired into the runner (issue 12).
+    ancestors: torch.Tensor | None = None
 
     @cached_property
     def parents(self) -> torch.Tensor:
