@@ -176,7 +176,8 @@ def tree_attention(
 
     # Distance from each grid token to each of its ancestors' block indices (0 = itself); a dump column takes -1s.
     no_key = torch.iinfo(torch.int64).max
-    ancestors = block_ancestors.long()
+    # Padding rows' tables may hold anything (a replayed graph's leftovers): read them as empty.
+    ancestors = torch.where(is_tree_row[:, None], block_ancestors.long(), -1)
     ancestor_distance = torch.arange(ancestors.shape[1], device=device).expand_as(ancestors)
     block_distance = torch.full((padded_rows + 1, max_query_len + 1), no_key, dtype=torch.long, device=device)
     block_distance[grid_row[:, None], torch.where(ancestors >= 0, ancestors, max_query_len)] = ancestor_distance
