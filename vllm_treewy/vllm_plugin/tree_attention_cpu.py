@@ -138,8 +138,10 @@ def tree_attention(
     ``sliding_window`` (-1 = none): a key is seen when (query position - key position) < sliding_window, with tree
     positions ``committed_len + depth``, vLLM's causal rule on a chain. Soft cap, ALiBi and sinks are refused.
 
-    Returns ``output`` (allocated like ``query`` when not given, or viewed as ``[T, num_heads, head_size]``):
-    the query's dtype, computed in fp32.
+    Returns ``output`` (``[T, num_heads, head_size]`` or ``[T, num_heads * head_size]``, allocated like ``query``
+    when not given): computed in fp32, stored in output's dtype. No host sync. R = 0 returns ``output`` untouched.
+    Memory: fp32 copies of every request's K/V up to ``max_seq_len`` and ``[R, num_heads, max_query_len,
+    max_seq_len]`` scores; a reference-grade path, not a fast one.
     """
     if logits_soft_cap:
         raise NotImplementedError("tree_attention: logits soft cap is not supported")
@@ -158,6 +160,8 @@ def tree_attention(
     output_rows = output.view(num_tokens, num_heads, head_size)
     device = query.device
     num_requests = seq_lens.numel()
+    if num_requests == 0:
+        return output
     group = num_heads // num_kv_heads
     padded_rows = num_requests * max_query_len
 
