@@ -377,7 +377,8 @@ def test_compaction_puts_the_accepted_path_behind_the_root(data):
     context_lens = data.draw(st.lists(st.integers(0, 70), min_size=num_requests, max_size=num_requests))
     seed = data.draw(st.integers(0, 2**16))
     # Two layers: same trees and block table, different K/V.
-    layers = [make_batch(trees, context_lens, dtype=dtype, isa=isa, seed=seed, kv_seed=seed + layer) for layer in range(2)]
+    layers = [make_batch(trees, context_lens, dtype=dtype, isa=isa, seed=seed, kv_seed=seed + layer)
+              for layer in range(2)]
     generator = torch.Generator().manual_seed(seed)
     paths = [random_path(tree, generator) for tree in trees]
     max_depth = max(1, pack_trees(trees).max_depth)

@@ -43,7 +43,7 @@ def _packing(isa: str, is_key: bool, block_size: int, head_size: int) -> tuple[t
         return (1, block_size, 1, head_size), (0, 1, 2, 3)
     if isa == "amx":
         if block_size % 16 or head_size % 16:
-            raise ValueError(f"amx packing needs block_size and head_size divisible by 16, got {block_size}, {head_size}")
+            raise ValueError(f"amx packing needs block_size and head_size divisible by 16: {block_size}, {head_size}")
         if is_key:  # memory (token // 16, dim // 2, token % 16, dim % 2)
             return (block_size // 16, head_size // 2, 16, 2), (0, 2, 1, 3)
         # memory (dim // 16, token // 2, dim % 16, token % 2)
