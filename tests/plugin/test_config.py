@@ -29,6 +29,8 @@ def mtp(k: int = K, **extra) -> dict:
     return {"method": "mtp", "num_speculative_tokens": k, **extra}
 
 
+TREE_DRAFTER = {"method": "custom_class", "num_speculative_tokens": K,
+                "model": "vllm_treewy.vllm_plugin.continuation_drafter.ContinuationTreeDrafter"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -95,11 +97,14 @@ BAD_CONFIGS = [
     ("widths-not-a-list", mtp(draft_tree_widths=3), r"draft_tree_widths.*valid list"),
     ("too-few-levels", mtp(draft_tree_widths=[1, 1]), r"2 levels but num_speculative_tokens is 3"),
     ("too-many-levels", mtp(draft_tree_widths=[1, 1, 1, 1]), r"4 levels but num_speculative_tokens is 3"),
-    ("tree-store-all", mtp(draft_tree_widths=[2, 1, 1]), r"draft trees .*not supported"),
-    ("tree-reconstruct", mtp(draft_tree_widths=[1, 1, 3], mamba_state_commit="reconstruct"),
-     r"draft trees .*not supported"),
+    ("tree-mtp", mtp(draft_tree_widths=[2, 1, 1]), r"MTP tree drafting is part 2"),
+    ("tree-mtp-reconstruct", mtp(draft_tree_widths=[1, 1, 3], mamba_state_commit="reconstruct"),
+     r"MTP tree drafting is part 2"),
+    ("tree-store-all", {**TREE_DRAFTER, "draft_tree_widths": [2, 1, 1]},
+     r"draft trees .*not supported with mamba_state_commit='store_all'"),
+    ("tree-ngram", {**NGRAM, "draft_tree_widths": [2, 1, 1]}, r"draft trees .*need method custom_class"),
     ("reconstruct-ngram", {**NGRAM, "mamba_state_commit": "reconstruct"},
-     r"mamba_state_commit='reconstruct' supports method mtp, got method='ngram'"),
+     r"mamba_state_commit='reconstruct' supports method mtp or custom_class, got method='ngram'"),
 ]
 
 
@@ -150,10 +155,10 @@ def test_reconstruct_without_gdn_layers_fails(no_gdn_model):
     [
         (mtp(mamba_state_commit="snapshot"), "mamba_state_commit"),
         (mtp(draft_tree_widths=[1, 0, 1]), "positive integers"),
-        (mtp(draft_tree_widths=[1, 2, 1]), "draft trees"),
+        (mtp(draft_tree_widths=[1, 2, 1]), "MTP tree drafting is part 2"),
         ({**NGRAM, "mamba_state_commit": "reconstruct"}, "supports method mtp"),
     ],
-    ids=["unknown-strategy", "width-zero", "tree", "reconstruct-ngram"],
+    ids=["unknown-strategy", "width-zero", "tree-mtp", "reconstruct-ngram"],
 )
 def test_bad_config_from_serve_command_line(fixture_model, spec, match):
     """The same errors through `vllm serve`'s argument parser (whose construction must survive the new fields)."""
@@ -281,3 +286,15 @@ def test_config_unpickles_before_plugins_load(fixture_model, tmp_path):
         "vllm_treewy.vllm_plugin.config", "TreewySpeculativeConfig", "reconstruct", "[1,", "1,", "1]",
         "False", config.compute_hash(),
     ]
+
+
+@pytest.mark.parametrize("widths,num_nodes", [([2, 1, 1], 6), ([2, 2, 1], 10), ([3, 2, 2], 21), ([4, 2], 12)])
+def test_tree_config_schedules_every_node(fixture_model, widths, num_nodes):
+    """The user writes num_speculative_tokens = depth; vLLM then schedules and verifies all N nodes per request."""
+    spec = {**TREE_DRAFTER, "num_speculative_tokens": len(widths), "draft_tree_widths": widths,
+            "mamba_state_commit": "reconstruct"}
+    config = engine_config(fixture_model, spec).speculative_config
+    assert config.num_speculative_tokens == num_nodes
+    assert config.draft_tree_depth == len(widths) and config.draft_tree.num_nodes == num_nodes
+    rebuilt = pickle.loads(pickle.dumps(config))
+    assert rebuilt.num_speculative_tokens == num_nodes and rebuilt.draft_tree_widths == widths

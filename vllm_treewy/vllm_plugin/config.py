@@ -3,6 +3,9 @@
 - `mamba_state_commit`: "store_all" (vLLM's behaviour: one GDN state snapshot per draft position) or
   "reconstruct" (verify every draft from the one committed state, rebuild only the accepted state on commit).
 - `draft_tree_widths`: children per node at each draft level; `[1] * num_speculative_tokens` is vLLM's chain.
+  A tree (a width > 1) has N = w1 + w1*w2 + ... draft nodes, all verified in one target pass: the user writes
+  num_speculative_tokens = depth, and the config then holds N there, so that vLLM's scheduler and runner
+  schedule, verify and account N draft tokens per request (`draft_tree_depth` keeps the depth).
 
 The subclass lives in an importable module because the engine core unpickles `VllmConfig` before it loads
 plugins. Invalid values fail while the config is built, in the front end, with one message.
@@ -16,10 +19,12 @@ from vllm.config.speculative import SpeculativeConfig
 from vllm.config.utils import config
 from vllm.utils.hashing import safe_hash
 
+from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import patch_points
 
 MambaStateCommit = Literal["store_all", "reconstruct"]
-RECONSTRUCT_METHODS = ("mtp",)
+RECONSTRUCT_METHODS = ("mtp", "custom_class")
+TREE_METHODS = ("custom_class",)  # drafters that propose a whole tree in node order (part 1: a test drafter)
 GDN_LAYER_TYPE = "linear_attention"
 
 
@@ -44,6 +49,10 @@ class TreewySpeculativeConfig(SpeculativeConfig):
         self._validate_draft_tree_widths()
         if self.mamba_state_commit == "reconstruct":
             self._validate_reconstruct()
+        if self.is_draft_tree:
+            self._validate_tree_drafting()
+            # vLLM schedules, verifies and accounts num_speculative_tokens drafts per request: all N nodes.
+            self.num_speculative_tokens = self.draft_tree.num_nodes
 
     def _validate_draft_tree_widths(self) -> None:
         widths = self.draft_tree_widths
@@ -51,16 +60,25 @@ class TreewySpeculativeConfig(SpeculativeConfig):
             return
         if not widths or any(w < 1 for w in widths):
             raise ValueError(f"draft_tree_widths must be a non-empty list of positive integers, got {widths}")
-        if len(widths) != self.num_speculative_tokens:
+        # A tree's config holds N there once built (see the module docstring); a rebuilt copy arrives with N.
+        already_expanded = any(w > 1 for w in widths) and self.num_speculative_tokens == self.draft_tree.num_nodes
+        if len(widths) != self.num_speculative_tokens and not already_expanded:
             raise ValueError(
                 f"draft_tree_widths has {len(widths)} levels but num_speculative_tokens is "
                 f"{self.num_speculative_tokens}: give one width per draft level"
             )
-        if any(w > 1 for w in widths):
-            raise ValueError(
-                f"draft_tree_widths={widths}: draft trees (a width > 1) are not supported yet; "
-                "this version verifies chains only (all widths 1)"
-            )
+
+    def _validate_tree_drafting(self) -> None:
+        widths = self.draft_tree_widths
+        if self.method == "mtp":
+            raise ValueError(f"draft_tree_widths={widths}: MTP tree drafting is part 2; draft trees (a width > 1) "
+                             f"need method {' or '.join(TREE_METHODS)} for now")
+        if self.method not in TREE_METHODS:
+            raise ValueError(f"draft_tree_widths={widths}: draft trees (a width > 1) need method "
+                             f"{' or '.join(TREE_METHODS)}, got method={self.method!r}")
+        if self.mamba_state_commit != "reconstruct":
+            raise ValueError(f"draft_tree_widths={widths}: draft trees (a width > 1) are not supported with "
+                             f"mamba_state_commit={self.mamba_state_commit!r}; use 'reconstruct'")
 
     def _validate_reconstruct(self) -> None:
         if self.method not in RECONSTRUCT_METHODS:
@@ -76,6 +94,18 @@ class TreewySpeculativeConfig(SpeculativeConfig):
             )
 
     @property
+    def is_draft_tree(self) -> bool:
+        return self.draft_tree_widths is not None and any(w > 1 for w in self.draft_tree_widths)
+
+    @property
+    def draft_tree(self) -> DraftTree:
+        return DraftTree.from_widths(self.draft_tree_widths)
+
+    @property
+    def draft_tree_depth(self) -> int:
+        return len(self.draft_tree_widths)
+
+    @property
     def reconstructs_mamba_state(self) -> bool:
         return self.mamba_state_commit == "reconstruct"
 
@@ -88,6 +118,11 @@ class TreewySpeculativeConfig(SpeculativeConfig):
 def reconstructs_mamba_state(speculative_config) -> bool:
     """True if this (possibly stock) speculative config asks for reconstruct-on-commit."""
     return getattr(speculative_config, "mamba_state_commit", "store_all") == "reconstruct"
+
+
+def draft_tree_of(speculative_config) -> DraftTree | None:
+    """The static draft tree this (possibly stock) speculative config verifies; None for chains."""
+    return speculative_config.draft_tree if getattr(speculative_config, "is_draft_tree", False) else None
 
 
 def _v2_unsupported_with_reconstruct(original):
