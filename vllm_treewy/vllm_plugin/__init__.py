@@ -8,7 +8,7 @@ in every process (front end, engine core, workers) before it builds configs and 
 def register() -> None:
     from vllm.platforms import current_platform
 
-    from vllm_treewy.vllm_plugin import config, gdn_layer, pseudo_value_buffer, step_metadata
+    from vllm_treewy.vllm_plugin import config, gdn_layer, pseudo_value_buffer, step_metadata, tree_runner
 
     config.install()
     gdn_layer.install()
@@ -18,3 +18,4 @@ def register() -> None:
         from vllm_treewy.vllm_plugin import gdn_cpu
 
         gdn_cpu.install()
+        tree_runner.install()  # draft trees: CPU only in part 1 (tree attention reads vLLM's CPU KV layout)

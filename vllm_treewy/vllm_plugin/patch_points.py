@@ -109,6 +109,28 @@ CPU_UNPACKED_CONV_WEIGHT = PatchPoint(
     _CPU_GDN, "_unpacked_conv_weight", "calls", "vLLM packs the CPU conv weight for AMX in place", ("layer",),
 )
 
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+RUNNER_PREPARE_INPUTS = PatchPoint(
+    _RUNNER, "GPUModelRunner._prepare_inputs", "wraps",
+    "draft trees: find the tree rows from the step's draft counts (num_decode_draft_tokens, query_start_loc, "
+    "num_computed_tokens) and give their tokens depth-based positions after vLLM's slot mapping",
+    ("self", "scheduler_output", "num_scheduled_tokens"),
+)
+RUNNER_BUILD_ATTENTION_METADATA = PatchPoint(
+    _RUNNER, "GPUModelRunner._build_attention_metadata", "wraps",
+    "draft trees: the step's tree rows ride on its CPU attention metadata", ("self", "num_tokens", "num_reqs"),
+)
+RUNNER_SAMPLE = PatchPoint(
+    _RUNNER, "GPUModelRunner._sample", "wraps",
+    "draft trees: greedy tree acceptance instead of the chain rejection sampler; the output rows it returns keep "
+    "vLLM's accepted-token bookkeeping right", ("self", "logits", "spec_decode_metadata"),
+)
+CPU_ATTENTION_FORWARD = PatchPoint(
+    "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward", "wraps",
+    "draft trees: tree-masked attention overwrites the tree rows' output of vLLM's causal CPU kernel",
+    ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
+)
+
 # The models whose GDN layers are `QwenGatedDeltaNetAttention`: vLLM sizes a hybrid's pages from these classmethods.
 _GDN_MODELS = (
     ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLMBase"),
@@ -137,6 +159,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     CPU_GDN_SPEC_FORWARD,
     CPU_SSM_STATE_VIEW,
     CPU_UNPACKED_CONV_WEIGHT,
+    RUNNER_PREPARE_INPUTS,
+    RUNNER_BUILD_ATTENTION_METADATA,
+    RUNNER_SAMPLE,
+    CPU_ATTENTION_FORWARD,
     *MODEL_STATE_SHAPES,
     *MODEL_STATE_DTYPES,
 )

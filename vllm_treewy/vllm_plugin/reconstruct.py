@@ -24,7 +24,11 @@ from vllm_treewy.vllm_plugin.pseudo_value_buffer import PseudoValueBuffer
 
 def pending_tree(metadata, num_nodes: int) -> torch.Tensor | None:
     """The previous step's tree, which its pending commit follows, as the `[T, D]` ancestor table that every slot
-    shares: the shape is static, so it is the first request's rows of this step's table. None for chains."""
+    shares: the static tree's verified block (`tree_ancestors`; else the first request's rows of this step's
+    table, which hold the whole block when that request verified all of it). None for chains."""
+    tree_ancestors = getattr(metadata, "tree_ancestors", None)
+    if tree_ancestors is not None:
+        return tree_ancestors[:num_nodes]
     return None if metadata.ancestors is None else metadata.ancestors[:num_nodes]
 
 

@@ -5,7 +5,13 @@ builder decides, per request, which node that is: the slot's verified-node count
 pseudo-value buffer, on the device) says whether the slot holds an uncommitted verify, and vLLM's device-side
 accepted counts say which node. It then records this step's counts: the speculative requests' node counts, and 0
 for every prefill, so a slot that a finished, aborted or preempted request left behind with a pending commit is
-never committed into by its next owner. All of it is device work outside the forward (so outside any CUDA graph),
+never committed into by its next owner.
+
+Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
+block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
+the tree's one ancestor table. vLLM's accepted counts do not say which branch was accepted: after acceptance the
+tree sampler writes 1 + the accepted leaf's block index into the slot's count (`tree_sampler`), and the commit
+node is that count - 1. All of it is device work outside the forward (so outside any CUDA graph),
 with no host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata.
 """
 
@@ -19,8 +25,9 @@ from functools import cached_property
 import torch
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
-from vllm_treewy.tree import chain_parents, node_requests
-from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
+from vllm_treewy.kernels.triton._tree import ancestor_table_torch
+from vllm_treewy.tree import DraftTree, chain_parents, node_requests
+from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD, GDN_STAGES_SPEC_DECODE
 
 
@@ -33,13 +40,18 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     # [rows] int32: the local node of the slot's previous verify to commit before this step's verify (-1: nothing to
     # commit: a new request, or a padding row).
     commit_nodes: torch.Tensor | None = None
-    # [N, D] int32 ancestor table of the verified draft trees (`vllm_treewy.kernels.triton.ancestor_table`); None for
-    # chains, the only shape vLLM drafts until draft trees are wired into the runner (issue 12).
+    # [N, D] int32 ancestor table of the packed verified tokens (`vllm_treewy.kernels.triton.ancestor_table`, local
+    # indices); None for chains.
     ancestors: torch.Tensor | None = None
+    # [1 + num_nodes, D] int32 ancestor table of the static tree's verified block (root, then the nodes), which every
+    # slot's pending commit follows; None for chains.
+    tree_ancestors: torch.Tensor | None = None
 
     @cached_property
     def parents(self) -> torch.Tensor:
-        """`[N]` local parents of the packed draft chains."""
+        """`[N]` local parents of the packed draft chains or trees."""
+        if self.tree_ancestors is not None:
+            return self.tree_ancestors[self.node_indices, 1].contiguous()
         return chain_parents(self.spec_query_start_loc, self.num_spec_decode_tokens)
 
     @cached_property
@@ -76,17 +88,32 @@ def verified_node_counts(builder) -> torch.Tensor | None:
     return None if counts is None or counts.numel() == 0 else counts.view(-1)
 
 
+def verified_tree_ancestors(tree: DraftTree, device) -> torch.Tensor:
+    """`[1 + N, depth + 1]` int32 local ancestor table of the tree's verified block (root = row 0)."""
+    block = tree.with_root()
+    parents = torch.tensor(block.parents, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, block.num_nodes], dtype=torch.int32, device=device)
+    return ancestor_table_torch(parents, cu, block.max_depth)
+
+
 def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDNAttentionMetadata:
     fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
     result = ReconstructGDNAttentionMetadata(**fields)
     counts = verified_node_counts(builder)
+    tree = draft_tree_of(builder.vllm_config.speculative_config)
     if metadata.num_spec_decodes > 0:
         slots = metadata.spec_state_indices_tensor[:, 0].contiguous()
         num_spec = metadata.num_spec_decodes
         commit_nodes = torch.full_like(slots, -1)
+        if tree is not None:
+            result.tree_ancestors = verified_tree_ancestors(tree, slots.device)
+            result.ancestors = result.tree_ancestors[result.node_indices].contiguous()
         if counts is not None:
             pending = counts[slots[:num_spec].long()] > 0
-            accepted = metadata.num_accepted_tokens[:num_spec].to(slots.dtype) - 1
+            if tree is None:
+                accepted = metadata.num_accepted_tokens[:num_spec].to(slots.dtype) - 1
+            else:  # the tree sampler's record: 1 + the accepted leaf's block index
+                accepted = counts[slots[:num_spec].long()].to(slots.dtype) - 1
             commit_nodes[:num_spec] = torch.where(pending, accepted, -1)
             counts[slots[:num_spec].long()] = metadata.spec_query_start_loc[: num_spec + 1].diff().to(counts.dtype)
         if GDN_STAGES_SPEC_DECODE.resolve()(builder, metadata.num_prefills, metadata.num_decodes, num_spec,

@@ -1,0 +1,98 @@
+"""One step's draft-tree rows: which requests of the batch verify a whole tree, where their tokens sit, and the RoPE
+positions of those tokens.
+
+A tree row is a request whose scheduled drafts this step number N, the static tree's node count (vLLM's per-step
+draft counts, never the query lengths: a prefill chunk may also have 1 + N tokens). Its 1 + N tokens are the
+verified block (root, then the nodes in node order). vLLM gives token i of the block the position
+num_computed + i, from which it derives the KV slot (distinct per node, as tree attention and the compaction
+expect); the model must see num_computed + depth instead (root depth 0), so `override_positions` rewrites the
+positions tensor after vLLM computed the slot mapping.
+
+A `TreeStep` lives for one step (it rides on that step's metadata objects); full-attention layers record their
+caches in it during the forward, for the accepted path's KV compaction after acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.tree_attention_cpu import verified_block_ancestors
+
+
+@dataclass
+class AttentionLayerCaches:
+    """What the compaction needs of one full-attention layer, recorded during its forward."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor  # [R, max_blocks] the tree rows' rows of the layer's block table
+    isa: str
+
+
+@dataclass
+class TreeStep:
+    tree: DraftTree
+    request_indices: torch.Tensor  # [R] int64 batch rows that verify a whole tree, ascending
+    token_indices: torch.Tensor  # [R * (1 + N)] int64 the step's token index of every verified-block token
+    query_start_loc: torch.Tensor  # [R + 1] int32 the tree rows' blocks back to back: 0, 1 + N, ...
+    block_ancestors: torch.Tensor  # [R * (1 + N), depth + 1] int32 (`verified_block_ancestors`)
+    root_positions: torch.Tensor  # [R] int64 committed length before each root (= the root's position)
+    attention_layers: list[AttentionLayerCaches] = field(default_factory=list)
+
+    @property
+    def num_requests(self) -> int:
+        return self.request_indices.numel()
+
+    @property
+    def block_len(self) -> int:
+        return 1 + self.tree.num_nodes
+
+    @property
+    def depth(self) -> int:
+        return self.tree.max_depth
+
+
+def block_depths(tree: DraftTree) -> np.ndarray:
+    """`[1 + N]` depth of each verified-block token (root 0, node j: its depth in the draft tree)."""
+    return np.asarray((0, *tree.depth), dtype=np.int64)
+
+
+def find_tree_step(tree: DraftTree, num_decode_draft_tokens: np.ndarray, num_draft_tokens: np.ndarray,
+                   query_start_loc: np.ndarray, num_computed_tokens: np.ndarray,
+                   device: torch.device) -> TreeStep | None:
+    """The step's tree rows from vLLM's per-request counts (numpy, `[num_reqs]`): `num_decode_draft_tokens` (N for a
+    decode that verifies N drafts, -1 for a prefill chunk), `num_draft_tokens` (scheduled drafts),
+    `query_start_loc [num_reqs + 1]`, `num_computed_tokens`. None when no request verifies a tree."""
+    num_nodes = tree.num_nodes
+    partial = (num_draft_tokens > 0) & (num_draft_tokens != num_nodes)
+    if partial.any():
+        # The tree shape is static: a verify of part of it would follow a different tree than the drafts'.
+        raise RuntimeError(f"requests {np.flatnonzero(partial).tolist()} were scheduled "
+                           f"{num_draft_tokens[partial].tolist()} drafts of a {num_nodes}-node draft tree")
+    rows = np.flatnonzero(num_decode_draft_tokens == num_nodes)
+    if rows.size == 0:
+        return None
+    block_len = 1 + num_nodes
+    token_indices = (query_start_loc[rows][:, None] + np.arange(block_len)).reshape(-1)
+    parents = torch.tensor(tree.parents * rows.size, dtype=torch.int32, device=device)
+    cu_nodes = torch.arange(rows.size + 1, dtype=torch.int32, device=device) * num_nodes
+    return TreeStep(
+        tree=tree,
+        request_indices=torch.from_numpy(rows).to(device=device, dtype=torch.int64),
+        token_indices=torch.from_numpy(token_indices).to(device=device, dtype=torch.int64),
+        query_start_loc=torch.arange(rows.size + 1, dtype=torch.int32, device=device) * block_len,
+        block_ancestors=verified_block_ancestors(parents, cu_nodes, tree.max_depth),
+        root_positions=torch.from_numpy(num_computed_tokens[rows].astype(np.int64)).to(device),
+    )
+
+
+def override_positions(positions: torch.Tensor, step: TreeStep) -> None:
+    """Tree tokens' positions `num_computed + block index` (vLLM's, already used for the slot mapping) become
+    `num_computed + depth`, in place."""
+    block_index_minus_depth = np.arange(step.block_len) - block_depths(step.tree)
+    shift = torch.from_numpy(np.tile(block_index_minus_depth, step.num_requests)).to(positions.device)
+    positions[step.token_indices] -= shift.to(positions.dtype)
