@@ -31,3 +31,12 @@ def test_unknown_continuation_drafts_only_wrong_tokens():
     tokens = tree_drafts([2, 2], None, 0, VOCAB, filler=40)
     assert 40 not in tokens and len(tokens) == 6
     assert np.all(np.asarray(tokens) < VOCAB)
+
+
+def test_perturbed_branch_changes_only_its_subtree():
+    widths = [3, 2]
+    tree = DraftTree.from_widths(widths)
+    plain = tree_drafts(widths, [5, 9], 0, VOCAB, filler=0)
+    perturbed = tree_drafts(widths, [5, 9], 0, VOCAB, filler=0, perturbed_branch=2)
+    subtree = {2} | {n for n, p in enumerate(tree.parents) if p == 2}
+    assert [n for n in range(tree.num_nodes) if plain[n] != perturbed[n]] == sorted(subtree)
