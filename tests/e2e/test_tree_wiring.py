@@ -40,7 +40,9 @@ MAX_NUM_SEQS = 4  # prompts queue up and prefill beside speculative decodes
 LOOKAHEAD = 4
 TRUE_BRANCH = 1  # a non-first child where the width allows: acceptance must follow it
 NUM_LONG_PROMPTS = 8
-PREEMPTION_NUM_BLOCKS = 12  # as tests/e2e/conftest.py: long prompts cross a 256-token block while decoding
+# 2 requests' blocks (each: one per GDN group and one attention block), so a request that crosses an attention block
+# boundary while decoding preempts another.
+PREEMPTION_NUM_BLOCKS = 9
 NUM_CORPUS_PROMPTS = 32  # the long prompts are cut from all of them, as in tests/e2e/conftest.py
 STRONG_ATTENTION = 20.0
 PLANTED_BUGS = ("no_depth_positions", "no_kv_compaction")
@@ -129,6 +131,11 @@ def _name(widths) -> str:
     return "x".join(map(str, widths))
 
 
+def long_prompts(tokens: list[int], block_size: int) -> list[list[int]]:
+    """Prompts that end 26 to 33 tokens before an attention block boundary: they cross it while decoding."""
+    return [tokens[i * 97 : i * 97 + block_size - 26 + i] for i in range(NUM_LONG_PROMPTS)]
+
+
 @pytest.fixture(scope="module")
 def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     tmp = tmp_path_factory.mktemp("tree-wiring")
@@ -137,13 +144,10 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     tokens = [t for p in prompts for t in p]
     workloads = {
         "standard": (prompts[:NUM_PROMPTS], [16 + (i * 5) % 9 for i in range(NUM_PROMPTS)]),
-        "long": ([tokens[i * 97 : i * 97 + 230 + i] for i in range(NUM_LONG_PROMPTS)], [30] * NUM_LONG_PROMPTS),
         "single": (prompts[3:4], [24]),
     }
     # name -> (model, workload, widths, true branch, perturbed branch, planted bug, engine kwargs)
     plan = {f"tree-{_name(w)}": ("fixture", "standard", w, TRUE_BRANCH, None, None, {}) for w in WIDTHS}
-    plan.update({f"preempted-{_name(w)}": ("fixture", "long", w, TRUE_BRANCH, None, None, dict(
-        num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=NUM_LONG_PROMPTS)) for w in WIDTHS})
     plan["strong-2x2x1"] = ("strong", "standard", [2, 2, 1], TRUE_BRANCH, None, None, {})
     plan.update({bug: ("strong", "standard", [2, 2, 1], TRUE_BRANCH, None, bug, {}) for bug in PLANTED_BUGS})
     for widths in ([3, 2, 2], [4, 2]):  # the true path on the last child of every level
@@ -152,10 +156,31 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     plan["siblings-perturbed"] = ("fixture", "single", SIBLING_WIDTHS, SIBLING_TRUE, SIBLING_PERTURBED, None, {})
 
     results = TreeRuns()
-    used = {(model, workload) for model, workload, *_ in plan.values()}
-    for model in models:
-        _generate_references(results, model, models[model], {w: workloads[w] for m, w in used if m == model})
+    _generate_references(results, "fixture", fixture_model, workloads)
+    _generate_references(results, "strong", models["strong"], {"standard": workloads["standard"]})
+    _run_trees(results, plan, models, workloads, tmp)
 
+    # Preemption: the attention block size grows with the tree (the GDN page holds 1 + N buffer rows), so the long
+    # prompts are cut for the block size vLLM chose for each width in the runs above.
+    preemption_plan = {}
+    for widths in WIDTHS:
+        block_size = results.runs[f"tree-{_name(widths)}"].kv_cache.attention_block_size
+        workload = f"long-{block_size}"
+        workloads[workload] = (long_prompts(tokens, block_size), [30] * NUM_LONG_PROMPTS)
+        preemption_plan[f"preempted-{_name(widths)}"] = ("fixture", workload, widths, TRUE_BRANCH, None, None, dict(
+            num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=NUM_LONG_PROMPTS))
+    long_workloads = {w: workloads[w] for w in {run[1] for run in preemption_plan.values()}}
+    _generate_references(results, "fixture", fixture_model, long_workloads)
+    _run_trees(results, preemption_plan, models, workloads, tmp)
+    plan.update(preemption_plan)
+
+    for model in models:
+        _judge(results, model, models[model], {name: workloads[run[1]] for name, run in plan.items() if run[0] == model},
+               {name: run[1] for name, run in plan.items()})
+    return results
+
+
+def _run_trees(results: TreeRuns, plan: dict, models: dict, workloads: dict, tmp) -> None:
     for name, (model, workload, widths, branch, perturbed, bug, kwargs) in plan.items():
         workload_prompts, max_tokens = workloads[workload]
         sequences = [p + r for p, r in zip(workload_prompts, results.reference[model, workload])]
@@ -164,11 +189,6 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
               count_mixed_batches(results.mixed_batches.setdefault(name, {})), recording_tree_logits(logits)):
             results.runs[name] = run_greedy(models[model], workload_prompts, max_tokens, speculative_config=tree_spec(
                 widths), **{"max_num_seqs": MAX_NUM_SEQS, **kwargs})
-
-    for model in models:
-        _judge(results, model, models[model], {name: workloads[run[1]] for name, run in plan.items() if run[0] == model},
-               {name: run[1] for name, run in plan.items()})
-    return results
 
 
 # Engines live in functions: a variable still holding a closed engine would tear down the next one's

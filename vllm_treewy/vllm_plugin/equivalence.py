@@ -285,6 +285,8 @@ class KVCacheReport:
     gdn_state_bytes_per_request: int  # all GDN layers, at the pages vLLM allocates
     # all GDN layers: states on the page beyond vLLM's conv and SSM state (reconstruct's pseudo-value buffer)
     gdn_buffer_bytes_per_request: int = 0
+    # tokens per block of the attention groups: vLLM grows it until an attention page holds a GDN page
+    attention_block_size: int | None = None
 
 
 def kv_cache_report(llm: LLM) -> KVCacheReport:
@@ -295,9 +297,11 @@ def kv_cache_report(llm: LLM) -> KVCacheReport:
 
     vllm_config = llm.llm_engine.vllm_config
     kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-    blocks, state_bytes, buffer_bytes = [], 0, 0
+    blocks, state_bytes, buffer_bytes, attention_block_size = [], 0, 0, None
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
+        if not isinstance(spec, MambaSpec):
+            attention_block_size = spec.block_size
         if isinstance(spec, MambaSpec):
             blocks.append(1 + spec.num_speculative_blocks)
             state_bytes += len(group.layer_names) * spec.max_memory_usage_bytes(vllm_config)
@@ -309,4 +313,5 @@ def kv_cache_report(llm: LLM) -> KVCacheReport:
         gdn_blocks_per_request=blocks,
         gdn_state_bytes_per_request=state_bytes,
         gdn_buffer_bytes_per_request=buffer_bytes,
+        attention_block_size=attention_block_size,
     )
