@@ -131,9 +131,16 @@ def _name(widths) -> str:
     return "x".join(map(str, widths))
 
 
+# Where the long prompts start in the corpus. Not 0: there, prompt 4's 10th token sits at a near-tie (the exact model
+# prefers the reference's token by 0.0334, one bf16 step is 0.0312) that reconstruct with a plain chain of the same
+# drafter (widths [1, 1, 1], no tree code) resolves the other way too, as the trees do (measured 2026-11-30).
+LONG_PROMPT_OFFSET = 31
+
+
 def long_prompts(tokens: list[int], block_size: int) -> list[list[int]]:
     """Prompts that end 26 to 33 tokens before an attention block boundary: they cross it while decoding."""
-    return [tokens[i * 97 : i * 97 + block_size - 26 + i] for i in range(NUM_LONG_PROMPTS)]
+    start = LONG_PROMPT_OFFSET
+    return [tokens[start + i * 97 : start + i * 97 + block_size - 26 + i] for i in range(NUM_LONG_PROMPTS)]
 
 
 @pytest.fixture(scope="module")
