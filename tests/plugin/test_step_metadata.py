@@ -7,18 +7,23 @@ from types import SimpleNamespace
 import torch
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
+from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata, with_commit_nodes
+from vllm_treewy.vllm_plugin.tree_sampler import record_accepted_leaves
 
 NUM_SLOTS, MAX_ROWS = 8, 16
 
 
-def _builder(full_graphs: bool):
+def _builder(full_graphs: bool, widths=None):
     counts = torch.zeros(NUM_SLOTS, 1, dtype=torch.int32)
     layer = SimpleNamespace(kv_cache=(None, None, None, None, counts))
+    tree = None if widths is None else DraftTree.from_widths(widths)
+    speculative_config = SimpleNamespace(is_draft_tree=tree is not None, draft_tree=tree)
     return SimpleNamespace(
         layer_names=["gdn.0"], use_full_cuda_graph=full_graphs, decode_cudagraph_max_bs=MAX_ROWS,
         num_accepted_tokens=torch.ones(MAX_ROWS, dtype=torch.int32),
-        vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn.0": layer})),
+        vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn.0": layer}),
+                                    speculative_config=speculative_config),
     ), counts.view(-1)
 
 
@@ -83,3 +88,17 @@ def test_no_counts_before_the_kv_cache_is_bound():
     builder, _ = _builder(full_graphs=False)
     builder.vllm_config.compilation_config.static_forward_context["gdn.0"].kv_cache = (torch.empty(0),) * 2
     assert with_commit_nodes(builder, _spec_step([3], [4], [2])).commit_nodes.tolist() == [-1]
+
+
+def test_tree_steps_commit_the_leaf_the_sampler_recorded_and_carry_the_tree():
+    """Trees: vLLM's accepted count does not say which branch; the slot's count, rewritten after acceptance, does."""
+    builder, counts = _builder(full_graphs=False, widths=[2, 1])  # nodes 0, 1 at depth 1; 2 under 0; 3 under 1
+    first = with_commit_nodes(builder, _spec_step([3, 5], [5, 1], [1, 1]))  # slot 5: a decode without drafts
+    # block parents: root -1, nodes 0 and 1 under the root (block 0), node 2 under block 1, node 3 under block 2
+    assert first.parents.tolist() == [-1, 0, 0, 1, 2, -1]
+    assert first.ancestors[4].tolist() == [4, 2, 0] and first.tree_ancestors.shape == (5, 3)
+    # Slot 3 accepted node 1 then node 3 (block index 4); slot 5 verified only its root.
+    accepted = SimpleNamespace(last_accepted_node=torch.tensor([3]))
+    record_accepted_leaves(counts, torch.tensor([3]), accepted)
+    second = with_commit_nodes(builder, _spec_step([3, 5], [5, 5], [3, 1]))
+    assert second.commit_nodes.tolist() == [4, 0]  # not vLLM's accepted count - 1 (2): the recorded leaf
