@@ -16,6 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
+import prometheus_client
 import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -28,6 +29,7 @@ from vllm_treewy.vllm_plugin import tree_runner, tree_sampler
 from vllm_treewy.vllm_plugin.continuation_drafter import DRAFTS_ENV, write_drafts_file
 from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout
+from vllm_treewy.vllm_plugin.tree_budget import FALLBACK_METRIC
 
 pytestmark = pytest.mark.e2e
 
@@ -47,6 +49,7 @@ NUM_CORPUS_PROMPTS = 32  # the long prompts are cut from all of them, as in test
 STRONG_ATTENTION = 20.0
 PLANTED_BUGS = ("no_depth_positions", "no_kv_compaction")
 SIBLING_WIDTHS = [3, 2, 2]
+BUDGET_TOKENS = 48
 SIBLING_TRUE, SIBLING_PERTURBED = 0, 2
 
 
@@ -121,6 +124,7 @@ def recording_tree_logits(steps: list):
 @dataclass
 class TreeRuns:
     runs: dict = field(default_factory=dict)  # name -> GenerationRun
+    tree_fallbacks: dict = field(default_factory=dict)  # name -> requests that decoded without their tree
     verdicts: dict = field(default_factory=dict)  # name -> EquivalenceVerdict
     mixed_batches: dict = field(default_factory=dict)  # name -> GDN batch counts
     tree_logits: dict = field(default_factory=dict)  # name -> list of per-step logits
@@ -152,6 +156,8 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     workloads = {
         "standard": (prompts[:NUM_PROMPTS], [16 + (i * 5) % 9 for i in range(NUM_PROMPTS)]),
         "single": (prompts[3:4], [24]),
+        # 3-token prompts that prefill in one step and then all decode together
+        "short": ([prompts[i] for i in (0, 8, 16, 24)], [20, 18, 21, 19]),
     }
     # name -> (model, workload, widths, true branch, perturbed branch, planted bug, engine kwargs)
     plan = {f"tree-{_name(w)}": ("fixture", "standard", w, TRUE_BRANCH, None, None, {}) for w in WIDTHS}
@@ -159,6 +165,9 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     plan.update({bug: ("strong", "standard", [2, 2, 1], TRUE_BRANCH, None, bug, {}) for bug in PLANTED_BUGS})
     for widths in ([3, 2, 2], [4, 2]):  # the true path on the last child of every level
         plan[f"last-branch-{_name(widths)}"] = ("fixture", "single", widths, max(widths), None, None, {})
+    # A token budget that fits two whole [3, 2, 2] trees (22 tokens each) per step: the third request falls back.
+    plan["budget-3x2x2"] = ("fixture", "short", [3, 2, 2], TRUE_BRANCH, None, None,
+                            dict(max_num_batched_tokens=BUDGET_TOKENS))
     plan["siblings"] = ("fixture", "single", SIBLING_WIDTHS, SIBLING_TRUE, None, None, {})
     plan["siblings-perturbed"] = ("fixture", "single", SIBLING_WIDTHS, SIBLING_TRUE, SIBLING_PERTURBED, None, {})
 
@@ -196,6 +205,12 @@ def _run_trees(results: TreeRuns, plan: dict, models: dict, workloads: dict, tmp
               count_mixed_batches(results.mixed_batches.setdefault(name, {})), recording_tree_logits(logits)):
             results.runs[name] = run_greedy(models[model], workload_prompts, max_tokens, speculative_config=tree_spec(
                 widths), **{"max_num_seqs": MAX_NUM_SEQS, **kwargs})
+        results.tree_fallbacks[name] = _tree_fallbacks()
+
+
+def _tree_fallbacks() -> float:
+    """The counter of the engine that ran last (an engine's start drops the previous engine's)."""
+    return prometheus_client.REGISTRY.get_sample_value(f"{FALLBACK_METRIC}_total") or 0.0
 
 
 # Engines live in functions: a variable still holding a closed engine would tear down the next one's
@@ -235,6 +250,14 @@ def test_tree_survives_preemption(tree_e2e, widths):
     name = f"preempted-{_name(widths)}"
     assert tree_e2e.runs[name].num_preemptions > 0, "the workload did not preempt any request"
     assert tree_e2e.verdicts[name].passed, tree_e2e.verdicts[name].summary()
+
+
+def test_a_tree_that_does_not_fit_the_token_budget_decodes_without_speculation(tree_e2e):
+    name = "budget-3x2x2"
+    assert tree_e2e.tree_fallbacks[name] > 0, "no request was left without room for its whole tree"
+    assert tree_e2e.verdicts[name].passed, tree_e2e.verdicts[name].summary()
+    assert tree_e2e.runs[name].acceptance.accepted_per_position[2] > 0  # the others still verify whole trees
+    assert all(tree_e2e.tree_fallbacks[f"tree-{_name(w)}"] == 0 for w in WIDTHS)
 
 
 def test_planted_attention_bugs_fail_where_the_wiring_passes(tree_e2e):

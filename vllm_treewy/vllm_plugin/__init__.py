@@ -8,12 +8,20 @@ in every process (front end, engine core, workers) before it builds configs and 
 def register() -> None:
     from vllm.platforms import current_platform
 
-    from vllm_treewy.vllm_plugin import config, gdn_layer, pseudo_value_buffer, step_metadata, tree_runner
+    from vllm_treewy.vllm_plugin import (
+        config,
+        gdn_layer,
+        pseudo_value_buffer,
+        step_metadata,
+        tree_budget,
+        tree_runner,
+    )
 
     config.install()
     gdn_layer.install()
     pseudo_value_buffer.install()
     step_metadata.install()
+    tree_budget.install()
     if current_platform.is_cpu():
         from vllm_treewy.vllm_plugin import gdn_cpu
 

@@ -79,6 +79,11 @@ class TreewySpeculativeConfig(SpeculativeConfig):
         if self.mamba_state_commit != "reconstruct":
             raise ValueError(f"draft_tree_widths={widths}: draft trees (a width > 1) are not supported with "
                              f"mamba_state_commit={self.mamba_state_commit!r}; use 'reconstruct'")
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise ValueError(f"draft_tree_widths={widths}: draft trees run on vLLM's CPU backend only for now "
+                             "(tree attention reads the CPU paged KV layout)")
 
     def _validate_reconstruct(self) -> None:
         if self.method not in RECONSTRUCT_METHODS:

@@ -131,6 +131,12 @@ CPU_ATTENTION_FORWARD = PatchPoint(
     ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
 )
 
+SCHEDULER_UPDATE_AFTER_SCHEDULE = PatchPoint(
+    "vllm.v1.core.sched.scheduler", "Scheduler._update_after_schedule", "wraps",
+    "draft trees: before the step is committed, a request whose whole tree does not fit keeps no drafts",
+    ("self", "scheduler_output"),
+)
+
 # The models whose GDN layers are `QwenGatedDeltaNetAttention`: vLLM sizes a hybrid's pages from these classmethods.
 _GDN_MODELS = (
     ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLMBase"),
@@ -163,6 +169,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_BUILD_ATTENTION_METADATA,
     RUNNER_SAMPLE,
     CPU_ATTENTION_FORWARD,
+    SCHEDULER_UPDATE_AFTER_SCHEDULE,
     *MODEL_STATE_SHAPES,
     *MODEL_STATE_DTYPES,
 )

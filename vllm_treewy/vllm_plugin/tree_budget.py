@@ -1,0 +1,62 @@
+"""A draft tree is verified whole or not at all: a request whose N nodes do not all fit this step runs without
+speculation.
+
+vLLM's scheduler cuts a request's drafts to what the step's token budget (or max_model_len) leaves, which for a
+chain is a shorter chain. The tree runner verifies one static shape, so before the scheduler commits a step
+(`_update_after_schedule`, which advances num_computed_tokens by what the step schedules), every request scheduled
+with 0 < drafts < N keeps only its one decode token and no drafts. Each such fallback counts in the Prometheus
+counter `vllm:treewy_tree_fallbacks` (`LLM.get_metrics()` lists it once it counted one): since the engine started, as
+vLLM's own counters (vLLM unregisters every "vllm:" collector when an engine starts).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.patch_points import SCHEDULER_UPDATE_AFTER_SCHEDULE
+
+FALLBACK_METRIC = "vllm:treewy_tree_fallbacks"
+_fallback_counter = None  # the counter registered now (a registry holds one collector per name)
+
+
+def count_fallbacks(num_requests: int) -> None:
+    global _fallback_counter
+    import prometheus_client
+
+    if _fallback_counter is None or prometheus_client.REGISTRY.get_sample_value(f"{FALLBACK_METRIC}_total") is None:
+        # None yet, or unregistered by an engine that started since: count this engine's from 0.
+        _fallback_counter = prometheus_client.Counter(
+            FALLBACK_METRIC, "Requests whose whole draft tree did not fit a step's token budget, so that they decoded "
+            "without speculation that step")
+    _fallback_counter.inc(num_requests)
+
+
+def drop_partial_trees(scheduler_output, num_nodes: int) -> list[str]:
+    """Requests scheduled with part of a tree keep their one decode token only; returns their ids."""
+    partial = [req_id for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
+               if 0 < len(drafts) < num_nodes]
+    for req_id in partial:
+        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.pop(req_id))
+        scheduler_output.num_scheduled_tokens[req_id] -= num_drafts
+        scheduler_output.total_num_scheduled_tokens -= num_drafts
+    return partial
+
+
+def _whole_trees_only(original):
+    @functools.wraps(original)
+    def update_after_schedule(self, scheduler_output):
+        tree = draft_tree_of(self.vllm_config.speculative_config)
+        if tree is not None:
+            fallbacks = drop_partial_trees(scheduler_output, tree.num_nodes)
+            if fallbacks:
+                count_fallbacks(len(fallbacks))
+        return original(self, scheduler_output)
+
+    update_after_schedule.whole_trees_only = True
+    return update_after_schedule
+
+
+def install() -> None:
+    if not getattr(SCHEDULER_UPDATE_AFTER_SCHEDULE.resolve(), "whole_trees_only", False):
+        SCHEDULER_UPDATE_AFTER_SCHEDULE.replace(_whole_trees_only(SCHEDULER_UPDATE_AFTER_SCHEDULE.resolve()))
