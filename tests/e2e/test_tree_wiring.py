@@ -314,3 +314,15 @@ def test_gdn_state_is_one_block_per_request(tree_e2e, fixture_model, widths):
     assert layout.num_nodes == 1 + num_nodes
     per_layer = layout.num_nodes * (layout.factor_width * 4 + layout.conv_dim * 2) + 4  # fp32, bf16, count
     assert report.gdn_buffer_bytes_per_request == config.layer_types.count("linear_attention") * per_layer
+
+
+def test_non_greedy_sampling_is_refused_with_trees(fixture_model, tmp_path):
+    """Tree verification is greedy; a sampled request reaching a tree step gets the reason, not a wrong answer."""
+    from vllm import SamplingParams
+
+    prompts = fixture_prompts(AutoTokenizer.from_pretrained(fixture_model), 1)
+    with continuation_drafts(tmp_path / "drafts.json", []), engine(
+            fixture_model, max_num_seqs=MAX_NUM_SEQS, speculative_config=tree_spec([2, 1])) as llm:
+        with pytest.raises(Exception, match="verifies draft trees greedily only"):
+            llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.8, max_tokens=8, seed=1),
+                         use_tqdm=False)
