@@ -191,8 +191,8 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     plan.update(preemption_plan)
 
     for model in models:
-        _judge(results, model, models[model], {name: workloads[run[1]] for name, run in plan.items() if run[0] == model},
-               {name: run[1] for name, run in plan.items()})
+        runs_of_model = {name: workloads[run[1]] for name, run in plan.items() if run[0] == model}
+        _judge(results, model, models[model], runs_of_model, {name: run[1] for name, run in plan.items()})
     return results
 
 
