@@ -83,3 +83,42 @@ def test_no_counts_before_the_kv_cache_is_bound():
     builder, _ = _builder(full_graphs=False)
     builder.vllm_config.compilation_config.static_forward_context["gdn.0"].kv_cache = (torch.empty(0),) * 2
     assert with_commit_nodes(builder, _spec_step([3], [4], [2])).commit_nodes.tolist() == [-1]
+
+
+def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_path):
+    """vLLM's GDN builder stages a FULL-graph decode batch in a [rows, 1 + k] buffer, broadcasting reconstruct's one
+    block per request into it: its column 0 is strided. The kernels index slots flat, so the wrapped build must hand
+    them a contiguous copy (on the H200 every request of a batch read the first request's slot before it did)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from tests.plugin.test_config import engine_config
+    from vllm_treewy.fixture import build_fixture
+    from vllm_treewy.vllm_plugin import register
+
+    register()
+    k = 3
+    config = engine_config(str(build_fixture(tmp_path / "fixture")),
+                           {"method": "mtp", "num_speculative_tokens": k, "mamba_state_commit": "reconstruct"})
+    counts = torch.zeros(NUM_SLOTS, 1, dtype=torch.int32)
+    config.compilation_config.static_forward_context["gdn.0"] = SimpleNamespace(kv_cache=(None,) * 4 + (counts,))
+    with set_current_vllm_config(config):
+        spec = MambaSpec(block_size=512, shapes=((3, 64),), dtypes=(torch.bfloat16,), num_speculative_blocks=0)
+        builder = GDNAttentionMetadataBuilder(spec, ["gdn.0"], config, torch.device("cpu"))
+    builder.use_full_cuda_graph = True  # as on CUDA (the CPU platform turns CUDA graphs off)
+    cu = torch.arange(4, dtype=torch.int32) * (1 + k)
+    common = CommonAttentionMetadata(
+        query_start_loc=cu, query_start_loc_cpu=cu.clone(), seq_lens=torch.tensor([20, 30, 40], dtype=torch.int32),
+        num_reqs=3, num_actual_tokens=int(cu[-1]), max_query_len=1 + k, max_seq_len=40,
+        block_table_tensor=torch.tensor([[7], [2], [5]], dtype=torch.int32),
+        slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64),
+    )
+    counts[[7, 2], 0] = 1 + k  # slots 7 and 2 hold a verify to commit; 5 is a request's first speculative step
+    metadata = builder.build(0, common, num_accepted_tokens=torch.tensor([2, 4, 1], dtype=torch.int32),
+                             num_decode_draft_tokens_cpu=torch.tensor([k, k, k], dtype=torch.int32))
+    assert metadata.spec_state_indices_tensor.stride(0) == 1 + k  # vLLM's staged buffer, strided column 0
+    assert metadata.spec_slots.tolist() == [7, 2, 5] and metadata.spec_slots.is_contiguous()
+    assert metadata.spec_slots.data_ptr() == builder.treewy_spec_slots.data_ptr()
+    assert metadata.commit_nodes.tolist() == [1, 3, -1]
