@@ -68,7 +68,8 @@ def test_conv_step_commits_the_pending_draft_then_convolves(batch, rows_per_slot
                                 pending, pending_ancestors=pending_ancestors, activation=activation)
     state, step_inputs = conv_state.clone().to(DEVICE), inputs.clone().to(DEVICE)
     out = torch.full_like(x, float("nan")).to(DEVICE)
-    conv_step_triton(x.to(DEVICE), state, slots.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE),
+    device_bias = None if bias is None else bias.to(DEVICE)
+    conv_step_triton(x.to(DEVICE), state, slots.to(DEVICE), weight.to(DEVICE), device_bias,
                      packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), step_inputs, pending.to(DEVICE),
                      pending_ancestors=None if pending_ancestors is None else pending_ancestors.to(DEVICE),
                      activation=activation, out=out, block_nodes=4, block_d=32)

@@ -30,7 +30,8 @@ def _spec_step(slots, nodes, accepted, padding_rows=0):
         num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=len(slots),
         num_spec_decode_tokens=sum(nodes), num_actual_tokens=sum(nodes),
         # vLLM's FULL-graph buffer has 1 + k columns and broadcasts the one block of each request into them
-        spec_query_start_loc=cu, spec_state_indices_tensor=torch.tensor(slots + [0] * padding_rows)[:, None].expand(-1, 4),
+        spec_query_start_loc=cu,
+        spec_state_indices_tensor=torch.tensor(slots + [0] * padding_rows)[:, None].expand(-1, 4),
         spec_sequence_masks=torch.ones(rows, dtype=torch.bool),
         num_accepted_tokens=torch.tensor(accepted + [1] * padding_rows, dtype=torch.int32),
     )
