@@ -475,8 +475,8 @@ def gdn_step_triton(
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
                    max_nodes=max_nodes, max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps,
-                   activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k, num_warps=num_warps,
-                   prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
+                   activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k,
+                   num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot)
 
 
