@@ -2,10 +2,11 @@
 the slots' verified-node counts: a slot that a finished or preempted request left with a pending commit is never
 committed into by the prefill that takes it next, nor by that request's first speculative step."""
 
+import functools
 from types import SimpleNamespace
 
 import torch
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttentionMetadataBuilder
 
 from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata, with_commit_nodes
 
@@ -15,11 +16,13 @@ NUM_SLOTS, MAX_ROWS = 8, 16
 def _builder(full_graphs: bool):
     counts = torch.zeros(NUM_SLOTS, 1, dtype=torch.int32)
     layer = SimpleNamespace(kv_cache=(None, None, None, None, counts))
-    return SimpleNamespace(
+    builder = SimpleNamespace(
         layer_names=["gdn.0"], use_full_cuda_graph=full_graphs, decode_cudagraph_max_bs=MAX_ROWS,
         num_accepted_tokens=torch.ones(MAX_ROWS, dtype=torch.int32),
         vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn.0": layer})),
-    ), counts.view(-1)
+    )
+    builder._stage_spec_decode = functools.partial(GDNAttentionMetadataBuilder._stage_spec_decode, builder)
+    return builder, counts.view(-1)
 
 
 def _spec_step(slots, nodes, accepted, padding_rows=0):
@@ -78,6 +81,31 @@ def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
     assert second.commit_nodes.tolist() == [2, -1, -1]  # padding rows (the null slot) commit nothing
     assert second.spec_slots.tolist() == [3, 0, 0] and second.spec_slots.is_contiguous()
     assert counts[0] == 0  # nor are they counted
+
+
+def test_the_null_block_never_commits():
+    """CUDA-graph capture batches put every row in the null block 0: none of them may commit there (they would all
+    write the one slot at once), however often captures repeat."""
+    builder, counts = _builder(full_graphs=True)
+    for _ in range(2):
+        capture = with_commit_nodes(builder, _spec_step([0, 0, 0], [4, 4, 4], [4, 4, 4]))
+        assert capture.commit_nodes.tolist() == [-1, -1, -1]
+    assert counts[0] == 0
+
+
+def test_every_non_speculative_row_clears_its_slot():
+    """A new owner's first step may be a one-token row that vLLM counts as a decode (no prefill in the batch): its
+    slot's count is cleared too, so its first speculative step commits nothing of the previous owner."""
+    builder, counts = _builder(full_graphs=False)
+    with_commit_nodes(builder, _spec_step([3], [4], [1]))
+    step = _spec_step([3], [4], [1])
+    no_spec = GDNAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=1, num_decode_tokens=1, num_spec_decodes=0,
+        num_spec_decode_tokens=0, num_actual_tokens=1, non_spec_state_indices_tensor=torch.tensor([3]),
+    )
+    with_commit_nodes(builder, no_spec)
+    assert counts[3] == 0
+    assert with_commit_nodes(builder, step).commit_nodes.tolist() == [-1]
 
 
 def test_no_counts_before_the_kv_cache_is_bound():
