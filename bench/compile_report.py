@@ -34,7 +34,8 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
     """`variant`: the kernel's launch constexprs beyond the shape ones (BK, PREFETCH, ROW_SUMS, ...)."""
     names = _gated_step_kernel.arg_names
     const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
-                 BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu", DO_VERIFY=verify, HAS_PENDING=pending,
+                 BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
+                 DO_VERIFY=verify, HAS_PENDING=pending,
                  EXACT_TF32=verify and state_dtype == "bf16", **variant)  # q/k/v are bf16 here
     sig = {}
     for name in names:

@@ -47,7 +47,9 @@ def main(argv=None) -> int:
     from vllm.platforms import current_platform
 
     # what the gpu-vllm site runs (its README); vLLM's CPU backend picks its own
-    CUDA_ONLY = dict(attention_backend="TRITON_ATTN", gdn_prefill_backend="triton") if current_platform.is_cuda() else {}
+    cuda_only = {}
+    if current_platform.is_cuda():
+        cuda_only = dict(attention_backend="TRITON_ATTN", gdn_prefill_backend="triton")
     model = prepare_qwen35_shape(Path(f"/tmp/{args.shape}"), args.shape).path
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
             "rejection_sample_method": "synthetic", "synthetic_acceptance_length": args.acceptance_length}
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager,
                     max_model_len=args.prompt_len + args.max_tokens + 2 * args.k, max_num_seqs=args.requests,
                     max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype="float32",
-                    **CUDA_ONLY) as llm:
+                    **cuda_only) as llm:
             result["engine_start_s"] = time.perf_counter() - start
             llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
             before = read_acceptance(llm)

@@ -13,12 +13,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from vllm_treewy.kernels.triton import (  # noqa: E402
     PendingCommit,
+    ancestor_table,
     commit_layers_triton,
     commit_packed_triton,
-    conv_commit_triton,
+    conv_step_triton,
     serial_tree_triton,
     state_pool_table,
-    tree_conv_triton,
     verify_packed_triton,
 )
 
@@ -134,30 +134,39 @@ def test_serial_baseline_vs_reference():
 
 
 @pytest.mark.parametrize("history_len, dtype", [(3, torch.bfloat16), (6, torch.float32)])
-def test_tree_conv_vs_reference(history_len, dtype):
-    channels, width = 2 * H * K + HV * V, 4
-    packed = pack_trees(TREES, device="cuda")
+def test_conv_step_vs_reference(history_len, dtype):
+    """Two conv steps of one static tree shape: the first convolves from the history, the second commits the first's
+    accepted nodes (any node of the tree) and convolves again."""
+    shape = DraftTree.from_widths([4, 2, 2]).with_root().parents
+    batch = [shape] * 4
+    channels, width, rows_per_slot = 2 * H * K + HV * V, 4, len(shape)
+    packed = pack_trees(batch, device="cuda")
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(packed.num_nodes, channels, generator=gen).to(dtype).cuda()
+    x, x_next = (torch.randn(packed.num_nodes, channels, generator=gen).to(dtype).cuda() for _ in range(2))
     weight = torch.randn(channels, width, generator=gen).to(dtype).cuda()
     bias = torch.randn(channels, generator=gen).to(dtype).cuda()
     # vLLM's layout: [S, L, D] storage viewed as [S, D, L]
-    conv_state = torch.randn(len(TREES) + 2, history_len, channels, generator=gen).to(dtype).cuda().transpose(1, 2)
+    conv_state = torch.randn(len(batch) + 2, history_len, channels, generator=gen).to(dtype).cuda().transpose(1, 2)
+    before = conv_state.clone()
+    inputs = torch.zeros(len(batch) + 2, rows_per_slot, channels, dtype=dtype, device="cuda")
     slots = torch.tensor([4, 0, 2, 5], dtype=torch.int32, device="cuda")
-    out = tree_conv_triton(x, conv_state, slots, weight, bias, packed.parents, packed.cu_nodes, activation="silu")
-    twin = conv_verify_packed(x, conv_state, slots, weight, bias, packed.parents, packed.cu_nodes, activation="silu")
-    assert relative_error(out, twin.float()) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    ancestors = ancestor_table(packed.parents[:rows_per_slot], packed.cu_nodes[:2], len(shape)).contiguous()
+    out = conv_step_triton(x, conv_state, slots, weight, bias, packed.parents, packed.cu_nodes, inputs, None,
+                           activation="silu")
+    twin = conv_verify_packed(x, before, slots, weight, bias, packed.parents, packed.cu_nodes, activation="silu")
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert relative_error(out, twin.float()) <= tolerance
     accepted = torch.tensor([28, 9, 0, -1], dtype=torch.int32, device="cuda")
-    committed = conv_state.clone()
-    conv_commit_triton(committed, slots, x, packed.parents, packed.cu_nodes, accepted)
-    for b in range(len(TREES)):
+    conv_step_triton(x_next, conv_state, slots, weight, bias, packed.parents, packed.cu_nodes, inputs, accepted,
+                     pending_ancestors=ancestors, activation="silu")
+    for b in range(len(batch)):
         rows = slice(int(packed.cu_nodes[b]), int(packed.cu_nodes[b + 1]))
-        expected = reference_tree_conv(x[rows].cpu(), conv_state[int(slots[b])].cpu(), weight.cpu(), bias.cpu(),
-                                       TREES[b], "silu")
-        assert relative_error(out[rows], expected.out) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
-        after = committed[int(slots[b])].cpu()
-        before = conv_state[int(slots[b])].cpu()
-        assert torch.equal(after, before if accepted[b] < 0 else expected.history[int(accepted[b])].to(dtype))
+        expected = reference_tree_conv(x[rows].cpu(), before[int(slots[b])].cpu(), weight.cpu(), bias.cpu(),
+                                       shape, "silu")
+        assert relative_error(out[rows], expected.out) <= tolerance
+        after = conv_state[int(slots[b])].cpu()
+        assert torch.equal(after, before[int(slots[b])].cpu() if accepted[b] < 0
+                           else expected.history[int(accepted[b])].to(dtype))
 
 
 @pytest.mark.parametrize("trees, chain", [(CHAINS, True), (TREES, False)])

@@ -22,7 +22,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is rounded once on the way out
 SPARE_SLOTS = 2
 # the tensor-core layout (the default) and the one-row-per-thread layouts
-VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True), dict(block_k=16, state_dot=True, late_node_terms=False),
+VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
+            dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
             dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16

@@ -51,7 +51,8 @@ def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):
         ancestors = ancestor_table_torch(parents, cu, tree.max_depth)
     return SimpleNamespace(spec_slots=slots, spec_query_start_loc=cu, parents=parents, ancestors=ancestors,
                            commit_nodes=torch.tensor(commit_nodes, dtype=torch.int32),
-                           node_slots=slots.long().repeat_interleave(n), node_indices=torch.arange(n).repeat(len(slots)))
+                           node_slots=slots.long().repeat_interleave(n),
+                           node_indices=torch.arange(n).repeat(len(slots)))
 
 
 def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTree | None = None, triton=False):
@@ -60,7 +61,8 @@ def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTre
     (normed outputs) with a bf16 SSM state (its launch defaults take the row layout, which K = 8 needs)."""
     torch.manual_seed(1)
     layer = _gdn_layer_stand_in()
-    caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3, conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
+    caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3,
+                  conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
                   ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1,
                   buffer=_empty_buffer(layout=LAYOUT if tree is None else TREE_LAYOUT))
     if triton:

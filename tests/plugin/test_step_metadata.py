@@ -2,10 +2,11 @@
 the slots' verified-node counts: a slot that a finished or preempted request left with a pending commit is never
 committed into by the prefill that takes it next, nor by that request's first speculative step."""
 
+import functools
 from types import SimpleNamespace
 
 import torch
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttentionMetadataBuilder
 
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata, with_commit_nodes
@@ -19,12 +20,14 @@ def _builder(full_graphs: bool, widths=None):
     layer = SimpleNamespace(kv_cache=(None, None, None, None, counts))
     tree = None if widths is None else DraftTree.from_widths(widths)
     speculative_config = SimpleNamespace(is_draft_tree=tree is not None, draft_tree=tree)
-    return SimpleNamespace(
+    builder = SimpleNamespace(
         layer_names=["gdn.0"], use_full_cuda_graph=full_graphs, decode_cudagraph_max_bs=MAX_ROWS,
         num_accepted_tokens=torch.ones(MAX_ROWS, dtype=torch.int32),
         vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn.0": layer}),
                                     speculative_config=speculative_config),
-    ), counts.view(-1)
+    )
+    builder._stage_spec_decode = functools.partial(GDNAttentionMetadataBuilder._stage_spec_decode, builder)
+    return builder, counts.view(-1)
 
 
 def _spec_step(slots, nodes, accepted, padding_rows=0):
@@ -35,7 +38,8 @@ def _spec_step(slots, nodes, accepted, padding_rows=0):
         num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=len(slots),
         num_spec_decode_tokens=sum(nodes), num_actual_tokens=sum(nodes),
         # vLLM's FULL-graph buffer has 1 + k columns and broadcasts the one block of each request into them
-        spec_query_start_loc=cu, spec_state_indices_tensor=torch.tensor(slots + [0] * padding_rows)[:, None].expand(-1, 4),
+        spec_query_start_loc=cu,
+        spec_state_indices_tensor=torch.tensor(slots + [0] * padding_rows)[:, None].expand(-1, 4),
         spec_sequence_masks=torch.ones(rows, dtype=torch.bool),
         num_accepted_tokens=torch.tensor(accepted + [1] * padding_rows, dtype=torch.int32),
     )
@@ -84,6 +88,31 @@ def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
     assert counts[0] == 0  # nor are they counted
 
 
+def test_the_null_block_never_commits():
+    """CUDA-graph capture batches put every row in the null block 0: none of them may commit there (they would all
+    write the one slot at once), however often captures repeat."""
+    builder, counts = _builder(full_graphs=True)
+    for _ in range(2):
+        capture = with_commit_nodes(builder, _spec_step([0, 0, 0], [4, 4, 4], [4, 4, 4]))
+        assert capture.commit_nodes.tolist() == [-1, -1, -1]
+    assert counts[0] == 0
+
+
+def test_every_non_speculative_row_clears_its_slot():
+    """A new owner's first step may be a one-token row that vLLM counts as a decode (no prefill in the batch): its
+    slot's count is cleared too, so its first speculative step commits nothing of the previous owner."""
+    builder, counts = _builder(full_graphs=False)
+    with_commit_nodes(builder, _spec_step([3], [4], [1]))
+    step = _spec_step([3], [4], [1])
+    no_spec = GDNAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=1, num_decode_tokens=1, num_spec_decodes=0,
+        num_spec_decode_tokens=0, num_actual_tokens=1, non_spec_state_indices_tensor=torch.tensor([3]),
+    )
+    with_commit_nodes(builder, no_spec)
+    assert counts[3] == 0
+    assert with_commit_nodes(builder, step).commit_nodes.tolist() == [-1]
+
+
 def test_no_counts_before_the_kv_cache_is_bound():
     builder, _ = _builder(full_graphs=False)
     builder.vllm_config.compilation_config.static_forward_context["gdn.0"].kv_cache = (torch.empty(0),) * 2
@@ -102,3 +131,42 @@ def test_tree_steps_commit_the_leaf_the_sampler_recorded_and_carry_the_tree():
     record_accepted_leaves(counts, torch.tensor([3]), accepted)
     second = with_commit_nodes(builder, _spec_step([3, 5], [5, 5], [3, 1]))
     assert second.commit_nodes.tolist() == [4, 0]  # not vLLM's accepted count - 1 (2): the recorded leaf
+
+
+def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_path):
+    """vLLM's GDN builder stages a FULL-graph decode batch in a [rows, 1 + k] buffer, broadcasting reconstruct's one
+    block per request into it: its column 0 is strided. The kernels index slots flat, so the wrapped build must hand
+    them a contiguous copy (on the H200 every request of a batch read the first request's slot before it did)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from tests.plugin.test_config import engine_config
+    from vllm_treewy.fixture import build_fixture
+    from vllm_treewy.vllm_plugin import register
+
+    register()
+    k = 3
+    config = engine_config(str(build_fixture(tmp_path / "fixture")),
+                           {"method": "mtp", "num_speculative_tokens": k, "mamba_state_commit": "reconstruct"})
+    counts = torch.zeros(NUM_SLOTS, 1, dtype=torch.int32)
+    config.compilation_config.static_forward_context["gdn.0"] = SimpleNamespace(kv_cache=(None,) * 4 + (counts,))
+    with set_current_vllm_config(config):
+        spec = MambaSpec(block_size=512, shapes=((3, 64),), dtypes=(torch.bfloat16,), num_speculative_blocks=0)
+        builder = GDNAttentionMetadataBuilder(spec, ["gdn.0"], config, torch.device("cpu"))
+    builder.use_full_cuda_graph = True  # as on CUDA (the CPU platform turns CUDA graphs off)
+    cu = torch.arange(4, dtype=torch.int32) * (1 + k)
+    common = CommonAttentionMetadata(
+        query_start_loc=cu, query_start_loc_cpu=cu.clone(), seq_lens=torch.tensor([20, 30, 40], dtype=torch.int32),
+        num_reqs=3, num_actual_tokens=int(cu[-1]), max_query_len=1 + k, max_seq_len=40,
+        block_table_tensor=torch.tensor([[7], [2], [5]], dtype=torch.int32),
+        slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64),
+    )
+    counts[[7, 2], 0] = 1 + k  # slots 7 and 2 hold a verify to commit; 5 is a request's first speculative step
+    metadata = builder.build(0, common, num_accepted_tokens=torch.tensor([2, 4, 1], dtype=torch.int32),
+                             num_decode_draft_tokens_cpu=torch.tensor([k, k, k], dtype=torch.int32))
+    assert metadata.spec_state_indices_tensor.stride(0) == 1 + k  # vLLM's staged buffer, strided column 0
+    assert metadata.spec_slots.tolist() == [7, 2, 5] and metadata.spec_slots.is_contiguous()
+    assert metadata.spec_slots.data_ptr() == builder.treewy_spec_slots.data_ptr()
+    assert metadata.commit_nodes.tolist() == [1, 3, -1]

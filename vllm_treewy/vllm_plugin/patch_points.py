@@ -74,7 +74,8 @@ V2_UNSUPPORTED_FEATURES = PatchPoint(
 _GDN_BUILDER = "vllm.v1.attention.backends.gdn_attn"
 GDN_METADATA_BUILD = PatchPoint(
     _GDN_BUILDER, "GDNAttentionMetadataBuilder.build", "wraps",
-    "once per step and KV-cache group, outside CUDA graphs: which node each slot commits, and the slots' counts",
+    "per step and KV-cache group (and per CUDA-graph capture), outside the graphs: which node each slot commits, "
+    "and the slots' counts",
     ("self", "common_prefix_len", "common_attn_metadata", "num_accepted_tokens", "num_decode_draft_tokens_cpu"),
 )
 GDN_STAGES_SPEC_DECODE = PatchPoint(

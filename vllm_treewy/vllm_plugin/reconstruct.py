@@ -9,7 +9,7 @@ The drafts are chains or one static tree shape per speculating request (the veri
 nodes). The step metadata carries `parents` `[N]` (local, packed) and `ancestors`: None for chains, else the packed
 ancestor table `[N, D]` of this step's block (`vllm_treewy.kernels.triton._tree.ancestor_table(parents, cu, D)`,
 D = the tree's depth counted in nodes). The previous step verified the same shape, so its table, which the pending
-commit follows, is any request's rows of this one.
+commit follows, is the first request's rows of this one (every speculating request verifies the whole tree).
 """
 
 from __future__ import annotations

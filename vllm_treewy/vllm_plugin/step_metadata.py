@@ -24,11 +24,12 @@ from functools import cached_property
 
 import torch
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from vllm_treewy.kernels.triton._tree import ancestor_table_torch
 from vllm_treewy.tree import DraftTree, chain_parents, node_requests
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD, GDN_STAGES_SPEC_DECODE
+from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD
 
 
 @dataclass
@@ -109,20 +110,27 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
             result.tree_ancestors = verified_tree_ancestors(tree, slots.device)
             result.ancestors = result.tree_ancestors[result.node_indices].contiguous()
         if counts is not None:
-            pending = counts[slots[:num_spec].long()] > 0
+            rows = slots[:num_spec].long()
+            # The null block (CUDA-graph capture and padding rows point there) never holds a verify to commit: else
+            # every row of a capture would commit into it at once.
+            pending = (counts[rows] > 0) & (rows != NULL_BLOCK_ID)
             if tree is None:
                 accepted = metadata.num_accepted_tokens[:num_spec].to(slots.dtype) - 1
             else:  # the tree sampler's record: 1 + the accepted leaf's block index
-                accepted = counts[slots[:num_spec].long()].to(slots.dtype) - 1
+                accepted = counts[rows].to(slots.dtype) - 1
             commit_nodes[:num_spec] = torch.where(pending, accepted, -1)
-            counts[slots[:num_spec].long()] = metadata.spec_query_start_loc[: num_spec + 1].diff().to(counts.dtype)
-        if GDN_STAGES_SPEC_DECODE.resolve()(builder, metadata.num_prefills, metadata.num_decodes, num_spec,
-                                            metadata.num_spec_decode_tokens):
+            counts[rows] = metadata.spec_query_start_loc[: num_spec + 1].diff().to(counts.dtype)
+            counts[NULL_BLOCK_ID] = 0
+        # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
+        if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, num_spec,
+                                      metadata.num_spec_decode_tokens):
             slots, commit_nodes = (_staged(builder, name, values) for name, values in
                                    (("treewy_spec_slots", slots), ("treewy_commit_nodes", commit_nodes)))
         result.spec_slots, result.commit_nodes = slots, commit_nodes
-    if counts is not None and metadata.num_prefills > 0 and metadata.non_spec_state_indices_tensor is not None:
-        counts[metadata.non_spec_state_indices_tensor.long()] = 0  # prefills: a slot's new owner commits nothing
+    if counts is not None and metadata.non_spec_state_indices_tensor is not None:
+        # Every row outside the speculative path (prefills, and a first step that vLLM counts as a decode) starts
+        # or continues from the state vLLM's own kernels find in the slot: a slot's new owner commits nothing.
+        counts[metadata.non_spec_state_indices_tensor.long()] = 0
     return result
 
 

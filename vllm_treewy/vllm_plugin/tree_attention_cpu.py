@@ -34,6 +34,7 @@ from ..tree import node_requests
 
 SUPPORTED_ISAS = ("vec", "vec16", "amx")
 
+
 def _packing(isa: str, is_key: bool, block_size: int, head_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """One (block, head) packing as a 4-d memory shape, and the permutation that orders its axes as (token outer,
     token inner, dim outer, dim inner): token t is (t // inner, t % inner), a dimension likewise."""

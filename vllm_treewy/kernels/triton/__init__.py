@@ -1,11 +1,11 @@
 """Triton kernels (CUDA; CPU through TRITON_INTERPRET=1) for packed draft chains and trees: fused verify, commit
-in place (one layer or all layers in one launch), the tree causal conv1d and its commit, and the per-node serial
-baseline. Every kernel has a torch twin in `vllm_treewy.kernels.closed_form` / `vllm_treewy.kernels.conv` /
-`vllm_treewy.kernels.gated`."""
+in place (one layer or all layers in one launch), the speculative step of the tree causal conv1d (the previous
+step's commit, then this step's conv), the fused GDN step, and the per-node serial baseline. Every kernel has a
+torch twin in `vllm_treewy.kernels.closed_form` / `vllm_treewy.kernels.conv` / `vllm_treewy.kernels.gated`."""
 
 from ._tree import ancestor_table, ancestor_table_torch, ancestor_table_triton
 from .commit import commit_layers_triton, commit_packed_triton, state_pool_table
-from .conv import conv_commit_triton, conv_step_triton, tree_conv_triton
+from .conv import conv_step_triton
 from .gated import gdn_commit_triton, gdn_step_triton, slot_factor_width, split_slot_factors
 from .serial import serial_tree_triton
 from .verify import PendingCommit, verify_packed_triton
@@ -17,7 +17,6 @@ __all__ = [
     "ancestor_table_triton",
     "commit_layers_triton",
     "commit_packed_triton",
-    "conv_commit_triton",
     "conv_step_triton",
     "gdn_commit_triton",
     "gdn_step_triton",
@@ -25,6 +24,5 @@ __all__ = [
     "slot_factor_width",
     "split_slot_factors",
     "state_pool_table",
-    "tree_conv_triton",
     "verify_packed_triton",
 ]

@@ -1,5 +1,5 @@
-"""Causal depthwise conv1d over packed draft trees, and the conv-history commit of the accepted path, apart or as
-one speculative step (`conv_step_triton`: the previous step's commit, then this step's conv).
+"""Causal depthwise conv1d over packed draft trees and the conv-history commit of the accepted path, as one
+speculative step (`conv_step_triton`: the previous step's commit, then this step's conv).
 
 A node's input sequence is its request's committed history `conv_state[slot, :, 0 .. L-1]` (oldest first,
 L >= w-1; any strides, e.g. vLLM's) followed by its root-to-node path; its window is the last w entries.
@@ -43,56 +43,6 @@ def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, s
             acc = acc * tl.sigmoid(acc)
         tl.store(out + (bos + nodes)[:, None].to(tl.int64) * stride_out + o_d[None, :], acc.to(out.dtype.element_ty),
                  mask=m)
-
-
-@triton.jit
-def _tree_conv_kernel(
-    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out,
-    stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, D,
-    W: tl.constexpr, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-):
-    i_d, i_b = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    if slot < 0:
-        return
-    bos = tl.load(cu_nodes + i_b)
-    n = tl.load(cu_nodes + i_b + 1) - bos
-    o_d = i_d * BD + tl.arange(0, BD)
-    p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
-    _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, o_d < D, stride_x, stride_out, stride_cs_col,
-                   W, L, BN, BD, HAS_BIAS, SILU)
-
-
-@triton.jit
-def _conv_commit_kernel(
-    conv_state, state_indices, x, parents, cu_nodes, accepted,
-    stride_x, stride_cs_slot, stride_cs_dim, stride_cs_col, D,
-    L: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
-):
-    i_d, i_b = tl.program_id(0), tl.program_id(1)
-    node = tl.load(accepted + i_b)
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    if (node < 0) | (slot < 0):
-        return
-    bos = tl.load(cu_nodes + i_b)
-    o_d = i_d * BD + tl.arange(0, BD)
-    # new column L-1-t takes the entry t steps up from the accepted node
-    steps = tl.arange(0, BL)
-    src = tl.full([BL], 0, tl.int32)
-    cur = node
-    for t in tl.static_range(L):
-        src = tl.where(steps == t, cur, src)
-        cur = _step_up(parents, bos, cur)
-    m = (steps < L)[:, None] & (o_d < D)[None, :]
-    p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
-    from_x = tl.load(x + (bos + src)[:, None].to(tl.int64) * stride_x + o_d[None, :], mask=m & (src >= 0)[:, None],
-                     other=0.0)
-    from_hist = tl.load(p_hist + (L + src)[:, None] * stride_cs_col, mask=m & (src < 0)[:, None], other=0.0)
-    new_hist = from_x.to(conv_state.dtype.element_ty) + from_hist
-    # in place: every old column is read before any is overwritten
-    tl.debug_barrier()
-    tl.store(p_hist + (L - 1 - steps)[:, None] * stride_cs_col, new_hist, mask=m)
 
 
 @triton.jit
@@ -145,58 +95,6 @@ def _conv_step_kernel(
         tl.store(p_inputs + nodes[:, None] * stride_in_node, own.to(inputs.dtype.element_ty), mask=m)
 
 
-def tree_conv_triton(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    parents: torch.Tensor,
-    cu_nodes: torch.Tensor,
-    *,
-    activation: str | None = None,
-    out: torch.Tensor | None = None,
-    block_nodes: int = 16,
-    block_d: int = 256,
-) -> torch.Tensor:
-    """Conv output [N, D] in x's dtype (fp32 accumulation): act(bias + sum_t weight[:, w-1-t] * (entry t steps up
-    the node's path, continued into the history)). x [N, D] (last dim contiguous); conv_state [S, D, L];
-    state_indices [B] (negative: padding request, its rows are not written); weight [D, w]; activation None or
-    "silu". The history is only read. Capturable in a CUDA graph."""
-    D, W = weight.shape
-    assert x.stride(-1) == 1 and weight.is_contiguous() and activation in (None, "silu")
-    assert conv_state.shape[2] >= W - 1 and state_indices.stride(0) == 1
-    out = torch.empty_like(x) if out is None else out
-    _tree_conv_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
-        x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out,
-        x.stride(0), out.stride(0), *conv_state.stride(), D,
-        W=W, L=conv_state.shape[2], BN=block_nodes, BD=block_d, HAS_BIAS=bias is not None,
-        SILU=activation == "silu",
-    )
-    return out
-
-
-def conv_commit_triton(
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    x: torch.Tensor,
-    parents: torch.Tensor,
-    cu_nodes: torch.Tensor,
-    accepted: torch.Tensor,
-    *,
-    block_d: int = 256,
-) -> None:
-    """Write the last L entries of history + accepted path into each request's slot of conv_state [S, D, L], in
-    place; accepted [B] local node index, -1 (or a negative slot) leaves the slot unchanged."""
-    D, L = conv_state.shape[1], conv_state.shape[2]
-    assert x.stride(-1) == 1 and state_indices.stride(0) == 1 and accepted.stride(0) == 1
-    _conv_commit_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
-        conv_state, state_indices, x, parents, cu_nodes, accepted,
-        x.stride(0), *conv_state.stride(), D,
-        L=L, BL=triton.next_power_of_2(L), BD=block_d,
-    )
-
-
 def conv_step_triton(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -221,10 +119,13 @@ def conv_step_triton(
        place. The draft is a chain, or with `pending_ancestors` the previous step's tree, shared by every slot (a
        static shape): an int32 [T, D] ancestor table (row i: node i's d-th ancestors, d = 0 is i, -1 past the
        root; `vllm_treewy.kernels.triton._tree.ancestor_table`);
-    2. the tree conv of this step's nodes (as `tree_conv_triton`) from the committed history;
+    2. the conv of this step's nodes: act(bias + sum_t weight[:, w-1-t] * (the entry t steps up the node's path,
+       continued into the history)), fp32 accumulation, in x's dtype, from the committed history;
     3. this step's inputs x go to `inputs[s, 0 .. n_b-1]` for the commit inside the next step.
 
-    inputs [S, T, D] (per-slot rows, any slot/row strides, last dim contiguous); the rest as `tree_conv_triton`.
+    x [N, D] pre-conv inputs (last dim contiguous); conv_state [S, D, L] (any strides, L >= w-1); weight [D, w];
+    bias [D] or None; activation None or "silu"; parents, cu_nodes: the packed trees (`vllm_treewy.tree`);
+    inputs [S, T, D] (per-slot rows, any slot/row strides, last dim contiguous).
     One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv.conv_step_packed`."""
     D, W = weight.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and activation in (None, "silu")

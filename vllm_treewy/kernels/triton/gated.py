@@ -276,7 +276,8 @@ def _gated_step_kernel(
             acc_q = new_q
 
     if DO_VERIFY:
-        if LATE_NODE_TERMS:  # nothing of this is needed in the loop: keeps its [BT, BT] tiles out of the loop's registers
+        # LATE_NODE_TERMS: nothing of this is needed in the loop; late, its [BT, BT] tiles stay out of the loop's registers
+        if LATE_NODE_TERMS:
             g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
                 qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
                 K, BT, MAX_ANC, IS_CHAIN)
@@ -473,9 +474,9 @@ def gdn_step_triton(
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
-                   max_nodes=max_nodes, max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps, activation=activation,
-                   ancestors=ancestors, out=out, do_verify=True, block_k=block_k, num_warps=num_warps,
-                   prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
+                   max_nodes=max_nodes, max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps,
+                   activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k,
+                   num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot)
 
 
