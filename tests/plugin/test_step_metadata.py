@@ -45,6 +45,11 @@ def _spec_step(slots, nodes, accepted, padding_rows=0):
     )
 
 
+def _sampled(counts, slots, accepted):
+    """What `accepted_counts` records right after a step's sampling: each row's accepted count in its slot."""
+    counts[torch.tensor(slots)] = torch.tensor(accepted, dtype=counts.dtype)
+
+
 def _mixed_step(spec_slots, nodes, accepted, prefill_slots):
     metadata = _spec_step(spec_slots, nodes, accepted)
     metadata.num_prefills, metadata.num_prefill_tokens = len(prefill_slots), 5 * len(prefill_slots)
@@ -60,18 +65,33 @@ def test_commit_nodes_follow_the_accepted_counts_of_slots_with_a_pending_verify(
     assert first.spec_slots.tolist() == [3, 5] and first.spec_slots.is_contiguous()
     assert first.commit_nodes.tolist() == [-1, -1]  # fresh slots: nothing verified before
     assert counts[[3, 5]].tolist() == [4, 1]
+    _sampled(counts, [3, 5], [3, 1])
     second = with_commit_nodes(builder, _spec_step([5, 3], [4, 4], [1, 3]))
     assert second.commit_nodes.tolist() == [0, 2]  # accepted count - 1, in this step's row order
     assert counts[[3, 5]].tolist() == [4, 4]
 
 
+def test_a_request_left_out_of_a_step_commits_its_recorded_node():
+    """A running request that a step leaves unscheduled comes back with vLLM's accepted count reset to 1; the count
+    recorded in its slot after its last sampling still says which node to commit."""
+    builder, counts = _builder(full_graphs=False)
+    with_commit_nodes(builder, _spec_step([3, 5], [4, 4], [1, 1]))
+    _sampled(counts, [3, 5], [3, 2])
+    with_commit_nodes(builder, _spec_step([5], [4], [2]))  # slot 3's request is left out of this step
+    _sampled(counts, [5], [4])
+    back = with_commit_nodes(builder, _spec_step([3, 5], [4, 4], [1, 4]))  # vLLM re-adds slot 3's row with 1
+    assert back.commit_nodes.tolist() == [2, 3]
+
+
 def test_a_prefill_clears_the_slot_a_finished_request_left_pending():
     builder, counts = _builder(full_graphs=False)
     with_commit_nodes(builder, _spec_step([3, 5], [4, 4], [1, 1]))
+    _sampled(counts, [3, 5], [2, 2])
     # The request in slot 5 finished; a new request prefills there beside slot 3's next verify.
     mixed = with_commit_nodes(builder, _mixed_step([3], [4], [2], prefill_slots=[5]))
     assert mixed.commit_nodes.tolist() == [1]
     assert counts[5] == 0
+    _sampled(counts, [3], [4])
     # Its first speculative step commits nothing, though vLLM's accepted count for it is 1.
     after = with_commit_nodes(builder, _spec_step([5, 3], [4, 4], [1, 4]))
     assert after.commit_nodes.tolist() == [-1, 3]
@@ -80,6 +100,7 @@ def test_a_prefill_clears_the_slot_a_finished_request_left_pending():
 def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
     builder, counts = _builder(full_graphs=True)
     first = with_commit_nodes(builder, _spec_step([3], [4], [1], padding_rows=2))
+    _sampled(counts, [3], [3])
     second = with_commit_nodes(builder, _spec_step([3], [4], [3], padding_rows=2))
     assert first.commit_nodes.data_ptr() == second.commit_nodes.data_ptr() == builder.treewy_commit_nodes.data_ptr()
     assert first.spec_slots.data_ptr() == second.spec_slots.data_ptr() == builder.treewy_spec_slots.data_ptr()
@@ -163,7 +184,8 @@ def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_p
         block_table_tensor=torch.tensor([[7], [2], [5]], dtype=torch.int32),
         slot_mapping=torch.zeros(int(cu[-1]), dtype=torch.int64),
     )
-    counts[[7, 2], 0] = 1 + k  # slots 7 and 2 hold a verify to commit; 5 is a request's first speculative step
+    counts[[7, 2], 0] = torch.tensor([2, 4], dtype=torch.int32)  # accepted counts recorded after sampling; slot 5:
+    # a request's first speculative step
     metadata = builder.build(0, common, num_accepted_tokens=torch.tensor([2, 4, 1], dtype=torch.int32),
                              num_decode_draft_tokens_cpu=torch.tensor([k, k, k], dtype=torch.int32))
     assert metadata.spec_state_indices_tensor.stride(0) == 1 + k  # vLLM's staged buffer, strided column 0

@@ -9,6 +9,7 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from vllm_treewy.vllm_plugin import (
+        accepted_counts,
         config,
         gdn_layer,
         pseudo_value_buffer,
@@ -21,6 +22,7 @@ def register() -> None:
     gdn_layer.install()
     pseudo_value_buffer.install()
     step_metadata.install()
+    accepted_counts.install()
     tree_budget.install()
     if current_platform.is_cpu():
         from vllm_treewy.vllm_plugin import gdn_cpu

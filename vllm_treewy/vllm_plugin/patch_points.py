@@ -121,6 +121,12 @@ RUNNER_BUILD_ATTENTION_METADATA = PatchPoint(
     _RUNNER, "GPUModelRunner._build_attention_metadata", "wraps",
     "draft trees: the step's tree rows ride on its CPU attention metadata", ("self", "num_tokens", "num_reqs"),
 )
+RUNNER_AFTER_SAMPLING = PatchPoint(
+    _RUNNER, "GPUModelRunner._update_states_after_model_execute", "wraps",
+    "where the V1 runner (the CPU runner inherits it) counts each row's accepted tokens: record them in the "
+    "requests' GDN slots (vLLM resets a row's count when a step leaves the request out)",
+    ("self", "output_token_ids", "scheduler_output"),
+)
 RUNNER_SAMPLE = PatchPoint(
     _RUNNER, "GPUModelRunner._sample", "wraps",
     "draft trees: greedy tree acceptance instead of the chain rejection sampler; the output rows it returns keep "
@@ -169,6 +175,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_PREPARE_INPUTS,
     RUNNER_BUILD_ATTENTION_METADATA,
     RUNNER_SAMPLE,
+    RUNNER_AFTER_SAMPLING,
     CPU_ATTENTION_FORWARD,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
     *MODEL_STATE_SHAPES,

@@ -1,18 +1,17 @@
 """What the reconstruct GDN layers need per step, derived once per step by vLLM's GDN metadata builder.
 
 Each step commits every speculative request's previous verify inside its own verify (one state read and write). The
-builder decides, per request, which node that is: the slot's verified-node count (kept in the first layer's
-pseudo-value buffer, on the device) says whether the slot holds an uncommitted verify, and vLLM's device-side
-accepted counts say which node. It then records this step's counts: the speculative requests' node counts, and 0
-for every prefill, so a slot that a finished, aborted or preempted request left behind with a pending commit is
-never committed into by its next owner.
+slot's count state (in the first GDN layer's pseudo-value buffer, on the device) says which node: 0 when nothing
+is pending, else 1 + the accepted node's index in the slot's last verified block, recorded right after that step's
+sampling (`accepted_counts` for chains, `tree_sampler` for draft trees). The builder turns it into each row's commit
+node, then records this step's counts: the speculative rows' node counts (until their sampling records the accepted
+ones), and 0 for every other row, so a slot that a finished, aborted or preempted request left behind with a pending
+commit is never committed into by its next owner.
 
 Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
 block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
-the tree's one ancestor table. vLLM's accepted counts do not say which branch was accepted: after acceptance the
-tree sampler writes 1 + the accepted leaf's block index into the slot's count (`tree_sampler`), and the commit
-node is that count - 1. All of it is device work outside the forward (so outside any CUDA graph),
-with no host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata.
+the tree's one ancestor table. All of it is device work outside the forward (so outside any CUDA graph), with no
+host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata.
 """
 
 from __future__ import annotations
@@ -114,10 +113,8 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
             # The null block (CUDA-graph capture and padding rows point there) never holds a verify to commit: else
             # every row of a capture would commit into it at once.
             pending = (counts[rows] > 0) & (rows != NULL_BLOCK_ID)
-            if tree is None:
-                accepted = metadata.num_accepted_tokens[:num_spec].to(slots.dtype) - 1
-            else:  # the tree sampler's record: 1 + the accepted leaf's block index
-                accepted = counts[rows].to(slots.dtype) - 1
+            # Recorded after the slot's last sampling (`accepted_counts`): 1 + the accepted node's block index.
+            accepted = counts[rows].to(slots.dtype) - 1
             commit_nodes[:num_spec] = torch.where(pending, accepted, -1)
             counts[rows] = metadata.spec_query_start_loc[: num_spec + 1].diff().to(counts.dtype)
             counts[NULL_BLOCK_ID] = 0

@@ -21,6 +21,7 @@ import functools
 import numpy as np
 import torch
 
+from vllm_treewy.vllm_plugin.accepted_counts import gdn_slot_counts
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_ATTENTION_FORWARD,
@@ -107,23 +108,6 @@ def _attending_tree_rows(original):
     return forward
 
 
-def _gdn_slot_counts(runner, request_indices: torch.Tensor):
-    """(count state, state slots of `request_indices`) for every reconstruct GDN layer."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    layers = runner.compilation_config.static_forward_context
-    num_reqs = runner.input_batch.num_reqs
-    for group_id, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        if not isinstance(group.kv_cache_spec, MambaSpec):
-            continue
-        # One state block per request under reconstruct (no prefix caching): column 0 is the slot.
-        slots = runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[request_indices, 0]
-        for name in group.layer_names:
-            layer = layers[name]
-            if getattr(layer, "reconstructs_state", False):
-                yield layer.pseudo_value_buffer().verified_nodes, slots
-
-
 def _sampling_trees(original):
     @functools.wraps(original)
     def sample(self, logits, spec_decode_metadata):
@@ -134,7 +118,7 @@ def _sampling_trees(original):
 
         check_greedy(self.input_batch.sampling_metadata)
         sampled, acceptance = sample_with_trees(logits, spec_decode_metadata, step, self.input_batch.num_reqs)
-        for counts, slots in _gdn_slot_counts(self, step.request_indices):
+        for counts, slots in gdn_slot_counts(self, step.request_indices):
             record_accepted_leaves(counts, slots, acceptance)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
 

@@ -1,0 +1,65 @@
+"""Each speculative request's accepted count, recorded in its GDN slot right after sampling.
+
+The next step's commit needs the node each slot accepted. vLLM's own per-row count (`num_accepted_tokens`) is not
+enough: a running request that a step leaves unscheduled (its token budget spent) leaves vLLM's persistent batch,
+and vLLM re-adds it with a count of 1, so a commit that read it would rebuild the state at the wrong node
+(measured on the fixture: 1 of 8 prompts off by 2.4 bf16 steps at `max_num_batched_tokens=16`). The slot does not
+move, so the count state of the pseudo-value buffer (in vLLM's KV cache) keeps it until the request's next step:
+1 + the accepted node's index in the verified block (chains: vLLM's accepted count; draft trees: written by the
+tree sampler). Device work right after vLLM's own update, no host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
+
+
+def gdn_slot_counts(runner, rows: torch.Tensor):
+    """(count state, state slots of the batch `rows`) of every reconstruct GDN layer, per KV-cache group."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    layers = runner.compilation_config.static_forward_context
+    num_reqs = runner.input_batch.num_reqs
+    for group_id, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if not isinstance(group.kv_cache_spec, MambaSpec):
+            continue
+        # One state block per request under reconstruct (no prefix caching): column 0 is the slot.
+        slots = runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[rows, 0]
+        for name in group.layer_names:
+            layer = layers[name]
+            if getattr(layer, "reconstructs_state", False):
+                yield layer.pseudo_value_buffer().verified_nodes, slots
+
+
+def record_chain_accepted_counts(runner) -> None:
+    """After vLLM counted this step's accepted tokens per row: the speculative rows' counts into their slots."""
+    num_reqs = runner.input_batch.num_reqs
+    speculative = runner.num_decode_draft_tokens.np[:num_reqs] >= 0  # this step's rows that verified drafts
+    if not speculative.any():
+        return
+    rows = torch.from_numpy(speculative.nonzero()[0]).to(runner.device, non_blocking=True)
+    accepted = runner.num_accepted_tokens.gpu[rows]
+    for counts, slots in gdn_slot_counts(runner, rows):
+        counts[slots.long()] = accepted.to(counts.dtype)
+
+
+def _recording_accepted_counts(original):
+    @functools.wraps(original)
+    def update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        original(self, output_token_ids, scheduler_output)
+        config = self.speculative_config
+        if reconstructs_mamba_state(config) and draft_tree_of(config) is None:
+            record_chain_accepted_counts(self)
+
+    update_states_after_model_execute.records_accepted_counts = True
+    return update_states_after_model_execute
+
+
+def install() -> None:
+    if not getattr(RUNNER_AFTER_SAMPLING.resolve(), "records_accepted_counts", False):
+        RUNNER_AFTER_SAMPLING.replace(_recording_accepted_counts(RUNNER_AFTER_SAMPLING.resolve()))
