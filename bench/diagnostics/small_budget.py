@@ -1,12 +1,12 @@
-"""A divergence found at a small token budget, kept reproducible (not understood yet; see the README beside this).
+"""A divergence at a small token budget, in store_all and reconstruct alike (README beside this).
 
     PATH=$VENV/bin:$PATH python bench/diagnostics/small_budget.py reconstruct 16 1
 
 Eight fixture prompts (six short, two of 300 tokens that prefill in chunks), greedy, MTP with k drafts, at
-`max_num_batched_tokens` = BUDGET, judged tie-aware against the no-speculation engine. Measured 2026-11-30:
-reconstruct k = 1 and k = 3 at budget 16 diverge at prompt 2, token 11 by two bf16 steps where the fp64 model prefers
-the reference's token by 0.076 (2.4 steps), with the code of this session and of the session before; store_all k = 3
-at 16 and reconstruct k = 3 at 24 pass.
+`max_num_batched_tokens` = BUDGET, judged tie-aware against the no-speculation engine at vLLM's default budget.
+Measured 2026-11-30 at budget 16: reconstruct k = 1 and 3 and store_all k = 1 diverge at prompt 2, token 11 by two
+bf16 steps where the fp64 model prefers the reference's token by 0.076 (2.4 steps); store_all k = 3 at 16 and
+reconstruct k = 3 at 24 pass.
 """
 
 import os

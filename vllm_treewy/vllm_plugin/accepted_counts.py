@@ -2,8 +2,8 @@
 
 The next step's commit needs the node each slot accepted. vLLM's own per-row count (`num_accepted_tokens`) is not
 enough: a running request that a step leaves unscheduled (its token budget spent) leaves vLLM's persistent batch,
-and vLLM re-adds it with a count of 1, so a commit that read it would rebuild the state at the wrong node
-(measured on the fixture: 1 of 8 prompts off by 2.4 bf16 steps at `max_num_batched_tokens=16`). The slot does not
+and vLLM re-adds it with a count of 1 (`GPUModelRunner._update_states`, `InputBatch.add_request`), so a commit
+that read it would rebuild the state at the wrong node (`tests/plugin/test_step_metadata.py`). The slot does not
 move, so the count state of the pseudo-value buffer (in vLLM's KV cache) keeps it until the request's next step:
 1 + the accepted node's index in the verified block (chains: vLLM's accepted count; draft trees: written by the
 tree sampler). Device work right after vLLM's own update, no host sync.
