@@ -36,16 +36,16 @@ def gdn_slot_counts(runner, rows: torch.Tensor):
                 yield layer.pseudo_value_buffer().verified_nodes, slots
 
 
-def record_chain_accepted_counts(runner) -> None:
-    """After vLLM counted this step's accepted tokens per row: the speculative rows' counts into their slots."""
-    num_reqs = runner.input_batch.num_reqs
-    speculative = runner.num_decode_draft_tokens.np[:num_reqs] >= 0  # this step's rows that verified drafts
-    if not speculative.any():
-        return
-    rows = torch.from_numpy(speculative.nonzero()[0]).to(runner.device, non_blocking=True)
-    accepted = runner.num_accepted_tokens.gpu[rows]
+def record_chain_accepted_counts(runner, num_reqs: int) -> None:
+    """After vLLM counted this step's accepted tokens per row (its `num_reqs` rows): the speculative rows' counts into
+    their slots (rows that verified no drafts, e.g. prefills, keep their slot's count). Device tensors only: no host
+    sync."""
+    rows = torch.arange(num_reqs, device=runner.device)
+    speculative = runner.num_decode_draft_tokens.gpu[:num_reqs] >= 0  # this step's rows that verified drafts
+    accepted = runner.num_accepted_tokens.gpu[:num_reqs]
     for counts, slots in gdn_slot_counts(runner, rows):
-        counts[slots.long()] = accepted.to(counts.dtype)
+        slots = slots.long()
+        counts[slots] = torch.where(speculative, accepted.to(counts.dtype), counts[slots])
 
 
 def _recording_accepted_counts(original):
@@ -54,7 +54,7 @@ def _recording_accepted_counts(original):
         original(self, output_token_ids, scheduler_output)
         config = self.speculative_config
         if reconstructs_mamba_state(config) and draft_tree_of(config) is None:
-            record_chain_accepted_counts(self)
+            record_chain_accepted_counts(self, output_token_ids.size(0))
 
     update_states_after_model_execute.records_accepted_counts = True
     return update_states_after_model_execute
