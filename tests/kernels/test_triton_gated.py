@@ -118,9 +118,8 @@ def check_step(packed, inputs, h0, slots, batch, key_heads, out, factors, before
     assert torch.equal(factors.cpu()[kept], before.cpu()[kept])
 
 
-@settings(max_examples=8, deadline=None)
-@given(
-    batch=st.lists(trees(max_nodes=12, max_depth=5), min_size=1, max_size=3),
+# head counts, head dims, state dtype, gate magnitude, seed and launch layout that both step tests draw
+STEP_SHAPES = dict(
     key_heads=st.integers(1, 2),
     ratio=st.sampled_from([1, 2]),
     dims=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
@@ -128,6 +127,13 @@ def check_step(packed, inputs, h0, slots, batch, key_heads, out, factors, before
     gate_scale=st.sampled_from([0.1, 1.0, 3.0]),
     seed=st.integers(0, 2**16),
     variant=st.sampled_from(VARIANTS),
+)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    batch=st.lists(trees(max_nodes=12, max_depth=5), min_size=1, max_size=3),
+    **STEP_SHAPES,
 )
 def test_gated_step_matches_reference_and_twin(batch, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant):
     """A tree step without a pending commit: outputs and factor rows vs fp64 and the twin; the state only read."""
@@ -166,13 +172,7 @@ def two_step_batches(draw):
 @settings(max_examples=8, deadline=None)
 @given(
     steps=two_step_batches(),
-    key_heads=st.integers(1, 2),
-    ratio=st.sampled_from([1, 2]),
-    dims=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
-    state_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    gate_scale=st.sampled_from([0.1, 1.0, 3.0]),
-    seed=st.integers(0, 2**16),
-    variant=st.sampled_from(VARIANTS),
+    **STEP_SHAPES,
     input_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant,

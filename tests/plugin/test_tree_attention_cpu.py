@@ -229,16 +229,23 @@ def test_verified_block_ancestors_match_the_rooted_trees():
             row += 1
 
 
+@st.composite
+def request_batches(draw):
+    """(dtype, isa) of a cache layout, and 1-4 requests' trees and committed context lengths."""
+    dtype, isa = draw(st.sampled_from(LAYOUTS))
+    num_requests = draw(st.integers(1, 4))
+    trees = draw(st.lists(any_trees(), min_size=num_requests, max_size=num_requests))
+    context_lens = draw(st.lists(st.integers(0, 70), min_size=num_requests, max_size=num_requests))
+    return dtype, isa, trees, context_lens
+
+
 # --- (a) against a dense fp64 reference ----------------------------------------------------------------------------
 
 
 @fast(30)
 @given(data=st.data())
 def test_tree_attention_matches_dense_masked_reference(data):
-    dtype, isa = data.draw(st.sampled_from(LAYOUTS))
-    num_requests = data.draw(st.integers(1, 4))
-    trees = data.draw(st.lists(any_trees(), min_size=num_requests, max_size=num_requests))
-    context_lens = data.draw(st.lists(st.integers(0, 70), min_size=num_requests, max_size=num_requests))
+    dtype, isa, trees, context_lens = data.draw(request_batches())
     num_kv_heads = data.draw(st.sampled_from([1, 2]))
     ratio = data.draw(st.sampled_from([1, 2, 4]))
     head_size = data.draw(st.sampled_from([32, 64]))
@@ -371,10 +378,7 @@ def random_path(tree: tuple[int, ...], generator: torch.Generator) -> list[int]:
 @fast(25)
 @given(data=st.data())
 def test_compaction_puts_the_accepted_path_behind_the_root(data):
-    dtype, isa = data.draw(st.sampled_from(LAYOUTS))
-    num_requests = data.draw(st.integers(1, 4))
-    trees = data.draw(st.lists(any_trees(), min_size=num_requests, max_size=num_requests))
-    context_lens = data.draw(st.lists(st.integers(0, 70), min_size=num_requests, max_size=num_requests))
+    dtype, isa, trees, context_lens = data.draw(request_batches())
     seed = data.draw(st.integers(0, 2**16))
     # Two layers: same trees and block table, different K/V.
     layers = [make_batch(trees, context_lens, dtype=dtype, isa=isa, seed=seed, kv_seed=seed + layer)
