@@ -20,7 +20,8 @@ from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 
 
 def gdn_slot_counts(runner, rows: torch.Tensor):
-    """(count state, state slots of the batch `rows`) of every reconstruct GDN layer, per KV-cache group."""
+    """(count state, state slots of the batch `rows`) per KV-cache group of reconstruct GDN layers: the count lives in
+    the group's first layer, the one its GDN metadata builder reads (`step_metadata.verified_node_counts`)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     layers = runner.compilation_config.static_forward_context
@@ -29,11 +30,10 @@ def gdn_slot_counts(runner, rows: torch.Tensor):
         if not isinstance(group.kv_cache_spec, MambaSpec):
             continue
         # One state block per request under reconstruct (no prefix caching): column 0 is the slot.
-        slots = runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[rows, 0]
-        for name in group.layer_names:
-            layer = layers[name]
-            if getattr(layer, "reconstructs_state", False):
-                yield layer.pseudo_value_buffer().verified_nodes, slots
+        layer = layers[group.layer_names[0]]
+        if getattr(layer, "reconstructs_state", False):
+            slots = runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[rows, 0]
+            yield layer.pseudo_value_buffer().verified_nodes, slots
 
 
 def record_chain_accepted_counts(runner, num_reqs: int) -> None:

@@ -106,7 +106,9 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
         num_spec = metadata.num_spec_decodes
         commit_nodes = torch.full_like(slots, -1)
         if tree is not None:
-            result.tree_ancestors = verified_tree_ancestors(tree, slots.device)
+            if not hasattr(builder, "treewy_tree_ancestors"):  # the shape is static: built once per builder
+                builder.treewy_tree_ancestors = verified_tree_ancestors(tree, slots.device)
+            result.tree_ancestors = builder.treewy_tree_ancestors
             result.ancestors = result.tree_ancestors[result.node_indices].contiguous()
         if counts is not None:
             rows = slots[:num_spec].long()
