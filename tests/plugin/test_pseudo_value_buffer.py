@@ -45,11 +45,13 @@ def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):
     slots = torch.tensor(slots, dtype=torch.int32)
     cu = torch.arange(slots.shape[0] + 1, dtype=torch.int32) * n
     if tree is None:
-        parents, ancestors = chain_parents(cu, int(cu[-1])), None
+        parents, ancestors, tree_ancestors = chain_parents(cu, int(cu[-1])), None, None
     else:
         parents = torch.tensor(tree.parents * len(slots), dtype=torch.int32)
         ancestors = ancestor_table_torch(parents, cu, tree.max_depth)
+        tree_ancestors = ancestors[:n]
     return SimpleNamespace(spec_slots=slots, spec_query_start_loc=cu, parents=parents, ancestors=ancestors,
+                           tree_ancestors=tree_ancestors,
                            commit_nodes=torch.tensor(commit_nodes, dtype=torch.int32),
                            node_slots=slots.long().repeat_interleave(n),
                            node_indices=torch.arange(n).repeat(len(slots)))

@@ -8,8 +8,8 @@ steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op e
 The drafts are chains or one static tree shape per speculating request (the verified block: root, then the draft
 nodes). The step metadata carries `parents` `[N]` (local, packed) and `ancestors`: None for chains, else the packed
 ancestor table `[N, D]` of this step's block (`vllm_treewy.kernels.triton._tree.ancestor_table(parents, cu, D)`,
-D = the tree's depth counted in nodes). The previous step verified the same shape, so its table, which the pending
-commit follows, is the first request's rows of this one (every speculating request verifies the whole tree).
+D = the tree's depth counted in nodes) and `tree_ancestors`, the static tree's verified block `[1 + N, D]`, which
+every slot's pending commit follows (the previous step verified the same shape).
 """
 
 from __future__ import annotations
@@ -23,13 +23,9 @@ from vllm_treewy.vllm_plugin.pseudo_value_buffer import PseudoValueBuffer
 
 
 def pending_tree(metadata, num_nodes: int) -> torch.Tensor | None:
-    """The previous step's tree, which its pending commit follows, as the `[T, D]` ancestor table that every slot
-    shares: the static tree's verified block (`tree_ancestors`; else the first request's rows of this step's
-    table, which hold the whole block when that request verified all of it). None for chains."""
-    tree_ancestors = getattr(metadata, "tree_ancestors", None)
-    if tree_ancestors is not None:
-        return tree_ancestors[:num_nodes]
-    return None if metadata.ancestors is None else metadata.ancestors[:num_nodes]
+    """The previous step's tree, which its pending commit follows: the static tree's verified block as the `[T, D]`
+    ancestor table every slot shares (`tree_ancestors`). None for chains."""
+    return None if metadata.tree_ancestors is None else metadata.tree_ancestors[:num_nodes]
 
 
 def commit_pending_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, slots: torch.Tensor,
