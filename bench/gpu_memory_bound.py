@@ -40,19 +40,24 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import vllm_treewy.vllm_plugin as plugin
+    from bench import gpu_site
     from bench.sweep.models import prepare_qwen35_shape
     from vllm_treewy.vllm_plugin.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()
     from vllm.platforms import current_platform
 
-    # what the gpu-vllm site runs (its README); vLLM's CPU backend picks its own
-    cuda_only = {}
+    # what the gpu-vllm site runs (bench/gpu_site.py); vLLM's CPU backend picks its own
+    cuda_only, spec_cuda_only = {}, {}
     if current_platform.is_cuda():
-        cuda_only = dict(attention_backend="TRITON_ATTN", gdn_prefill_backend="triton")
+        # decode batches are padded to these (1 + k tokens per request); fewer sizes, a shorter start-up
+        sizes = [(1 + args.k) * b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.requests]
+        cuda_only = dict(gpu_site.ENGINE, compilation_config={"cudagraph_capture_sizes": sizes})
+        spec_cuda_only = gpu_site.SPECULATIVE
     model = prepare_qwen35_shape(Path(f"/tmp/{args.shape}"), args.shape).path
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
-            "rejection_sample_method": "synthetic", "synthetic_acceptance_length": args.acceptance_length}
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_length": args.acceptance_length,
+            **spec_cuda_only}
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 248320) for _ in range(args.prompt_len)]}
                for _ in range(args.requests)]

@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench import gpu_site
 from vllm_treewy.fixture.exact import ExactModel
 
 FIXTURE_DIR = "/tmp/fixture-qwen35"
@@ -42,8 +43,7 @@ FIXTURE_DIR = "/tmp/fixture-qwen35"
 def engine_kwargs(args, num_tokens_per_request: int) -> dict:
     """What vLLM needs on the gpu-vllm site (gpu-vllm README), and CUDA graphs only at the measured sizes."""
     kwargs = dict(
-        attention_backend="TRITON_ATTN",
-        gdn_prefill_backend="triton",
+        **gpu_site.ENGINE,
         mamba_ssm_cache_dtype=args.ssm_cache_dtype,
         max_num_seqs=max(args.batch_sizes),
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -126,7 +126,7 @@ def run_spec(args) -> int:
     plugin.register()  # in-process engine: this process is the only vLLM process
     model, prompts = prompts_and_model()
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
-            "attention_backend": "TRITON_ATTN"}
+            **gpu_site.SPECULATIVE}
     name = f"{args.strategy}-k{args.k}"
     start = time.perf_counter()
     extra = {"logprobs_mode": "raw_logits"} if args.self_check else {}
