@@ -77,6 +77,8 @@ def add_common_args(parser):
     parser.add_argument("--jit-warmup", action="store_true", help="vLLM's kernel JIT warm-up at engine start")
     parser.add_argument("--cudagraph-mode", default=None, help="default: vLLM's (FULL_AND_PIECEWISE)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="a second opinion: vLLM's sync scheduler")
+    parser.add_argument("--profile-batch", type=int, default=None,
+                        help="after the timed batches, profile one generate of this many prompts (bench/e2e_profile.py)")
 
 
 def prompts_and_model():
@@ -102,6 +104,16 @@ def timed_batches(llm, prompts, args) -> tuple[dict, dict]:
         tokens_per_s[b] = b * args.max_tokens / (time.perf_counter() - start)
         print(f"  batch {b}: {tokens_per_s[b]:,.0f} tokens/s", flush=True)
     return outputs, tokens_per_s
+
+
+def maybe_profile(llm, prompts, args, name: str) -> dict | None:
+    if not args.profile_batch:
+        return None
+    from bench.e2e_profile import print_summary, profile_generate
+
+    summary = profile_generate(llm, prompts[: args.profile_batch], args.max_tokens)
+    print_summary(f"{name} B={args.profile_batch}", summary)
+    return {"batch": args.profile_batch, **summary}
 
 
 def teacher_forced_verdicts(llm, prompts, outputs, exact_logits) -> dict:
@@ -136,6 +148,7 @@ def run_spec(args) -> int:
         outputs, tokens_per_s = timed_batches(llm, prompts, args)
         after = read_acceptance(llm)
         kv = kv_cache_report(llm)
+        profile = maybe_profile(llm, prompts, args, name)
         self_check = (teacher_forced_verdicts(llm, prompts, outputs, ExactModel(model).next_token_logits)
                       if args.self_check else None)
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
@@ -145,7 +158,7 @@ def run_spec(args) -> int:
         "outputs": {str(b): o for b, o in outputs.items()},
         "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
         "acceptance_rate": accepted / max(drafted, 1), "kv_cache": asdict(kv),
-        "teacher_forced_verdicts": self_check,
+        "teacher_forced_verdicts": self_check, "profile": profile,
     }
     Path(args.runs).mkdir(parents=True, exist_ok=True)
     (Path(args.runs) / f"{name}.json").write_text(json.dumps(result))
@@ -180,9 +193,11 @@ def run_reference(args) -> int:
     exact_logits = ExactModel(model).next_token_logits  # fp64, on the CPU: consulted beyond a bf16 tie only
     with engine(model, logprobs_mode="raw_logits", **engine_kwargs(args, 1)) as reference:
         outputs, tokens_per_s = timed_batches(reference, prompts, args)
-        report["runs"]["no-spec"] = {"tokens_per_s": tokens_per_s, "kv_cache": asdict(kv_cache_report(reference))}
+        report["runs"]["no-spec"] = {"tokens_per_s": tokens_per_s, "kv_cache": asdict(kv_cache_report(reference)),
+                                     "profile": maybe_profile(reference, prompts, args, "no-spec")}
         for run in runs:
-            entry = {key: run[key] for key in ("strategy", "k", "engine_start_s", "acceptance_rate", "kv_cache")}
+            entry = {key: run.get(key) for key in ("strategy", "k", "engine_start_s", "acceptance_rate", "kv_cache",
+                                                   "profile")}
             entry["tokens_per_s"] = {int(b): t for b, t in run["tokens_per_s"].items()}
             entry["speedup_vs_no_spec"] = {b: t / tokens_per_s[b] for b, t in entry["tokens_per_s"].items()}
             entry["verdicts"] = {}

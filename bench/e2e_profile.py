@@ -1,0 +1,104 @@
+"""Where an engine's decode time goes: GPU kernel time by kind, launches, and host time, per output token.
+
+`profile_generate` runs one `generate` under `torch.profiler` (CUDA activity; kernels inside CUDA graph replays
+are reported one by one) in an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the GPU scripts
+run). `summarize` is the pure part: it sorts kernels into kinds by name and takes the union of their intervals as
+the GPU's busy time; the rest of the wall time is the host's (scheduling, sampling, Python between graph pieces,
+launch gaps).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# First match wins; names lower-cased. Our kernels' names start with the Triton functions in
+# vllm_treewy/kernels/triton (the step: _conv_step_kernel, _gated_step_kernel).
+KERNEL_KINDS = (
+    ("treewy GDN step", ("_gated_step_kernel", "_conv_step_kernel", "_verify_kernel", "_commit_kernel")),
+    ("vLLM GDN", ("gdn", "gated_delta", "delta_rule", "causal_conv1d", "chunk_", "fused_recurrent", "l2norm",
+                  "rms_norm_gated", "layer_norm_fwd")),
+    ("attention", ("attn", "attention")),
+    ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "sm90_")),
+    ("sampling and copies", ("sample", "argmax", "softmax", "topk", "memcpy", "memset", "copy", "index", "scatter",
+                             "gather", "cat")),
+)
+
+
+@dataclass(frozen=True)
+class KernelEvent:
+    name: str
+    start_us: float
+    duration_us: float
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in lowered for n in needles):
+            return kind
+    return "other"
+
+
+def busy_us(events: Iterable[KernelEvent]) -> float:
+    """The union of the kernels' intervals (kernels of one stream do not overlap; of several they may)."""
+    total, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e.start_us):
+        stop = e.start_us + e.duration_us
+        if e.start_us >= end:
+            total += e.duration_us
+        elif stop > end:
+            total += stop - end
+        end = max(end, stop)
+    return total
+
+
+def summarize(events: list[KernelEvent], wall_s: float, output_tokens: int) -> dict:
+    by_kind: dict[str, dict] = {}
+    for e in events:
+        entry = by_kind.setdefault(kind_of(e.name), {"us": 0.0, "launches": 0, "top": {}})
+        entry["us"] += e.duration_us
+        entry["launches"] += 1
+        entry["top"][e.name] = entry["top"].get(e.name, 0.0) + e.duration_us
+    busy = busy_us(events)
+    wall_us = wall_s * 1e6
+    per_token = 1 / max(output_tokens, 1)
+    return {
+        "wall_s": wall_s, "output_tokens": output_tokens,
+        "wall_us_per_token": wall_us * per_token,
+        "gpu_busy_us_per_token": busy * per_token,
+        "host_us_per_token": max(wall_us - busy, 0.0) * per_token,
+        "kinds": {
+            kind: {"us_per_token": v["us"] * per_token, "launches_per_token": v["launches"] * per_token,
+                   "share_of_gpu": v["us"] / max(busy, 1e-9),
+                   "top": dict(sorted(v["top"].items(), key=lambda kv: -kv[1])[:5])}
+            for kind, v in sorted(by_kind.items(), key=lambda kv: -kv[1]["us"])
+        },
+    }
+
+
+def profile_generate(llm, prompts, max_tokens: int) -> dict:
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm_treewy.vllm_plugin.equivalence import generate_greedy
+
+    # CUDA activity only: recording every CPU op would inflate the host time being measured
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        outputs = generate_greedy(llm, prompts, [max_tokens] * len(prompts))
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    events = [KernelEvent(e.name, e.time_range.start, e.time_range.elapsed_us())
+              for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return summarize(events, wall_s, sum(len(o) for o in outputs))
+
+
+def print_summary(name: str, summary: dict) -> None:
+    print(f"{name} profile: {summary['wall_us_per_token']:.1f} us/token wall, "
+          f"{summary['gpu_busy_us_per_token']:.1f} GPU busy, {summary['host_us_per_token']:.1f} host", flush=True)
+    for kind, v in summary["kinds"].items():
+        print(f"  {kind}: {v['us_per_token']:.2f} us/token, {v['launches_per_token']:.1f} launches/token, "
+              f"{100 * v['share_of_gpu']:.0f}% of GPU", flush=True)

@@ -1,0 +1,38 @@
+"""The pure part of the end-to-end profile (bench/e2e_profile.py): kernel kinds, busy time, per-token figures."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench.e2e_profile import KernelEvent, busy_us, kind_of, summarize
+
+
+def test_kinds_by_name():
+    assert kind_of("_gated_step_kernel") == "treewy GDN step"
+    assert kind_of("void fused_gdn_decode_post_conv_mtp_kernel<float>(...)") == "vLLM GDN"
+    assert kind_of("kernel_unified_attention_3d") == "attention"
+    assert kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "GEMM"
+    assert kind_of("something_else") == "other"
+
+
+def test_busy_time_is_the_union_of_intervals():
+    events = [KernelEvent("a", 0, 10), KernelEvent("b", 5, 10), KernelEvent("c", 30, 5), KernelEvent("d", 31, 1)]
+    assert busy_us(events) == 20.0  # [0, 15) and [30, 35)
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e3), st.floats(0, 1e2)), max_size=30))
+def test_busy_time_bounds(intervals):
+    events = [KernelEvent("k", s, d) for s, d in intervals]
+    busy = busy_us(events)
+    assert busy <= sum(d for _, d in intervals) + 1e-6
+    assert busy >= max((d for _, d in intervals), default=0.0) - 1e-6
+
+
+def test_summary_per_token():
+    events = [KernelEvent("_gated_step_kernel", 0, 30), KernelEvent("nvjet_gemm", 40, 50)]
+    summary = summarize(events, wall_s=200e-6, output_tokens=2)
+    assert summary["wall_us_per_token"] == 100.0
+    assert summary["gpu_busy_us_per_token"] == 40.0
+    assert summary["host_us_per_token"] == 60.0
+    assert list(summary["kinds"]) == ["GEMM", "treewy GDN step"]
+    assert summary["kinds"]["treewy GDN step"]["us_per_token"] == 15.0
+    assert summary["kinds"]["GEMM"]["launches_per_token"] == 0.5
