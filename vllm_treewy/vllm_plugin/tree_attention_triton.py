@@ -87,6 +87,8 @@ def tree_rows_attention(
     qq_bias: torch.Tensor,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Overwrites the tree rows' output with tree attention: one launch of `attention` (vLLM's `unified_attention`)
     over a batch of the R tree rows alone, with the bias.
@@ -96,7 +98,8 @@ def tree_rows_attention(
     [R]` int64: their batch rows (into `seq_lens [num_reqs]` and `block_table [num_reqs, max_blocks]`, whose rows
     are vLLM's metadata); `tree_query_start_loc [R + 1]` int32: 0, block_len, 2 * block_len, ...; `qq_bias`:
     `tree_qq_bias` of the step's tree. `max_seq_len` bounds every tree row's seq_len (vLLM's metadata field).
-    Shapes follow the host-known R: call it outside CUDA graphs (mixed batches run PIECEWISE, attention eager).
+    `softcap`, `sinks`: the layer's, as vLLM's own launch passes them. Shapes follow the host-known R: call it
+    outside CUDA graphs (mixed batches run PIECEWISE, attention eager).
     """
     num_tokens, num_heads, head_size = query.shape
     rows = request_indices.long()
@@ -111,7 +114,7 @@ def tree_rows_attention(
         q=tree_query, k=key_cache, v=value_cache, out=tree_out, cu_seqlens_q=tree_query_start_loc,
         max_seqlen_q=block_len, seqused_k=seq_lens.index_select(0, rows), max_seqlen_k=max_seq_len,
         softmax_scale=scale, causal=True, window_size=(-1, -1), block_table=block_table.index_select(0, rows),
-        softcap=0, q_descale=None, k_descale=k_descale, v_descale=v_descale, qq_bias=qq_bias,
+        softcap=softcap, q_descale=None, k_descale=k_descale, v_descale=v_descale, qq_bias=qq_bias, sinks=sinks,
     )
     output.view(num_tokens, num_heads * head_size).index_copy_(
         0, token_indices, tree_out.view(-1, num_heads * head_size).to(output.dtype))
