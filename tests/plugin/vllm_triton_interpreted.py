@@ -28,8 +28,10 @@ _OPS_PREFIX = "vllm.v1.attention.ops.triton_"
 
 @functools.cache
 def interpreted_unified_attention():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the Triton interpreter must be on (TRITON_INTERPRET=1) before triton is imported")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # on a GPU machine: tests/gpu runs vLLM's compiled kernel
+        import pytest
+
+        pytest.skip("vLLM's kernel under the Triton interpreter: TRITON_INTERPRET=1 only (tests/gpu covers CUDA)")
     import vllm.triton_utils as triton_utils
 
     saved_modules = {name: sys.modules.pop(name) for name in list(sys.modules) if name.startswith(_OPS_PREFIX)}
