@@ -11,7 +11,7 @@ from vllm_treewy.tree import DraftTree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from tests.plugin.test_tree_attention_triton import make_batch, reference_attention  # noqa: E402
+from tests.plugin.paged_batches import make_batch, reference_attention  # noqa: E402
 from vllm_treewy.vllm_plugin.tree_attention_triton import (  # noqa: E402
     split_kv_cache,
     tree_qq_bias,

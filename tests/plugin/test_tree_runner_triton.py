@@ -18,7 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
 
-from tests.plugin.test_tree_attention_triton import batch_shapes, fast, make_batch, reference_attention, tolerance
+from tests.plugin.paged_batches import make_batch, reference_attention
+from tests.plugin.test_tree_attention_triton import batch_shapes, fast, tolerance
 from tests.plugin.vllm_triton_interpreted import interpreted_unified_attention
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import tree_runner
