@@ -20,6 +20,20 @@ first B fixture prompts are submitted at once (`max_num_seqs` = the largest B) f
 tokens/s is B * max_tokens over the `generate` call's wall time, after a warm-up pass over the same batch sizes.
 The reference engine times the same batches without speculation, then re-scores every divergence (tie-aware
 verdict: a divergence passes only where the reference's top two logits are within one bf16 step).
+
+Draft trees (`draft_tree_widths`, CUDA with TRITON_ATTN), with the test drafter `continuation_drafter` (method
+custom_class) as in the CPU e2e tests; `bench/run_gpu_tree_e2e.sh` runs them:
+
+    python3 bench/gpu_vllm_e2e.py continuations --out-dir $OUT        # no speculation: the drafter's truth,
+                                                                        # the reference outputs, no-spec tokens/s
+    python3 bench/gpu_vllm_e2e.py tree --tree-widths 2 2 1 --out-dir $OUT   # one engine per tree shape
+    python3 bench/gpu_vllm_e2e.py tree-report --out-dir $OUT          # no engine: the table and the verdict
+
+The tree engine judges itself (no reference engine after it): each divergence from the reference outputs is
+re-scored with its own prompt logits (vLLM's prefill path, which never speculates: what the reference engine's
+re-scoring reads), tie-aware as above, fp64 beyond a tie; `--self-check` adds the teacher-forced check. Tree
+engines may run at once on the one GPU (`--kv-cache-memory-bytes` skips vLLM's memory profiling, which other
+processes' allocations would disturb); their tokens/s are then not throughput measurements.
 """
 
 from __future__ import annotations
@@ -41,7 +55,12 @@ FIXTURE_DIR = "/tmp/fixture-qwen35"
 
 
 def engine_kwargs(args, num_tokens_per_request: int) -> dict:
-    """What vLLM needs on the gpu-vllm site (gpu-vllm README), and CUDA graphs only at the measured sizes."""
+    """What vLLM needs on the gpu-vllm site (gpu-vllm README), and CUDA graphs only at the measured sizes. Without
+    CUDA (a dry run of the script's flow on vLLM's CPU backend): vLLM's CPU defaults, eager."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return dict(max_num_seqs=max(args.batch_sizes))
     kwargs = dict(
         **gpu_site.ENGINE,
         mamba_ssm_cache_dtype=args.ssm_cache_dtype,
@@ -54,6 +73,8 @@ def engine_kwargs(args, num_tokens_per_request: int) -> dict:
     )
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if getattr(args, "kv_cache_memory_bytes", None) is not None:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.no_async_scheduling:
         kwargs["async_scheduling"] = False
     if not args.eager:
@@ -64,8 +85,9 @@ def engine_kwargs(args, num_tokens_per_request: int) -> dict:
     return kwargs
 
 
-def add_common_args(parser):
-    parser.add_argument("--runs", required=True, help="folder for the per-engine results")
+def add_common_args(parser, runs: bool = True):
+    if runs:
+        parser.add_argument("--runs", required=True, help="folder for the per-engine results")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=128)
     # Qwen3.5 checkpoints keep the SSM state in fp32 (mamba_ssm_dtype).
@@ -79,6 +101,8 @@ def add_common_args(parser):
     parser.add_argument("--no-async-scheduling", action="store_true", help="a second opinion: vLLM's sync scheduler")
     parser.add_argument("--profile-batch", type=int, default=None,
                         help="after the timed batches, profile one generate of this many prompts (bench/e2e_profile.py)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="fixed KV cache size (no memory profiling): for engines that share the GPU at once")
 
 
 def prompts_and_model():
@@ -170,6 +194,9 @@ def device_facts() -> dict:
     import torch
     import vllm
 
+    if not torch.cuda.is_available():
+        return {"device": "cpu (a dry run)", "torch": torch.__version__, "vllm": vllm.__version__,
+                "python": platform.python_version()}
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     return {"device": torch.cuda.get_device_name(), "nvidia_smi": smi, "torch": torch.__version__,
@@ -222,6 +249,116 @@ def run_reference(args) -> int:
     return 0 if ok else 1
 
 
+# --- draft trees -------------------------------------------------------------------------------------------------
+
+TREE_DRAFTER = "vllm_treewy.vllm_plugin.continuation_drafter.ContinuationTreeDrafter"
+LOOKAHEAD = 4  # tokens past max_tokens in the drafter's truth: a whole depth of it at every step (depth <= 4 here)
+TRUE_BRANCH = 1  # the true path on a non-first child where the width allows (as the CPU e2e tests)
+
+
+def tree_name(widths) -> str:
+    return "tree-" + "x".join(map(str, widths))
+
+
+def run_continuations(args) -> int:
+    """No speculation: the reference outputs (the drafter's truth, LOOKAHEAD tokens longer) of all prompts in one
+    batch, and tokens/s at every batch size. Writes `continuations.json` into `--out-dir`."""
+    from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
+
+    model, prompts = prompts_and_model()
+    batch = prompts[: max(args.batch_sizes)]
+    start = time.perf_counter()
+    with engine(model, **engine_kwargs(args, 1)) as llm:
+        started = time.perf_counter() - start
+        reference = generate_greedy(llm, batch, [args.max_tokens + LOOKAHEAD] * len(batch))
+        _, tokens_per_s = timed_batches(llm, prompts, args)
+    result = {"engine_start_s": started, "max_tokens": args.max_tokens, "lookahead": LOOKAHEAD,
+              "sequences": [p + r for p, r in zip(batch, reference)],
+              "reference_outputs": [r[: args.max_tokens] for r in reference],
+              "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()}, **device_facts()}
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.out_dir) / "continuations.json").write_text(json.dumps(result))
+    print("continuations done", flush=True)
+    return 0
+
+
+def run_tree(args) -> int:
+    """One draft-tree engine (reconstruct, the continuation drafter): outputs, tokens/s, acceptance, and its own
+    tie-aware verdict against the reference outputs at every batch size."""
+    import vllm_treewy.vllm_plugin as plugin
+    from vllm_treewy.tree import DraftTree
+    from vllm_treewy.vllm_plugin.continuation_drafter import DRAFTS_ENV, write_drafts_file
+    from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, kv_cache_report, read_acceptance
+
+    plugin.register()
+    out = Path(args.out_dir)
+    known = json.loads((out / "continuations.json").read_text())
+    widths = list(args.tree_widths)
+    name = tree_name(widths)
+    os.environ[DRAFTS_ENV] = write_drafts_file(out / f"{name}-drafts.json", known["sequences"], TRUE_BRANCH)
+    model, prompts = prompts_and_model()
+    tree = DraftTree.from_widths(widths)
+    spec = {"method": "custom_class", "model": TREE_DRAFTER, "num_speculative_tokens": len(widths),
+            "draft_tree_widths": widths, "mamba_state_commit": "reconstruct"}
+    exact_logits = ExactModel(model).next_token_logits
+    start = time.perf_counter()
+    with engine(model, speculative_config=spec, logprobs_mode="raw_logits",
+                **engine_kwargs(args, 1 + tree.num_nodes)) as llm:
+        started = time.perf_counter() - start
+        before = read_acceptance(llm)
+        outputs, tokens_per_s = timed_batches(llm, prompts, args)
+        after = read_acceptance(llm)
+        kv = kv_cache_report(llm)
+        verdicts = {}
+        for b, got in outputs.items():
+            verdict = compare_tie_aware(llm, prompts[:b], known["reference_outputs"][:b], got, exact_logits)
+            verdicts[str(b)] = {"passed": verdict.passed, "summary": verdict.summary(),
+                                "identical": verdict.num_prompts - len(verdict.divergences),
+                                "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures)}
+            print(f"  batch {b} tie-aware: {verdict.summary()}", flush=True)
+        self_check = (teacher_forced_verdicts(llm, prompts, outputs, exact_logits) if args.self_check else None)
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    drafts = after.num_drafts - before.num_drafts
+    result = {
+        "name": name, "widths": widths, "num_nodes": tree.num_nodes, "engine_start_s": started,
+        "mode": "eager (enforce_eager)" if args.eager else "default (torch.compile + CUDA graphs)",
+        "concurrent": args.concurrent, "outputs": {str(b): o for b, o in outputs.items()},
+        "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
+        "accepted_per_verify": accepted / max(drafts, 1), "accepted_per_position": [
+            a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position)],
+        "kv_cache": asdict(kv), "verdicts": verdicts, "teacher_forced_verdicts": self_check,
+    }
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "runs" / f"{name}.json").write_text(json.dumps(result))
+    print(name, "done", json.dumps({k: result[k] for k in ("tokens_per_s", "accepted_per_verify", "verdicts")}),
+          flush=True)
+    return 0 if all(v["passed"] for v in verdicts.values()) else 1
+
+
+def run_tree_report(args) -> int:
+    """No engine: the tree runs under `--out-dir`/runs against the no-speculation timings; PASS when every tree run
+    passed at every batch size."""
+    out = Path(args.out_dir)
+    known = json.loads((out / "continuations.json").read_text())
+    no_spec = {int(b): t for b, t in known["tokens_per_s"].items()}
+    report = {"command": args.command, **{k: known[k] for k in ("device", "torch", "vllm", "max_tokens")},
+              "no_spec_tokens_per_s": no_spec, "no_spec_engine_start_s": known["engine_start_s"], "runs": {}}
+    for path in sorted((out / "runs").glob("tree-*.json")):
+        run = json.loads(path.read_text())
+        entry = {k: v for k, v in run.items() if k != "outputs"}
+        entry["speedup_vs_no_spec"] = {b: t / no_spec[int(b)] for b, t in run["tokens_per_s"].items()
+                                       if int(b) in no_spec}
+        report["runs"][run["name"]] = entry
+        print(run["name"], json.dumps({k: entry[k] for k in ("accepted_per_verify", "speedup_vs_no_spec",
+                                                             "concurrent", "engine_start_s")}), flush=True)
+        for b, v in run["verdicts"].items():
+            print(f"  batch {b}: {v['summary']}", flush=True)
+    (out / "gpu_tree_e2e.json").write_text(json.dumps(report, indent=2) + "\n")
+    ok = bool(report["runs"]) and all(v["passed"] for e in report["runs"].values() for v in e["verdicts"].values())
+    print("TREES PASS AT EVERY BATCH" if ok else "TREES FAIL (or no tree run)", flush=True)
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="role", required=True)
@@ -236,8 +373,22 @@ def main(argv=None) -> int:
     add_common_args(ref)
     ref.add_argument("--out", required=True)
     ref.add_argument("--command", default=None, help="the whole shell command, for the report")
+    cont = sub.add_parser("continuations", help="no speculation: the tree drafter's truth and the reference outputs")
+    add_common_args(cont, runs=False)
+    cont.add_argument("--out-dir", required=True)
+    tree = sub.add_parser("tree", help="one draft-tree engine (continuation drafter), judged against the reference")
+    add_common_args(tree, runs=False)
+    tree.add_argument("--out-dir", required=True)
+    tree.add_argument("--tree-widths", type=int, nargs="+", required=True)
+    tree.add_argument("--self-check", action="store_true", help="also the teacher-forced check against itself")
+    tree.add_argument("--concurrent", action="store_true", help="recorded: other engines share the GPU meanwhile")
+    report = sub.add_parser("tree-report", help="no engine: the tree runs' table and verdict")
+    report.add_argument("--out-dir", required=True)
+    report.add_argument("--command", default=None)
     args = parser.parse_args(argv)
-    return run_spec(args) if args.role == "spec" else run_reference(args)
+    roles = {"spec": run_spec, "reference": run_reference, "continuations": run_continuations, "tree": run_tree,
+             "tree-report": run_tree_report}
+    return roles[args.role](args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,12 @@ CONV_DIM = 2 * H * K + HV * V
 LAYOUT = BufferLayout.of_model(1, H, HV, K, V, NUM_SPEC)
 # the verified block of draft_tree_widths [2, 2, 1]: root 0; 1, 2; 3, 4 (below 1), 5, 6 (below 2); 7 .. 10
 TREE = DraftTree.from_widths([2, 2, 1]).with_root()
-TREE_LAYOUT = BufferLayout.of_model(1, H, HV, K, V, TREE.num_nodes - 1)
+# the verified blocks of [3, 2, 2] (22 tokens: block 21 = node 20, below block 9 below block 3) and [4, 2]
+BIG_TREES = (DraftTree.from_widths([3, 2, 2]).with_root(), DraftTree.from_widths([4, 2]).with_root())
+
+
+def _layout(tree: DraftTree | None) -> BufferLayout:
+    return LAYOUT if tree is None else BufferLayout.of_model(1, H, HV, K, V, tree.num_nodes - 1)
 
 
 def _gdn_layer_stand_in():
@@ -66,7 +71,7 @@ def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTre
     caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3,
                   conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
                   ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1,
-                  buffer=_empty_buffer(layout=LAYOUT if tree is None else TREE_LAYOUT))
+                  buffer=_empty_buffer(layout=_layout(tree)))
     if triton:
         caches["ssm_state"] = caches["ssm_state"].bfloat16()
     before = {name: caches[name].clone() for name in ("conv_history", "ssm_state")}
@@ -138,7 +143,9 @@ def _path(tree: DraftTree, node: int) -> list[int]:
     (None, (2, 0)),
     # slot 3 accepts 9 (path 0, 2, 5, 9: the root's second branch), slot 1 accepts 4 (path 0, 1, 4)
     (TREE, (9, 4)),
-], ids=["chains", "tree"])
+    (BIG_TREES[0], (21, 12)),  # leaves: on the last branch; slot 1 under the root's second child
+    (BIG_TREES[1], (12, 0)),  # the last leaf; slot 1 accepted nothing (the root alone)
+], ids=["chains", "tree", "tree-3x2x2", "tree-4x2"])
 def test_committed_state_is_the_accepted_nodes_recurrent_state(tree, commit_nodes, triton):
     """The SSM state and conv history that step 2 commits and verifies from are step 1's after its accepted node,
     node by node along the accepted node's path (a chain prefix, or a path through the tree)."""

@@ -154,6 +154,24 @@ def test_tree_steps_commit_the_leaf_the_sampler_recorded_and_carry_the_tree():
     assert second.commit_nodes.tolist() == [4, 0]  # not vLLM's accepted count - 1 (2): the recorded leaf
 
 
+def test_tree_tables_of_a_node_are_derived_in_the_forward_from_the_staged_batch():
+    """A FULL CUDA graph captures the GDN forward once and replays it on later batches staged into the builder's
+    persistent buffers: the per-node tables (parents, ancestors) must be computed in the forward from those buffers,
+    never built by the builder (outside the graph, into memory a replay would not see)."""
+    builder, _ = _builder(full_graphs=True, widths=[2, 1])
+    step = _spec_step([3, 5], [5, 5], [1, 1])
+    metadata = with_commit_nodes(builder, step)
+    assert "ancestors" not in metadata.__dict__ and "parents" not in metadata.__dict__
+    assert "node_indices" not in metadata.__dict__
+    # A replay's batch staged into the same buffer before the forward reads it: a root-only row, then a whole tree,
+    # then 4 padding tokens (counted as the last request's nodes 5 .. 8, past its 5-row block).
+    metadata.spec_query_start_loc.copy_(torch.tensor([0, 1, 6], dtype=torch.int32))
+    assert metadata.parents.tolist()[:6] == [-1, -1, 0, 0, 1, 2]
+    assert metadata.ancestors[5].tolist() == [4, 2, 0]
+    assert metadata.ancestors.shape == (10, 3) and bool((metadata.ancestors[6:] < 5).all())
+    assert metadata.tree_ancestors is builder.treewy_tree_ancestors  # one table per builder: a stable address
+
+
 def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_path):
     """vLLM's GDN builder stages a FULL-graph decode batch in a [rows, 1 + k] buffer, broadcasting reconstruct's one
     block per request into it: its column 0 is strided. The kernels index slots flat, so the wrapped build must hand

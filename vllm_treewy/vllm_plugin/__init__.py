@@ -28,4 +28,5 @@ def register() -> None:
         from vllm_treewy.vllm_plugin import gdn_cpu
 
         gdn_cpu.install()
-        tree_runner.install()  # draft trees: CPU only in part 1 (tree attention reads vLLM's CPU KV layout)
+    if current_platform.is_cpu() or current_platform.is_cuda():
+        tree_runner.install()  # draft trees: vLLM's CPU attention, or TRITON_ATTN on CUDA

@@ -81,9 +81,9 @@ class TreewySpeculativeConfig(SpeculativeConfig):
                              f"mamba_state_commit={self.mamba_state_commit!r}; use 'reconstruct'")
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            raise ValueError(f"draft_tree_widths={widths}: draft trees run on vLLM's CPU backend only for now "
-                             "(tree attention reads the CPU paged KV layout)")
+        if not (current_platform.is_cpu() or current_platform.is_cuda()):
+            raise ValueError(f"draft_tree_widths={widths}: draft trees run on vLLM's CPU backend or on CUDA with "
+                             "attention_backend='TRITON_ATTN' (tree attention reads those paged KV layouts)")
 
     def _validate_reconstruct(self) -> None:
         if self.method not in RECONSTRUCT_METHODS:

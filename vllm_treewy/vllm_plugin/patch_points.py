@@ -19,6 +19,7 @@ class PatchPoint:
     how: str  # what the adapter does there: "rebinds", "wraps", "overrides", "calls"
     why: str
     parameters: tuple[str, ...] | None = None  # leading parameter names the adapter relies on (None: a class)
+    only_on: str | None = None  # "cpu" or "cuda": the adapter touches it on that platform only (None: everywhere)
 
     def _owner_and_name(self):
         owner = importlib.import_module(self.module)
@@ -101,7 +102,7 @@ GDN_FORWARD_CORE = PatchPoint(
 )
 CPU_GDN_SPEC_FORWARD = PatchPoint(
     _CPU_GDN, "_spec_forward", "wraps", "the CPU GDN op's speculative half, looked up at call time",
-    ("layer", "attn_metadata_i", "mixed_qkv_spec", "b_spec", "a_spec"),
+    ("layer", "attn_metadata_i", "mixed_qkv_spec", "b_spec", "a_spec"), only_on="cpu",
 )
 CPU_SSM_STATE_VIEW = PatchPoint(
     _CPU_GDN, "_ssm_state_view", "calls", "the CPU SSM cache as vLLM's CPU kernel lays it out", ("layer",),
@@ -119,7 +120,8 @@ RUNNER_PREPARE_INPUTS = PatchPoint(
 )
 RUNNER_BUILD_ATTENTION_METADATA = PatchPoint(
     _RUNNER, "GPUModelRunner._build_attention_metadata", "wraps",
-    "draft trees: the step's tree rows ride on its CPU attention metadata", ("self", "num_tokens", "num_reqs"),
+    "draft trees: the step's tree rows ride on its CPU or TRITON_ATTN attention metadata (and the TRITON_ATTN "
+    "layers' caches are recorded for the compaction)", ("self", "num_tokens", "num_reqs"),
 )
 RUNNER_AFTER_SAMPLING = PatchPoint(
     _RUNNER, "GPUModelRunner._update_states_after_model_execute", "wraps",
@@ -135,7 +137,27 @@ RUNNER_SAMPLE = PatchPoint(
 CPU_ATTENTION_FORWARD = PatchPoint(
     "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward", "wraps",
     "draft trees: tree-masked attention overwrites the tree rows' output of vLLM's causal CPU kernel",
-    ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
+    ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"), only_on="cpu",
+)
+RUNNER_DETERMINE_BATCH_EXECUTION = PatchPoint(
+    _RUNNER, "GPUModelRunner._determine_batch_execution_and_padding", "wraps",
+    "draft trees: a batch that looks uniform (every request 1 + N tokens) but holds a prefill chunk is not sent to "
+    "a FULL CUDA graph (force_uniform_decode=False), whose attention took the tree bias at capture",
+    ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"),
+)
+_TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
+TRITON_ATTENTION_FORWARD = PatchPoint(
+    _TRITON_ATTN, "TritonAttentionImpl.forward", "wraps",
+    "draft trees on CUDA: the tree bias into vLLM's launch (batches of tree rows and one-token decodes), or the tree "
+    "rows recomputed after it (mixed batches)",
+    ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"), only_on="cuda",
+)
+TRITON_UNIFIED_ATTENTION = PatchPoint(
+    _TRITON_ATTN, "unified_attention", "wraps",
+    "the name TritonAttentionImpl.forward launches (a module global): passes the tree's qq_bias while the forward "
+    "wrapper holds one; the tree rows' own launch calls it too",
+    ("q", "k", "v", "out", "cu_seqlens_q", "max_seqlen_q", "seqused_k", "max_seqlen_k", "softmax_scale", "causal",
+     "window_size", "block_table", "softcap", "q_descale", "k_descale", "v_descale"), only_on="cuda",
 )
 
 SCHEDULER_UPDATE_AFTER_SCHEDULE = PatchPoint(
@@ -177,6 +199,9 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_SAMPLE,
     RUNNER_AFTER_SAMPLING,
     CPU_ATTENTION_FORWARD,
+    RUNNER_DETERMINE_BATCH_EXECUTION,
+    TRITON_ATTENTION_FORWARD,
+    TRITON_UNIFIED_ATTENTION,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
     *MODEL_STATE_SHAPES,
     *MODEL_STATE_DTYPES,

@@ -40,18 +40,33 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     # [rows] int32: the local node of the slot's previous verify to commit before this step's verify (-1: nothing to
     # commit: a new request, or a padding row).
     commit_nodes: torch.Tensor | None = None
-    # [N, D] int32 ancestor table of the packed verified tokens (`vllm_treewy.kernels.triton.ancestor_table`, local
-    # indices); None for chains.
-    ancestors: torch.Tensor | None = None
     # [1 + num_nodes, D] int32 ancestor table of the static tree's verified block (root, then the nodes), which every
-    # slot's pending commit follows; None for chains.
+    # slot's pending commit follows; None for chains. One per builder: a FULL CUDA graph keeps its address.
     tree_ancestors: torch.Tensor | None = None
+
+    # The per-node tensors below are derived on first use, in the GDN layer's forward: inside a CUDA graph's capture
+    # they are captured ops on the builder's persistent spec_query_start_loc, so a replay recomputes them for its own
+    # batch. (Built here in the builder, outside the graph, a replay would read the capture's freed tensors.)
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor | None:
+        """`[N, D]` int32 ancestor table of the packed verified tokens (local indices, as
+        `vllm_treewy.kernels.triton.ancestor_table` builds it): rows of the static tree's table. None for chains."""
+        if self.tree_ancestors is None:
+            return None
+        return self.tree_ancestors[self._tree_rows].contiguous()
+
+    @cached_property
+    def _tree_rows(self) -> torch.Tensor:
+        """`[N]` each packed token's row of the static tree's table. A FULL graph's padding tokens (past the last
+        request's, counted as its nodes) may index past the block: clamped, their rows are never used."""
+        return self.node_indices.clamp(max=self.tree_ancestors.shape[0] - 1)
 
     @cached_property
     def parents(self) -> torch.Tensor:
         """`[N]` local parents of the packed draft chains or trees."""
         if self.tree_ancestors is not None:
-            return self.tree_ancestors[self.node_indices, 1].contiguous()
+            return self.tree_ancestors[self._tree_rows, 1].contiguous()
         return chain_parents(self.spec_query_start_loc, self.num_spec_decode_tokens)
 
     @cached_property
@@ -108,8 +123,7 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
         if tree is not None:
             if not hasattr(builder, "treewy_tree_ancestors"):  # the shape is static: built once per builder
                 builder.treewy_tree_ancestors = verified_tree_ancestors(tree, slots.device)
-            result.tree_ancestors = builder.treewy_tree_ancestors
-            result.ancestors = result.tree_ancestors[result.node_indices].contiguous()
+            result.tree_ancestors = builder.treewy_tree_ancestors  # `ancestors` and `parents` follow in the forward
         if counts is not None:
             rows = slots[:num_spec].long()
             # The null block (CUDA-graph capture and padding rows point there) never holds a verify to commit: else

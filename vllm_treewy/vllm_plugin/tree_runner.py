@@ -1,17 +1,30 @@
-"""Draft trees in vLLM's V1 model runner (CPU): one target pass verifies every request's whole tree.
+"""Draft trees in vLLM's V1 model runner (CPU backend, or CUDA with TRITON_ATTN): one target pass verifies every
+request's whole tree.
 
 Per step, when the speculative config has a tree (`draft_tree_widths` with a width > 1):
 
 1. `_prepare_inputs`: vLLM computes positions and slot mapping as for a chain of N drafts; the tree rows
    (`tree_step.find_tree_step`) get depth-based RoPE positions. The `TreeStep` rides on the step's
    `SpecDecodeMetadata`, and on the runner only until `_build_attention_metadata`, which hands it to the step's
-   CPU attention metadata and drops it.
-2. CPU attention `forward`: vLLM's kernel attends the whole batch causally, then `tree_attention` overwrites the
-   tree rows' output with tree-masked attention; the layer's caches are recorded for the compaction.
-3. GDN layers: the step metadata carries the tree (`step_metadata`), reconstruct verifies it and commits the
-   previous step's accepted leaf.
-4. `_sample`: greedy tree acceptance (`tree_sampler`), the accepted path's K/V compacted, the accepted leaf written
+   attention metadata and drops it. It also says whether the tree rows cover the batch (every other request a
+   one-token query).
+2. CUDA: `_determine_batch_execution_and_padding`: a batch that looks like a uniform decode (every request 1 + N
+   tokens) but is not all tree rows (a prefill chunk of 1 + N tokens) is not given to a FULL CUDA graph.
+3. `_build_attention_metadata`: CPU: the tree step rides on the CPU attention metadata. TRITON_ATTN: a covering step
+   (and every uniform decode batch of a CUDA-graph capture, where `_prepare_inputs` did not run) gets the tree bias
+   on its metadata; a mixed step gets the tree step; the layers' caches are recorded for the compaction.
+4. Attention `forward`: CPU: vLLM's kernel attends the whole batch causally, then `tree_attention` overwrites the
+   tree rows' output; the layer's caches are recorded. TRITON_ATTN (`tree_attention_triton`): with the bias, vLLM's
+   own launch is tree attention (FULL CUDA graphs capture it); a mixed batch (PIECEWISE: attention runs eagerly)
+   runs vLLM's causal launch, then the tree rows alone with the bias overwrite their output.
+5. GDN layers: the step metadata carries the tree (`step_metadata`), reconstruct verifies it and commits the
+   previous step's accepted leaf (`reconstruct.step_torch` on CPU, `step_triton` on CUDA).
+6. `_sample`: greedy tree acceptance (`tree_sampler`), the accepted path's K/V compacted, the accepted leaf written
    into each GDN slot's count state for the next step's commit.
+
+CUDA graphs: FULL for uniform decode batches of tree rows (vLLM's FULL_AND_PIECEWISE or FULL_DECODE_ONLY), attention
+outside the graphs otherwise. `cudagraph_mode` FULL (mixed batches in full graphs too) is refused: a mixed batch's
+tree rows need the eager post-pass.
 """
 
 from __future__ import annotations
@@ -21,24 +34,46 @@ import functools
 import numpy as np
 import torch
 
+from vllm_treewy.vllm_plugin import tree_attention_triton
 from vllm_treewy.vllm_plugin.accepted_counts import gdn_slot_counts
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_ATTENTION_FORWARD,
     RUNNER_BUILD_ATTENTION_METADATA,
+    RUNNER_DETERMINE_BATCH_EXECUTION,
     RUNNER_PREPARE_INPUTS,
     RUNNER_SAMPLE,
+    TRITON_ATTENTION_FORWARD,
+    TRITON_UNIFIED_ATTENTION,
 )
 from vllm_treewy.vllm_plugin.tree_attention_cpu import split_kv_cache, tree_attention
 from vllm_treewy.vllm_plugin.tree_sampler import check_greedy, record_accepted_leaves, sample_with_trees
-from vllm_treewy.vllm_plugin.tree_step import AttentionLayerCaches, TreeStep, find_tree_step, override_positions
+from vllm_treewy.vllm_plugin.tree_step import (
+    AttentionLayerCaches,
+    PagedLayerCaches,
+    TreeStep,
+    find_tree_step,
+    override_positions,
+)
 
 TREE_STEP = "treewy_tree_step"  # attribute name on the step's metadata objects
+TREE_QQ_BIAS = "treewy_tree_qq_bias"  # on a TRITON_ATTN metadata whose whole batch takes the tree bias
 _PENDING_TREE_STEP = "_treewy_pending_tree_step"  # on the runner, from _prepare_inputs to _build_attention_metadata
+_PREPARED = "_treewy_prepared"  # on the runner: _prepare_inputs ran for the metadata being built (not a dummy run)
+_QQ_BIAS = "_treewy_qq_bias"  # on the runner: the static tree's bias, built once (CUDA graphs keep its address)
 
 
 def _runner_tree(runner):
     return draft_tree_of(runner.speculative_config) if runner.speculative_config is not None else None
+
+
+def covers_batch(step: TreeStep | None, query_start_loc: np.ndarray, num_reqs: int) -> bool:
+    """Whether every request of the batch is a tree row or has a one-token query (`query_start_loc [num_reqs + 1]`
+    numpy): then the tree bias is right for all of them (`tree_attention_triton`)."""
+    if step is None:
+        return False
+    query_lens = np.diff(query_start_loc[: num_reqs + 1])
+    return int((query_lens > 1).sum()) == step.num_requests
 
 
 def _preparing_tree_rows(original):
@@ -48,7 +83,10 @@ def _preparing_tree_rows(original):
         setattr(self, _PENDING_TREE_STEP, None)
         tree = _runner_tree(self)
         spec_decode_metadata = result[1]
-        if tree is None or spec_decode_metadata is None:
+        if tree is None:
+            return result
+        setattr(self, _PREPARED, True)
+        if spec_decode_metadata is None:
             return result
         num_reqs = self.input_batch.num_reqs
         step = find_tree_step(
@@ -56,6 +94,7 @@ def _preparing_tree_rows(original):
             self.query_start_loc.np[: num_reqs + 1], self.input_batch.num_computed_tokens_cpu[:num_reqs],
             self.positions.device)
         if step is not None:
+            step.covers_batch = covers_batch(step, self.query_start_loc.np, num_reqs)
             override_positions(self.positions, step)
             setattr(spec_decode_metadata, TREE_STEP, step)
             setattr(self, _PENDING_TREE_STEP, step)
@@ -65,19 +104,115 @@ def _preparing_tree_rows(original):
     return prepare_inputs
 
 
+def looks_uniform(tree, num_tokens: int, num_reqs: int, max_num_scheduled_tokens: int) -> bool:
+    """vLLM's uniform-decode test (`GPUModelRunner._is_uniform_decode`) for this tree's 1 + N tokens per request."""
+    block_len = 1 + tree.num_nodes
+    return max_num_scheduled_tokens == block_len and num_tokens == block_len * num_reqs
+
+
+def _keeping_mixed_batches_out_of_full_graphs(original):
+    @functools.wraps(original)
+    def determine_batch_execution_and_padding(self, num_tokens, num_reqs, num_scheduled_tokens_np,
+                                              max_num_scheduled_tokens, *args, **kwargs):
+        tree = _runner_tree(self)
+        if (tree is not None and getattr(self, _PREPARED, False) and kwargs.get("force_uniform_decode") is None
+                and looks_uniform(tree, num_tokens, num_reqs, max_num_scheduled_tokens)):
+            step = getattr(self, _PENDING_TREE_STEP, None)
+            if step is None or step.num_requests != num_reqs:
+                # A prefill chunk of exactly 1 + N tokens: vLLM would count the batch as a uniform decode and replay
+                # a FULL graph, whose attention has the tree bias and whose GDN layers verify drafts.
+                kwargs["force_uniform_decode"] = False
+        return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, *args,
+                        **kwargs)
+
+    determine_batch_execution_and_padding.keeps_mixed_batches_eager = True
+    return determine_batch_execution_and_padding
+
+
+def _check_tree_backends(runner, per_layer: dict) -> None:
+    """Draft trees read the CPU or TRITON_ATTN KV layout; any other attention backend is refused with its name."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata as Supported
+    else:
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata as Supported
+    for name, metadata in per_layer.items():
+        if not isinstance(metadata, (Supported, GDNAttentionMetadata)):
+            raise ValueError(f"draft_tree_widths: layer {name} runs {type(metadata).__name__}; draft trees need "
+                             "attention_backend='TRITON_ATTN' on CUDA (vLLM's CPU attention on CPU)")
+    mode = runner.compilation_config.cudagraph_mode
+    if mode is not None and mode.mixed_mode() == CUDAGraphMode.FULL:
+        raise ValueError(f"draft_tree_widths: cudagraph_mode {mode.name} puts batches with prefills in FULL CUDA "
+                         "graphs, where the tree rows' attention pass cannot run; use FULL_AND_PIECEWISE (vLLM's "
+                         "default), FULL_DECODE_ONLY, PIECEWISE or NONE")
+
+
+def tree_qq_bias_of(runner, tree) -> torch.Tensor:
+    bias = getattr(runner, _QQ_BIAS, None)
+    if bias is None:
+        bias = tree_attention_triton.tree_qq_bias(tree, runner.device)
+        setattr(runner, _QQ_BIAS, bias)
+    return bias
+
+
+def _hand_to_triton_layers(runner, per_layer: dict, step: TreeStep | None, prepared: bool) -> None:
+    """The tree bias or the tree step onto the TRITON_ATTN metadata, and each layer's cache into the step."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+
+    tree = _runner_tree(runner)
+    layers = runner.compilation_config.static_forward_context
+    recorded = set()  # caches already recorded: a cache that layers share (KV sharing) is compacted once
+    for name, metadata in per_layer.items():
+        if not isinstance(metadata, TritonAttentionMetadata):
+            continue
+        if step is not None:
+            step.qq_bias = tree_qq_bias_of(runner, tree)
+            if step.covers_batch:
+                setattr(metadata, TREE_QQ_BIAS, step.qq_bias)
+            else:
+                setattr(metadata, TREE_STEP, step)
+            kv_cache = layers[name].kv_cache
+            if kv_cache.data_ptr() not in recorded:
+                recorded.add(kv_cache.data_ptr())
+                step.attention_layers.append(
+                    PagedLayerCaches(kv_cache, metadata.block_table.index_select(0, step.request_indices)))
+        elif not prepared and metadata.max_query_len == 1 + tree.num_nodes:
+            # A dummy run (CUDA-graph capture): its uniform decode batch stands for steps of tree rows only (a batch
+            # with a prefill is never replayed in a FULL graph: `_keeping_mixed_batches_out_of_full_graphs`).
+            setattr(metadata, TREE_QQ_BIAS, tree_qq_bias_of(runner, tree))
+
+
 def _handing_tree_step_to_attention(original):
     @functools.wraps(original)
     def build_attention_metadata(self, *args, **kwargs):
         attn_metadata, spec_common = original(self, *args, **kwargs)
         step = getattr(self, _PENDING_TREE_STEP, None)
+        prepared = getattr(self, _PREPARED, False)
         setattr(self, _PENDING_TREE_STEP, None)  # one step's: never seen by a later (e.g. dummy) build
-        if step is not None:
-            per_layer = attn_metadata if isinstance(attn_metadata, dict) else {}
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+        setattr(self, _PREPARED, False)
+        tree = _runner_tree(self)
+        if tree is None:
+            return attn_metadata, spec_common
+        per_layer = {}
+        for metadata in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
+            per_layer.update(metadata if isinstance(metadata, dict) else {})  # a list: one dict per micro-batch
+        if not getattr(self, "_treewy_backends_checked", False):
+            _check_tree_backends(self, per_layer)
+            self._treewy_backends_checked = bool(per_layer)
+        from vllm.platforms import current_platform
 
-            for metadata in per_layer.values():
-                if isinstance(metadata, CPUAttentionMetadata):
-                    setattr(metadata, TREE_STEP, step)
+        if current_platform.is_cpu():
+            if step is not None:
+                from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+                for metadata in per_layer.values():
+                    if isinstance(metadata, CPUAttentionMetadata):
+                        setattr(metadata, TREE_STEP, step)
+        else:
+            _hand_to_triton_layers(self, per_layer, step, prepared)
         return attn_metadata, spec_common
 
     build_attention_metadata.hands_tree_step = True
@@ -108,6 +243,70 @@ def _attending_tree_rows(original):
     return forward
 
 
+_active_qq_bias: torch.Tensor | None = None  # set by the TRITON_ATTN forward wrapper around vLLM's forward
+
+
+def _passing_qq_bias(original):
+    @functools.wraps(original)
+    def unified_attention(*args, **kwargs):
+        if _active_qq_bias is not None and kwargs.get("qq_bias") is None:
+            kwargs["qq_bias"] = _active_qq_bias
+        return original(*args, **kwargs)
+
+    unified_attention.passes_qq_bias = True
+    return unified_attention
+
+
+def check_triton_tree_support(impl) -> None:
+    """What the tree bias leaves right: positions enter vLLM's kernel only through sliding windows, ALiBi and
+    chunked attention (block index there, not depth), and quantized caches take other loads; all refused."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.attention.backend import AttentionType
+
+    reasons = []
+    if is_quantized_kv_cache(impl.kv_cache_dtype):
+        reasons.append(f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
+    if tuple(impl.sliding_window) != (-1, -1) or getattr(impl, "chunk_lookback", -1) != -1:
+        reasons.append("a sliding window or chunked attention")
+    if impl.alibi_slopes is not None:
+        reasons.append("ALiBi")
+    if impl.attn_type != AttentionType.DECODER:
+        reasons.append(f"attention type {impl.attn_type}")
+    if reasons:
+        raise NotImplementedError("draft_tree_widths with TRITON_ATTN: not supported with " + ", ".join(reasons))
+
+
+def _attending_tree_rows_triton(original):
+    @functools.wraps(original)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        global _active_qq_bias
+        bias = getattr(attn_metadata, TREE_QQ_BIAS, None)
+        step: TreeStep | None = getattr(attn_metadata, TREE_STEP, None)
+        if bias is None and step is None:
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        check_triton_tree_support(self)
+        if bias is not None:  # the whole batch: tree rows and one-token queries
+            _active_qq_bias = bias
+            try:
+                return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            finally:
+                _active_qq_bias = None
+        output = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        key_cache, value_cache = tree_attention_triton.split_kv_cache(kv_cache, self.head_size)
+        descale = layer._k_scale.expand(step.num_requests, key_cache.shape[2])
+        tree_attention_triton.tree_rows_attention(
+            TRITON_UNIFIED_ATTENTION.resolve(), query, key_cache, value_cache, output,
+            token_indices=step.token_indices, request_indices=step.request_indices,
+            tree_query_start_loc=step.query_start_loc, seq_lens=attn_metadata.seq_lens,
+            block_table=attn_metadata.block_table, block_len=step.block_len, max_seq_len=attn_metadata.max_seq_len,
+            scale=self.scale, qq_bias=step.qq_bias, k_descale=descale, v_descale=descale,
+            softcap=self.logits_soft_cap, sinks=self.sinks)
+        return output
+
+    forward.attends_tree_rows = True
+    return forward
+
+
 def _sampling_trees(original):
     @functools.wraps(original)
     def sample(self, logits, spec_decode_metadata):
@@ -127,11 +326,19 @@ def _sampling_trees(original):
 
 
 def install() -> None:
-    for point, wrap, marker in (
+    from vllm.platforms import current_platform
+
+    wrappers = [
         (RUNNER_PREPARE_INPUTS, _preparing_tree_rows, "prepares_tree_rows"),
+        (RUNNER_DETERMINE_BATCH_EXECUTION, _keeping_mixed_batches_out_of_full_graphs, "keeps_mixed_batches_eager"),
         (RUNNER_BUILD_ATTENTION_METADATA, _handing_tree_step_to_attention, "hands_tree_step"),
         (RUNNER_SAMPLE, _sampling_trees, "samples_trees"),
-        (CPU_ATTENTION_FORWARD, _attending_tree_rows, "attends_tree_rows"),
-    ):
+    ]
+    if current_platform.is_cpu():
+        wrappers.append((CPU_ATTENTION_FORWARD, _attending_tree_rows, "attends_tree_rows"))
+    else:
+        wrappers += [(TRITON_ATTENTION_FORWARD, _attending_tree_rows_triton, "attends_tree_rows"),
+                     (TRITON_UNIFIED_ATTENTION, _passing_qq_bias, "passes_qq_bias")]
+    for point, wrap, marker in wrappers:
         if not getattr(point.resolve(), marker, False):
             point.replace(wrap(point.resolve()))

@@ -19,7 +19,8 @@ import torch
 
 from vllm_treewy.spec_decode.acceptance import GreedyTreeAcceptance, greedy_tree_acceptance
 from vllm_treewy.vllm_plugin.tree_attention_cpu import compact_accepted_kv
-from vllm_treewy.vllm_plugin.tree_step import TreeStep
+from vllm_treewy.vllm_plugin.tree_attention_triton import compact_accepted_kv_paged
+from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep
 
 PLACEHOLDER_TOKEN = -1  # vLLM's padding of sampled_token_ids
 
@@ -69,10 +70,14 @@ def sample_with_trees(logits: torch.Tensor, spec_decode_metadata, step: TreeStep
 
 
 def commit_accepted_path(step: TreeStep, acceptance: GreedyTreeAcceptance) -> None:
-    """Compacts the recorded full-attention layers' K/V along each accepted path."""
+    """Compacts the recorded full-attention layers' K/V along each accepted path (CPU layout or TRITON_ATTN's)."""
     for layer in step.attention_layers:
-        compact_accepted_kv(layer.key_cache, layer.value_cache, layer.block_table, acceptance.accepted_nodes,
-                            step.root_positions, isa=layer.isa)
+        if isinstance(layer, PagedLayerCaches):
+            compact_accepted_kv_paged(layer.kv_cache, layer.block_table, acceptance.accepted_nodes,
+                                      step.root_positions)
+        else:
+            compact_accepted_kv(layer.key_cache, layer.value_cache, layer.block_table, acceptance.accepted_nodes,
+                                step.root_positions, isa=layer.isa)
 
 
 def record_accepted_leaves(counts: torch.Tensor, slots: torch.Tensor, acceptance: GreedyTreeAcceptance) -> None:

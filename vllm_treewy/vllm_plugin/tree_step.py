@@ -34,6 +34,15 @@ class AttentionLayerCaches:
 
 
 @dataclass
+class PagedLayerCaches:
+    """What the compaction needs of one TRITON_ATTN layer, recorded when the step's metadata is built (a FULL CUDA
+    graph replays the forward without running Python)."""
+
+    kv_cache: torch.Tensor  # vLLM's logical [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    block_table: torch.Tensor  # [R, max_blocks] the tree rows' rows of the layer's block table
+
+
+@dataclass
 class TreeStep:
     tree: DraftTree
     request_indices: torch.Tensor  # [R] int64 batch rows that verify a whole tree, ascending
@@ -41,7 +50,11 @@ class TreeStep:
     query_start_loc: torch.Tensor  # [R + 1] int32 the tree rows' blocks back to back: 0, 1 + N, ...
     block_ancestors: torch.Tensor  # [R * (1 + N), depth + 1] int32 (`verified_block_ancestors`)
     root_positions: torch.Tensor  # [R] int64 committed length before each root (= the root's position)
-    attention_layers: list[AttentionLayerCaches] = field(default_factory=list)
+    attention_layers: list[AttentionLayerCaches | PagedLayerCaches] = field(default_factory=list)
+    # Every other request of the batch has a one-token query (no prefill chunk of more): vLLM's TRITON_ATTN launch
+    # can take the tree as its qq_bias for the whole batch (`tree_attention_triton`).
+    covers_batch: bool = False
+    qq_bias: torch.Tensor | None = None  # TRITON_ATTN: the tree's `tree_qq_bias`, set with the step's metadata
 
     @property
     def num_requests(self) -> int:

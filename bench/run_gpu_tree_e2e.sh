@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Draft trees on the H200 (CUDA, TRITON_ATTN, the continuation test drafter): the no-speculation engine first (the
+# drafter's truth, the reference outputs, no-spec tokens/s), then one engine per tree shape, then the report.
+# Usage, from the checkout root:  bash bench/run_gpu_tree_e2e.sh OUT_DIR "WIDTHS..." [--concurrent] [extra args]
+#   WIDTHS: shapes separated by spaces, levels by commas, e.g. "2,1,1 2,2,1 3,2,2 4,2"
+#   --concurrent: the tree engines run at once (each with a fixed 4 GiB KV cache, no memory profiling, and a
+#                 start-up memory check of 0.15 of the GPU), which fits four engine starts into one call; their
+#                 tokens/s are then not throughput measurements.
+# Extra args go to every engine (e.g. --batch-sizes 1 8 64 --max-tokens 64 --eager).
+# Meanwhile (unless TREE_GPU_TESTS=0) the bf16 tree attention tests run on the same GPU: $OUT/gpu_tests.log.
+set -u
+out=$1; shapes=$2; shift 2
+concurrent=0
+if [ "${1:-}" = "--concurrent" ]; then concurrent=1; shift; fi
+mkdir -p "$out/runs"
+log=$out/log.txt
+start=$(date +%s)
+if [ "${TREE_GPU_TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -m gpu tests/gpu/test_tree_attention_gpu.py >"$out/gpu_tests.log" 2>&1 &
+  tests_pid=$!
+fi
+echo "=== continuations at 0 s" >>"$log"
+python3 bench/gpu_vllm_e2e.py continuations --out-dir "$out" "$@" >>"$log" 2>&1
+echo "=== rc=$? at $(( $(date +%s) - start )) s" >>"$log"
+pids=""
+for shape in $shapes; do
+  widths=${shape//,/ }
+  name=tree-${shape//,/x}
+  if [ "$concurrent" = 1 ]; then
+    echo "=== $name started at $(( $(date +%s) - start )) s (concurrent)" >>"$log"
+    python3 bench/gpu_vllm_e2e.py tree --tree-widths $widths --out-dir "$out" --concurrent \
+      --kv-cache-memory-bytes 4294967296 --gpu-memory-utilization 0.15 "$@" >"$out/$name.log" 2>&1 &
+    pids="$pids $!"
+    sleep 5  # engine starts a little apart
+  else
+    echo "=== $name at $(( $(date +%s) - start )) s" >>"$log"
+    python3 bench/gpu_vllm_e2e.py tree --tree-widths $widths --out-dir "$out" "$@" >"$out/$name.log" 2>&1
+    echo "=== $name rc=$? at $(( $(date +%s) - start )) s" >>"$log"
+  fi
+done
+for pid in $pids; do wait "$pid"; echo "=== pid $pid rc=$? at $(( $(date +%s) - start )) s" >>"$log"; done
+cat "$out"/tree-*.log >>"$log" 2>/dev/null
+if [ -n "${tests_pid:-}" ]; then wait "$tests_pid"; echo "=== gpu tests: $(tail -1 "$out/gpu_tests.log")" >>"$log"; fi
+python3 bench/gpu_vllm_e2e.py tree-report --out-dir "$out" \
+  --command "bash bench/run_gpu_tree_e2e.sh \$OUT \"$shapes\" $( [ $concurrent = 1 ] && echo --concurrent ) $*" \
+  >>"$log" 2>&1
+echo "=== report rc=$? at $(( $(date +%s) - start )) s" >>"$log"
+grep -E "^===|^tree-|tokens/s|batch [0-9]+|PASS|FAIL|Traceback|Error|cudagraph_mode|Capturing CUDA graphs" "$log" \
+  | cut -c1-300 | tail -90

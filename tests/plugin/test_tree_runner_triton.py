@@ -1,0 +1,202 @@
+"""The runner wiring of draft trees for vLLM's TRITON_ATTN backend (`tree_runner`), on this CPU machine.
+
+vLLM's own `TritonAttentionImpl.forward` runs under our wrapper, with vLLM's kernel under the Triton interpreter
+standing in for the compiled one (`vllm_triton_interpreted`) behind the module global that forward launches: for a
+batch the step covers (tree rows and one-token decodes), the bias rides into vLLM's launch; for a mixed batch the
+tree rows are recomputed after it. Both against the fp64 reference of `test_tree_attention_triton`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import vllm.v1.attention.backends.triton_attn as triton_attn
+from hypothesis import given
+from hypothesis import strategies as st
+from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
+
+from tests.plugin.paged_batches import make_batch, reference_attention
+from tests.plugin.test_tree_attention_triton import batch_shapes, fast, tolerance
+from tests.plugin.vllm_triton_interpreted import interpreted_unified_attention
+from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin import tree_runner
+from vllm_treewy.vllm_plugin.patch_points import TRITON_ATTENTION_FORWARD, TRITON_UNIFIED_ATTENTION
+from vllm_treewy.vllm_plugin.tree_sampler import commit_accepted_path
+from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, find_tree_step
+
+torch.set_num_threads(1)
+
+
+def tree_step_of(batch):
+    """The step `_prepare_inputs` finds in the batch (vLLM's per-request counts for its kinds)."""
+    n = batch.tree.num_nodes
+    num_decode_drafts = np.array([n if k == "tree" else 0 if k == "decode" else -1 for k in batch.kinds])
+    num_drafts = np.array([n if k == "tree" else 0 for k in batch.kinds])
+    query_start_loc = batch.query_start_loc.numpy()
+    step = find_tree_step(batch.tree, num_decode_drafts, num_drafts, query_start_loc,
+                          np.array(batch.context_lens), torch.device("cpu"))
+    step.covers_batch = tree_runner.covers_batch(step, query_start_loc, len(batch.kinds))
+    return step
+
+
+def triton_metadata(batch, max_query_len=None) -> TritonAttentionMetadata:
+    seq_lens = batch.seq_lens
+    return TritonAttentionMetadata(
+        num_actual_tokens=batch.query.shape[0], max_query_len=max_query_len or max(batch.query_lens),
+        query_start_loc=batch.query_start_loc, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+        block_table=batch.block_table, slot_mapping=torch.empty(0, dtype=torch.long), seq_threshold_3D=0,
+        num_par_softmax_segments=0, softmax_segm_output=None, softmax_segm_max=None, softmax_segm_expsum=None,
+        causal=True)
+
+
+def fake_runner(tree, kv_cache):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(is_draft_tree=True, draft_tree=tree), device=torch.device("cpu"),
+        compilation_config=SimpleNamespace(static_forward_context={"attn.0": SimpleNamespace(kv_cache=kv_cache)}))
+
+
+@pytest.fixture(scope="module")
+def interpreted_triton_attention():
+    """vLLM's forward launches the interpreted kernel through our qq_bias wrapper, as `install()` arranges on CUDA."""
+    launch = tree_runner._passing_qq_bias(interpreted_unified_attention())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attn, "unified_attention", launch)
+        patch.setattr(tree_runner, "TRITON_UNIFIED_ATTENTION", SimpleNamespace(resolve=lambda: launch))
+        yield tree_runner._attending_tree_rows_triton(TRITON_ATTENTION_FORWARD.original())
+
+
+@fast(15)
+@given(shape=batch_shapes(with_prefills=False) | batch_shapes(with_prefills=True), sinks=st.booleans())
+def test_vllms_triton_forward_under_the_wrapper_is_tree_attention(interpreted_triton_attention, shape, sinks):
+    shape["dtype"] = torch.float32
+    batch = make_batch(**shape)
+    step = tree_step_of(batch)
+    metadata = triton_metadata(batch)
+    runner = fake_runner(batch.tree, batch.kv_cache)
+    tree_runner._hand_to_triton_layers(runner, {"attn.0": metadata}, step, prepared=True)
+    covering = "prefill" not in batch.kinds or all(q <= 1 for k, q in zip(batch.kinds, batch.query_lens)
+                                                    if k == "prefill")
+    assert step.covers_batch == covering
+    assert (getattr(metadata, tree_runner.TREE_QQ_BIAS, None) is not None) == covering
+    assert (getattr(metadata, tree_runner.TREE_STEP, None) is step) == (not covering)
+    assert [layer.kv_cache for layer in step.attention_layers] == [batch.kv_cache]
+
+    num_heads, num_kv_heads, head_size = shape["num_heads"], shape["num_kv_heads"], shape["head_size"]
+    impl = TritonAttentionImpl(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5,
+                               num_kv_heads=num_kv_heads, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+                               sinks=torch.full((num_heads,), -1e4) if sinks else None)  # sinks far below: no weight
+    layer = SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0), _q_scale=torch.tensor(1.0))
+    output = torch.full_like(batch.query, float("nan"))  # vLLM's Attention layer hands [T, heads, head_size]
+    interpreted_triton_attention(impl, layer, batch.query, None, None, batch.kv_cache, metadata, output)
+    torch.testing.assert_close(output.double(), reference_attention(batch),
+                               **tolerance(torch.float32))
+    assert tree_runner._active_qq_bias is None  # held only during the launch
+
+
+def test_a_capture_dummy_run_of_uniform_decodes_takes_the_bias_and_others_do_not():
+    tree = DraftTree.from_widths([2, 2])
+    batch = make_batch(tree, ["tree", "tree"], [4, 9], [0, 0], num_heads=2, num_kv_heads=1, head_size=32,
+                       block_size=16, dtype=torch.float32, layout="NHD")
+    runner = fake_runner(tree, batch.kv_cache)
+    uniform, prefill = triton_metadata(batch), triton_metadata(batch, max_query_len=64)
+    tree_runner._hand_to_triton_layers(runner, {"a": uniform, "b": prefill}, None, prepared=False)
+    bias = getattr(uniform, tree_runner.TREE_QQ_BIAS)
+    assert bias.shape[1] == 1 + tree.num_nodes and not hasattr(prefill, tree_runner.TREE_QQ_BIAS)
+    # A real step without tree rows (prepared) never takes it; the bias is built once per runner.
+    real = triton_metadata(batch)
+    tree_runner._hand_to_triton_layers(runner, {"a": real}, None, prepared=True)
+    assert not hasattr(real, tree_runner.TREE_QQ_BIAS)
+    again = triton_metadata(batch)
+    tree_runner._hand_to_triton_layers(runner, {"a": again}, None, prepared=False)
+    assert getattr(again, tree_runner.TREE_QQ_BIAS) is bias
+
+
+def test_layers_sharing_a_cache_are_compacted_once():
+    tree = DraftTree.from_widths([2])
+    batch = make_batch(tree, ["tree"], [4], [0], num_heads=2, num_kv_heads=1, head_size=32, block_size=16,
+                       dtype=torch.float32, layout="NHD")
+    runner = fake_runner(tree, batch.kv_cache)
+    runner.compilation_config.static_forward_context["attn.1"] = SimpleNamespace(kv_cache=batch.kv_cache)
+    step = tree_step_of(batch)
+    tree_runner._hand_to_triton_layers(runner, {"attn.0": triton_metadata(batch), "attn.1": triton_metadata(batch)},
+                                       step, prepared=True)
+    assert len(step.attention_layers) == 1
+
+
+@pytest.mark.parametrize("case, forced", [
+    ("all tree rows", False),
+    ("a prefill chunk of 1 + N tokens", True),
+    ("not uniform", False),
+])
+def test_a_uniform_looking_batch_with_a_prefill_chunk_stays_out_of_full_graphs(case, forced):
+    tree = DraftTree.from_widths([2, 1])  # 1 + N = 5
+    calls = []
+    wrapped = tree_runner._keeping_mixed_batches_out_of_full_graphs(
+        lambda self, num_tokens, num_reqs, tokens_np, max_tokens, **kw: calls.append(kw))
+    num_reqs, num_tokens, max_tokens = {"all tree rows": (2, 10, 5), "a prefill chunk of 1 + N tokens": (2, 10, 5),
+                                        "not uniform": (2, 9, 5)}[case]
+    step = SimpleNamespace(num_requests=2 if case == "all tree rows" else 1)
+    runner = SimpleNamespace(speculative_config=SimpleNamespace(is_draft_tree=True, draft_tree=tree),
+                             _treewy_prepared=True, _treewy_pending_tree_step=step)
+    wrapped(runner, num_tokens, num_reqs, None, max_tokens)
+    assert calls[-1].get("force_uniform_decode") is (False if forced else None)
+    runner._treewy_prepared = False  # a dummy run (capture) is left as vLLM asks
+    wrapped(runner, 10, 2, None, 5, force_uniform_decode=True)
+    assert calls[-1]["force_uniform_decode"] is True
+
+
+def test_covers_batch_counts_queries_longer_than_one():
+    step = SimpleNamespace(num_requests=2)
+    assert tree_runner.covers_batch(step, np.array([0, 5, 6, 11, 12]), 4)  # tree, decode, tree, one-token chunk
+    assert not tree_runner.covers_batch(step, np.array([0, 5, 7, 12]), 3)  # a 2-token prefill chunk
+    assert not tree_runner.covers_batch(None, np.array([0, 1]), 1)
+
+
+def test_unsupported_triton_layers_are_refused():
+    impl = TritonAttentionImpl(num_heads=2, head_size=32, scale=1.0, num_kv_heads=1, alibi_slopes=None,
+                               sliding_window=128, kv_cache_dtype="fp8")
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype 'fp8'.*sliding window"):
+        tree_runner.check_triton_tree_support(impl)
+    plain = TritonAttentionImpl(num_heads=2, head_size=32, scale=1.0, num_kv_heads=1, alibi_slopes=None,
+                                sliding_window=None, kv_cache_dtype="bfloat16")
+    tree_runner.check_triton_tree_support(plain)
+
+
+def test_backends_other_than_triton_and_full_graphs_for_mixed_batches_are_refused(monkeypatch):
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    runner = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE))
+    tree_runner._check_tree_backends(runner, {"attn": object.__new__(TritonAttentionMetadata)})
+    with pytest.raises(ValueError, match="TRITON_ATTN"):
+        tree_runner._check_tree_backends(runner, {"attn": SimpleNamespace()})
+    runner.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    with pytest.raises(ValueError, match="FULL_AND_PIECEWISE"):
+        tree_runner._check_tree_backends(runner, {"attn": object.__new__(TritonAttentionMetadata)})
+
+
+def test_commit_accepted_path_compacts_recorded_triton_layers():
+    tree = DraftTree.from_widths([2, 2])  # nodes 0, 1; 2, 3 below 0; 4, 5 below 1
+    cache = torch.zeros(3, 1, 16, 4)
+    tokens = cache.transpose(1, 2)
+    for position in range(16):
+        tokens[1, position] = position
+    step = SimpleNamespace(attention_layers=[PagedLayerCaches(cache, torch.tensor([[1, 0]]))],
+                           root_positions=torch.tensor([5]))
+    commit_accepted_path(step, SimpleNamespace(accepted_nodes=torch.tensor([[1, 5]])))
+    assert tokens[1, 6, 0, 0] == 7 and tokens[1, 7, 0, 0] == 11  # node 1 at 7 -> 6, node 5 at 11 -> 7
+    assert tree.num_nodes == 6
+
+
+def test_vllms_triton_forward_launches_the_module_global_with_a_qq_bias_parameter():
+    """What the qq_bias route relies on: forward calls the `unified_attention` name of its module (which the plugin
+    wraps), and that function still takes `qq_bias`."""
+    import inspect
+
+    forward = TRITON_ATTENTION_FORWARD.original()
+    assert "unified_attention" in forward.__code__.co_names
+    assert "qq_bias" in inspect.signature(TRITON_UNIFIED_ATTENTION.original()).parameters
