@@ -21,11 +21,12 @@ from vllm_treewy.kernels.triton import gdn_commit_triton, gdn_step_triton  # noq
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is rounded once on the way out
 SPARE_SLOTS = 2
-# the tensor-core layout (the default) and the one-row-per-thread layouts
+# the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 (where q/k are bf16)
 VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
-            dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True)]
+            dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 
@@ -267,3 +268,37 @@ def test_chain_flag_and_activation(batch, seed, activation):
     twin = gdn_step_packed(*inputs, state.cpu(), slots, packed.parents, packed.cu_nodes, num_key_heads=1,
                            factors=factors.cpu().clone(), activation=activation)
     assert within(by_chain.cpu(), twin.double(), 2e-5)
+
+
+def test_dot_passes():
+    """2xTF32 only where q/k are exact in tf32 and the state is not; one pass where both are exact."""
+    from vllm_treewy.kernels.triton.gated import _dot_passes
+
+    assert _dot_passes(torch.float32, torch.bfloat16, True) == 2
+    assert _dot_passes(torch.float32, torch.float16, True) == 2
+    assert _dot_passes(torch.float32, torch.bfloat16, False) == 3
+    assert _dot_passes(torch.float32, torch.float32, True) == 3  # fp32 q/k: not exact in tf32, stays tf32x3
+    assert _dot_passes(torch.bfloat16, torch.float32, True) == 3
+    assert _dot_passes(torch.bfloat16, torch.bfloat16, True) == 1
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
+def test_split_state_tf32(batch, seed, gate_scale):
+    """2xTF32 (fp32 state, raw bf16 q/k): outputs and u vs the fp64 reference at the fp32 tolerance, and u within 1e-6 of the one-pass fp32 products (the interpreter runs every dot in fp32), the bound of
+    `_state_products` (2^-22 per product) with room for the fp32 sums."""
+    packed, inputs, pool, slots = gated_inputs(batch, 2, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
+    state = pool.float().to(DEVICE)
+    h0 = state.cpu().clone()
+    factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
+    before = factors.clone()
+    launch = dict(block_k=16, state_dot=True, late_node_terms=True)
+    out = run_step(packed, inputs, state, slots, 2, factors, split_state_tf32=True, **launch)
+    check_step(packed, inputs, h0, slots, batch, 2, out, factors, before, TOLERANCE[torch.float32],
+               OUT_TOLERANCE_BF16)
+    exact_factors = before.clone()
+    run_step(packed, inputs, state, slots, 2, exact_factors, split_state_tf32=False, **launch)
+    u = split_slot_factors(factors.cpu(), 4, 32, 32)[2]
+    u_exact = split_slot_factors(exact_factors.cpu(), 4, 32, 32)[2]
+    assert within(u, u_exact.double(), 1e-6)

@@ -14,8 +14,9 @@ key chunks of BK columns. Two layouts (launch option `state_dot`):
   products with the state come from one tensor-core dot per chunk, [h k_0 .. h k_{T-1}, h q_0 .. h q_{T-1}] =
   h [V, BK] @ [k; q]^T [BK, 16] (state as the 128-row operand, nodes padded to 16 columns), fp32 operands: one
   tf32 pass when the state and q/k are bf16 (exact products), tf32x3 (hi + lo parts) for an fp32 state (~fp32:
-  measured 1-2e-7 on u and the committed state at K=128 against fp64). The [BK, 16] q/k chunks are prefetched
-  with the state chunks.
+  measured 1-2e-7 on u and the committed state at K=128 against fp64), or with `split_state_tf32` two tf32 passes
+  (2xTF32: the state's hi and lo parts against the raw bf16 q/k, which are exact in tf32; `_state_products`,
+  not yet timed on a GPU). The [BK, 16] q/k chunks are prefetched with the state chunks.
 - one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
   (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
@@ -84,6 +85,40 @@ def _log_decay(a_raw, dt_bias, neg_exp_a_log):
 
 
 @triton.jit
+def _round_tf32(x):
+    """x rounded to the nearest tf32 (1 + 10 mantissa bits, ties away from zero: PTX's cvt.rna.tf32.f32) by bit
+    arithmetic, which the interpreter runs too: half of the last kept bit added to the fp32 pattern, the 13 low
+    bits cleared. Finite x (a carry out of the largest finite floats would give inf)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _state_products(h, kq, acc, DOT_PASSES: tl.constexpr):
+    """acc + h @ kq on the tensor cores, h [V, BK] a state chunk in fp32, kq [BK, NQ] raw q/k columns in fp32.
+
+    DOT_PASSES = 1: one tf32 pass; exact products (fp32 sums) where both operands are exact in tf32 (bf16 or fp16
+    values: at most 11 significant bits, exponents within tf32's).
+    DOT_PASSES = 2 (2xTF32, an fp32 state with bf16/fp16 q/k): h = h_hi + h_lo + e, h_hi = rna_tf32(h),
+    h_lo = rna_tf32(h - h_hi) (h - h_hi is exact in fp32); |h - h_hi| <= 2^-11 |h| and |e| <= 2^-11 |h - h_hi|
+    <= 2^-22 |h|. Each product h_hi k and h_lo k is exact in fp32 (11 + 8 significant bits for bf16, 11 + 11 for
+    fp16, both <= 24), so the two passes give sum_i h_i k_i within 2^-22 sum_i |h_i k_i| (2.4e-7 relative; fp32
+    products: 2^-24) plus the fp32 accumulation's rounding, which every fp32 dot has: ~80x inside the fp32
+    tolerance (2e-5) of the fp64-reference tests. tf32x3 computes these same two products and a third, h_hi
+    (k - rna_tf32(k)), exactly zero for such k: 2xTF32 drops only that pass.
+    DOT_PASSES = 3: tf32x3 (q/k in fp32, not exact in tf32)."""
+    if DOT_PASSES == 1:
+        acc = tl.dot(h, kq, acc, input_precision="tf32")
+    elif DOT_PASSES == 2:
+        h_hi = _round_tf32(h)
+        acc = tl.dot(_round_tf32(h - h_hi), kq, acc, input_precision="tf32")  # the small part first
+        acc = tl.dot(h_hi, kq, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(h, kq, acc, input_precision="tf32x3")
+    return acc
+
+
+@triton.jit
 def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b,
                 i_hv, K: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
     """Everything per node that does not touch the state: gates, path sums c and decays exp(c_i - c_j), q/k
@@ -134,7 +169,7 @@ def _gated_step_kernel(
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
-    PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, EXACT_TF32: tl.constexpr,
+    PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, DOT_PASSES: tl.constexpr,
 ):
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -253,13 +288,8 @@ def _gated_step_kernel(
             tl.store(p_state + cols[None, :], h, mask=store_commit)
             h = h.to(tl.float32)
         if DO_VERIFY and STATE_DOT:
-            # every h k_t and h q_t of the chunk in one tensor-core product, the state as the 128-row operand, in
-            # fp32 operands: one tf32 pass where both are exact in tf32 (a bf16 state, bf16 q/k: exact products,
-            # fp32 sums), else tf32x3 (hi and lo parts; ~fp32 accuracy)
-            if EXACT_TF32:
-                acc_kq = tl.dot(h, kq, acc_kq, input_precision="tf32")
-            else:
-                acc_kq = tl.dot(h, kq, acc_kq, input_precision="tf32x3")
+            # every h k_t and h q_t of the chunk in one tensor-core product, the state as the 128-row operand
+            acc_kq = _state_products(h, kq, acc_kq, DOT_PASSES)
         if DO_VERIFY and not STATE_DOT:
             new_k = ()
             new_q = ()
@@ -344,10 +374,25 @@ def _gated_step_kernel(
 # compile_report.jsonl; its uncorrected run took 137-147 us) is measured correct on the GPU.
 LAUNCH_DEFAULTS = {
     torch.float32: dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
-                        late_node_terms=True, state_dot=True),
+                        late_node_terms=True, state_dot=True, split_state_tf32=False),
     torch.bfloat16: dict(block_k=8, num_warps=4, prefetch=2, max_registers=None, row_sums=True,
-                         late_node_terms=True, state_dot=False),
+                         late_node_terms=True, state_dot=False, split_state_tf32=False),
 }
+
+
+# bf16 and fp16 values are exact in tf32 (at most 11 significant bits, exponents within tf32's range)
+EXACT_IN_TF32 = (torch.bfloat16, torch.float16)
+
+
+def _dot_passes(state_dtype, qkv_dtype, split_state_tf32: bool) -> int:
+    """Tensor-core passes per product with the state (`_state_products`): 1 where both operands are exact in tf32;
+    2 (2xTF32) where only the state is not and `split_state_tf32` asks for it; else 3 (tf32x3)."""
+    if qkv_dtype in EXACT_IN_TF32:
+        if state_dtype in EXACT_IN_TF32:
+            return 1
+        if split_state_tf32:
+            return 2
+    return 3
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -412,7 +457,8 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
         PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
         PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
-        EXACT_TF32=do_verify and state.dtype == mixed_qkv.dtype == torch.bfloat16, **options,
+        DOT_PASSES=_dot_passes(state.dtype, mixed_qkv.dtype if do_verify else None, launch["split_state_tf32"]),
+        **options,
     )
     return out
 
@@ -449,6 +495,7 @@ def gdn_step_triton(
     row_sums: bool | None = None,
     late_node_terms: bool | None = None,
     state_dot: bool | None = None,
+    split_state_tf32: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -470,14 +517,16 @@ def gdn_step_triton(
     columns every step (2T registers instead of 2T x BK); `late_node_terms`: gates, decays and Gram matrices
     computed after the state loop, so their [BT, BT] tiles are not live in it. `state_dot`: the products with the
     state on the tensor cores, [h k_0 .. h q_{T-1}] = h [V, BK] @ [k; q]^T per chunk (the state tile stays in the
-    load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8).
+    load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8). `split_state_tf32`: with
+    `state_dot`, an fp32 state and bf16/fp16 q/k, two tf32 passes (the state split into tf32 hi and lo parts, q/k
+    exact) instead of tf32x3's three; relative error of each product 2^-22 (`_state_products`).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
                    max_nodes=max_nodes, max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps,
                    activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k,
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
-                   late_node_terms=late_node_terms, state_dot=state_dot)
+                   late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32)
 
 
 def gdn_commit_triton(
