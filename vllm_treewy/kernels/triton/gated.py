@@ -8,7 +8,10 @@ norm, the closed-form verify, the gated RMSNorm with the output gate, and option
     out_i  = o_i * rsqrt(mean_v(o_i^2) + eps) * norm_weight * act(z_i)      act = silu or sigmoid
 
 One program per (value head, request) holds a whole head: the state [V, K] is streamed once through registers in
-key chunks of BK columns. Two layouts (launch option `state_dot`):
+key chunks of BK columns; with `heads_per_program=2` (tensor-core layout) one program holds both value heads of one
+key head (Qwen3.5: HV = 2H), which share the q/k chunks, the key norms and Gram matrices and the pending key rows,
+half the programs and half the per-program fixed latency per byte (not yet timed on a GPU). Two layouts (launch
+option `state_dot`):
 - tensor cores (default): the chunk keeps its load's layout (a warp covers 4 rows x 128 bytes: whole line segments,
   loads and the commit's stores coalesced); the commit's rank-one updates are elementwise in that layout, and all
   products with the state come from one tensor-core dot per chunk, [h k_0 .. h k_{T-1}, h q_0 .. h q_{T-1}] =
@@ -119,15 +122,15 @@ def _state_products(h, kq, acc, DOT_PASSES: tl.constexpr):
 
 
 @triton.jit
-def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b,
-                i_hv, K: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
-    """Everything per node that does not touch the state: gates, path sums c and decays exp(c_i - c_j), q/k
-    inverse norms and Gram matrices."""
+def _gate_terms(a, b, A_log, dt_bias, ancestors, bos, n, i_hv, stride_a, stride_b, BT: tl.constexpr,
+                MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """One value head's gates of the nodes: g, beta, the path sums c and the decays exp(c_i - c_j) (running sums up
+    the path: no differences of long path sums)."""
+    neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
     rows = tl.arange(0, BT)
     valid = rows < n
     node = bos + rows
-    # gates of the nodes, and their path sums c and decays exp(c_i - c_j) (running sums: no differences of
-    # long path sums)
     b_a = tl.load(a + node * stride_a + i_hv, mask=valid, other=0.0).to(tl.float32)
     g_own = _log_decay(b_a, bias, neg_exp_a_log)
     b_beta = tl.sigmoid(tl.load(b + node * stride_b + i_hv, mask=valid, other=0.0).to(tl.float32))
@@ -139,7 +142,27 @@ def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log,
         log_decay = tl.where(rows[None, :] == cur[:, None], running_c[:, None], log_decay)
         a_cur = tl.load(a + (bos + cur) * stride_a + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
         running_c += tl.where(cur >= 0, _log_decay(a_cur, bias, neg_exp_a_log), 0.0)
-    decay = tl.exp(log_decay)
+    return g_own, b_beta, running_c, tl.exp(log_decay)
+
+
+@triton.jit
+def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b,
+                K: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """Everything per node that does not touch the state: the key head's q/k inverse norms and Gram matrices (once
+    for the program's G value heads), and per value head i_hv0 + g the gates (`_gate_terms`, tuples over g)."""
+    rows = tl.arange(0, BT)
+    valid = rows < n
+    g_own = ()
+    b_beta = ()
+    path_c = ()
+    decay = ()
+    for g in tl.static_range(G):
+        head_terms = _gate_terms(a, b, A_log, dt_bias, ancestors, bos, n, i_hv0 + g, stride_a, stride_b, BT,
+                                 MAX_ANC, IS_CHAIN)
+        g_own = g_own + (head_terms[0],)
+        b_beta = b_beta + (head_terms[1],)
+        path_c = path_c + (head_terms[2],)
+        decay = decay + (head_terms[3],)
     # q/k norms and the small Gram matrices, from the whole rows (K elements; cached after the first touch)
     o_k = tl.arange(0, K)
     q_full = tl.load(q_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
@@ -155,7 +178,7 @@ def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log,
         qk = tl.where(rows[None, :] == j, tl.sum(q_full * k_j[None, :], 1)[:, None], qk)
     kk = kk * (k_inv[:, None] * k_inv[None, :])
     qk = qk * (q_inv[:, None] * k_inv[None, :])
-    return g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk
+    return g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk
 
 
 @triton.jit
@@ -165,38 +188,47 @@ def _gated_step_kernel(
     stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
     stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
     scale, eps,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, DOT_PASSES: tl.constexpr,
 ):
-    i_hv, i_b = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
+    # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
+    # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
+    i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
+    i_h = i_hv0 // (HV // H)
     slot = tl.load(state_indices + i_b).to(tl.int64)
     if slot < 0:
         return
     o_v = tl.arange(0, V)
     o_kc = tl.arange(0, BK)
-    p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
-    # this program's columns of the slot's factor rows (see `slot_factor_width`): only (slot, i_hv) touches them
+    p_state = ()
+    for g in tl.static_range(G):
+        p_state = p_state + (state + slot * stride_slot + (i_hv0 + g) * stride_head + o_v[:, None] * stride_v,)
+    # this program's columns of the slot's factor rows (see `slot_factor_width`): only (slot, its heads) touches
+    # them; head i_hv0 + g's at + g (k scale, g) or + g * K / + g * V (keys, u). The pending commit reads the key
+    # and k scale copies of head i_hv0 for all G heads: one key head's copies are equal (the contract)
     f_slot = factors + slot * stride_fslot
-    f_k = f_slot + i_hv * K
-    f_kscale = f_slot + HV * K + i_hv
-    f_u = f_slot + HV * (K + 1) + i_hv * V
-    f_g = f_slot + HV * (K + 1 + V) + i_hv
+    f_k = f_slot + i_hv0 * K
+    f_kscale = f_slot + HV * K + i_hv0
+    f_u = f_slot + HV * (K + 1) + i_hv0 * V
+    f_g = f_slot + HV * (K + 1 + V) + i_hv0
     # the first PREFETCH state chunks in flight before anything else (everything below is independent of them)
     ahead = ()
     for j in tl.static_range(PREFETCH):
-        ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
+        for g in tl.static_range(G):
+            ahead = ahead + (tl.load(p_state[g] + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
 
     if HAS_PENDING:
         # the previous step's path to its accepted node a, row j = the d-th ancestor of a (d = 0..PENDING_ROWS-1;
-        # a chain's is a - d, a tree's comes from the table): the key row, and exp(c_a - c_j) u_j / |k_j| as a [V]
-        # vector (running sums of g up the path); exp(c_a) for h0. Every pending row is read before the epilogue
-        # overwrites the rows (barrier there).
+        # a chain's is a - d, a tree's comes from the table): the key row, and per head exp(c_a - c_j) u_j / |k_j|
+        # as a [V] vector (running sums of g up the path); exp(c_a) for h0. Every pending row is read before the
+        # epilogue overwrites the rows (barrier there).
         accepted = tl.load(pending_nodes + i_b)
-        running = tl.zeros([], dtype=tl.float32)
+        running = ()
+        for g in tl.static_range(G):
+            running = running + (tl.zeros([], dtype=tl.float32),)
         p_wu = ()
         p_krow = ()
         p_on = ()
@@ -204,17 +236,21 @@ def _gated_step_kernel(
             path_row = _ancestor(pending_ancestors, 0, accepted, d, PENDING_ROWS, PENDING_IS_CHAIN)
             on = path_row >= 0
             row = tl.maximum(path_row, 0).to(tl.int64) * stride_frow
-            weight = tl.where(on, tl.exp(running), 0.0) * tl.load(f_kscale + row, mask=on, other=0.0)
-            p_wu = p_wu + (tl.load(f_u + row + o_v, mask=on, other=0.0) * weight,)
+            k_scale = tl.load(f_kscale + row, mask=on, other=0.0)
+            summed = ()
+            for g in tl.static_range(G):
+                weight = tl.where(on, tl.exp(running[g]), 0.0) * k_scale
+                p_wu = p_wu + (tl.load(f_u + g * V + row + o_v, mask=on, other=0.0) * weight,)
+                summed = summed + (running[g] + tl.load(f_g + g + row, mask=on, other=0.0),)
+            running = summed
             p_krow = p_krow + (f_k + row,)
             p_on = p_on + (on,)
-            running += tl.load(f_g + row, mask=on, other=0.0)
-        p_root = tl.exp(running)
+        p_root = ()
+        for g in tl.static_range(G):
+            p_root = p_root + (tl.exp(running[g]),)
         store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
 
     if DO_VERIFY:
-        neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        bias = tl.load(dt_bias + i_hv).to(tl.float32)
         bos = tl.load(cu_nodes + i_b)
         n = tl.load(cu_nodes + i_b + 1) - bos
         rows = tl.arange(0, BT)
@@ -223,9 +259,9 @@ def _gated_step_kernel(
         q_row = qkv + node.to(tl.int64) * stride_qkv + i_h * K
         k_row = q_row + H * K
         if not LATE_NODE_TERMS:
-            g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
-                qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
-                K, BT, MAX_ANC, IS_CHAIN)
+            g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+                a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G,
+                MAX_ANC, IS_CHAIN)
         if not STATE_DOT:  # the row layout's per-node q/k row offsets
             row_off = ()
             row_ok = ()
@@ -241,12 +277,15 @@ def _gated_step_kernel(
             kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(o_q < BT, H * K, 0) + i_h * K
 
     # the state, BK key columns at a time; PREFETCH chunks are in flight ahead of the one in use, loaded before the
-    # commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of tensor-core products. Else (BK = one
-    # 16-byte vector per value row) each thread owns whole value rows, and every product with the state accumulates
-    # elementwise into per-node [V, BK] partial sums (no reduction, no shuffle, no layout change inside the loop)
+    # commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of tensor-core products per head, the
+    # [BK, 16] q/k chunk shared by the G heads. Else (G = 1, BK = one 16-byte vector per value row) each thread
+    # owns whole value rows, and every product with the state accumulates elementwise into per-node [V, BK]
+    # partial sums (no reduction, no shuffle, no layout change inside the loop)
     if DO_VERIFY:
         if STATE_DOT:
-            acc_kq = tl.zeros([V, NQ], dtype=tl.float32)
+            acc_kq = ()
+            for g in tl.static_range(G):
+                acc_kq = acc_kq + (tl.zeros([V, NQ], dtype=tl.float32),)
         else:
             acc_k = ()
             acc_q = ()
@@ -266,12 +305,16 @@ def _gated_step_kernel(
     # registers; in flight stay the PREFETCH chunks ahead
     for i_k in tl.range(0, K // BK):
         cols = i_k * BK + o_kc
-        h = ahead[0].to(tl.float32)
+        hs = ()
+        for g in tl.static_range(G):
+            hs = hs + (ahead[g].to(tl.float32),)
         rest = ()
-        for j in tl.static_range(1, PREFETCH):
+        for j in tl.static_range(G, PREFETCH * G):
             rest = rest + (ahead[j],)
-        ahead = rest + (tl.load(p_state + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
-                                other=0.0),)
+        for g in tl.static_range(G):
+            rest = rest + (tl.load(p_state[g] + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
+                                   other=0.0),)
+        ahead = rest
         if DO_VERIFY and STATE_DOT:
             kq = ahead_kq[0].to(tl.float32)
             rest = ()
@@ -280,17 +323,27 @@ def _gated_step_kernel(
             ahead_kq = rest + (tl.load(kq_row[None, :] + (cols + PREFETCH * BK)[:, None],
                                        mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
-            h = p_root * h
+            p_k = ()
             for d in tl.static_range(PENDING_ROWS):
-                pk = tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0)
-                h += p_wu[d][:, None] * pk[None, :]
-            h = h.to(state.dtype.element_ty)
-            tl.store(p_state + cols[None, :], h, mask=store_commit)
-            h = h.to(tl.float32)
+                p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0),)
+            committed = ()
+            for g in tl.static_range(G):
+                h = p_root[g] * hs[g]
+                for d in tl.static_range(PENDING_ROWS):
+                    h += p_wu[d * G + g][:, None] * p_k[d][None, :]
+                h = h.to(state.dtype.element_ty)
+                tl.store(p_state[g] + cols[None, :], h, mask=store_commit)
+                committed = committed + (h.to(tl.float32),)
+            hs = committed
         if DO_VERIFY and STATE_DOT:
-            # every h k_t and h q_t of the chunk in one tensor-core product, the state as the 128-row operand
-            acc_kq = _state_products(h, kq, acc_kq, DOT_PASSES)
+            # every h k_t and h q_t of the chunk in one tensor-core product per head, the state as the 128-row
+            # operand
+            products = ()
+            for g in tl.static_range(G):
+                products = products + (_state_products(hs[g], kq, acc_kq[g], DOT_PASSES),)
+            acc_kq = products
         if DO_VERIFY and not STATE_DOT:
+            h = hs[0]
             new_k = ()
             new_q = ()
             for t in tl.static_range(BT):
@@ -306,65 +359,78 @@ def _gated_step_kernel(
             acc_q = new_q
 
     if DO_VERIFY:
-        # LATE_NODE_TERMS: nothing of this is needed in the loop; late, its [BT, BT] tiles stay out of the loop's registers
+        # LATE_NODE_TERMS: nothing of this is needed in the loop; late, its [BT, BT] tiles stay out of the loop's
+        # registers
         if LATE_NODE_TERMS:
-            g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
-                qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
-                K, BT, MAX_ANC, IS_CHAIN)
-        exp_c = tl.exp(running_c)
-        hk = tl.zeros([BT, V], dtype=tl.float32)
-        hq = tl.zeros([BT, V], dtype=tl.float32)
-        for t in tl.static_range(BT):
-            if STATE_DOT:
-                hk = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == t, acc_kq, 0.0), 1)[None, :], hk)
-                hq = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == BT + t, acc_kq, 0.0), 1)[None, :],
-                              hq)
-            elif ROW_SUMS:
-                hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
-                hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
-            else:
-                hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
-                hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
-        hk = hk * k_inv[:, None]
-        hq = hq * q_inv[:, None]
-        b_v = tl.load(qkv + node.to(tl.int64)[:, None] * stride_qkv + 2 * H * K + i_hv * V + o_v[None, :],
-                      mask=valid[:, None], other=0.0).to(tl.float32)
-        r = b_beta[:, None] * (b_v - exp_c[:, None] * hk)
-        gmat = tl.where(rows[None, :] != rows[:, None], b_beta[:, None] * decay * kk, 0.0)
-        # forward substitution: rows above i are final when row i is solved
-        b_u = r
-        for i in range(1, n):
-            g_row = tl.sum(tl.where(rows[:, None] == i, gmat, 0.0), 0)
-            b_u = tl.where(rows[:, None] == i, b_u - tl.sum(g_row[:, None] * b_u, 0)[None, :], b_u)
-        # the norm's inputs in flight before the solve's loop (a later block: not hoisted over it)
+            g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+                a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G,
+                MAX_ANC, IS_CHAIN)
+        # per head: h k_t, h q_t as [BT, V] tiles, r = beta (v - exp(c) h k), the solve's off-diagonal matrix
+        # beta_i exp(c_i - c_j) k_i.k_j; the norm's inputs (z, weight) in flight before the solve's loop
         w = tl.load(norm_weight + o_v).to(tl.float32)
-        b_z = tl.load(z + node[:, None] * stride_z + i_hv * stride_zh + o_v[None, :], mask=valid[:, None],
-                      other=0.0).to(tl.float32)
-        pmat = decay * qk
-        b_o = exp_c[:, None] * hq
-        for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
-            u_j = tl.sum(tl.where(rows[:, None] == j, b_u, 0.0), 0)
-            p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
-            b_o += p_j[:, None] * u_j[None, :]
-        # gated RMSNorm over the head's V values, output gate fused
-        rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
-        if ACT == "silu":
-            gate = b_z * tl.sigmoid(b_z)
-        else:
-            gate = tl.sigmoid(b_z)
-        y = b_o * rstd[:, None] * w[None, :] * gate
-        tl.store(out + node[:, None] * stride_out + i_hv * stride_outh + o_v[None, :], y.to(out.dtype.element_ty),
-                 mask=valid[:, None])
+        exp_c = ()
+        hqs = ()
+        b_us = ()
+        gmats = ()
+        b_zs = ()
+        for g in tl.static_range(G):
+            exp_c = exp_c + (tl.exp(path_c[g]),)
+            hk = tl.zeros([BT, V], dtype=tl.float32)
+            hq = tl.zeros([BT, V], dtype=tl.float32)
+            for t in tl.static_range(BT):
+                if STATE_DOT:
+                    hk = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == t, acc_kq[g], 0.0), 1)[None, :],
+                                  hk)
+                    hq = tl.where(rows[:, None] == t,
+                                  tl.sum(tl.where(o_q[None, :] == BT + t, acc_kq[g], 0.0), 1)[None, :], hq)
+                elif ROW_SUMS:
+                    hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
+                    hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
+                else:
+                    hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
+                    hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
+            b_v = tl.load(qkv + node.to(tl.int64)[:, None] * stride_qkv + 2 * H * K + (i_hv0 + g) * V + o_v[None, :],
+                          mask=valid[:, None], other=0.0).to(tl.float32)
+            b_us = b_us + (b_beta[g][:, None] * (b_v - exp_c[g][:, None] * (hk * k_inv[:, None])),)
+            hqs = hqs + (hq * q_inv[:, None],)
+            gmats = gmats + (tl.where(rows[None, :] != rows[:, None], b_beta[g][:, None] * decay[g] * kk, 0.0),)
+            b_zs = b_zs + (tl.load(z + node[:, None] * stride_z + (i_hv0 + g) * stride_zh + o_v[None, :],
+                                   mask=valid[:, None], other=0.0).to(tl.float32),)
+        # forward substitution, the heads side by side: rows above i are final when row i is solved
+        for i in range(1, n):
+            solved = ()
+            for g in tl.static_range(G):
+                g_row = tl.sum(tl.where(rows[:, None] == i, gmats[g], 0.0), 0)
+                solved = solved + (tl.where(rows[:, None] == i, b_us[g] - tl.sum(g_row[:, None] * b_us[g], 0)[None, :],
+                                            b_us[g]),)
+            b_us = solved
+        for g in tl.static_range(G):
+            pmat = decay[g] * qk
+            b_o = exp_c[g][:, None] * hqs[g]
+            for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
+                u_j = tl.sum(tl.where(rows[:, None] == j, b_us[g], 0.0), 0)
+                p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
+                b_o += p_j[:, None] * u_j[None, :]
+            # gated RMSNorm over the head's V values, output gate fused
+            rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
+            if ACT == "silu":
+                gate = b_zs[g] * tl.sigmoid(b_zs[g])
+            else:
+                gate = tl.sigmoid(b_zs[g])
+            y = b_o * rstd[:, None] * w[None, :] * gate
+            tl.store(out + node[:, None] * stride_out + (i_hv0 + g) * stride_outh + o_v[None, :],
+                     y.to(out.dtype.element_ty), mask=valid[:, None])
         # this step's factors into the slot's rows, after every thread's last read of the pending rows; the raw
-        # keys reloaded here rather than kept live through the state loop
+        # keys reloaded here rather than kept live through the state loop, one copy per value head
         tl.debug_barrier()
         f_row = rows.to(tl.int64) * stride_frow
         o_k = tl.arange(0, K)
         k_raw = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        tl.store(f_k + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
-        tl.store(f_kscale + f_row, k_inv, mask=valid)
-        tl.store(f_u + f_row[:, None] + o_v[None, :], b_u, mask=valid[:, None])
-        tl.store(f_g + f_row, g_own, mask=valid)
+        for g in tl.static_range(G):
+            tl.store(f_k + g * K + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
+            tl.store(f_kscale + g + f_row, k_inv, mask=valid)
+            tl.store(f_u + g * V + f_row[:, None] + o_v[None, :], b_us[g], mask=valid[:, None])
+            tl.store(f_g + g + f_row, g_own[g], mask=valid)
 
 
 # launch defaults per state dtype, the fastest candidate measured correct on the H200 at H=16, HV=32, K=V=128, chain
@@ -374,9 +440,9 @@ def _gated_step_kernel(
 # compile_report.jsonl; its uncorrected run took 137-147 us) is measured correct on the GPU.
 LAUNCH_DEFAULTS = {
     torch.float32: dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
-                        late_node_terms=True, state_dot=True, split_state_tf32=False),
+                        late_node_terms=True, state_dot=True, split_state_tf32=False, heads_per_program=1),
     torch.bfloat16: dict(block_k=8, num_warps=4, prefetch=2, max_registers=None, row_sums=True,
-                         late_node_terms=True, state_dot=False, split_state_tf32=False),
+                         late_node_terms=True, state_dot=False, split_state_tf32=False, heads_per_program=1),
 }
 
 
@@ -423,6 +489,9 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
     launch = {**LAUNCH_DEFAULTS[state.dtype], **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
+    heads = launch["heads_per_program"]
+    assert (HV // H) % heads == 0, "a program's value heads share one key head"
+    assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
@@ -447,12 +516,12 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
-    _gated_step_kernel[(HV, batch)](
+    _gated_step_kernel[(HV // heads, batch)](
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         state_indices if pending_ancestors is None else pending_ancestors,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
         float(K**-0.5 if scale is None else scale), float(norm_eps),
-        H=H, HV=HV, K=K, V=V, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
+        H=H, HV=HV, K=K, V=V, G=heads, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
         ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain,
         ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
         PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
@@ -496,6 +565,7 @@ def gdn_step_triton(
     late_node_terms: bool | None = None,
     state_dot: bool | None = None,
     split_state_tf32: bool | None = None,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -520,13 +590,17 @@ def gdn_step_triton(
     load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8). `split_state_tf32`: with
     `state_dot`, an fp32 state and bf16/fp16 q/k, two tf32 passes (the state split into tf32 hi and lo parts, q/k
     exact) instead of tf32x3's three; relative error of each product 2^-22 (`_state_products`).
+    `heads_per_program` (1 or 2; divides HV // H; with `state_dot`): one program verifies that many value heads of
+    one key head for one request, sharing the q/k chunks, the key norms and Gram matrices and the pending key rows;
+    half the programs at 2.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
                    max_nodes=max_nodes, max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps,
                    activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k,
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
-                   late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32)
+                   late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
+                   heads_per_program=heads_per_program)
 
 
 def gdn_commit_triton(
@@ -541,6 +615,7 @@ def gdn_commit_triton(
     num_warps: int | None = None,
     prefetch: int | None = None,
     max_registers: int | None = None,
+    heads_per_program: int | None = None,
 ) -> None:
     """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
     s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a, whose
@@ -550,4 +625,4 @@ def gdn_commit_triton(
             pending_ancestors,
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
             activation="silu", ancestors=None, out=None, do_verify=False, block_k=block_k, num_warps=num_warps,
-            prefetch=prefetch, max_registers=max_registers)
+            prefetch=prefetch, max_registers=max_registers, heads_per_program=heads_per_program)
