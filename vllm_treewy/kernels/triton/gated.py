@@ -181,7 +181,11 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
     return g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk
 
 
-@triton.jit
+# the integer-array pointers are read as scalars or gathers: their alignment buys nothing, and without the alignment
+# key a caller's offset view cannot compile a second variant. The int arguments (strides) are model constants in vLLM
+# (views of the projections, the pools and pages) and stay specialised: their divisibility by 16 vectorises the
+# q/k/v/z loads (tests/kernels/test_jit_variants.py counts one variant across batch sizes)
+@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes", "pending_nodes", "pending_ancestors"])
 def _gated_step_kernel(
     qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes, out, factors,
     pending_nodes, pending_ancestors,
@@ -478,9 +482,17 @@ def _check_factors(factors, state, state_indices, pending_nodes, pending_ancesto
     assert state_indices.stride(0) == 1, "the kernels index state_indices flat (a strided column would be misread)"
 
 
-def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
-            factors, pending_nodes, pending_ancestors, *, num_key_heads, max_nodes, max_depth, chain, scale,
-            norm_eps, activation, ancestors, out, do_verify, **launch):
+def _launch(*args, **kwargs):
+    grid, kernel_args, kernel_kwargs, out = _launch_arguments(*args, **kwargs)
+    _gated_step_kernel[grid](*kernel_args, **kernel_kwargs)
+    return out
+
+
+def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
+                      cu_nodes, factors, pending_nodes, pending_ancestors, *, num_key_heads, max_nodes, max_depth,
+                      chain, scale, norm_eps, activation, ancestors, out, do_verify, **launch):
+    """(grid, positional and keyword arguments of `_gated_step_kernel`, out): checks and launch options resolved,
+    nothing launched (the JIT-variant test binds them without compiling)."""
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
@@ -516,11 +528,12 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
-    _gated_step_kernel[(HV // heads, batch)](
+    kernel_args = (
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         state_indices if pending_ancestors is None else pending_ancestors,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
-        float(K**-0.5 if scale is None else scale), float(norm_eps),
+        float(K**-0.5 if scale is None else scale), float(norm_eps))
+    kernel_kwargs = dict(
         H=H, HV=HV, K=K, V=V, G=heads, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
         ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain,
         ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
@@ -529,7 +542,7 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         DOT_PASSES=_dot_passes(state.dtype, mixed_qkv.dtype if do_verify else None, launch["split_state_tf32"]),
         **options,
     )
-    return out
+    return (HV // heads, batch), kernel_args, kernel_kwargs, out
 
 
 def gdn_step_triton(
