@@ -232,8 +232,9 @@ GATED_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(GATED_VARIANTS))
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype, variant", [
+    (dtype, variant) for variant in GATED_VARIANTS for dtype in (torch.float32, torch.bfloat16)
+    if not (variant == "split" and dtype == torch.bfloat16)])  # a bf16 state's split is "dot"'s one exact pass
 @pytest.mark.parametrize("tokens", [2, 4, 8])
 def test_gated_step_vs_reference(state_dtype, tokens, variant):
     """gdn_step_triton at H=16, HV=32, K=V=128 vs the fp64 reference: outputs, u in the slot rows, and the state the
