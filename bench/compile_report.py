@@ -31,12 +31,13 @@ FLOATS = ("scale", "eps")
 
 
 def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, maxnreg=None, **variant):
-    """`variant`: the kernel's launch constexprs beyond the shape ones (BK, PREFETCH, ROW_SUMS, ...)."""
+    """`variant`: the kernel's launch constexprs beyond the shape ones (BK, PREFETCH, ROW_SUMS, ...; G, value heads
+    per program, defaults to 1; DOT_PASSES to 1 for bf16 states, 3 (tf32x3) for fp32)."""
     names = _gated_step_kernel.arg_names
     const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
                  BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
                  DO_VERIFY=verify, HAS_PENDING=pending,
-                 EXACT_TF32=verify and state_dtype == "bf16", **variant)  # q/k/v are bf16 here
+                 **{"G": 1, "DOT_PASSES": 1 if state_dtype == "bf16" else 3, **variant})  # q/k/v are bf16 here
     sig = {}
     for name in names:
         if name in const:
@@ -75,8 +76,8 @@ def analyse(compiled):
             ops[m.group(1)] += 1
     ttgir = compiled.asm["ttgir"]
     keys = ("FFMA", "FMUL", "FADD", "SHFL.BFLY", "STS", "LDS", "BAR.SYNC", "LDG.E.128", "LDG.E.64", "LDG.E",
-            "STG.E.128", "STG.E.64", "STG.E", "LDL", "STL", "MUFU.EX2", "HMMA")
-    mix = {k: sum(v for op, v in ops.items() if op == k or op.startswith(k + ".") and k in ("STS", "LDS"))
+            "STG.E.128", "STG.E.64", "STG.E", "LDL", "STL", "MUFU.EX2", "HMMA", "HGMMA")
+    mix = {k: sum(v for op, v in ops.items() if op == k or op.startswith(k + ".") and k in ("STS", "LDS", "HMMA", "HGMMA"))
            for k in keys}
     return dict(regs=int(regs.group(1)) if regs else None, stack=int(stack.group(1)) if stack else None,
                 shared=int(shared.group(1)) if shared else None, local=int(local.group(1)) if local else None,

@@ -1,9 +1,10 @@
-# One device call (H200): bench, the gated GPU tests, optionally one ncu profile. Run from the checkout root of
-# /work/main with this tree copied to .scratch/kernels:  bash .scratch/kernels/bench/device_gated.sh
+# One device call (H200): bench, the gated GPU tests, optionally one ncu profile. Run from a checkout root that
+# holds .gpu-vllm (carry it):  bash bench/device_gated.sh  (this tree), or with another tree copied under it,
+# bash .scratch/kernels/bench/device_gated.sh (that tree's code runs: the script changes to its own tree).
 # Env: BENCH_ARGS, BENCH_TIMEOUT, SKIP_BENCH, SKIP_TESTS, TEST_TIMEOUT, NCU_TIMEOUT, NCU ("fp32 4 64 '{json config}'").
 set -o pipefail
 source .gpu-vllm/device-setup.sh
-cd .scratch/kernels
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH
 python3 -c "import vllm_treewy.kernels.triton.gated as g; print('kernel from', g.__file__)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit \

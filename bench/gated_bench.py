@@ -6,6 +6,10 @@ Qwen3.5-35B-A3B dims: H=16, HV=32, K=V=128; chains of T tokens; fp32 and bf16 SS
 
 On the H200 (vLLM's compiled ops from ../shared/tools/gpu-vllm):
     source .gpu-vllm/device-setup.sh && python3 bench/gated_bench.py --out $OUT
+or, with the gated GPU tests, in one device call from the checkout root (carry .gpu-vllm; timeout_s 300):
+    set -o pipefail; BENCH_TIMEOUT=170 TEST_TIMEOUT=105 bash bench/device_gated.sh 2>&1
+(2026-11-30b: 20 candidates, bench 153 s, 19 tests 48 s, call 219 s; now 13 candidates, some of them bigger
+kernels, and 31 tests: expected ~130 s + ~80 s, ~230 s in all; the timeouts keep it under 300 s.)
 
 Method (as bench/kernels.py): median over CUDA-graph replays of many back-to-back calls, every call on its own state
 slots until 256 MiB of states are cycled (state reads come from HBM, not L2); copy bandwidth measured in the same
@@ -132,7 +136,8 @@ class Step:
             factors=self.factors, **config)
 
     def commit(self, s, config):
-        launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers") if k in config}
+        launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program")
+                  if k in config}
         return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], self.factors, self.accepted,
                                          num_key_heads=H, **launch)
 
@@ -219,15 +224,26 @@ def _cfg(block_k, num_warps, prefetch, max_registers=None, **variant):
     return dict(block_k=block_k, num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, **variant)
 
 
-def _dot(block_k, num_warps, prefetch):
-    return _cfg(block_k, num_warps, prefetch, state_dot=True, late_node_terms=True)
+def _dot(block_k, num_warps, prefetch, **variant):
+    return _cfg(block_k, num_warps, prefetch, state_dot=True, late_node_terms=True, **variant)
 
 
-# candidates, timed at the tuning batches (first = the previous session's default, one row per thread); the
-# fastest correct one per (state, tuning batch) serves the rows
-CONFIGS = {  # run 1 (2026-11-30b/gated_run1.json) also timed one-row-per-thread tiles and 16 warps: all slower
-    "fp32": [_dot(32, 8, 1), _dot(32, 8, 2), _dot(32, 4, 1), _dot(16, 4, 2), _dot(64, 8, 1)],
-    "bf16": [_dot(32, 8, 1), _dot(64, 8, 1), _dot(32, 4, 1), _dot(64, 4, 1), _dot(32, 8, 2)],
+SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
+TWO_HEADS = dict(heads_per_program=2)
+
+# candidates, timed at the tuning batches (first = the launch default, also checked against the compiled kernel);
+# the fastest correct one per (state, tuning batch) serves the rows. Registers from the sm_90 offline compile
+# (bench/compile_report.py, fused, T=4): fp32 32/8/1 109, +2xTF32 123, 16/8/1 +2xTF32 80 (3 programs per SM),
+# two heads 16/8/1 111 (+2xTF32 128; 4 heads per SM), two heads 32/8/1 +2xTF32 209 (1 program); bf16 64/8/1 161,
+# 64/4/1 236, two heads 16/8/1 101 (4 heads per SM), 32/8/1 168, 32/4/1 245.
+# Dropped after 2026-11-30b run 1 (lost clearly at B=64 and B=1): fp32 32/4/1 (219 / 22.2 us against 176 / 15.7),
+# 16/4/2, 16/8/2, 64/8/1, 16 warps; bf16 tensor cores 32/8/1, 32/8/2, 32/4/1 (137-147 / 13.0-14.4 us against
+# 64/8/1's 128 / 12.2, timed on the wrong-result path), 16 warps; one row per thread without row sums.
+CONFIGS = {
+    "fp32": [_dot(32, 8, 1), _dot(32, 8, 2), _dot(32, 8, 1, **SPLIT), _dot(16, 8, 1, **SPLIT),
+             _dot(16, 8, 1, **TWO_HEADS), _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(32, 8, 1, **SPLIT, **TWO_HEADS)],
+    "bf16": [_cfg(8, 4, 2, row_sums=True, late_node_terms=True, state_dot=False), _dot(64, 8, 1), _dot(64, 4, 1),
+             _dot(16, 8, 1, **TWO_HEADS), _dot(32, 8, 1, **TWO_HEADS), _dot(32, 4, 1, **TWO_HEADS)],
 }
 
 

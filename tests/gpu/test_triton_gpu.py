@@ -220,16 +220,21 @@ def slot_factors(num_slots, tokens):
     return torch.full((num_slots, tokens + 1, width + 32), float("nan"), device="cuda")[:, :tokens, :width]
 
 
-# launch variants: the defaults, and each layout explicitly (the bf16 x bf16 tensor-core dot runs only on a GPU)
+# launch variants: the defaults, and each layout explicitly (the bf16 x bf16 tensor-core dot runs only on a GPU);
+# 2xTF32 (fp32 states; a bf16 state runs its one exact pass) and two value heads per program
 GATED_VARIANTS = {
     "default": {},
     "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True, state_dot=False),
     "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True),
+    "split": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True),
+    "two_heads": dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, heads_per_program=2,
+                      split_state_tf32=True),
 }
 
 
-@pytest.mark.parametrize("variant", list(GATED_VARIANTS))
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype, variant", [
+    (dtype, variant) for variant in GATED_VARIANTS for dtype in (torch.float32, torch.bfloat16)
+    if not (variant == "split" and dtype == torch.bfloat16)])  # a bf16 state's split is "dot"'s one exact pass
 @pytest.mark.parametrize("tokens", [2, 4, 8])
 def test_gated_step_vs_reference(state_dtype, tokens, variant):
     """gdn_step_triton at H=16, HV=32, K=V=128 vs the fp64 reference: outputs, u in the slot rows, and the state the
@@ -299,3 +304,56 @@ def test_gated_step_graph_capture():
     factors.copy_(rows)
     step()
     assert torch.equal(replayed, out) and torch.equal(replayed_pool, pool) and bool(out.isfinite().all())
+
+
+def gated_two_steps(state_dtype, launch, tokens=4, batch=5, seed=11):
+    """A chain step, then a step that commits its whole chain (one request with nothing pending): (outputs of both
+    steps, u rows after each, the committed pool)."""
+    from vllm_treewy.kernels.triton import gdn_step_triton, split_slot_factors
+
+    inputs, pool, slots = gated_batch(tokens, batch, state_dtype, seed=seed)
+    fresh, _, _ = gated_batch(tokens, batch, state_dtype, seed=seed + 1)
+    packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
+    factors = slot_factors(pool.shape[0], tokens)
+    kw = dict(num_key_heads=H, max_nodes=tokens, chain=True, factors=factors, **launch)
+    out1 = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
+    u1 = split_slot_factors(factors, HV, K, V)[2][slots.long()].clone()
+    accepted = torch.full((batch,), tokens - 1, dtype=torch.int32, device="cuda")
+    accepted[2] = -1
+    out2 = gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending_nodes=accepted, **kw)
+    u2 = split_slot_factors(factors, HV, K, V)[2][slots.long()].clone()
+    return (out1, out2), (u1, u2), pool, (inputs, slots, packed)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_gated_two_heads_per_program_vs_one(state_dtype):
+    """heads_per_program=2 against 1 at the same tiles and passes: u and committed states to fp32 rounding,
+    outputs to one bf16 rounding (different programs may contract or order the epilogue's fp32 math differently)."""
+    launch = dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True)
+    one = gated_two_steps(state_dtype, launch)
+    two = gated_two_steps(state_dtype, dict(launch, heads_per_program=2))
+    for a, b in zip(one[0], two[0]):
+        assert relative_error(b, a) <= 4e-3
+    for a, b in zip(one[1], two[1]):
+        assert relative_error(b, a) <= 1e-6
+    assert relative_error(two[2], one[2]) <= (1e-6 if state_dtype == torch.float32 else 1e-2)
+
+
+def test_gated_split_state_tf32_accuracy():
+    """2xTF32 on an fp32 state (bf16 q/k): u within 1e-6 of fp64 and of tf32x3 (bound 2^-22 per product,
+    `_state_products`), at K=128."""
+    from vllm_treewy.kernels.reference import reference_gated_tree
+
+    launch = dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True)
+    split = gated_two_steps(torch.float32, dict(launch, split_state_tf32=True))
+    three = gated_two_steps(torch.float32, launch)
+    for a, b in zip(split[1], three[1]):
+        assert relative_error(a, b) <= 1e-6
+    inputs, slots, _ = split[3]
+    pool = gated_batch(4, 5, torch.float32, seed=11)[1]  # the untouched pool of the first step
+    for b in range(5):
+        rows = slice(b * 4, (b + 1) * 4)
+        ref = reference_gated_tree(*(x[rows].cpu() for x in inputs[:3]), inputs[3].cpu(), inputs[4].cpu(),
+                                   inputs[5][rows].cpu(), inputs[6].cpu(), pool[int(slots[b])].cpu(),
+                                   [-1, 0, 1, 2], H)
+        assert relative_error(split[1][0][b], ref.recurrence.u) <= 1e-6

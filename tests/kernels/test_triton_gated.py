@@ -4,7 +4,7 @@ random packed trees and chains, shapes, gates, head counts, padding and zero-nod
 CPU)."""
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from vllm_treewy.kernels.gated import gdn_commit_packed, gdn_step_packed, slot_factor_width, split_slot_factors
@@ -21,11 +21,15 @@ from vllm_treewy.kernels.triton import gdn_commit_triton, gdn_step_triton  # noq
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is rounded once on the way out
 SPARE_SLOTS = 2
-# the tensor-core layout (the default) and the one-row-per-thread layouts
+# the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 (where q/k are bf16), two value
+# heads per program (where HV = 2H)
 VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
-            dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True)]
+            dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, heads_per_program=2),
+            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_tf32=True)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 
@@ -137,6 +141,7 @@ STEP_SHAPES = dict(
 )
 def test_gated_step_matches_reference_and_twin(batch, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant):
     """A tree step without a pending commit: outputs and factor rows vs fp64 and the twin; the state only read."""
+    assume(ratio % variant.get("heads_per_program", 1) == 0)
     key_dim, value_dim = dims
     packed, inputs, pool, slots = gated_inputs(batch, key_heads, ratio, key_dim, value_dim, seed, gate_scale)
     state = pool.to(state_dtype).to(DEVICE)
@@ -182,6 +187,7 @@ def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtyp
     (1) fused == commit alone then step; (2) kernel == twin == fp64 (the committed state is the reference's state
     after the accepted node); (3) rows, slots and padding requests outside the batch untouched; (4) step 2's
     outputs and factors match the fp64 recurrence continued from that state."""
+    assume(ratio % variant.get("heads_per_program", 1) == 0)
     first, first_tree, second, accepted, padding = steps
     if first_tree is None:
         pending_ancestors = None
@@ -210,7 +216,8 @@ def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtyp
     # (1) the commit alone, then the step, on copies
     separate, separate_factors = state.clone(), factors.clone()
     gdn_commit_triton(separate, slots.to(DEVICE), separate_factors, pending.to(DEVICE), num_key_heads=key_heads,
-                      pending_ancestors=on_device(pending_ancestors), block_k=variant["block_k"])
+                      pending_ancestors=on_device(pending_ancestors), block_k=variant["block_k"],
+                      heads_per_program=variant.get("heads_per_program"))
     assert torch.equal(separate_factors, factors)  # the commit writes no factors
     committed = separate.cpu().clone()
     out_separate = torch.full((packed2.num_nodes, hv, value_dim), float("nan"), device=DEVICE)
@@ -267,3 +274,66 @@ def test_chain_flag_and_activation(batch, seed, activation):
     twin = gdn_step_packed(*inputs, state.cpu(), slots, packed.parents, packed.cu_nodes, num_key_heads=1,
                            factors=factors.cpu().clone(), activation=activation)
     assert within(by_chain.cpu(), twin.double(), 2e-5)
+
+
+def test_dot_passes():
+    """2xTF32 only where q/k are exact in tf32 and the state is not; one pass where both are exact."""
+    from vllm_treewy.kernels.triton.gated import _dot_passes
+
+    assert _dot_passes(torch.float32, torch.bfloat16, True) == 2
+    assert _dot_passes(torch.float32, torch.float16, True) == 2
+    assert _dot_passes(torch.float32, torch.bfloat16, False) == 3
+    assert _dot_passes(torch.float32, torch.float32, True) == 3  # fp32 q/k: not exact in tf32, stays tf32x3
+    assert _dot_passes(torch.bfloat16, torch.float32, True) == 3
+    assert _dot_passes(torch.bfloat16, torch.bfloat16, True) == 1
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
+def test_split_state_tf32(batch, seed, gate_scale):
+    """2xTF32 (fp32 state, raw bf16 q/k): outputs and u vs the fp64 reference at the fp32 tolerance, and u within 1e-6 of the one-pass fp32 products (the interpreter runs every dot in fp32), the bound of
+    `_state_products` (2^-22 per product) with room for the fp32 sums."""
+    packed, inputs, pool, slots = gated_inputs(batch, 2, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
+    state = pool.float().to(DEVICE)
+    h0 = state.cpu().clone()
+    factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
+    before = factors.clone()
+    launch = dict(block_k=16, state_dot=True, late_node_terms=True)
+    out = run_step(packed, inputs, state, slots, 2, factors, split_state_tf32=True, **launch)
+    check_step(packed, inputs, h0, slots, batch, 2, out, factors, before, TOLERANCE[torch.float32],
+               OUT_TOLERANCE_BF16)
+    exact_factors = before.clone()
+    run_step(packed, inputs, state, slots, 2, exact_factors, split_state_tf32=False, **launch)
+    u = split_slot_factors(factors.cpu(), 4, 32, 32)[2]
+    u_exact = split_slot_factors(exact_factors.cpu(), 4, 32, 32)[2]
+    assert within(u, u_exact.double(), 1e-6)
+
+
+@settings(max_examples=4, deadline=None)
+@given(first=st.lists(chains(max_nodes=6), min_size=1, max_size=3),
+       second=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=3, max_size=3),
+       seed=st.integers(0, 2**16), state_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       input_dtype=st.sampled_from([torch.float32, torch.bfloat16]), late_node_terms=st.booleans())
+def test_two_heads_per_program_equal_one(first, second, seed, state_dtype, input_dtype, late_node_terms):
+    """heads_per_program=2 runs each head's arithmetic as heads_per_program=1 does: a chain step, then a step of
+    chains or trees that commits the first step's accepted nodes; outputs, factor rows and committed states equal
+    (bit for bit in the interpreter), and the commit alone likewise."""
+    second = second[: len(first)]
+    packed1, inputs1, pool, slots = gated_inputs(first, 2, 2, 32, 16, seed, dtype=input_dtype)
+    packed2, inputs2, _, _ = gated_inputs(second, 2, 2, 32, 16, seed + 1, dtype=input_dtype)
+    rows_per_slot = max(1, packed1.max_nodes, packed2.max_nodes)
+    accepted = torch.tensor([len(c) - 1 for c in first], dtype=torch.int32)
+    results = []
+    for heads in (1, 2):
+        state = pool.to(state_dtype).to(DEVICE)
+        factors = slot_factor_page(state.shape[0], rows_per_slot, 4, 32, 16, seed)
+        launch = dict(block_k=16, state_dot=True, late_node_terms=late_node_terms, heads_per_program=heads)
+        out1 = run_step(packed1, inputs1, state, slots, 2, factors, chain=True, **launch)
+        out2 = run_step(packed2, inputs2, state, slots, 2, factors, pending=accepted, **launch)
+        alone = state.clone()
+        gdn_commit_triton(alone, slots.to(DEVICE), factors, accepted.to(DEVICE), num_key_heads=2, block_k=16,
+                          heads_per_program=heads)
+        results.append((out1, out2, state, factors, alone))
+    for one, two in zip(*results):
+        assert torch.equal(one.nan_to_num(0.0), two.nan_to_num(0.0))

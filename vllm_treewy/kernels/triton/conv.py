@@ -45,7 +45,9 @@ def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, s
                  mask=m)
 
 
-@triton.jit
+# integer arrays read as scalars or gathers: no alignment key (see `_gated_step_kernel`); D and the strides are
+# model constants and stay specialised
+@triton.jit(do_not_specialize=["state_indices", "parents", "cu_nodes", "pending_nodes", "pending_ancestors"])
 def _conv_step_kernel(
     x, conv_state, state_indices, weight, bias, parents, cu_nodes, out, inputs, pending_nodes, pending_ancestors,
     stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, stride_in_slot, stride_in_node, D,
@@ -127,6 +129,16 @@ def conv_step_triton(
     bias [D] or None; activation None or "silu"; parents, cu_nodes: the packed trees (`vllm_treewy.tree`);
     inputs [S, T, D] (per-slot rows, any slot/row strides, last dim contiguous).
     One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv.conv_step_packed`."""
+    grid, kernel_args, kernel_kwargs, out = _conv_launch_arguments(
+        x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, pending_nodes,
+        pending_ancestors=pending_ancestors, activation=activation, out=out, block_nodes=block_nodes, block_d=block_d)
+    _conv_step_kernel[grid](*kernel_args, **kernel_kwargs)
+    return out
+
+
+def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, pending_nodes, *,
+                           pending_ancestors, activation, out, block_nodes, block_d):
+    """(grid, positional and keyword arguments of `_conv_step_kernel`, out), nothing launched."""
     D, W = weight.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and activation in (None, "silu")
     assert inputs.stride(-1) == 1 and inputs.shape[2] == D and state_indices.stride(0) == 1
@@ -136,14 +148,15 @@ def conv_step_triton(
                                          pending_ancestors.dtype == torch.int32 and
                                          pending_ancestors.shape[0] <= inputs.shape[1])
     out = torch.empty_like(x) if out is None else out
-    _conv_step_kernel[(triton.cdiv(D, block_d), state_indices.shape[0])](
+    kernel_args = (
         x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out, inputs,
         state_indices if pending_nodes is None else pending_nodes,
         state_indices if pending_ancestors is None else pending_ancestors,
-        x.stride(0), out.stride(0), *conv_state.stride(), inputs.stride(0), inputs.stride(1), D,
+        x.stride(0), out.stride(0), *conv_state.stride(), inputs.stride(0), inputs.stride(1), D)
+    kernel_kwargs = dict(
         W=W, L=L, BL=triton.next_power_of_2(L), BN=block_nodes, BD=block_d, HAS_BIAS=bias is not None,
         SILU=activation == "silu", HAS_PENDING=pending_nodes is not None,
         PENDING_DEPTH=1 if pending_ancestors is None else pending_ancestors.shape[1],
         PENDING_IS_CHAIN=pending_ancestors is None,
     )
-    return out
+    return (triton.cdiv(D, block_d), state_indices.shape[0]), kernel_args, kernel_kwargs, out

@@ -8,14 +8,18 @@ norm, the closed-form verify, the gated RMSNorm with the output gate, and option
     out_i  = o_i * rsqrt(mean_v(o_i^2) + eps) * norm_weight * act(z_i)      act = silu or sigmoid
 
 One program per (value head, request) holds a whole head: the state [V, K] is streamed once through registers in
-key chunks of BK columns. Two layouts (launch option `state_dot`):
+key chunks of BK columns; with `heads_per_program=2` (tensor-core layout) one program holds both value heads of one
+key head (Qwen3.5: HV = 2H), which share the q/k chunks, the key norms and Gram matrices and the pending key rows,
+half the programs and half the per-program fixed latency per byte (not yet timed on a GPU). Two layouts (launch
+option `state_dot`):
 - tensor cores (default): the chunk keeps its load's layout (a warp covers 4 rows x 128 bytes: whole line segments,
   loads and the commit's stores coalesced); the commit's rank-one updates are elementwise in that layout, and all
   products with the state come from one tensor-core dot per chunk, [h k_0 .. h k_{T-1}, h q_0 .. h q_{T-1}] =
   h [V, BK] @ [k; q]^T [BK, 16] (state as the 128-row operand, nodes padded to 16 columns), fp32 operands: one
   tf32 pass when the state and q/k are bf16 (exact products), tf32x3 (hi + lo parts) for an fp32 state (~fp32:
-  measured 1-2e-7 on u and the committed state at K=128 against fp64). The [BK, 16] q/k chunks are prefetched
-  with the state chunks.
+  measured 1-2e-7 on u and the committed state at K=128 against fp64), or with `split_state_tf32` two tf32 passes
+  (2xTF32: the state's hi and lo parts against the raw bf16 q/k, which are exact in tf32; `_state_products`,
+  not yet timed on a GPU). The [BK, 16] q/k chunks are prefetched with the state chunks.
 - one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
   (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
@@ -84,15 +88,49 @@ def _log_decay(a_raw, dt_bias, neg_exp_a_log):
 
 
 @triton.jit
-def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b,
-                i_hv, K: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
-    """Everything per node that does not touch the state: gates, path sums c and decays exp(c_i - c_j), q/k
-    inverse norms and Gram matrices."""
+def _round_tf32(x):
+    """x rounded to the nearest tf32 (1 + 10 mantissa bits, ties away from zero: PTX's cvt.rna.tf32.f32) by bit
+    arithmetic, which the interpreter runs too: half of the last kept bit added to the fp32 pattern, the 13 low
+    bits cleared. Finite x (a carry out of the largest finite floats would give inf)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _state_products(h, kq, acc, DOT_PASSES: tl.constexpr):
+    """acc + h @ kq on the tensor cores, h [V, BK] a state chunk in fp32, kq [BK, NQ] raw q/k columns in fp32.
+
+    DOT_PASSES = 1: one tf32 pass; exact products (fp32 sums) where both operands are exact in tf32 (bf16 or fp16
+    values: at most 11 significant bits, exponents within tf32's).
+    DOT_PASSES = 2 (2xTF32, an fp32 state with bf16/fp16 q/k): h = h_hi + h_lo + e, h_hi = rna_tf32(h),
+    h_lo = rna_tf32(h - h_hi) (h - h_hi is exact in fp32); |h - h_hi| <= 2^-11 |h| and |e| <= 2^-11 |h - h_hi|
+    <= 2^-22 |h|. Each product h_hi k and h_lo k is exact in fp32 (11 + 8 significant bits for bf16, 11 + 11 for
+    fp16, both <= 24), so the two passes give sum_i h_i k_i within 2^-22 sum_i |h_i k_i| (2.4e-7 relative; fp32
+    products: 2^-24) plus the fp32 accumulation's rounding, which every fp32 dot has: ~80x inside the fp32
+    tolerance (2e-5) of the fp64-reference tests. tf32x3 computes these same two products and a third, h_hi
+    (k - rna_tf32(k)), exactly zero for such k: 2xTF32 drops only that pass.
+    DOT_PASSES = 3: tf32x3 (q/k in fp32, not exact in tf32)."""
+    if DOT_PASSES == 1:
+        acc = tl.dot(h, kq, acc, input_precision="tf32")
+    elif DOT_PASSES == 2:
+        h_hi = _round_tf32(h)
+        acc = tl.dot(_round_tf32(h - h_hi), kq, acc, input_precision="tf32")  # the small part first
+        acc = tl.dot(h_hi, kq, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(h, kq, acc, input_precision="tf32x3")
+    return acc
+
+
+@triton.jit
+def _gate_terms(a, b, A_log, dt_bias, ancestors, bos, n, i_hv, stride_a, stride_b, BT: tl.constexpr,
+                MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """One value head's gates of the nodes: g, beta, the path sums c and the decays exp(c_i - c_j) (running sums up
+    the path: no differences of long path sums)."""
+    neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
     rows = tl.arange(0, BT)
     valid = rows < n
     node = bos + rows
-    # gates of the nodes, and their path sums c and decays exp(c_i - c_j) (running sums: no differences of
-    # long path sums)
     b_a = tl.load(a + node * stride_a + i_hv, mask=valid, other=0.0).to(tl.float32)
     g_own = _log_decay(b_a, bias, neg_exp_a_log)
     b_beta = tl.sigmoid(tl.load(b + node * stride_b + i_hv, mask=valid, other=0.0).to(tl.float32))
@@ -104,7 +142,27 @@ def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log,
         log_decay = tl.where(rows[None, :] == cur[:, None], running_c[:, None], log_decay)
         a_cur = tl.load(a + (bos + cur) * stride_a + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
         running_c += tl.where(cur >= 0, _log_decay(a_cur, bias, neg_exp_a_log), 0.0)
-    decay = tl.exp(log_decay)
+    return g_own, b_beta, running_c, tl.exp(log_decay)
+
+
+@triton.jit
+def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b,
+                K: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """Everything per node that does not touch the state: the key head's q/k inverse norms and Gram matrices (once
+    for the program's G value heads), and per value head i_hv0 + g the gates (`_gate_terms`, tuples over g)."""
+    rows = tl.arange(0, BT)
+    valid = rows < n
+    g_own = ()
+    b_beta = ()
+    path_c = ()
+    decay = ()
+    for g in tl.static_range(G):
+        head_terms = _gate_terms(a, b, A_log, dt_bias, ancestors, bos, n, i_hv0 + g, stride_a, stride_b, BT,
+                                 MAX_ANC, IS_CHAIN)
+        g_own = g_own + (head_terms[0],)
+        b_beta = b_beta + (head_terms[1],)
+        path_c = path_c + (head_terms[2],)
+        decay = decay + (head_terms[3],)
     # q/k norms and the small Gram matrices, from the whole rows (K elements; cached after the first touch)
     o_k = tl.arange(0, K)
     q_full = tl.load(q_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
@@ -120,48 +178,61 @@ def _node_terms(qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log,
         qk = tl.where(rows[None, :] == j, tl.sum(q_full * k_j[None, :], 1)[:, None], qk)
     kk = kk * (k_inv[:, None] * k_inv[None, :])
     qk = qk * (q_inv[:, None] * k_inv[None, :])
-    return g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk
+    return g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk
 
 
-@triton.jit
+# the integer-array pointers are read as scalars or gathers: their alignment buys nothing, and without the alignment
+# key a caller's offset view cannot compile a second variant. The int arguments (strides) are model constants in vLLM
+# (views of the projections, the pools and pages) and stay specialised: their divisibility by 16 vectorises the
+# q/k/v/z loads (tests/kernels/test_jit_variants.py counts one variant across batch sizes)
+@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes", "pending_nodes", "pending_ancestors"])
 def _gated_step_kernel(
     qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes, out, factors,
     pending_nodes, pending_ancestors,
     stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
     stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
     scale, eps,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
-    PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, EXACT_TF32: tl.constexpr,
+    PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, DOT_PASSES: tl.constexpr,
 ):
-    i_hv, i_b = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
+    # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
+    # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
+    i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
+    i_h = i_hv0 // (HV // H)
     slot = tl.load(state_indices + i_b).to(tl.int64)
     if slot < 0:
         return
     o_v = tl.arange(0, V)
     o_kc = tl.arange(0, BK)
-    p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
-    # this program's columns of the slot's factor rows (see `slot_factor_width`): only (slot, i_hv) touches them
+    p_state = ()
+    for g in tl.static_range(G):
+        p_state = p_state + (state + slot * stride_slot + (i_hv0 + g) * stride_head + o_v[:, None] * stride_v,)
+    # this program's columns of the slot's factor rows (see `slot_factor_width`): only (slot, its heads) touches
+    # them; head i_hv0 + g's at + g (k scale, g) or + g * K / + g * V (keys, u). The pending commit reads the key
+    # and k scale copies of head i_hv0 for all G heads: one key head's copies are equal (the contract)
     f_slot = factors + slot * stride_fslot
-    f_k = f_slot + i_hv * K
-    f_kscale = f_slot + HV * K + i_hv
-    f_u = f_slot + HV * (K + 1) + i_hv * V
-    f_g = f_slot + HV * (K + 1 + V) + i_hv
+    f_k = f_slot + i_hv0 * K
+    f_kscale = f_slot + HV * K + i_hv0
+    f_u = f_slot + HV * (K + 1) + i_hv0 * V
+    f_g = f_slot + HV * (K + 1 + V) + i_hv0
     # the first PREFETCH state chunks in flight before anything else (everything below is independent of them)
     ahead = ()
     for j in tl.static_range(PREFETCH):
-        ahead = ahead + (tl.load(p_state + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
+        for g in tl.static_range(G):
+            ahead = ahead + (tl.load(p_state[g] + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
 
     if HAS_PENDING:
         # the previous step's path to its accepted node a, row j = the d-th ancestor of a (d = 0..PENDING_ROWS-1;
-        # a chain's is a - d, a tree's comes from the table): the key row, and exp(c_a - c_j) u_j / |k_j| as a [V]
-        # vector (running sums of g up the path); exp(c_a) for h0. Every pending row is read before the epilogue
-        # overwrites the rows (barrier there).
+        # a chain's is a - d, a tree's comes from the table): the key row, and per head exp(c_a - c_j) u_j / |k_j|
+        # as a [V] vector (running sums of g up the path); exp(c_a) for h0. Every pending row is read before the
+        # epilogue overwrites the rows (barrier there).
         accepted = tl.load(pending_nodes + i_b)
-        running = tl.zeros([], dtype=tl.float32)
+        running = ()
+        for g in tl.static_range(G):
+            running = running + (tl.zeros([], dtype=tl.float32),)
         p_wu = ()
         p_krow = ()
         p_on = ()
@@ -169,17 +240,21 @@ def _gated_step_kernel(
             path_row = _ancestor(pending_ancestors, 0, accepted, d, PENDING_ROWS, PENDING_IS_CHAIN)
             on = path_row >= 0
             row = tl.maximum(path_row, 0).to(tl.int64) * stride_frow
-            weight = tl.where(on, tl.exp(running), 0.0) * tl.load(f_kscale + row, mask=on, other=0.0)
-            p_wu = p_wu + (tl.load(f_u + row + o_v, mask=on, other=0.0) * weight,)
+            k_scale = tl.load(f_kscale + row, mask=on, other=0.0)
+            summed = ()
+            for g in tl.static_range(G):
+                weight = tl.where(on, tl.exp(running[g]), 0.0) * k_scale
+                p_wu = p_wu + (tl.load(f_u + g * V + row + o_v, mask=on, other=0.0) * weight,)
+                summed = summed + (running[g] + tl.load(f_g + g + row, mask=on, other=0.0),)
+            running = summed
             p_krow = p_krow + (f_k + row,)
             p_on = p_on + (on,)
-            running += tl.load(f_g + row, mask=on, other=0.0)
-        p_root = tl.exp(running)
+        p_root = ()
+        for g in tl.static_range(G):
+            p_root = p_root + (tl.exp(running[g]),)
         store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
 
     if DO_VERIFY:
-        neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        bias = tl.load(dt_bias + i_hv).to(tl.float32)
         bos = tl.load(cu_nodes + i_b)
         n = tl.load(cu_nodes + i_b + 1) - bos
         rows = tl.arange(0, BT)
@@ -188,9 +263,9 @@ def _gated_step_kernel(
         q_row = qkv + node.to(tl.int64) * stride_qkv + i_h * K
         k_row = q_row + H * K
         if not LATE_NODE_TERMS:
-            g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
-                qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
-                K, BT, MAX_ANC, IS_CHAIN)
+            g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+                a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G,
+                MAX_ANC, IS_CHAIN)
         if not STATE_DOT:  # the row layout's per-node q/k row offsets
             row_off = ()
             row_ok = ()
@@ -206,12 +281,15 @@ def _gated_step_kernel(
             kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(o_q < BT, H * K, 0) + i_h * K
 
     # the state, BK key columns at a time; PREFETCH chunks are in flight ahead of the one in use, loaded before the
-    # commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of tensor-core products. Else (BK = one
-    # 16-byte vector per value row) each thread owns whole value rows, and every product with the state accumulates
-    # elementwise into per-node [V, BK] partial sums (no reduction, no shuffle, no layout change inside the loop)
+    # commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of tensor-core products per head, the
+    # [BK, 16] q/k chunk shared by the G heads. Else (G = 1, BK = one 16-byte vector per value row) each thread
+    # owns whole value rows, and every product with the state accumulates elementwise into per-node [V, BK]
+    # partial sums (no reduction, no shuffle, no layout change inside the loop)
     if DO_VERIFY:
         if STATE_DOT:
-            acc_kq = tl.zeros([V, NQ], dtype=tl.float32)
+            acc_kq = ()
+            for g in tl.static_range(G):
+                acc_kq = acc_kq + (tl.zeros([V, NQ], dtype=tl.float32),)
         else:
             acc_k = ()
             acc_q = ()
@@ -231,12 +309,16 @@ def _gated_step_kernel(
     # registers; in flight stay the PREFETCH chunks ahead
     for i_k in tl.range(0, K // BK):
         cols = i_k * BK + o_kc
-        h = ahead[0].to(tl.float32)
+        hs = ()
+        for g in tl.static_range(G):
+            hs = hs + (ahead[g].to(tl.float32),)
         rest = ()
-        for j in tl.static_range(1, PREFETCH):
+        for j in tl.static_range(G, PREFETCH * G):
             rest = rest + (ahead[j],)
-        ahead = rest + (tl.load(p_state + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
-                                other=0.0),)
+        for g in tl.static_range(G):
+            rest = rest + (tl.load(p_state[g] + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
+                                   other=0.0),)
+        ahead = rest
         if DO_VERIFY and STATE_DOT:
             kq = ahead_kq[0].to(tl.float32)
             rest = ()
@@ -245,22 +327,27 @@ def _gated_step_kernel(
             ahead_kq = rest + (tl.load(kq_row[None, :] + (cols + PREFETCH * BK)[:, None],
                                        mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
-            h = p_root * h
+            p_k = ()
             for d in tl.static_range(PENDING_ROWS):
-                pk = tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0)
-                h += p_wu[d][:, None] * pk[None, :]
-            h = h.to(state.dtype.element_ty)
-            tl.store(p_state + cols[None, :], h, mask=store_commit)
-            h = h.to(tl.float32)
+                p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0),)
+            committed = ()
+            for g in tl.static_range(G):
+                h = p_root[g] * hs[g]
+                for d in tl.static_range(PENDING_ROWS):
+                    h += p_wu[d * G + g][:, None] * p_k[d][None, :]
+                h = h.to(state.dtype.element_ty)
+                tl.store(p_state[g] + cols[None, :], h, mask=store_commit)
+                committed = committed + (h.to(tl.float32),)
+            hs = committed
         if DO_VERIFY and STATE_DOT:
-            # every h k_t and h q_t of the chunk in one tensor-core product, the state as the 128-row operand, in
-            # fp32 operands: one tf32 pass where both are exact in tf32 (a bf16 state, bf16 q/k: exact products,
-            # fp32 sums), else tf32x3 (hi and lo parts; ~fp32 accuracy)
-            if EXACT_TF32:
-                acc_kq = tl.dot(h, kq, acc_kq, input_precision="tf32")
-            else:
-                acc_kq = tl.dot(h, kq, acc_kq, input_precision="tf32x3")
+            # every h k_t and h q_t of the chunk in one tensor-core product per head, the state as the 128-row
+            # operand
+            products = ()
+            for g in tl.static_range(G):
+                products = products + (_state_products(hs[g], kq, acc_kq[g], DOT_PASSES),)
+            acc_kq = products
         if DO_VERIFY and not STATE_DOT:
+            h = hs[0]
             new_k = ()
             new_q = ()
             for t in tl.static_range(BT):
@@ -276,65 +363,78 @@ def _gated_step_kernel(
             acc_q = new_q
 
     if DO_VERIFY:
-        # LATE_NODE_TERMS: nothing of this is needed in the loop; late, its [BT, BT] tiles stay out of the loop's registers
+        # LATE_NODE_TERMS: nothing of this is needed in the loop; late, its [BT, BT] tiles stay out of the loop's
+        # registers
         if LATE_NODE_TERMS:
-            g_own, b_beta, running_c, decay, q_inv, k_inv, kk, qk = _node_terms(
-                qkv, a, b, ancestors, bos, n, q_row, k_row, bias, neg_exp_a_log, scale, stride_a, stride_b, i_hv,
-                K, BT, MAX_ANC, IS_CHAIN)
-        exp_c = tl.exp(running_c)
-        hk = tl.zeros([BT, V], dtype=tl.float32)
-        hq = tl.zeros([BT, V], dtype=tl.float32)
-        for t in tl.static_range(BT):
-            if STATE_DOT:
-                hk = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == t, acc_kq, 0.0), 1)[None, :], hk)
-                hq = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == BT + t, acc_kq, 0.0), 1)[None, :],
-                              hq)
-            elif ROW_SUMS:
-                hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
-                hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
-            else:
-                hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
-                hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
-        hk = hk * k_inv[:, None]
-        hq = hq * q_inv[:, None]
-        b_v = tl.load(qkv + node.to(tl.int64)[:, None] * stride_qkv + 2 * H * K + i_hv * V + o_v[None, :],
-                      mask=valid[:, None], other=0.0).to(tl.float32)
-        r = b_beta[:, None] * (b_v - exp_c[:, None] * hk)
-        gmat = tl.where(rows[None, :] != rows[:, None], b_beta[:, None] * decay * kk, 0.0)
-        # forward substitution: rows above i are final when row i is solved
-        b_u = r
-        for i in range(1, n):
-            g_row = tl.sum(tl.where(rows[:, None] == i, gmat, 0.0), 0)
-            b_u = tl.where(rows[:, None] == i, b_u - tl.sum(g_row[:, None] * b_u, 0)[None, :], b_u)
-        # the norm's inputs in flight before the solve's loop (a later block: not hoisted over it)
+            g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+                a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G,
+                MAX_ANC, IS_CHAIN)
+        # per head: h k_t, h q_t as [BT, V] tiles, r = beta (v - exp(c) h k), the solve's off-diagonal matrix
+        # beta_i exp(c_i - c_j) k_i.k_j; the norm's inputs (z, weight) in flight before the solve's loop
         w = tl.load(norm_weight + o_v).to(tl.float32)
-        b_z = tl.load(z + node[:, None] * stride_z + i_hv * stride_zh + o_v[None, :], mask=valid[:, None],
-                      other=0.0).to(tl.float32)
-        pmat = decay * qk
-        b_o = exp_c[:, None] * hq
-        for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
-            u_j = tl.sum(tl.where(rows[:, None] == j, b_u, 0.0), 0)
-            p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
-            b_o += p_j[:, None] * u_j[None, :]
-        # gated RMSNorm over the head's V values, output gate fused
-        rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
-        if ACT == "silu":
-            gate = b_z * tl.sigmoid(b_z)
-        else:
-            gate = tl.sigmoid(b_z)
-        y = b_o * rstd[:, None] * w[None, :] * gate
-        tl.store(out + node[:, None] * stride_out + i_hv * stride_outh + o_v[None, :], y.to(out.dtype.element_ty),
-                 mask=valid[:, None])
+        exp_c = ()
+        hqs = ()
+        b_us = ()
+        gmats = ()
+        b_zs = ()
+        for g in tl.static_range(G):
+            exp_c = exp_c + (tl.exp(path_c[g]),)
+            hk = tl.zeros([BT, V], dtype=tl.float32)
+            hq = tl.zeros([BT, V], dtype=tl.float32)
+            for t in tl.static_range(BT):
+                if STATE_DOT:
+                    hk = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == t, acc_kq[g], 0.0), 1)[None, :],
+                                  hk)
+                    hq = tl.where(rows[:, None] == t,
+                                  tl.sum(tl.where(o_q[None, :] == BT + t, acc_kq[g], 0.0), 1)[None, :], hq)
+                elif ROW_SUMS:
+                    hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
+                    hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
+                else:
+                    hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
+                    hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
+            b_v = tl.load(qkv + node.to(tl.int64)[:, None] * stride_qkv + 2 * H * K + (i_hv0 + g) * V + o_v[None, :],
+                          mask=valid[:, None], other=0.0).to(tl.float32)
+            b_us = b_us + (b_beta[g][:, None] * (b_v - exp_c[g][:, None] * (hk * k_inv[:, None])),)
+            hqs = hqs + (hq * q_inv[:, None],)
+            gmats = gmats + (tl.where(rows[None, :] != rows[:, None], b_beta[g][:, None] * decay[g] * kk, 0.0),)
+            b_zs = b_zs + (tl.load(z + node[:, None] * stride_z + (i_hv0 + g) * stride_zh + o_v[None, :],
+                                   mask=valid[:, None], other=0.0).to(tl.float32),)
+        # forward substitution, the heads side by side: rows above i are final when row i is solved
+        for i in range(1, n):
+            solved = ()
+            for g in tl.static_range(G):
+                g_row = tl.sum(tl.where(rows[:, None] == i, gmats[g], 0.0), 0)
+                solved = solved + (tl.where(rows[:, None] == i, b_us[g] - tl.sum(g_row[:, None] * b_us[g], 0)[None, :],
+                                            b_us[g]),)
+            b_us = solved
+        for g in tl.static_range(G):
+            pmat = decay[g] * qk
+            b_o = exp_c[g][:, None] * hqs[g]
+            for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
+                u_j = tl.sum(tl.where(rows[:, None] == j, b_us[g], 0.0), 0)
+                p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
+                b_o += p_j[:, None] * u_j[None, :]
+            # gated RMSNorm over the head's V values, output gate fused
+            rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
+            if ACT == "silu":
+                gate = b_zs[g] * tl.sigmoid(b_zs[g])
+            else:
+                gate = tl.sigmoid(b_zs[g])
+            y = b_o * rstd[:, None] * w[None, :] * gate
+            tl.store(out + node[:, None] * stride_out + (i_hv0 + g) * stride_outh + o_v[None, :],
+                     y.to(out.dtype.element_ty), mask=valid[:, None])
         # this step's factors into the slot's rows, after every thread's last read of the pending rows; the raw
-        # keys reloaded here rather than kept live through the state loop
+        # keys reloaded here rather than kept live through the state loop, one copy per value head
         tl.debug_barrier()
         f_row = rows.to(tl.int64) * stride_frow
         o_k = tl.arange(0, K)
         k_raw = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        tl.store(f_k + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
-        tl.store(f_kscale + f_row, k_inv, mask=valid)
-        tl.store(f_u + f_row[:, None] + o_v[None, :], b_u, mask=valid[:, None])
-        tl.store(f_g + f_row, g_own, mask=valid)
+        for g in tl.static_range(G):
+            tl.store(f_k + g * K + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
+            tl.store(f_kscale + g + f_row, k_inv, mask=valid)
+            tl.store(f_u + g * V + f_row[:, None] + o_v[None, :], b_us[g], mask=valid[:, None])
+            tl.store(f_g + g + f_row, g_own[g], mask=valid)
 
 
 # launch defaults per state dtype, the fastest candidate measured correct on the H200 at H=16, HV=32, K=V=128, chain
@@ -344,10 +444,25 @@ def _gated_step_kernel(
 # compile_report.jsonl; its uncorrected run took 137-147 us) is measured correct on the GPU.
 LAUNCH_DEFAULTS = {
     torch.float32: dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
-                        late_node_terms=True, state_dot=True),
+                        late_node_terms=True, state_dot=True, split_state_tf32=False, heads_per_program=1),
     torch.bfloat16: dict(block_k=8, num_warps=4, prefetch=2, max_registers=None, row_sums=True,
-                         late_node_terms=True, state_dot=False),
+                         late_node_terms=True, state_dot=False, split_state_tf32=False, heads_per_program=1),
 }
+
+
+# bf16 and fp16 values are exact in tf32 (at most 11 significant bits, exponents within tf32's range)
+EXACT_IN_TF32 = (torch.bfloat16, torch.float16)
+
+
+def _dot_passes(state_dtype, qkv_dtype, split_state_tf32: bool) -> int:
+    """Tensor-core passes per product with the state (`_state_products`): 1 where both operands are exact in tf32;
+    2 (2xTF32) where only the state is not and `split_state_tf32` asks for it; else 3 (tf32x3)."""
+    if qkv_dtype in EXACT_IN_TF32:
+        if state_dtype in EXACT_IN_TF32:
+            return 1
+        if split_state_tf32:
+            return 2
+    return 3
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -367,9 +482,17 @@ def _check_factors(factors, state, state_indices, pending_nodes, pending_ancesto
     assert state_indices.stride(0) == 1, "the kernels index state_indices flat (a strided column would be misread)"
 
 
-def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
-            factors, pending_nodes, pending_ancestors, *, num_key_heads, max_nodes, max_depth, chain, scale,
-            norm_eps, activation, ancestors, out, do_verify, **launch):
+def _launch(*args, **kwargs):
+    grid, kernel_args, kernel_kwargs, out = _launch_arguments(*args, **kwargs)
+    _gated_step_kernel[grid](*kernel_args, **kernel_kwargs)
+    return out
+
+
+def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
+                      cu_nodes, factors, pending_nodes, pending_ancestors, *, num_key_heads, max_nodes, max_depth,
+                      chain, scale, norm_eps, activation, ancestors, out, do_verify, **launch):
+    """(grid, positional and keyword arguments of `_gated_step_kernel`, out): checks and launch options resolved,
+    nothing launched (the JIT-variant test binds them without compiling)."""
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
@@ -378,6 +501,9 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
     launch = {**LAUNCH_DEFAULTS[state.dtype], **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
+    heads = launch["heads_per_program"]
+    assert (HV // H) % heads == 0, "a program's value heads share one key head"
+    assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
@@ -402,19 +528,21 @@ def _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, st
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
-    _gated_step_kernel[(HV, batch)](
+    kernel_args = (
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         state_indices if pending_ancestors is None else pending_ancestors,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
-        float(K**-0.5 if scale is None else scale), float(norm_eps),
-        H=H, HV=HV, K=K, V=V, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
+        float(K**-0.5 if scale is None else scale), float(norm_eps))
+    kernel_kwargs = dict(
+        H=H, HV=HV, K=K, V=V, G=heads, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
         ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain,
         ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
         PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
         PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
-        EXACT_TF32=do_verify and state.dtype == mixed_qkv.dtype == torch.bfloat16, **options,
+        DOT_PASSES=_dot_passes(state.dtype, mixed_qkv.dtype if do_verify else None, launch["split_state_tf32"]),
+        **options,
     )
-    return out
+    return (HV // heads, batch), kernel_args, kernel_kwargs, out
 
 
 def gdn_step_triton(
@@ -449,6 +577,8 @@ def gdn_step_triton(
     row_sums: bool | None = None,
     late_node_terms: bool | None = None,
     state_dot: bool | None = None,
+    split_state_tf32: bool | None = None,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -470,14 +600,20 @@ def gdn_step_triton(
     columns every step (2T registers instead of 2T x BK); `late_node_terms`: gates, decays and Gram matrices
     computed after the state loop, so their [BT, BT] tiles are not live in it. `state_dot`: the products with the
     state on the tensor cores, [h k_0 .. h q_{T-1}] = h [V, BK] @ [k; q]^T per chunk (the state tile stays in the
-    load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8).
+    load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8). `split_state_tf32`: with
+    `state_dot`, an fp32 state and bf16/fp16 q/k, two tf32 passes (the state split into tf32 hi and lo parts, q/k
+    exact) instead of tf32x3's three; relative error of each product 2^-22 (`_state_products`).
+    `heads_per_program` (1 or 2; divides HV // H; with `state_dot`): one program verifies that many value heads of
+    one key head for one request, sharing the q/k chunks, the key norms and Gram matrices and the pending key rows;
+    half the programs at 2.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
                    max_nodes=max_nodes, max_depth=max_depth, chain=chain, scale=scale, norm_eps=norm_eps,
                    activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k,
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
-                   late_node_terms=late_node_terms, state_dot=state_dot)
+                   late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
+                   heads_per_program=heads_per_program)
 
 
 def gdn_commit_triton(
@@ -492,6 +628,7 @@ def gdn_commit_triton(
     num_warps: int | None = None,
     prefetch: int | None = None,
     max_registers: int | None = None,
+    heads_per_program: int | None = None,
 ) -> None:
     """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
     s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a, whose
@@ -501,4 +638,4 @@ def gdn_commit_triton(
             pending_ancestors,
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
             activation="silu", ancestors=None, out=None, do_verify=False, block_k=block_k, num_warps=num_warps,
-            prefetch=prefetch, max_registers=max_registers)
+            prefetch=prefetch, max_registers=max_registers, heads_per_program=heads_per_program)
