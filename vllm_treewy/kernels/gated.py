@@ -1,7 +1,8 @@
 """Torch twin of `vllm_treewy.kernels.triton.gated`: the GDN decode step after the conv (gates, q/k L2 norm,
-closed-form verify, gated RMSNorm with the output gate), its factors in per-slot rows, and the commit of the
-previous step's accepted node (its path in a chain or a static tree) from those rows. Built on `closed_form`'s
-packed verify; fp32 (fp64 for fp64 inputs). Ground truth: `reference.reference_gated_tree`.
+closed-form verify, the core output rounded to the model dtype as vLLM rounds it, gated RMSNorm with the output
+gate), its factors in per-slot rows, and the commit of the previous step's accepted node (its path in a chain or a
+static tree) from those rows. Built on `closed_form`'s packed verify; fp32 (fp64 for fp64 inputs). Ground truth:
+`reference.reference_gated_tree`.
 
 Slot factors: one fp32 tensor ``[S, T, F]`` (state slot, node row, F = `slot_factor_width`), columns in this
 order: raw post-conv keys per VALUE head ``[HV, K]`` (value head hv holds its key head's row), inverse key norms
@@ -117,6 +118,8 @@ def gdn_step_packed(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, s
     g, beta = gates(a, b, A_log, dt_bias, dtype)
     o, u = verify_packed(q * (inverse_norm(q) * scale)[..., None], k * k_scale[..., None], v, g, beta, state,
                          state_indices, parents, cu_nodes, max_depth=max_depth)
+    # the core output rounded to the model dtype before the norm, as in vLLM's non-speculative decode
+    o = o.to(mixed_qkv.dtype).to(dtype)
     out = gated_rms_norm(o, output_gate.to(dtype), norm_weight, norm_eps, activation)
     request = node_requests(cu_nodes, mixed_qkv.shape[0])
     slot = state_indices.long()[request]

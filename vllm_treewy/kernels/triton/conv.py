@@ -21,8 +21,13 @@ def _step_up(parents, bos, cur):
 @triton.jit
 def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
                    W: tl.constexpr, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   SILU: tl.constexpr):
-    """The conv outputs of one request's n nodes (packed from bos) over channels o_d; history at p_hist."""
+                   SILU: tl.constexpr, ROUND_PRODUCTS: tl.constexpr):
+    """The conv outputs of one request's n nodes (packed from bos) over channels o_d; history at p_hist.
+    Rounded as vLLM's CUDA `causal_conv1d_update`: when the history and the weight share a 16-bit dtype, inputs in
+    it and each product rounded to it (vLLM's kernel multiplies two bf16 in bf16: `mul.bf16` on sm_90, as here),
+    silu as x / (1 + exp(-x)). vLLM sums the window oldest first, we newest first (the walk up the tree; a
+    register array for the other order spills): sums of W bf16 products are exact in fp32 unless they span
+    more than ~16 binades, so the order rarely shows."""
     for start in range(0, n, BN):
         nodes = start + tl.arange(0, BN)
         valid = nodes < n
@@ -38,9 +43,14 @@ def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, s
                              mask=m & (cur >= 0)[:, None], other=0.0)
             from_hist = tl.load(p_hist + (L + cur)[:, None] * stride_cs_col, mask=m & (cur < 0)[:, None], other=0.0)
             tap = tl.load(weight + o_d * W + (W - 1 - t), mask=mask_d, other=0.0).to(tl.float32)
-            acc += (from_x.to(tl.float32) + from_hist.to(tl.float32)) * tap[None, :]
+            value = from_x.to(tl.float32) + from_hist.to(tl.float32)
+            if ROUND_PRODUCTS:  # vLLM casts x to the history's dtype (a no-op for bf16 x), then multiplies in it
+                value = value.to(p_hist.dtype.element_ty).to(tl.float32)
+                acc += (value * tap[None, :]).to(p_hist.dtype.element_ty).to(tl.float32)
+            else:
+                acc += value * tap[None, :]
         if SILU:
-            acc = acc * tl.sigmoid(acc)
+            acc = acc / (1.0 + tl.exp(-acc))
         tl.store(out + (bos + nodes)[:, None].to(tl.int64) * stride_out + o_d[None, :], acc.to(out.dtype.element_ty),
                  mask=m)
 
@@ -53,7 +63,7 @@ def _conv_step_kernel(
     stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, stride_in_slot, stride_in_node, D,
     W: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_DEPTH: tl.constexpr,
-    PENDING_IS_CHAIN: tl.constexpr,
+    PENDING_IS_CHAIN: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
 ):
     i_d, i_b = tl.program_id(0), tl.program_id(1)
     slot = tl.load(state_indices + i_b).to(tl.int64)
@@ -88,7 +98,7 @@ def _conv_step_kernel(
     bos = tl.load(cu_nodes + i_b)
     n = tl.load(cu_nodes + i_b + 1) - bos
     _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
-                   W, L, BN, BD, HAS_BIAS, SILU)
+                   W, L, BN, BD, HAS_BIAS, SILU, ROUND_PRODUCTS)
     # this step's inputs, for the commit inside the next step (the pending rows were read above)
     for start in range(0, n, BN):
         nodes = start + tl.arange(0, BN)
@@ -122,7 +132,9 @@ def conv_step_triton(
        static shape): an int32 [T, D] ancestor table (row i: node i's d-th ancestors, d = 0 is i, -1 past the
        root; `vllm_treewy.kernels.triton._tree.ancestor_table`);
     2. the conv of this step's nodes: act(bias + sum_t weight[:, w-1-t] * (the entry t steps up the node's path,
-       continued into the history)), fp32 accumulation, in x's dtype, from the committed history;
+       continued into the history)), fp32 accumulation, in x's dtype, from the committed history; with a bf16 (or
+       fp16) history and weight, each product rounded to that dtype first, as vLLM's CUDA conv computes it (the
+       twin, also the CPU path, keeps exact products, as vLLM's CPU conv does);
     3. this step's inputs x go to `inputs[s, 0 .. n_b-1]` for the commit inside the next step.
 
     x [N, D] pre-conv inputs (last dim contiguous); conv_state [S, D, L] (any strides, L >= w-1); weight [D, w];
@@ -158,5 +170,6 @@ def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, 
         SILU=activation == "silu", HAS_PENDING=pending_nodes is not None,
         PENDING_DEPTH=1 if pending_ancestors is None else pending_ancestors.shape[1],
         PENDING_IS_CHAIN=pending_ancestors is None,
+        ROUND_PRODUCTS=conv_state.dtype == weight.dtype and conv_state.dtype in (torch.bfloat16, torch.float16),
     )
     return (triton.cdiv(D, block_d), state_indices.shape[0]), kernel_args, kernel_kwargs, out

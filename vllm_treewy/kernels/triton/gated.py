@@ -5,6 +5,7 @@ norm, the closed-form verify, the gated RMSNorm with the output gate, and option
     g_i    = -exp(A_log) * softplus(a_i + dt_bias)            beta_i = sigmoid(b_i)
     q_i    = scale * q_i / sqrt(|q_i|^2 + 1e-6)              k_i    = k_i / sqrt(|k_i|^2 + 1e-6)
     (o_i, u_i) = closed-form tree verify from h0 (design notes §1)
+    o_i    <- o_i rounded to the output dtype (bf16 in vLLM), as vLLM's decode and compiled MTP kernel do
     out_i  = o_i * rsqrt(mean_v(o_i^2) + eps) * norm_weight * act(z_i)      act = silu or sigmoid
 
 One program per (value head, request) holds a whole head: the state [V, K] is streamed once through registers in
@@ -415,7 +416,9 @@ def _gated_step_kernel(
                 u_j = tl.sum(tl.where(rows[:, None] == j, b_us[g], 0.0), 0)
                 p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
                 b_o += p_j[:, None] * u_j[None, :]
-            # gated RMSNorm over the head's V values, output gate fused
+            # gated RMSNorm over the head's V values, output gate fused; the core output rounded to the output
+            # dtype first, as vLLM's non-speculative decode stores it (and its compiled MTP kernel rounds it)
+            b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
             if ACT == "silu":
                 gate = b_zs[g] * tl.sigmoid(b_zs[g])

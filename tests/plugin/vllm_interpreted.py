@@ -1,0 +1,125 @@
+"""vLLM's Triton kernels runnable on CPU in Triton's interpreter, and the interpreter's bf16 made to round as the
+GPU does.
+
+vLLM's CPU wheel swaps Triton for a placeholder (`vllm.triton_utils`: no CPU backend), so its kernel modules import
+but hold no kernels. `load_fla` (modules of `vllm/third_party/flash_linear_attention/ops`, under a private package)
+and `load_vllm_module` import fresh copies while `vllm.triton_utils` points at the real Triton; vLLM's own modules
+are left as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+PACKAGE = "_treewy_fla_interpreted"
+
+
+@triton.jit
+def _exp(x):
+    return tl.exp(x)
+
+
+@triton.jit
+def _log(x):
+    return tl.log(x)
+
+
+@contextlib.contextmanager
+def _real_triton():
+    import triton.language.extra.libdevice as tldevice
+    import vllm.triton_utils as triton_utils
+
+    saved = {name: getattr(triton_utils, name) for name in ("triton", "tl", "tldevice")}
+    triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(triton_utils, name, value)
+
+
+def _interpretable(module: types.ModuleType) -> types.ModuleType:
+    # the interpreter swaps tl's builtins for its own, not names bound to them (fla's `from .op import exp`)
+    for name, wrapper in (("exp", _exp), ("log", _log)):
+        if getattr(module, name, None) is getattr(tl, name):
+            setattr(module, name, wrapper)
+    return module
+
+
+def load_fla(*names: str) -> list[types.ModuleType]:
+    import vllm.third_party.flash_linear_attention.ops as ops
+
+    if PACKAGE not in sys.modules:
+        package = types.ModuleType(PACKAGE)
+        package.__path__ = [str(Path(ops.__file__).parent)]
+        sys.modules[PACKAGE] = package
+    with _real_triton():
+        modules = [importlib.import_module(f"{PACKAGE}.{name}") for name in names]
+    return [_interpretable(module) for module in modules]
+
+
+def load_vllm_module(name: str) -> types.ModuleType:
+    """A fresh copy of vLLM's module `name` (absolute imports only), loaded as on a CUDA machine: e.g. its causal
+    conv module, which on CPU rebinds `causal_conv1d_update` to the CPU op at import."""
+    from vllm.platforms import current_platform
+
+    private = f"{PACKAGE}_{name.replace('.', '_')}"
+    if private not in sys.modules:
+        spec = importlib.util.spec_from_file_location(private, importlib.util.find_spec(name).origin)
+        module = importlib.util.module_from_spec(spec)
+        current_platform.is_cpu = lambda: False  # an instance attribute over the class's method, for the import
+        try:
+            with _real_triton():
+                spec.loader.exec_module(module)
+        finally:
+            del current_platform.is_cpu
+        sys.modules[private] = _interpretable(module)
+    return sys.modules[private]
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounded to nearest even (torch's rounding, and the GPU's)."""
+    values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return values.bfloat16().view(torch.int16).numpy().view(np.uint16)
+
+
+def _float32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_bf16_as_the_gpu(monkeypatch) -> None:
+    """For one test, Triton 3.6's interpreter made to do bf16 as the GPU does: it casts float32 to bfloat16 by
+    truncation (the GPU's `cvt.rn.bf16.f32` and torch round to nearest even), and it adds and multiplies two bf16
+    tensors as integers, on their bit patterns (the GPU computes the exact result rounded to bf16)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_bf16_bits(src.data), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(builder, "cast_impl", cast_impl)
+    for name, op in (("create_fadd", np.add), ("create_fsub", np.subtract), ("create_fmul", np.multiply),
+                     ("create_fdiv", np.divide)):
+        original = getattr(builder, name)
+
+        def bf16_op(self, lhs, rhs, op=op, original=original):
+            if lhs.dtype.scalar != tl.bfloat16:
+                return original(self, lhs, rhs)
+            # in float32, rounded to bf16 (as sm80 emulates bf16 arithmetic; a product of two bf16 is exact there)
+            return interpreter.TensorHandle(_bf16_bits(op(_float32(lhs.data), _float32(rhs.data))), tl.bfloat16)
+
+        monkeypatch.setattr(builder, name, bf16_op)
