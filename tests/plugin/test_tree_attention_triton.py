@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.kernels.tree_cases import chains, random_trees, width_trees
 from tests.plugin.paged_batches import PagedBatch, empty_cache, make_batch, reference_attention, scattered_block_table
-from tests.plugin.vllm_triton_interpreted import interpreted_unified_attention
+from tests.plugin.vllm_interpreted import interpreted_unified_attention
 from vllm_treewy.spec_decode.acceptance import accepted_kv_moves_reference
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.tree_attention_triton import (

@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAt
 
 from tests.plugin.paged_batches import make_batch, reference_attention
 from tests.plugin.test_tree_attention_triton import batch_shapes, fast, tolerance
-from tests.plugin.vllm_triton_interpreted import interpreted_unified_attention
+from tests.plugin.vllm_interpreted import interpreted_unified_attention
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import tree_runner
 from vllm_treewy.vllm_plugin.patch_points import TRITON_ATTENTION_FORWARD, TRITON_UNIFIED_ATTENTION

@@ -4,14 +4,24 @@ GPU does.
 vLLM's CPU wheel swaps Triton for a placeholder (`vllm.triton_utils`: no CPU backend), so its kernel modules import
 but hold no kernels. `load_fla` (modules of `vllm/third_party/flash_linear_attention/ops`, under a private package)
 and `load_vllm_module` import fresh copies while `vllm.triton_utils` points at the real Triton; vLLM's own modules
-are left as they are.
+are left as they are. `interpreted_unified_attention` does the same for vLLM's Triton attention kernel and the
+helper modules it imports.
+
+One difference between the interpreter and Triton's compiler matters here: vLLM's `load_qq_bias_tile` masks its
+load with `key_rel_pos >= 0 and key_rel_pos < qq_bias_stride_0`. The compiler lowers Python's `and` on block
+tensors to an elementwise logical and (with a deprecation warning); the interpreter evaluates Python's `and`, whose
+block-tensor operand is always truthy, so it keeps only the second comparison and reads the bias at negative
+offsets for the committed keys. The copy therefore gets `_load_qq_bias_tile`, the same load with the compiled
+meaning (`&`), in place of vLLM's helper; everything else is vLLM's code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
+import os
 import sys
 import types
 from pathlib import Path
@@ -123,3 +133,31 @@ def round_bf16_as_the_gpu(monkeypatch) -> None:
             return interpreter.TensorHandle(_bf16_bits(op(_float32(lhs.data), _float32(rhs.data))), tl.bfloat16)
 
         monkeypatch.setattr(builder, name, bf16_op)
+
+
+_OPS_PREFIX = "vllm.v1.attention.ops.triton_"
+
+
+@functools.cache
+def interpreted_unified_attention():
+    if os.environ.get("TRITON_INTERPRET") != "1":  # on a GPU machine: tests/gpu runs vLLM's compiled kernel
+        import pytest
+
+        pytest.skip("vLLM's kernel under the Triton interpreter: TRITON_INTERPRET=1 only (tests/gpu covers CUDA)")
+    saved_modules = {name: sys.modules.pop(name) for name in list(sys.modules) if name.startswith(_OPS_PREFIX)}
+    try:
+        with _real_triton():
+            module = importlib.import_module(_OPS_PREFIX + "unified_attention")
+    finally:
+        for name in [name for name in sys.modules if name.startswith(_OPS_PREFIX)]:
+            del sys.modules[name]
+        sys.modules.update(saved_modules)
+    module.load_qq_bias_tile = _load_qq_bias_tile
+    return module.unified_attention
+
+
+@triton.jit
+def _load_qq_bias_tile(qq_bias_row_ptrs, seq_offset, context_len, qq_bias_stride_0):
+    key_rel_pos = seq_offset - context_len
+    inside = (key_rel_pos >= 0) & (key_rel_pos < qq_bias_stride_0)
+    return tl.load(qq_bias_row_ptrs + key_rel_pos[None, :], mask=inside[None, :], other=0.0)
