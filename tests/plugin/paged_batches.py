@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.plugin.attention_reference import masked_attention_fp64
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.tree_attention_triton import split_kv_cache
 
@@ -98,7 +99,6 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
     block = batch.tree.with_root()
     ancestor_or_self = block.ancestor_mask() | torch.eye(block.num_nodes, dtype=torch.bool)
     rows, start = [], 0
-    num_heads, head_size = batch.query.shape[1:]
     for r, kind in enumerate(batch.kinds):
         context, query_len = batch.context_lens[r], batch.query_lens[r]
         committed = torch.ones(query_len, context, dtype=torch.bool)
@@ -107,12 +107,7 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
         else:  # causal (a one-token decode sees itself)
             inside = torch.ones(query_len, query_len, dtype=torch.bool).tril()
         mask = torch.cat([committed, inside], dim=1)
-        group = num_heads // batch.keys[r].shape[1]
-        q = batch.query[start : start + query_len].double()
-        k = batch.keys[r].double().repeat_interleave(group, dim=1)
-        v = batch.values[r].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * head_size**-0.5
-        probabilities = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        rows.append(torch.einsum("hqk,khd->qhd", probabilities, v))
+        rows.append(masked_attention_fp64(batch.query[start : start + query_len], batch.keys[r], batch.values[r],
+                                          mask))
         start += query_len
     return torch.cat(rows)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from vllm import _custom_ops as ops
 
 from tests.kernels.tree_cases import chains, random_trees, width_trees
+from tests.plugin.attention_reference import masked_attention_fp64
 from vllm_treewy.spec_decode import accepted_kv_moves
 from vllm_treewy.tree import DraftTree, pack_trees
 from vllm_treewy.vllm_plugin.tree_attention_cpu import (
@@ -146,7 +147,6 @@ def make_batch(trees, context_lens, *, num_heads=4, num_kv_heads=2, head_size=32
 def reference_attention(batch: Batch, sliding_window: int = -1) -> torch.Tensor:
     """Dense fp64 attention with an explicit boolean mask, request by request, from the stored K/V."""
     rows = []
-    num_heads, head_size = batch.query.shape[1:]
     start = 0
     for r, tree in enumerate(batch.trees):
         verified = DraftTree(tree).with_root()
@@ -158,13 +158,7 @@ def reference_attention(batch: Batch, sliding_window: int = -1) -> torch.Tensor:
         mask = torch.cat([torch.ones(block_len, context, dtype=torch.bool), ancestor_or_self], dim=1)
         if sliding_window > 0:
             mask &= (query_position[:, None] - key_position[None, :]) < sliding_window
-        group = num_heads // batch.keys[r].shape[1]
-        q = batch.query[start:start + block_len].double()
-        k = batch.keys[r].double().repeat_interleave(group, dim=1)
-        v = batch.values[r].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * head_size**-0.5
-        probabilities = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        rows.append(torch.einsum("hqk,khd->qhd", probabilities, v))
+        rows.append(masked_attention_fp64(batch.query[start:start + block_len], batch.keys[r], batch.values[r], mask))
         start += block_len
     return torch.cat(rows)
 
