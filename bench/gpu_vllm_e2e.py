@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -99,6 +100,7 @@ def add_common_args(parser, runs: bool = True):
     parser.add_argument("--jit-warmup", action="store_true", help="vLLM's kernel JIT warm-up at engine start")
     parser.add_argument("--cudagraph-mode", default=None, help="default: vLLM's (FULL_AND_PIECEWISE)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="a second opinion: vLLM's sync scheduler")
+    parser.add_argument("--timing-repeats", type=int, default=3, help="timed passes per batch size (median)")
     parser.add_argument("--profile-batch", type=int, default=None,
                         help="after the timed batches, profile one generate of this many prompts (bench/e2e_profile.py)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
@@ -116,17 +118,24 @@ def prompts_and_model():
 
 
 def timed_batches(llm, prompts, args) -> tuple[dict, dict]:
-    """Outputs and tokens/s per batch size, after one warm-up pass over the same batch sizes."""
+    """Outputs (of the first timed pass) and tokens/s per batch size: the median of `--timing-repeats` passes, after
+    one warm-up pass over the same batch sizes. A pass at B = 1 lasts a fraction of a second, so one pass alone moved
+    by 1.4x between two calls (2026-12-01); the passes of all batch sizes alternate, so drift spreads over them."""
     from vllm_treewy.vllm_plugin.equivalence import generate_greedy
 
     for b in args.batch_sizes:
         generate_greedy(llm, prompts[:b], [8] * b)
-    outputs, tokens_per_s = {}, {}
-    for b in args.batch_sizes:
-        start = time.perf_counter()
-        outputs[b] = generate_greedy(llm, prompts[:b], [args.max_tokens] * b)
-        tokens_per_s[b] = b * args.max_tokens / (time.perf_counter() - start)
-        print(f"  batch {b}: {tokens_per_s[b]:,.0f} tokens/s", flush=True)
+    outputs, samples = {}, {b: [] for b in args.batch_sizes}
+    for _ in range(args.timing_repeats):
+        for b in args.batch_sizes:
+            start = time.perf_counter()
+            out = generate_greedy(llm, prompts[:b], [args.max_tokens] * b)
+            samples[b].append(b * args.max_tokens / (time.perf_counter() - start))
+            outputs.setdefault(b, out)
+    tokens_per_s = {b: statistics.median(v) for b, v in samples.items()}
+    for b, v in samples.items():
+        print(f"  batch {b}: {tokens_per_s[b]:,.0f} tokens/s (median of {len(v)}: "
+              f"{', '.join(f'{x:,.0f}' for x in v)})", flush=True)
     return outputs, tokens_per_s
 
 
