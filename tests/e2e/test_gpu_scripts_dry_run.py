@@ -1,0 +1,47 @@
+"""The H200 scripts' whole flow on vLLM's CPU backend, at a few tokens: device time is scarce, so a script that
+breaks on its own logic (arguments, roles, files, the report) must break here first. What only CUDA has (graphs,
+backends, compiled ops) is not exercised; tokens/s and verdicts are not judged, only that they are written."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--batch-sizes", "1", "2", "--max-tokens", "4", "--timing-repeats", "1"]
+
+
+def run_script(*command: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", TREE_GPU_TESTS="0", PYTHONUNBUFFERED="1")
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_chain_script_writes_every_run_and_verdict(tmp_path):
+    done = run_script("bash", "bench/run_gpu_vllm_e2e.sh", str(tmp_path), "1", *SMALL)
+    report_file = tmp_path / "gpu_vllm_e2e.json"
+    log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else done.stdout + done.stderr
+    assert report_file.exists(), log[-4000:]
+    report = json.loads(report_file.read_text())
+    assert set(report["runs"]) == {"no-spec", "reconstruct-k1", "store_all-k1"}
+    for name in ("reconstruct-k1", "store_all-k1"):
+        run = report["runs"][name]
+        assert set(run["verdicts"]) == {"1", "2"} and run["kv_cache"]["gdn_blocks_per_request"]
+        assert all(t > 0 for t in run["tokens_per_s"].values())
+    assert report["runs"]["reconstruct-k1"]["kv_cache"]["gdn_blocks_per_request"][0] == 1
+
+
+@pytest.mark.parametrize("widths", ["2,1"])
+def test_tree_script_writes_its_report(tmp_path, widths):
+    done = run_script("bash", "bench/run_gpu_tree_e2e.sh", str(tmp_path), widths, *SMALL)
+    report_file = tmp_path / "gpu_tree_e2e.json"
+    log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else done.stdout + done.stderr
+    assert report_file.exists(), log[-4000:]
+    report = json.loads(report_file.read_text())
+    name = "tree-" + widths.replace(",", "x")
+    assert list(report["runs"]) == [name], log[-4000:]
+    assert set(report["runs"][name]["verdicts"]) == {"1", "2"}
