@@ -6,6 +6,8 @@ points it runs against each (workload x concurrency, or x arrival rate for the b
 - `cpu-dummy`: the 27B grid's model path (27B vocabulary, dummy weights) on a CPU-sized shape, two points.
 - `h200-27b`: Qwen3.5-27B's shape with dummy weights and synthetic acceptance on one H200, through
   ../shared/tools/gpu-vllm (see `bench/sweep/README.md` for the device commands).
+- `h200-27b-core`: the same servers on one workload (chat) at concurrency 1, 8, 64, 256: a server per 10-minute
+  device call, the whole grid within one session's device time.
 
 Memory budget: on CUDA `--gpu-memory-utilization`; on CPU the KV-cache bytes. vLLM's CPU platform turns
 `VLLM_CPU_KVCACHE_SPACE` (whole GiB) into `kv_cache_memory_bytes`; the fixture's state is so small that it binds
@@ -16,7 +18,7 @@ covers every budget; the env variable would need one sweep per budget and would 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bench.sweep.workloads import WORKLOADS, LengthProfile, workload_axis
 
@@ -238,3 +240,9 @@ GRIDS = {
                 "Triton attention (FlashAttention/FlashInfer absent), dummy weights, synthetic acceptance",),
     ),
 }
+# What one session's device time holds (a server per call): the speculative strategies, both budgets, chat only.
+GRIDS["h200-27b-core"] = replace(
+    GRIDS["h200-27b"], name="h200-27b-core",
+    description="h200-27b on chat at concurrency 1/8/64/256, store_all and reconstruct: a server per device call",
+    workloads=("chat",), strategies=("store_all", "reconstruct"), concurrencies=(1, 8, 64, 256), request_rates=(),
+)

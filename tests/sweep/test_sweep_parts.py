@@ -227,3 +227,14 @@ def test_geomean_and_pareto_front():
         assert not any(ox >= x and oy >= y and (ox, oy) != (x, y) for ox, oy in xy)
     assert [p[0] for p in front] == sorted(p[0] for p in front)
     assert json.dumps(front)  # plain floats: goes into the report as is
+
+
+def test_core_h200_grid_is_a_slice_of_the_full_one():
+    full, core = GRIDS["h200-27b"], GRIDS["h200-27b-core"]
+    names = [r["_benchmark_name"] for r in core.serve_params()]
+    assert names == [r["_benchmark_name"] for r in full.serve_params() if not r["_benchmark_name"].startswith("no_spec")]
+    assert len(names) == 4 and core.num_points == 16
+    fake = {"chat": type("D", (), {"axis": "concurrency", "bench_params": {}})()}
+    assert [p["max_concurrency"] for p in core.bench_params(fake)] == [1, 8, 64, 256]
+    assert core.speculative_config("reconstruct") == full.speculative_config("reconstruct")
+    assert core.serve_flags == full.serve_flags and core.model == full.model
