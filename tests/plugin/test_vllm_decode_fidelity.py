@@ -32,7 +32,7 @@ from vllm_treewy.kernels.conv import conv_step_packed
 from vllm_treewy.kernels.gated import gdn_step_packed, slot_factor_width
 from vllm_treewy.kernels.triton import conv_step_triton, gdn_step_triton
 
-from .vllm_interpreted import load_fla, load_vllm_module, round_bf16_as_the_gpu
+from .vllm_interpreted import load_fla, load_vllm_module
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: vLLM's Triton kernels in the interpreter"),
@@ -112,8 +112,7 @@ def bf16_steps(x, y):
 
 
 @pytest.mark.parametrize("kernel", ["packed", "sigmoid_gating"])
-def test_gated_step_matches_vllm_decode(kernel, monkeypatch):
-    round_bf16_as_the_gpu(monkeypatch)
+def test_gated_step_matches_vllm_decode(kernel):
     inputs, state = decode_inputs(seed=7)
     z, weight = inputs[5:]
     core = vllm_core(kernel, inputs, state)
@@ -132,11 +131,10 @@ def test_gated_step_matches_vllm_decode(kernel, monkeypatch):
 
 @pytest.mark.parametrize("tokens", [1, 4])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_conv_step_matches_vllm_conv(tokens, weight_dtype, monkeypatch):
+def test_conv_step_matches_vllm_conv(tokens, weight_dtype):
     """Our Triton conv vs vLLM's CUDA conv. bf16 inputs and history, silu, no bias (Qwen3.5's conv). With a bf16
     weight vLLM's kernel multiplies in bf16: each product is rounded before the fp32 sum (exact products put ~36% of
     the outputs one bf16 step off); with an fp32 weight the products are fp32 on both sides."""
-    round_bf16_as_the_gpu(monkeypatch)
     conv = load_vllm_module("vllm.model_executor.layers.mamba.ops.causal_conv1d")
     requests, channels, width = 8, 512, 4
     gen = torch.Generator().manual_seed(tokens)
