@@ -126,28 +126,6 @@ def test_layers_sharing_a_cache_are_compacted_once():
     assert len(step.attention_layers) == 1
 
 
-@pytest.mark.parametrize("case, forced", [
-    ("all tree rows", False),
-    ("a prefill chunk of 1 + N tokens", True),
-    ("not uniform", False),
-])
-def test_a_uniform_looking_batch_with_a_prefill_chunk_stays_out_of_full_graphs(case, forced):
-    tree = DraftTree.from_widths([2, 1])  # 1 + N = 5
-    calls = []
-    wrapped = tree_runner._keeping_mixed_batches_out_of_full_graphs(
-        lambda self, num_tokens, num_reqs, tokens_np, max_tokens, **kw: calls.append(kw))
-    num_reqs, num_tokens, max_tokens = {"all tree rows": (2, 10, 5), "a prefill chunk of 1 + N tokens": (2, 10, 5),
-                                        "not uniform": (2, 9, 5)}[case]
-    step = SimpleNamespace(num_requests=2 if case == "all tree rows" else 1)
-    runner = SimpleNamespace(speculative_config=SimpleNamespace(is_draft_tree=True, draft_tree=tree),
-                             _treewy_prepared=True, _treewy_pending_tree_step=step)
-    wrapped(runner, num_tokens, num_reqs, None, max_tokens)
-    assert calls[-1].get("force_uniform_decode") is (False if forced else None)
-    runner._treewy_prepared = False  # a dummy run (capture) is left as vLLM asks
-    wrapped(runner, 10, 2, None, 5, force_uniform_decode=True)
-    assert calls[-1]["force_uniform_decode"] is True
-
-
 def test_covers_batch_counts_queries_longer_than_one():
     step = SimpleNamespace(num_requests=2)
     assert tree_runner.covers_batch(step, np.array([0, 5, 6, 11, 12]), 4)  # tree, decode, tree, one-token chunk

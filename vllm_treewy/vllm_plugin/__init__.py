@@ -11,6 +11,7 @@ def register() -> None:
     from vllm_treewy.vllm_plugin import (
         accepted_counts,
         config,
+        full_graph_batches,
         gdn_layer,
         pseudo_value_buffer,
         step_metadata,
@@ -28,5 +29,7 @@ def register() -> None:
         from vllm_treewy.vllm_plugin import gdn_cpu
 
         gdn_cpu.install()
+    if current_platform.is_cuda():
+        full_graph_batches.install()
     if current_platform.is_cpu() or current_platform.is_cuda():
         tree_runner.install()  # draft trees: vLLM's CPU attention, or TRITON_ATTN on CUDA

@@ -141,9 +141,10 @@ CPU_ATTENTION_FORWARD = PatchPoint(
 )
 RUNNER_DETERMINE_BATCH_EXECUTION = PatchPoint(
     _RUNNER, "GPUModelRunner._determine_batch_execution_and_padding", "wraps",
-    "draft trees: a batch that looks uniform (every request 1 + N tokens) but holds a prefill chunk is not sent to "
-    "a FULL CUDA graph (force_uniform_decode=False), whose attention took the tree bias at capture",
-    ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"),
+    "reconstruct: a batch that looks like a uniform decode (every request 1 + drafts tokens) but holds a prompt chunk "
+    "is not replayed in a FULL CUDA graph (force_uniform_decode=False), whose GDN buffers hold the previous step's "
+    "slots (and whose attention took a tree's bias at capture)",
+    ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"), only_on="cuda",
 )
 _TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 TRITON_ATTENTION_FORWARD = PatchPoint(

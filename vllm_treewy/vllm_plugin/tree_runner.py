@@ -8,8 +8,8 @@ Per step, when the speculative config has a tree (`draft_tree_widths` with a wid
    `SpecDecodeMetadata`, and on the runner only until `_build_attention_metadata`, which hands it to the step's
    attention metadata and drops it. It also says whether the tree rows cover the batch (every other request a
    one-token query).
-2. CUDA: `_determine_batch_execution_and_padding`: a batch that looks like a uniform decode (every request 1 + N
-   tokens) but is not all tree rows (a prefill chunk of 1 + N tokens) is not given to a FULL CUDA graph.
+2. CUDA: a batch that looks like a uniform decode (every request 1 + N tokens) but is not all tree rows (a prefill
+   chunk of 1 + N tokens) is not given to a FULL CUDA graph (`full_graph_batches`, for chains too).
 3. `_build_attention_metadata`: CPU: the tree step rides on the CPU attention metadata. TRITON_ATTN: a covering step
    (and every uniform decode batch of a CUDA-graph capture, where `_prepare_inputs` did not run) gets the tree bias
    on its metadata; a mixed step gets the tree step; the layers' caches are recorded for the compaction.
@@ -40,7 +40,6 @@ from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_ATTENTION_FORWARD,
     RUNNER_BUILD_ATTENTION_METADATA,
-    RUNNER_DETERMINE_BATCH_EXECUTION,
     RUNNER_PREPARE_INPUTS,
     RUNNER_SAMPLE,
     TRITON_ATTENTION_FORWARD,
@@ -104,31 +103,6 @@ def _preparing_tree_rows(original):
     return prepare_inputs
 
 
-def looks_uniform(tree, num_tokens: int, num_reqs: int, max_num_scheduled_tokens: int) -> bool:
-    """vLLM's uniform-decode test (`GPUModelRunner._is_uniform_decode`) for this tree's 1 + N tokens per request."""
-    block_len = 1 + tree.num_nodes
-    return max_num_scheduled_tokens == block_len and num_tokens == block_len * num_reqs
-
-
-def _keeping_mixed_batches_out_of_full_graphs(original):
-    @functools.wraps(original)
-    def determine_batch_execution_and_padding(self, num_tokens, num_reqs, num_scheduled_tokens_np,
-                                              max_num_scheduled_tokens, *args, **kwargs):
-        tree = _runner_tree(self)
-        if (tree is not None and getattr(self, _PREPARED, False) and kwargs.get("force_uniform_decode") is None
-                and looks_uniform(tree, num_tokens, num_reqs, max_num_scheduled_tokens)):
-            step = getattr(self, _PENDING_TREE_STEP, None)
-            if step is None or step.num_requests != num_reqs:
-                # A prefill chunk of exactly 1 + N tokens: vLLM would count the batch as a uniform decode and replay
-                # a FULL graph, whose attention has the tree bias and whose GDN layers verify drafts.
-                kwargs["force_uniform_decode"] = False
-        return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, *args,
-                        **kwargs)
-
-    determine_batch_execution_and_padding.keeps_mixed_batches_eager = True
-    return determine_batch_execution_and_padding
-
-
 def _check_tree_backends(runner, per_layer: dict) -> None:
     """Draft trees read the CPU or TRITON_ATTN KV layout; any other attention backend is refused with its name."""
     from vllm.config import CUDAGraphMode
@@ -181,7 +155,7 @@ def _hand_to_triton_layers(runner, per_layer: dict, step: TreeStep | None, prepa
                     PagedLayerCaches(kv_cache, metadata.block_table.index_select(0, step.request_indices)))
         elif not prepared and metadata.max_query_len == 1 + tree.num_nodes:
             # A dummy run (CUDA-graph capture): its uniform decode batch stands for steps of tree rows only (a batch
-            # with a prefill is never replayed in a FULL graph: `_keeping_mixed_batches_out_of_full_graphs`).
+            # with a prefill is never replayed in a FULL graph: `full_graph_batches`).
             setattr(metadata, TREE_QQ_BIAS, tree_qq_bias_of(runner, tree))
 
 
@@ -330,7 +304,6 @@ def install() -> None:
 
     wrappers = [
         (RUNNER_PREPARE_INPUTS, _preparing_tree_rows, "prepares_tree_rows"),
-        (RUNNER_DETERMINE_BATCH_EXECUTION, _keeping_mixed_batches_out_of_full_graphs, "keeps_mixed_batches_eager"),
         (RUNNER_BUILD_ATTENTION_METADATA, _handing_tree_step_to_attention, "hands_tree_step"),
         (RUNNER_SAMPLE, _sampling_trees, "samples_trees"),
     ]
