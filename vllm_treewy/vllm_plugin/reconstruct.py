@@ -65,15 +65,19 @@ def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state
 def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv_history, ssm_state, buffer) -> None:
     """Writes the normed, gated core outputs of the packed draft chains or trees `x` (pre-conv qkv) into `out`
     `[N, HV, V]`, after committing each slot's previous step. No host sync: capturable in a FULL CUDA graph."""
+    import triton
+
     from vllm_treewy.kernels.triton import conv_step_triton, gdn_step_triton
 
     slots, cu_nodes, commit_nodes = metadata.spec_slots, metadata.spec_query_start_loc, metadata.commit_nodes
     layout, ancestors = buffer.layout, metadata.ancestors
     pending_ancestors = pending_tree(metadata, layout.num_nodes)
     activation = "silu" if layer.activation == "silu" else None
+    # a request's nodes in one block of rows (a chain of 3 drafts: 4, not the default 16, most of which would be
+    # masked rows holding registers); larger trees loop over blocks of 16
     conv_out = conv_step_triton(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
                                 buffer.conv_inputs, commit_nodes, pending_ancestors=pending_ancestors,
-                                activation=activation)
+                                activation=activation, block_nodes=min(16, triton.next_power_of_2(layout.num_nodes)))
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state, slots,
                     metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=layout.num_nodes,
                     max_depth=None if ancestors is None else ancestors.shape[1], chain=ancestors is None,
