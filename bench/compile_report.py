@@ -3,6 +3,7 @@ report what decides its speed: registers, spills/stack, shared memory, layout co
 the SASS instruction mix (FFMA, shuffles, shared-memory traffic, global load/store widths).
 
     python3 bench/compile_report.py [--dump DIR]
+    python3 bench/compile_report.py --conv-block-nodes 16 4      # the conv step kernel instead, per node block
 """
 
 import argparse
@@ -21,6 +22,7 @@ from triton.compiler import ASTSource
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vllm_treewy.kernels.triton.conv import _conv_step_kernel  # noqa: E402
 from vllm_treewy.kernels.triton.gated import _gated_step_kernel  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -56,6 +58,19 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr" and n not in FLOATS}
     return triton.compile(ASTSource(fn=_gated_step_kernel, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_conv(block_nodes, block_d=256, num_warps=4):
+    """The conv step of a bf16 model (Qwen3.5: width 4, silu, no bias) with a pending chain commit."""
+    names = _conv_step_kernel.arg_names
+    const = dict(W=4, L=3, BL=4, BN=block_nodes, BD=block_d, HAS_BIAS=False, SILU=True, HAS_PENDING=True,
+                 PENDING_DEPTH=1, PENDING_IS_CHAIN=True, ROUND_PRODUCTS=True)
+    int_arrays = ("state_indices", "parents", "cu_nodes", "pending_nodes", "pending_ancestors")
+    sig = {n: "constexpr" if n in const else "i64" if n.startswith("stride") or n == "D" else
+           "*i32" if n in int_arrays else "*bf16" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
+    return triton.compile(ASTSource(fn=_conv_step_kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
 
 
 def analyse(compiled):
@@ -95,7 +110,12 @@ def main():
     parser.add_argument("--maxnreg", type=int, nargs="*", default=[0])
     parser.add_argument("--variant", type=json.loads, nargs="*", default=[dict(BK=8, PREFETCH=2)],
                         help='constexpr sets as JSON, e.g. \'{"BK": 8, "PREFETCH": 2, "ROW_SUMS": true}\'')
+    parser.add_argument("--conv-block-nodes", type=int, nargs="*", default=None)
     args = parser.parse_args()
+    if args.conv_block_nodes:
+        for block_nodes in args.conv_block_nodes:
+            print(json.dumps(dict(kernel="conv_step", block_nodes=block_nodes, **analyse(compile_conv(block_nodes)))))
+        return
     for state in args.states:
         for tokens in args.tokens:
             for mode in args.modes:
