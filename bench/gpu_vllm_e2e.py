@@ -213,6 +213,22 @@ def device_facts() -> dict:
             "compiled_mtp_kernel": hasattr(torch.ops._C, "fused_gdn_decode_post_conv_mtp")}
 
 
+def beside_store_all(runs: dict) -> list[str]:
+    """Reconstruct's divergences beside vLLM's own MTP's, per k and batch: on a fixture whose near-ties make even
+    store_all fail the one-bf16-step rule at large batches, the comparison that separates a bug from bf16 noise."""
+    lines = []
+    for name, run in runs.items():
+        other = runs.get(name.replace("reconstruct", "store_all"))
+        if not name.startswith("reconstruct") or other is None:
+            continue
+        for b, v in run["verdicts"].items():
+            w = other["verdicts"][b]
+            lines.append(f"{name} beside store_all at batch {b}: identical {v['identical']} vs {w['identical']}, "
+                         f"ties {v['ties']} vs {w['ties']}, beyond one bf16 step {v['beyond_one_step']} vs "
+                         f"{w['beyond_one_step']}")
+    return lines
+
+
 def run_reference(args) -> int:
     from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, kv_cache_report
 
@@ -249,6 +265,9 @@ def run_reference(args) -> int:
         print(name, json.dumps({k: v for k, v in entry.items() if k != "verdicts"}), flush=True)
         for b, v in entry.get("verdicts", {}).items():
             print(f"  batch {b}: {v['summary']}", flush=True)
+    report["beside_store_all"] = beside_store_all(report["runs"])
+    for line in report["beside_store_all"]:
+        print(line, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     verdicts = [v for name, e in report["runs"].items() if name.startswith("reconstruct")
