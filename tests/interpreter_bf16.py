@@ -1,6 +1,7 @@
 """Triton 3.6's interpreter made to do bf16 as the GPU does, for every test (tests/conftest.py): it casts float32 to
 bfloat16 by truncation (the GPU's `cvt.rn.bf16.f32` and torch round to nearest even), and it adds and multiplies two
-bf16 tensors as integers, on their bit patterns (the GPU computes the exact result rounded to bf16)."""
+bf16 tensors as integers, on their bit patterns (the GPU computes the exact result rounded to bf16), and so their
+`tl.dot` (the tensor cores multiply bf16 exactly and accumulate in fp32)."""
 
 import numpy as np
 import torch
@@ -43,3 +44,12 @@ def round_bf16_as_the_gpu(monkeypatch) -> None:
             return interpreter.TensorHandle(_bf16_bits(op(_float32(lhs.data), _float32(rhs.data))), tl.bfloat16)
 
         monkeypatch.setattr(builder, name, bf16_op)
+    dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data, b_data = (_float32(x.data) if x.dtype.scalar == tl.bfloat16 else x.data for x in (a, b))
+        return interpreter.TensorHandle(np.matmul(a_data, b_data, dtype=d.data.dtype) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)

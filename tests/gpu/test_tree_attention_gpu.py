@@ -1,6 +1,6 @@
 """Tree attention through vLLM's compiled `unified_attention` with the tree `qq_bias`, and the KV compaction, on CUDA in
-bf16 at Qwen3.5 full-attention sizes (the interpreter tests in `tests/plugin/test_tree_attention_triton.py` cover
-fp32/fp16: the interpreter cannot run vLLM's kernel in bf16). Run on the H200: `pytest -m gpu tests/gpu`."""
+bf16 at Qwen3.5 full-attention sizes, compiled (the interpreter tests in `tests/plugin/test_tree_attention_triton.py`
+run the same kernel on CPU at small sizes). Run on the H200: `pytest -m gpu tests/gpu`."""
 
 import dataclasses
 

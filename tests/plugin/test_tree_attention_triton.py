@@ -1,7 +1,7 @@
 """Tree attention through vLLM's own `unified_attention` with a tree `qq_bias`, and the accepted path's KV compaction,
 on the TRITON_ATTN paged KV layout (`tree_attention_triton`).
 
-vLLM's kernel runs as it is under the Triton interpreter (`vllm_triton_interpreted`), on CPU tensors laid out as
+vLLM's kernel runs as it is under the Triton interpreter (`vllm_interpreted`), on CPU tensors laid out as
 vLLM's CUDA KV cache (logical `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, physically head-major or
 token-major), against an fp64 masked reference: every committed position plus, for a tree row, the ancestors of
 its block token and itself; causal for a prefill chunk; everything for a one-token decode.
@@ -30,7 +30,7 @@ torch.set_num_threads(1)  # a shared 2-core machine; the tensors are tiny
 
 HEADS = [(2, 1), (4, 2), (4, 4), (8, 1)]  # (query heads, KV heads)
 LAYOUTS = ["HND", "NHD"]  # physical order of a block's (heads, tokens): vLLM's KV cache layouts
-DTYPES = [torch.float32, torch.float16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # bf16: the model's (tests/interpreter_bf16.py)
 
 
 def fast(max_examples: int) -> settings:
