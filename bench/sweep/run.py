@@ -267,6 +267,10 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
           f"({len(grid.budgets)} budgets x {len(grid.strategies)} strategies, filtered by --only: {args.only}), "
           f"output {plan.out}", flush=True)  # fmt: skip
     write_command_record(plan, argv)
+    if not args.dry_run:
+        from bench.gpu_site import seed_model_info_cache
+
+        seed_model_info_cache()  # the servers' first start skips vLLM's model inspection subprocesses
     returncode = run_sweep(plan, plan.out / "sweep.log")
     if args.dry_run or args.no_report:
         return returncode
