@@ -139,11 +139,12 @@ def _hand_to_triton_layers(runner, per_layer: dict, step: TreeStep | None, prepa
     tree = _runner_tree(runner)
     layers = runner.compilation_config.static_forward_context
     recorded = set()  # caches already recorded: a cache that layers share (KV sharing) is compacted once
+    if step is not None:
+        step.qq_bias = tree_qq_bias_of(runner, tree)
     for name, metadata in per_layer.items():
         if not isinstance(metadata, TritonAttentionMetadata):
             continue
         if step is not None:
-            step.qq_bias = tree_qq_bias_of(runner, tree)
             if step.covers_batch:
                 setattr(metadata, TREE_QQ_BIAS, step.qq_bias)
             else:
@@ -258,7 +259,9 @@ def _attending_tree_rows_triton(original):
         step: TreeStep | None = getattr(attn_metadata, TREE_STEP, None)
         if bias is None and step is None:
             return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        check_triton_tree_support(self)
+        if not getattr(self, "_treewy_tree_support_checked", False):  # the layer's settings: once per layer
+            check_triton_tree_support(self)
+            self._treewy_tree_support_checked = True
         if bias is not None:  # the whole batch: tree rows and one-token queries
             _active_qq_bias = bias
             try:
