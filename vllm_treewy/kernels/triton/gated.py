@@ -440,17 +440,28 @@ def _gated_step_kernel(
             tl.store(f_g + g + f_row, g_own[g], mask=valid)
 
 
-# launch defaults per state dtype, the fastest candidate measured correct on the H200 at H=16, HV=32, K=V=128, chain
-# T=4 (bench/results/2026-11-30b/gated_run1.json): fp32, the tensor-core layout at block_k=32, 8 warps, one chunk
-# ahead (176.2 / 15.7 us at B=64 / 1); bf16, one value row per thread with row sums and late node terms (160.3 /
-# 20.9 us) until the corrected bf16 tensor-core path (101 registers at T=4, bench/results/2026-11-30b/
-# compile_report.jsonl; its uncorrected run took 137-147 us) is measured correct on the GPU.
-LAUNCH_DEFAULTS = {
-    torch.float32: dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
-                        late_node_terms=True, state_dot=True, split_state_tf32=False, heads_per_program=1),
-    torch.bfloat16: dict(block_k=8, num_warps=4, prefetch=2, max_registers=None, row_sums=True,
-                         late_node_terms=True, state_dot=False, split_state_tf32=False, heads_per_program=1),
-}
+# Launch defaults: the fastest candidates measured correct on the H200 at H=16, HV=32, K=V=128, chain T=4
+# (bench/results/2026-12-01/device/gated.json, tuned at B=1 and B=64). fp32 states: the tensor-core layout, block_k
+# 32, 8 warps, 2xTF32 (159.5 / 14.4 us at B=64 / 1, against tf32x3's 163.8 / 14.6). 16-bit states: the tensor-core
+# layout; few requests want 8 warps on one head's 64-column chunks (12.4 us at B=1; 32/4/1 with two heads: 20.2),
+# many want two value heads per program at 32/4/1 (128.5 us at B=64; one head 64/4/1: 141.0; 64/8/1: 189.4).
+# Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1.
+FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
+                         late_node_terms=True, state_dot=True, split_state_tf32=True, heads_per_program=1)
+HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
+SMALL_BATCH = 8
+
+
+def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_head: int) -> dict:
+    """`gdn_step_triton`'s launch options for a state dtype and a batch of requests (a CUDA graph's padded batch is
+    static, so each captured size keeps its own choice)."""
+    if state_dtype == torch.float32:
+        return FP32_STATE_LAUNCH
+    if batch <= SMALL_BATCH:
+        return dict(HALF_STATE_LAUNCH, block_k=64)
+    if value_heads_per_key_head % 2 == 0:
+        return dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2)
+    return dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4)
 
 
 # bf16 and fp16 values are exact in tf32 (at most 11 significant bits, exponents within tf32's range)
@@ -501,7 +512,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
     _check_factors(factors, state, state_indices, pending_nodes, pending_ancestors)
-    launch = {**LAUNCH_DEFAULTS[state.dtype], **{k: v for k, v in launch.items() if v is not None}}
+    batch = state_indices.shape[0]
+    launch = {**launch_defaults(state.dtype, batch, HV // H), **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
     heads = launch["heads_per_program"]
@@ -510,7 +522,6 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
-    batch = state_indices.shape[0]
     if do_verify:
         n_nodes = mixed_qkv.shape[0]
         assert mixed_qkv.shape[1] == 2 * H * K + HV * V
