@@ -9,7 +9,9 @@ Correctness is measured on the fixture (`bench/gpu_vllm_e2e.py`).
     source .gpu-vllm/device-setup.sh && export PYTHONPATH=$PWD:$PYTHONPATH
     for s in store_all reconstruct; do python3 bench/gpu_memory_bound.py --strategy $s --out $OUT/membound; done
 
-No allocator settings (PYTORCH_CUDA_ALLOC_CONF unset): reconstruct must start wherever store_all starts.
+No allocator settings (PYTORCH_CUDA_ALLOC_CONF unset): reconstruct must start wherever store_all starts. On CUDA the
+engine's start-up records allocation stacks; a start-up OOM writes which live blocks pin the memory that vLLM
+counted as free to OUT/STRATEGY_oom_segments.json (`bench/memory_pins.py`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def main(argv=None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     result = {"command": " ".join([sys.executable, *sys.argv]), "strategy": args.strategy, "args": vars(args),
               "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    if current_platform.is_cuda():
+        from bench import memory_pins
+
+        memory_pins.attach(Path(args.out) / f"{args.strategy}_oom_segments.json")
     start = time.perf_counter()
     try:
         with engine(str(model), load_format="dummy", skip_tokenizer_init=True, speculative_config=spec,
@@ -75,6 +81,10 @@ def main(argv=None) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype="float32",
                     **cuda_only) as llm:
             result["engine_start_s"] = time.perf_counter() - start
+            if current_platform.is_cuda():
+                import torch
+
+                torch.cuda.memory._record_memory_history(enabled=None)  # start-up only: the run is timed
             llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
             before = read_acceptance(llm)
             start = time.perf_counter()
