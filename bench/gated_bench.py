@@ -231,22 +231,18 @@ def _dot(block_k, num_warps, prefetch, **variant):
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
 TWO_HEADS = dict(heads_per_program=2)
 
-# candidates, timed at the tuning batches (first = the launch default, also checked against the compiled kernel);
-# the fastest correct one per (state, tuning batch) serves the rows. Registers from the sm_90 offline compile
-# (bench/compile_report.py, fused, T=4): fp32 32/8/1 109, +2xTF32 123, 16/8/1 +2xTF32 80 (3 programs per SM),
-# two heads 16/8/1 111 (+2xTF32 128; 4 heads per SM), two heads 32/8/1 +2xTF32 209 (1 program); bf16 64/8/1 161,
-# 64/4/1 236, two heads 16/8/1 101 (4 heads per SM), 32/8/1 168, 32/4/1 245.
-# Dropped after 2026-11-30b run 1 (lost clearly at B=64 and B=1): fp32 32/4/1 (219 / 22.2 us against 176 / 15.7),
-# 16/4/2, 16/8/2, 64/8/1, 16 warps; bf16 tensor cores 32/8/1, 32/8/2, 32/4/1 (137-147 / 13.0-14.4 us against
-# 64/8/1's 128 / 12.2, timed on the wrong-result path), 16 warps; one row per thread without row sums.
+# candidates, timed at the tuning batches and speculative lengths (first = the launch default at large batches, also
+# checked against the compiled kernel); the fastest correct one per (state, T, small/large batch) serves the rows.
+# Registers from the sm_90 offline compile (bench/compile_report.py, fused): fp32 T=4 32/8/1 2xTF32 123 (tf32x3 109),
+# 16/8/1 2xTF32 80, two heads 16/8/1 2xTF32 128; fp32 T=8 32/8/1 2xTF32 184 (1 program per SM), 16/8/1 2xTF32 112
+# (2). bf16 T=4 64/8/1 161, 64/4/1 236, two heads 32/4/1 245; bf16 T=8 64/8/1 234, 32/8/1 138, 16/8/1 94.
+# Dropped after 2026-12-01 (lost at B=64 and B=1, `results/2026-12-01/device/gated.json`): fp32 32/8/2, two heads
+# 16/8/1 tf32x3 and 32/8/1 2xTF32; bf16 one row per thread (8/4/2), two heads 16/8/1 and 32/8/1. Earlier: fp32
+# 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums.
 CONFIGS = {
-    "fp32": [_dot(32, 8, 1), _dot(32, 8, 2), _dot(32, 8, 1, **SPLIT), _dot(16, 8, 1, **SPLIT),
-             _dot(16, 8, 1, **TWO_HEADS), _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(32, 8, 1, **SPLIT, **TWO_HEADS)],
-    "bf16": [_cfg(8, 4, 2, row_sums=True, late_node_terms=True, state_dot=False), _dot(64, 8, 1), _dot(64, 4, 1),
-             _dot(16, 8, 1, **TWO_HEADS), _dot(32, 8, 1, **TWO_HEADS), _dot(32, 4, 1, **TWO_HEADS)],
+    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1), _dot(16, 8, 1, **SPLIT), _dot(16, 8, 1, **SPLIT, **TWO_HEADS)],
+    "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
 }
-
-
 def tuned_key(name, T, B):
     """Rows at B <= 8 take the small-batch tuning, the others the B=64 one; T as tuned, else T=4's."""
     return f"{name}/T={T}/{'small' if B <= 8 else 'large'}"
@@ -259,7 +255,7 @@ def main():
     parser.add_argument("--states", nargs="*", default=list(STATE_DTYPES))
     parser.add_argument("--tokens", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64, 256])
-    parser.add_argument("--tune-tokens", type=int, nargs="*", default=[4])
+    parser.add_argument("--tune-tokens", type=int, nargs="*", default=[4, 8])
     parser.add_argument("--tune-batches", type=int, nargs="*", default=[64, 1])
     parser.add_argument("--trees", type=int, nargs="*", default=[64])  # [4,2,2] tree batches
     parser.add_argument("--no-tune", action="store_true")
