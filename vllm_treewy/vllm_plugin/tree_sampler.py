@@ -83,4 +83,4 @@ def commit_accepted_path(step: TreeStep, acceptance: GreedyTreeAcceptance) -> No
 def record_accepted_leaves(counts: torch.Tensor, slots: torch.Tensor, acceptance: GreedyTreeAcceptance) -> None:
     """A GDN layer's slot counts after acceptance: 1 + the verified-block index of the accepted leaf (1 = the root:
     nothing accepted), still > 0, so the slot's next step commits that node (`step_metadata`)."""
-    counts[slots.long()] = (acceptance.last_accepted_node + 2).to(counts.dtype)
+    counts[slots] = (acceptance.last_accepted_node + 2).to(counts.dtype)
