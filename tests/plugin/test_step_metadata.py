@@ -6,6 +6,7 @@ import functools
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttentionMetadataBuilder
 
 from vllm_treewy.tree import DraftTree
@@ -138,6 +139,35 @@ def test_no_counts_before_the_kv_cache_is_bound():
     builder, _ = _builder(full_graphs=False)
     builder.vllm_config.compilation_config.static_forward_context["gdn.0"].kv_cache = (torch.empty(0),) * 2
     assert with_commit_nodes(builder, _spec_step([3], [4], [2])).commit_nodes.tolist() == [-1]
+
+
+class _ScalarAssignments(TorchDispatchMode):
+    """Records copies and index puts whose source is a fresh 0-dim tensor (not a view of one of the step's tensors):
+    what `t[i] = 0` and `t[index] = 0` dispatch. On a CUDA tensor that value comes from the host, a blocking copy
+    that waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default):
+            source = args[1] if func is torch.ops.aten.copy_.default else args[2]
+            if source.dim() == 0 and not source._is_view():
+                self.found.append(func)
+        return func(*args, **kwargs)
+
+
+def test_the_builder_never_assigns_a_host_scalar():
+    """The wrapped build runs every step outside the CUDA graphs, while the device may still run the previous step
+    (vLLM's async scheduling): a host sync there idles the GPU for the rest of the step's preparation."""
+    builder, counts = _builder(full_graphs=True)
+    with _ScalarAssignments() as assignments:
+        with_commit_nodes(builder, _spec_step([0, 0, 0], [4, 4, 4], [4, 4, 4]))  # a capture: null-block rows
+        with_commit_nodes(builder, _spec_step([3], [4], [1], padding_rows=2))
+        with_commit_nodes(builder, _mixed_step([3], [4], [2], prefill_slots=[5]))
+    assert assignments.found == []
 
 
 def test_tree_steps_commit_the_leaf_the_sampler_recorded_and_carry_the_tree():

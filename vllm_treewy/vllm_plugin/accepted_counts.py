@@ -19,9 +19,10 @@ from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_sta
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 
 
-def gdn_slot_counts(runner, rows: torch.Tensor):
-    """(count state, state slots of the batch `rows`) per KV-cache group of reconstruct GDN layers: the count lives in
-    the group's first layer, the one its GDN metadata builder reads (`step_metadata.verified_node_counts`)."""
+def gdn_slot_counts(runner, rows: torch.Tensor | slice):
+    """(count state, state slots of the batch `rows`: an index tensor or a slice) per KV-cache group of reconstruct
+    GDN layers: the count lives in the group's first layer, the one its GDN metadata builder reads
+    (`step_metadata.verified_node_counts`)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     layers = runner.compilation_config.static_forward_context
@@ -33,18 +34,16 @@ def gdn_slot_counts(runner, rows: torch.Tensor):
         layer = layers[group.layer_names[0]]
         if getattr(layer, "reconstructs_state", False):
             slots = runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[rows, 0]
-            yield layer.pseudo_value_buffer().verified_nodes, slots
+            yield layer.verified_node_counts(), slots
 
 
 def record_chain_accepted_counts(runner, num_reqs: int) -> None:
     """After vLLM counted this step's accepted tokens per row (its `num_reqs` rows): the speculative rows' counts into
     their slots (rows that verified no drafts, e.g. prefills, keep their slot's count). Device tensors only: no host
     sync."""
-    rows = torch.arange(num_reqs, device=runner.device)
     speculative = runner.num_decode_draft_tokens.gpu[:num_reqs] >= 0  # this step's rows that verified drafts
     accepted = runner.num_accepted_tokens.gpu[:num_reqs]
-    for counts, slots in gdn_slot_counts(runner, rows):
-        slots = slots.long()
+    for counts, slots in gdn_slot_counts(runner, slice(0, num_reqs)):
         counts[slots] = torch.where(speculative, accepted.to(counts.dtype), counts[slots])
 
 

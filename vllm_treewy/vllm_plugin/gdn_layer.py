@@ -108,7 +108,11 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         return self.kv_cache[1]
 
     def pseudo_value_buffer(self) -> PseudoValueBuffer:
-        return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.kv_cache[4].view(-1), self.buffer_layout())
+        return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.verified_node_counts(), self.buffer_layout())
+
+    def verified_node_counts(self) -> torch.Tensor:
+        """`[S]` the buffer's count state alone: what the runner updates every step after sampling."""
+        return self.kv_cache[4].view(-1)
 
     def conv_weight(self) -> torch.Tensor:
         """`(conv_dim, width)`; on CPU with AMX vLLM packs `conv1d.weight` in place and keeps a plain copy."""

@@ -96,6 +96,9 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
         return GDNAttentionMetadata(**fields)
 
 
+_GDN_METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(GDNAttentionMetadata))
+
+
 def verified_node_counts(builder) -> torch.Tensor | None:
     """`[S]` int32 of the builder's first GDN layer's buffer; None before vLLM binds the KV cache (profile run)."""
     layer = builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]]
@@ -112,49 +115,50 @@ def verified_tree_ancestors(tree: DraftTree, device) -> torch.Tensor:
 
 
 def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDNAttentionMetadata:
-    fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
-    result = ReconstructGDNAttentionMetadata(**fields)
+    result = ReconstructGDNAttentionMetadata(**{name: getattr(metadata, name) for name in _GDN_METADATA_FIELDS})
     counts = verified_node_counts(builder)
     tree = draft_tree_of(builder.vllm_config.speculative_config)
     if metadata.num_spec_decodes > 0:
-        slots = metadata.spec_state_indices_tensor[:, 0].contiguous()
-        num_spec = metadata.num_spec_decodes
-        commit_nodes = torch.full_like(slots, -1)
+        # Every row of the batch (a FULL graph's padding rows too: in the null slot, with no nodes), so that a
+        # staged batch is computed straight into the builder's persistent buffers.
+        batch_slots = metadata.spec_state_indices_tensor[:, 0]
+        # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
+        if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, metadata.num_spec_decodes,
+                                      metadata.num_spec_decode_tokens):
+            slots = _persistent(builder, "treewy_spec_slots", batch_slots.shape[0]).copy_(batch_slots)
+            commit_nodes = _persistent(builder, "treewy_commit_nodes", batch_slots.shape[0])
+        else:
+            slots = batch_slots.contiguous()
+            commit_nodes = torch.empty_like(slots)
         if tree is not None:
             if not hasattr(builder, "treewy_tree_ancestors"):  # the shape is static: built once per builder
                 builder.treewy_tree_ancestors = verified_tree_ancestors(tree, slots.device)
             result.tree_ancestors = builder.treewy_tree_ancestors  # `ancestors` and `parents` follow in the forward
-        if counts is not None:
-            rows = slots[:num_spec].long()
+        if counts is None:
+            commit_nodes.fill_(-1)
+        else:
             # The null block (CUDA-graph capture and padding rows point there) never holds a verify to commit: else
-            # every row of a capture would commit into it at once.
-            pending = (counts[rows] > 0) & (rows != NULL_BLOCK_ID)
-            # Recorded after the slot's last sampling (`accepted_counts`): 1 + the accepted node's block index.
-            accepted = counts[rows].to(slots.dtype) - 1
-            commit_nodes[:num_spec] = torch.where(pending, accepted, -1)
-            counts[rows] = metadata.spec_query_start_loc[: num_spec + 1].diff().to(counts.dtype)
-            counts[NULL_BLOCK_ID] = 0
-        # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
-        if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, num_spec,
-                                      metadata.num_spec_decode_tokens):
-            slots, commit_nodes = (_staged(builder, name, values) for name, values in
-                                   (("treewy_spec_slots", slots), ("treewy_commit_nodes", commit_nodes)))
+            # every row of a capture would commit into it at once; nor is a count ever recorded for it.
+            null_rows = slots == NULL_BLOCK_ID
+            # Recorded after the slot's last sampling (`accepted_counts`): 1 + the accepted node's block index; 0
+            # (nothing pending) gives -1.
+            torch.sub(counts[slots], 1, out=commit_nodes).masked_fill_(null_rows, -1)
+            counts[slots] = metadata.spec_query_start_loc.diff().masked_fill_(null_rows, 0)
         result.spec_slots, result.commit_nodes = slots, commit_nodes
     if counts is not None and metadata.non_spec_state_indices_tensor is not None:
         # Every row outside the speculative path (prefills, and a first step that vLLM counts as a decode) starts
         # or continues from the state vLLM's own kernels find in the slot: a slot's new owner commits nothing.
-        counts[metadata.non_spec_state_indices_tensor.long()] = 0
+        # (index_fill_, not `counts[rows] = 0`: on CUDA that copies the 0 from the host and waits for the device.)
+        counts.index_fill_(0, metadata.non_spec_state_indices_tensor.long(), 0)
     return result
 
 
-def _staged(builder, name: str, values: torch.Tensor) -> torch.Tensor:
-    """`values` copied into the builder's persistent buffer `name`: the FULL CUDA graphs read them at a fixed address,
-    like the builder's own spec buffers."""
+def _persistent(builder, name: str, rows: int) -> torch.Tensor:
+    """The first `rows` of the builder's persistent int32 buffer `name` (made at first use): the FULL CUDA graphs
+    read them at a fixed address, like the builder's own spec buffers."""
     if not hasattr(builder, name):
         setattr(builder, name, torch.full_like(builder.num_accepted_tokens, -1))
-    staged = getattr(builder, name)[: values.shape[0]]
-    staged.copy_(values)
-    return staged
+    return getattr(builder, name)[:rows]
 
 
 def _building_commit_nodes(original):

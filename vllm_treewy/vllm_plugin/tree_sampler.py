@@ -38,9 +38,8 @@ def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, block_argmax: t
     `draft_tokens [R * N]`: the rows' drafts in node order; `block_argmax [R * (1 + N)]`: the target's argmax at
     every verified-block token."""
     num_requests, num_nodes = step.num_requests, step.tree.num_nodes
-    parents = torch.tensor(step.tree.parents * num_requests, dtype=torch.int32, device=draft_tokens.device)
     cu_nodes = torch.arange(num_requests + 1, device=draft_tokens.device) * num_nodes
-    acceptance = greedy_tree_acceptance(parents, cu_nodes, draft_tokens, block_argmax, step.depth)
+    acceptance = greedy_tree_acceptance(step.parents, cu_nodes, draft_tokens, block_argmax, step.depth)
     drafts = draft_tokens.long().view(num_requests, num_nodes)
     path = acceptance.accepted_nodes
     path_tokens = torch.where(path >= 0, drafts.gather(1, path.clamp(min=0)), PLACEHOLDER_TOKEN)
@@ -55,8 +54,7 @@ def sample_with_trees(logits: torch.Tensor, spec_decode_metadata, step: TreeStep
     the accepted paths' K/V compaction; and the tree rows' acceptance."""
     argmax = logits.argmax(dim=-1)
     device = argmax.device
-    num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens, device=device) + 1
-    sampled_end = torch.cumsum(num_sampled, 0)
+    sampled_end = spec_decode_metadata.cu_num_sampled_tokens.long()  # each row's drafts + 1, summed: on the device
     out = torch.full((num_reqs, step.block_len), PLACEHOLDER_TOKEN, dtype=torch.long, device=device)
     out[:, 0] = argmax[sampled_end - 1]  # a row without drafts samples one token, at its last logit
     block_rows = (sampled_end[step.request_indices] - step.block_len)[:, None] + torch.arange(step.block_len,
@@ -83,4 +81,4 @@ def commit_accepted_path(step: TreeStep, acceptance: GreedyTreeAcceptance) -> No
 def record_accepted_leaves(counts: torch.Tensor, slots: torch.Tensor, acceptance: GreedyTreeAcceptance) -> None:
     """A GDN layer's slot counts after acceptance: 1 + the verified-block index of the accepted leaf (1 = the root:
     nothing accepted), still > 0, so the slot's next step commits that node (`step_metadata`)."""
-    counts[slots.long()] = (acceptance.last_accepted_node + 2).to(counts.dtype)
+    counts[slots] = (acceptance.last_accepted_node + 2).to(counts.dtype)

@@ -50,6 +50,8 @@ class TreeStep:
     query_start_loc: torch.Tensor  # [R + 1] int32 the tree rows' blocks back to back: 0, 1 + N, ...
     block_ancestors: torch.Tensor  # [R * (1 + N), depth + 1] int32 (`verified_block_ancestors`)
     root_positions: torch.Tensor  # [R] int64 committed length before each root (= the root's position)
+    parents: torch.Tensor  # [R * N] int32 the tree rows' local draft parents (-1: child of the root), packed
+    position_shifts: torch.Tensor  # [R * (1 + N)] int64 block index - depth of every verified-block token
     attention_layers: list[AttentionLayerCaches | PagedLayerCaches] = field(default_factory=list)
     # Every other request of the batch has a one-token query (no prefill chunk of more): vLLM's TRITON_ATTN launch
     # can take the tree as its qq_bias for the whole batch (`tree_attention_triton`).
@@ -91,21 +93,28 @@ def find_tree_step(tree: DraftTree, num_decode_draft_tokens: np.ndarray, num_dra
         return None
     block_len = 1 + num_nodes
     token_indices = (query_start_loc[rows][:, None] + np.arange(block_len)).reshape(-1)
-    parents = torch.tensor(tree.parents * rows.size, dtype=torch.int32, device=device)
+    position_shifts = np.tile(np.arange(block_len) - block_depths(tree), rows.size)
+    # The step's host values in one copy that does not wait for the device (a blocking copy per tensor would make
+    # the host wait for the previous step's GPU work each time).
+    host = np.concatenate([rows, token_indices, num_computed_tokens[rows], position_shifts, tree.parents * rows.size])
+    request_indices, token_indices, root_positions, position_shifts, parents = torch.from_numpy(
+        host.astype(np.int64)).to(device, non_blocking=True).split(
+        [rows.size, token_indices.size, rows.size, position_shifts.size, num_nodes * rows.size])
+    parents = parents.to(torch.int32)
     cu_nodes = torch.arange(rows.size + 1, dtype=torch.int32, device=device) * num_nodes
     return TreeStep(
         tree=tree,
-        request_indices=torch.from_numpy(rows).to(device=device, dtype=torch.int64),
-        token_indices=torch.from_numpy(token_indices).to(device=device, dtype=torch.int64),
+        request_indices=request_indices,
+        token_indices=token_indices,
         query_start_loc=torch.arange(rows.size + 1, dtype=torch.int32, device=device) * block_len,
         block_ancestors=verified_block_ancestors(parents, cu_nodes, tree.max_depth),
-        root_positions=torch.from_numpy(num_computed_tokens[rows].astype(np.int64)).to(device),
+        root_positions=root_positions,
+        parents=parents,
+        position_shifts=position_shifts,
     )
 
 
 def override_positions(positions: torch.Tensor, step: TreeStep) -> None:
     """Tree tokens' positions `num_computed + block index` (vLLM's, already used for the slot mapping) become
     `num_computed + depth`, in place."""
-    block_index_minus_depth = np.arange(step.block_len) - block_depths(step.tree)
-    shift = torch.from_numpy(np.tile(block_index_minus_depth, step.num_requests)).to(positions.device)
-    positions[step.token_indices] -= shift.to(positions.dtype)
+    positions[step.token_indices] -= step.position_shifts.to(positions.dtype)
