@@ -25,7 +25,8 @@ WRAPPERS = (
     ("GDN metadata build", ("vllm_plugin/step_metadata.py", "build"), ("backends/gdn_attn.py", "build")),
     ("after sampling", ("vllm_plugin/accepted_counts.py", "update_states_after_model_execute"),
      ("worker/gpu_model_runner.py", "_update_states_after_model_execute")),
-    ("prepare inputs", ("vllm_plugin/tree_runner.py", "prepare_inputs"), ("worker/gpu_model_runner.py", "_prepare_inputs")),
+    ("prepare inputs", ("vllm_plugin/tree_runner.py", "prepare_inputs"),
+     ("worker/gpu_model_runner.py", "_prepare_inputs")),
     ("build attention metadata", ("vllm_plugin/tree_runner.py", "build_attention_metadata"),
      ("worker/gpu_model_runner.py", "_build_attention_metadata")),
     ("sample", ("vllm_plugin/tree_runner.py", "sample"), ("worker/gpu_model_runner.py", "_sample")),
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
     model = str(build_fixture(Path(tempfile.mkdtemp()) / "fixture"))
     prompts = fixture_prompts(AutoTokenizer.from_pretrained(model), args.batch)
     results = {s: profile(s, model, prompts, args) for s in args.strategies}
-    print(f"\nadapter's own host time per engine step, us under cProfile (calls per step); batch {args.batch}, k {args.k}")
+    print(f"\nadapter's own host time per engine step, us under cProfile (calls per step); batch {args.batch}, "
+          f"k {args.k}")
     print(f"{'function':<60}" + "".join(f"{s + ' (' + str(r['steps']) + ' steps)':>32}" for s, r in results.items()))
     for row in results[args.strategies[0]]["rows"]:
         cells = []

@@ -95,10 +95,12 @@ def find_tree_step(tree: DraftTree, num_decode_draft_tokens: np.ndarray, num_dra
     token_indices = (query_start_loc[rows][:, None] + np.arange(block_len)).reshape(-1)
     position_shifts = np.tile(np.arange(block_len) - block_depths(tree), rows.size)
     # The step's host values in one copy that does not wait for the device (a blocking copy per tensor would make
-    # the host wait for the previous step's GPU work each time).
-    host = np.concatenate([rows, token_indices, num_computed_tokens[rows], position_shifts, tree.parents * rows.size])
-    request_indices, token_indices, root_positions, position_shifts, parents = torch.from_numpy(
-        host.astype(np.int64)).to(device, non_blocking=True).split(
+    # the host wait for the previous step's GPU work each time; so may a copy from pageable memory: pinned on CUDA).
+    host = torch.from_numpy(np.concatenate(
+        [rows, token_indices, num_computed_tokens[rows], position_shifts, tree.parents * rows.size]).astype(np.int64))
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    request_indices, token_indices, root_positions, position_shifts, parents = host.to(device, non_blocking=True).split(
         [rows.size, token_indices.size, rows.size, position_shifts.size, num_nodes * rows.size])
     parents = parents.to(torch.int32)
     cu_nodes = torch.arange(rows.size + 1, dtype=torch.int32, device=device) * num_nodes
