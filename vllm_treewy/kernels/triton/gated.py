@@ -452,9 +452,16 @@ HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 SMALL_BATCH = 8
 
 
-def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_head: int) -> dict:
-    """`gdn_step_triton`'s launch options for a state dtype and a batch of requests (a CUDA graph's padded batch is
-    static, so each captured size keeps its own choice)."""
+# heads narrower than a tensor-core dot's 16 columns (test shapes): one value row per thread, with row sums
+NARROW_HEAD_LAUNCH = dict(FP32_STATE_LAUNCH, block_k=8, num_warps=4, prefetch=2, row_sums=True, state_dot=False,
+                          split_state_tf32=False)
+
+
+def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_head: int, head_k_dim: int) -> dict:
+    """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
+    static, so each captured size keeps its own choice) and a head shape."""
+    if head_k_dim < 16:
+        return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
         return FP32_STATE_LAUNCH
     if batch <= SMALL_BATCH:
@@ -513,7 +520,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
     _check_factors(factors, state, state_indices, pending_nodes, pending_ancestors)
     batch = state_indices.shape[0]
-    launch = {**launch_defaults(state.dtype, batch, HV // H), **{k: v for k, v in launch.items() if v is not None}}
+    launch = {**launch_defaults(state.dtype, batch, HV // H, K), **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
     heads = launch["heads_per_program"]
