@@ -34,12 +34,12 @@ FLOATS = ("scale", "eps")
 
 def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, maxnreg=None, **variant):
     """`variant`: the kernel's launch constexprs beyond the shape ones (BK, PREFETCH, ROW_SUMS, ...; G, value heads
-    per program, defaults to 1; DOT_PASSES to 1 for bf16 states, 3 (tf32x3) for fp32)."""
+    per program, defaults to 1; STATE_PRODUCTS to "tf32" for bf16 states, "tf32x3" for fp32: `_state_products`)."""
     names = _gated_step_kernel.arg_names
     const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
                  BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
                  DO_VERIFY=verify, HAS_PENDING=pending,
-                 **{"G": 1, "DOT_PASSES": 1 if state_dtype == "bf16" else 3, **variant})  # q/k/v are bf16 here
+                 **{"G": 1, "STATE_PRODUCTS": "tf32" if state_dtype == "bf16" else "tf32x3", **variant})  # q/k/v are bf16 here
     sig = {}
     for name in names:
         if name in const:

@@ -229,6 +229,7 @@ def _dot(block_k, num_warps, prefetch, **variant):
 
 
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
+BF16_SPLIT = dict(split_state_bf16=True)  # 3xBF16 (fp32 states; bf16 q/k)
 TWO_HEADS = dict(heads_per_program=2)
 
 # candidates, timed at the tuning batches and speculative lengths (first = the launch default at large batches, also
@@ -240,7 +241,8 @@ TWO_HEADS = dict(heads_per_program=2)
 # 16/8/1 tf32x3 and 32/8/1 2xTF32; bf16 one row per thread (8/4/2), two heads 16/8/1 and 32/8/1. Earlier: fp32
 # 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums.
 CONFIGS = {
-    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1), _dot(16, 8, 1, **SPLIT), _dot(16, 8, 1, **SPLIT, **TWO_HEADS)],
+    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, split_state_tf32=False), _dot(16, 8, 1, **SPLIT),
+             _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(32, 8, 1, **BF16_SPLIT), _dot(16, 8, 1, **BF16_SPLIT)],
     "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
 }
 def tuned_key(name, T, B):

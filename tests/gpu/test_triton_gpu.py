@@ -221,12 +221,14 @@ def slot_factors(num_slots, tokens):
 
 
 # launch variants: the defaults, and each layout explicitly (the bf16 x bf16 tensor-core dot runs only on a GPU);
-# 2xTF32 (fp32 states; a bf16 state runs its one exact pass) and two value heads per program
+# tf32x3, 2xTF32 and 3xBF16 (fp32 states; a bf16 state runs its one exact pass) and two value heads per program
 GATED_VARIANTS = {
     "default": {},
     "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True, state_dot=False),
-    "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True),
+    "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=False),
     "split": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True),
+    "split_bf16": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
+                       split_state_bf16=True),
     "two_heads": dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, heads_per_program=2,
                       split_state_tf32=True),
 }
@@ -234,7 +236,7 @@ GATED_VARIANTS = {
 
 @pytest.mark.parametrize("state_dtype, variant", [
     (dtype, variant) for variant in GATED_VARIANTS for dtype in (torch.float32, torch.bfloat16)
-    if not (variant == "split" and dtype == torch.bfloat16)])  # a bf16 state's split is "dot"'s one exact pass
+    if not (variant.startswith("split") and dtype == torch.bfloat16)])  # a bf16 state's split: "dot"'s one pass
 @pytest.mark.parametrize("tokens", [2, 4, 8])
 def test_gated_step_vs_reference(state_dtype, tokens, variant):
     """gdn_step_triton at H=16, HV=32, K=V=128 vs the fp64 reference: outputs, u in the slot rows, and the state the
@@ -339,13 +341,14 @@ def test_gated_two_heads_per_program_vs_one(state_dtype):
     assert relative_error(two[2], one[2]) <= (1e-6 if state_dtype == torch.float32 else 1e-2)
 
 
-def test_gated_split_state_tf32_accuracy():
-    """2xTF32 on an fp32 state (bf16 q/k): u within 1e-6 of fp64 and of tf32x3 (bound 2^-22 per product,
-    `_state_products`), at K=128."""
+@pytest.mark.parametrize("split", ["split_state_tf32", "split_state_bf16"])
+def test_gated_split_state_accuracy(split):
+    """2xTF32 or 3xBF16 on an fp32 state (bf16 q/k): u within 1e-6 of fp64 and of tf32x3 (bounds 2^-22 and 2^-27
+    per product, `_state_products`), at K=128."""
     from vllm_treewy.kernels.reference import reference_gated_tree
 
-    launch = dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True)
-    split = gated_two_steps(torch.float32, dict(launch, split_state_tf32=True))
+    launch = dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=False)
+    split = gated_two_steps(torch.float32, dict(launch, **{split: True}))
     three = gated_two_steps(torch.float32, launch)
     for a, b in zip(split[1], three[1]):
         assert relative_error(a, b) <= 1e-6

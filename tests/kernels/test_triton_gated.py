@@ -3,6 +3,7 @@ slots' factor rows, along a chain or a static tree) against its torch twin and t
 random packed trees and chains, shapes, gates, head counts, padding and zero-node requests (Triton interpreter on
 CPU)."""
 
+import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -21,15 +22,16 @@ from vllm_treewy.kernels.triton import gdn_commit_triton, gdn_step_triton  # noq
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is rounded once on the way out
 SPARE_SLOTS = 2
-# the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 (where q/k are bf16), two value
-# heads per program (where HV = 2H)
+# the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 and 3xBF16 (where q/k are bf16),
+# two value heads per program (where HV = 2H)
 VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
             dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, heads_per_program=2),
-            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_tf32=True)]
+            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_tf32=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 
@@ -276,38 +278,44 @@ def test_chain_flag_and_activation(batch, seed, activation):
     assert within(by_chain.cpu(), twin.double(), 2e-5)
 
 
-def test_dot_passes():
-    """2xTF32 only where q/k are exact in tf32 and the state is not; one pass where both are exact."""
-    from vllm_treewy.kernels.triton.gated import _dot_passes
+def test_state_products_mode():
+    """A split of the state only where q/k are exact in tf32 and the state is not (the bf16 pieces: bf16 q/k); one
+    pass where both are exact."""
+    from vllm_treewy.kernels.triton.gated import _state_products_mode as mode
 
-    assert _dot_passes(torch.float32, torch.bfloat16, True) == 2
-    assert _dot_passes(torch.float32, torch.float16, True) == 2
-    assert _dot_passes(torch.float32, torch.bfloat16, False) == 3
-    assert _dot_passes(torch.float32, torch.float32, True) == 3  # fp32 q/k: not exact in tf32, stays tf32x3
-    assert _dot_passes(torch.bfloat16, torch.float32, True) == 3
-    assert _dot_passes(torch.bfloat16, torch.bfloat16, True) == 1
+    assert mode(torch.float32, torch.bfloat16, True, False) == "2xtf32"
+    assert mode(torch.float32, torch.float16, True, False) == "2xtf32"
+    assert mode(torch.float32, torch.bfloat16, False, False) == "tf32x3"
+    assert mode(torch.float32, torch.float32, True, True) == "tf32x3"  # fp32 q/k: not exact in tf32, stays tf32x3
+    assert mode(torch.bfloat16, torch.float32, True, False) == "tf32x3"
+    assert mode(torch.bfloat16, torch.bfloat16, True, True) == "tf32"
+    assert mode(torch.float32, torch.bfloat16, True, True) == "3xbf16"  # asked for: wins over the default's split
+    assert mode(torch.float32, torch.float16, False, True) == "tf32x3"  # fp16 q/k are not exact in bf16
 
 
 @settings(max_examples=4, deadline=None)
 @given(batch=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=1, max_size=3),
        seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
-def test_split_state_tf32(batch, seed, gate_scale):
-    """2xTF32 (fp32 state, raw bf16 q/k): outputs and u vs the fp64 reference at the fp32 tolerance, and u within 1e-6 of the one-pass fp32 products (the interpreter runs every dot in fp32), the bound of
-    `_state_products` (2^-22 per product) with room for the fp32 sums."""
+@pytest.mark.parametrize("split", ["split_state_tf32", "split_state_bf16"])
+def test_split_state(split, batch, seed, gate_scale):
+    """2xTF32 or 3xBF16 (fp32 state, raw bf16 q/k): outputs and u vs the fp64 reference at the fp32 tolerance, and u
+    within 2e-7 of the one-pass fp32 products (the interpreter runs every dot in fp32), the bounds of
+    `_state_products` (2^-22, 2^-27 per product) with room for the fp32 sums: both measure 3-7e-8 here, a split into
+    two bf16 pieces (2^-18) 3-8e-7."""
     packed, inputs, pool, slots = gated_inputs(batch, 2, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
     state = pool.float().to(DEVICE)
     h0 = state.cpu().clone()
     factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
     before = factors.clone()
     launch = dict(block_k=16, state_dot=True, late_node_terms=True)
-    out = run_step(packed, inputs, state, slots, 2, factors, split_state_tf32=True, **launch)
+    out = run_step(packed, inputs, state, slots, 2, factors, **{split: True}, **launch)
     check_step(packed, inputs, h0, slots, batch, 2, out, factors, before, TOLERANCE[torch.float32],
                OUT_TOLERANCE_BF16)
     exact_factors = before.clone()
-    run_step(packed, inputs, state, slots, 2, exact_factors, split_state_tf32=False, **launch)
+    run_step(packed, inputs, state, slots, 2, exact_factors, split_state_tf32=False, split_state_bf16=False, **launch)
     u = split_slot_factors(factors.cpu(), 4, 32, 32)[2]
     u_exact = split_slot_factors(exact_factors.cpu(), 4, 32, 32)[2]
-    assert within(u, u_exact.double(), 1e-6)
+    assert within(u, u_exact.double(), 2e-7)
 
 
 @settings(max_examples=4, deadline=None)

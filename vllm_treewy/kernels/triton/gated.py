@@ -19,16 +19,17 @@ option `state_dot`):
   h [V, BK] @ [k; q]^T [BK, 16] (state as the 128-row operand, nodes padded to 16 columns), fp32 operands: one
   tf32 pass when the state and q/k are bf16 (exact products), tf32x3 (hi + lo parts) for an fp32 state (~fp32:
   measured 1-2e-7 on u and the committed state at K=128 against fp64), or with `split_state_tf32` two tf32 passes
-  (2xTF32: the state's hi and lo parts against the raw bf16 q/k, which are exact in tf32; `_state_products`,
-  not yet timed on a GPU). The [BK, 16] q/k chunks are prefetched with the state chunks.
+  (2xTF32: the state's hi and lo parts against the raw bf16 q/k, which are exact in tf32; the fp32 default since
+  2026-12-01), or with `split_state_bf16` three bf16 passes (the state in three bf16 pieces; not yet timed on a
+  GPU); `_state_products`. The [BK, 16] q/k chunks are prefetched with the state chunks.
 - one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
   (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
 
-Measured on the H200 (bench/results/kernels.md, 2026-11-30b run 1, before the q/k prefetch): fp32 state, chain T=4,
-1.09x / 1.15x vLLM's compiled kernel at B=64 / 256, 0.87x at B=1; the commit alone now streams at 3.0 TB/s, but
-the verify part is latency-bound per program (~15 us of dependent steps per head at 2 resident programs per SM),
-and T=8 is 0.55x. The bf16 tensor-core path of run 1 was wrong (fixed since, not yet re-measured on a GPU).
+Measured on the H200 (bench/results/kernels.md, 2026-12-01): fp32 state, chain T=4, 1.21x / 1.28x vLLM's compiled
+kernel at B=64 / 256, 0.96x at B=1, T=8 0.52x; bf16 state 0.82x / 0.85x, 0.98x at B=1. ncu: DRAM at 30% of
+peak, shared memory at 79%: each state chunk goes through shared memory into the wgmma operand layout, per split
+piece.
 
 A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
 `verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
@@ -98,25 +99,38 @@ def _round_tf32(x):
 
 
 @triton.jit
-def _state_products(h, kq, acc, DOT_PASSES: tl.constexpr):
+def _state_products(h, kq, acc, STATE_PRODUCTS: tl.constexpr):
     """acc + h @ kq on the tensor cores, h [V, BK] a state chunk in fp32, kq [BK, NQ] raw q/k columns in fp32.
 
-    DOT_PASSES = 1: one tf32 pass; exact products (fp32 sums) where both operands are exact in tf32 (bf16 or fp16
-    values: at most 11 significant bits, exponents within tf32's).
-    DOT_PASSES = 2 (2xTF32, an fp32 state with bf16/fp16 q/k): h = h_hi + h_lo + e, h_hi = rna_tf32(h),
-    h_lo = rna_tf32(h - h_hi) (h - h_hi is exact in fp32); |h - h_hi| <= 2^-11 |h| and |e| <= 2^-11 |h - h_hi|
-    <= 2^-22 |h|. Each product h_hi k and h_lo k is exact in fp32 (11 + 8 significant bits for bf16, 11 + 11 for
-    fp16, both <= 24), so the two passes give sum_i h_i k_i within 2^-22 sum_i |h_i k_i| (2.4e-7 relative; fp32
-    products: 2^-24) plus the fp32 accumulation's rounding, which every fp32 dot has: ~80x inside the fp32
-    tolerance (2e-5) of the fp64-reference tests. tf32x3 computes these same two products and a third, h_hi
-    (k - rna_tf32(k)), exactly zero for such k: 2xTF32 drops only that pass.
-    DOT_PASSES = 3: tf32x3 (q/k in fp32, not exact in tf32)."""
-    if DOT_PASSES == 1:
+    "tf32": one tf32 pass; exact products (fp32 sums) where both operands are exact in tf32 (bf16 or fp16 values: at
+    most 11 significant bits, exponents within tf32's).
+    "2xtf32" (an fp32 state with bf16/fp16 q/k): h = h_hi + h_lo + e, h_hi = rna_tf32(h), h_lo = rna_tf32(h - h_hi)
+    (h - h_hi is exact in fp32); |h - h_hi| <= 2^-11 |h| and |e| <= 2^-11 |h - h_hi| <= 2^-22 |h|. Each product
+    h_hi k and h_lo k is exact in fp32 (11 + 8 significant bits for bf16, 11 + 11 for fp16, both <= 24), so the two
+    passes give sum_i h_i k_i within 2^-22 sum_i |h_i k_i| (2.4e-7 relative; fp32 products: 2^-24) plus the fp32
+    accumulation's rounding, which every fp32 dot has: ~80x inside the fp32 tolerance (2e-5) of the fp64-reference
+    tests. tf32x3 computes these same two products and a third, h_hi (k - rna_tf32(k)), exactly zero for such k:
+    2xTF32 drops only that pass.
+    "3xbf16" (an fp32 state with bf16 q/k): h = h_1 + h_2 + h_3 + e, each piece the bf16 rounding of what the
+    pieces before it left (exact differences in fp32), |e| <= 2^-9 |h - h_1 - h_2| <= 2^-27 |h|; each product
+    h_j k is exact in fp32 (8 + 8 significant bits): within 2^-27 of the exact products, below fp32's own 2^-24.
+    Three bf16 passes (half the bytes of a tf32 operand in shared memory, twice the tensor-core rate of tf32).
+    "tf32x3": q/k in fp32, not exact in tf32."""
+    if STATE_PRODUCTS == "tf32":
         acc = tl.dot(h, kq, acc, input_precision="tf32")
-    elif DOT_PASSES == 2:
+    elif STATE_PRODUCTS == "2xtf32":
         h_hi = _round_tf32(h)
         acc = tl.dot(_round_tf32(h - h_hi), kq, acc, input_precision="tf32")  # the small part first
         acc = tl.dot(h_hi, kq, acc, input_precision="tf32")
+    elif STATE_PRODUCTS == "3xbf16":
+        k_bf16 = kq.to(tl.bfloat16)  # exact: the raw bf16 values
+        h_1 = h.to(tl.bfloat16)
+        rest = h - h_1.to(tl.float32)
+        h_2 = rest.to(tl.bfloat16)
+        h_3 = (rest - h_2.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(h_3, k_bf16, acc)  # the small parts first
+        acc = tl.dot(h_2, k_bf16, acc)
+        acc = tl.dot(h_1, k_bf16, acc)
     else:
         acc = tl.dot(h, kq, acc, input_precision="tf32x3")
     return acc
@@ -197,7 +211,7 @@ def _gated_step_kernel(
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
-    PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, DOT_PASSES: tl.constexpr,
+    PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
 ):
     # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
     # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
@@ -345,7 +359,7 @@ def _gated_step_kernel(
             # operand
             products = ()
             for g in tl.static_range(G):
-                products = products + (_state_products(hs[g], kq, acc_kq[g], DOT_PASSES),)
+                products = products + (_state_products(hs[g], kq, acc_kq[g], STATE_PRODUCTS),)
             acc_kq = products
         if DO_VERIFY and not STATE_DOT:
             h = hs[0]
@@ -447,7 +461,8 @@ def _gated_step_kernel(
 # many want two value heads per program at 32/4/1 (128.5 us at B=64; one head 64/4/1: 141.0; 64/8/1: 189.4).
 # Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1.
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
-                         late_node_terms=True, state_dot=True, split_state_tf32=True, heads_per_program=1)
+                         late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
+                         heads_per_program=1)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 SMALL_BATCH = 8
 
@@ -475,15 +490,18 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
 EXACT_IN_TF32 = (torch.bfloat16, torch.float16)
 
 
-def _dot_passes(state_dtype, qkv_dtype, split_state_tf32: bool) -> int:
-    """Tensor-core passes per product with the state (`_state_products`): 1 where both operands are exact in tf32;
-    2 (2xTF32) where only the state is not and `split_state_tf32` asks for it; else 3 (tf32x3)."""
+def _state_products_mode(state_dtype, qkv_dtype, split_state_tf32: bool, split_state_bf16: bool) -> str:
+    """How the tensor cores form the products with the state (`_state_products`): one tf32 pass where both operands
+    are exact in tf32; where only the state is not, its split into three bf16 pieces (bf16 q/k; asked for, it wins
+    over the default's tf32 split) or two tf32 pieces if asked for; else tf32x3."""
     if qkv_dtype in EXACT_IN_TF32:
         if state_dtype in EXACT_IN_TF32:
-            return 1
+            return "tf32"
+        if split_state_bf16 and qkv_dtype == torch.bfloat16:
+            return "3xbf16"
         if split_state_tf32:
-            return 2
-    return 3
+            return "2xtf32"
+    return "tf32x3"
 
 
 def _nodes_block(max_nodes: int) -> int:
@@ -560,7 +578,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
         PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
         PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
-        DOT_PASSES=_dot_passes(state.dtype, mixed_qkv.dtype if do_verify else None, launch["split_state_tf32"]),
+        STATE_PRODUCTS=_state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
+                                            launch["split_state_tf32"], launch["split_state_bf16"]),
         **options,
     )
     return (HV // heads, batch), kernel_args, kernel_kwargs, out
@@ -599,6 +618,7 @@ def gdn_step_triton(
     late_node_terms: bool | None = None,
     state_dot: bool | None = None,
     split_state_tf32: bool | None = None,
+    split_state_bf16: bool | None = None,
     heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
@@ -623,7 +643,8 @@ def gdn_step_triton(
     state on the tensor cores, [h k_0 .. h q_{T-1}] = h [V, BK] @ [k; q]^T per chunk (the state tile stays in the
     load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8). `split_state_tf32`: with
     `state_dot`, an fp32 state and bf16/fp16 q/k, two tf32 passes (the state split into tf32 hi and lo parts, q/k
-    exact) instead of tf32x3's three; relative error of each product 2^-22 (`_state_products`).
+    exact) instead of tf32x3's three; relative error of each product 2^-22 (`_state_products`). `split_state_bf16`:
+    the same with bf16 q/k, three bf16 passes (2^-27).
     `heads_per_program` (1 or 2; divides HV // H; with `state_dot`): one program verifies that many value heads of
     one key head for one request, sharing the q/k chunks, the key norms and Gram matrices and the pending key rows;
     half the programs at 2.
@@ -634,7 +655,7 @@ def gdn_step_triton(
                    activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k,
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
-                   heads_per_program=heads_per_program)
+                   split_state_bf16=split_state_bf16, heads_per_program=heads_per_program)
 
 
 def gdn_commit_triton(
