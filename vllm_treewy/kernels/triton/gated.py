@@ -12,8 +12,7 @@ One program per (value head, request) holds a whole head: the state [V, K] is st
 key chunks of BK columns; with `heads_per_program=2` (tensor-core layout) one program holds both value heads of one
 key head (where HV = 2H), which share the q/k chunks, the key norms and Gram matrices and the pending key rows:
 half the programs (on the H200 the 16-bit-state default for large batches; slower than one head for fp32 states,
-2026-12-01). Two layouts (launch
-option `state_dot`):
+2026-12-01). Two layouts (launch option `state_dot`):
 - tensor cores (default): the chunk keeps its load's layout (a warp covers 4 rows x 128 bytes: whole line segments,
   loads and the commit's stores coalesced); the commit's rank-one updates are elementwise in that layout, and all
   products with the state come from one tensor-core dot per chunk, [h k_0 .. h k_{T-1}, h q_0 .. h q_{T-1}] =
