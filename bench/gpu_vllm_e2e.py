@@ -149,17 +149,20 @@ def maybe_profile(llm, prompts, args, name: str) -> dict | None:
     return {"batch": args.profile_batch, **summary}
 
 
+def verdict_record(verdict) -> dict:
+    """An `EquivalenceVerdict` as this script's JSON records it."""
+    return {"passed": verdict.passed, "summary": verdict.summary(),
+            "identical": verdict.num_prompts - len(verdict.divergences),
+            "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures)}
+
+
 def teacher_forced_verdicts(llm, prompts, outputs, exact_logits) -> dict:
     from vllm_treewy.vllm_plugin.equivalence import compare_teacher_forced
 
     verdicts = {}
     for b, out in outputs.items():
         verdict = compare_teacher_forced(llm, prompts[:b], out, exact_logits)
-        verdicts[str(b)] = {
-            "passed": verdict.passed, "summary": verdict.summary(),
-            "identical": verdict.num_prompts - len(verdict.divergences),
-            "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures),
-        }
+        verdicts[str(b)] = verdict_record(verdict)
         print(f"  batch {b} teacher-forced: {verdict.summary()}", flush=True)
     return verdicts
 
@@ -255,11 +258,7 @@ def run_reference(args) -> int:
             entry["verdicts"] = {}
             for b in args.batch_sizes:
                 verdict = compare_tie_aware(reference, prompts[:b], outputs[b], run["outputs"][str(b)], exact_logits)
-                entry["verdicts"][b] = {
-                    "passed": verdict.passed, "summary": verdict.summary(),
-                    "identical": verdict.num_prompts - len(verdict.divergences),
-                    "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures),
-                }
+                entry["verdicts"][b] = verdict_record(verdict)
             report["runs"][run["name"]] = entry
     for name, entry in report["runs"].items():
         print(name, json.dumps({k: v for k, v in entry.items() if k != "verdicts"}), flush=True)
@@ -340,9 +339,7 @@ def run_tree(args) -> int:
         verdicts = {}
         for b, got in outputs.items():
             verdict = compare_tie_aware(llm, prompts[:b], known["reference_outputs"][:b], got, exact_logits)
-            verdicts[str(b)] = {"passed": verdict.passed, "summary": verdict.summary(),
-                                "identical": verdict.num_prompts - len(verdict.divergences),
-                                "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures)}
+            verdicts[str(b)] = verdict_record(verdict)
             print(f"  batch {b} tie-aware: {verdict.summary()}", flush=True)
         self_check = (teacher_forced_verdicts(llm, prompts, outputs, exact_logits) if args.self_check else None)
     accepted = after.num_accepted_tokens - before.num_accepted_tokens

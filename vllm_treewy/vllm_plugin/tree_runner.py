@@ -139,6 +139,7 @@ def _hand_to_triton_layers(runner, per_layer: dict, step: TreeStep | None, prepa
     tree = _runner_tree(runner)
     layers = runner.compilation_config.static_forward_context
     recorded = set()  # caches already recorded: a cache that layers share (KV sharing) is compacted once
+    tree_rows_of = {}  # the tree rows of each block table: layers of one KV-cache group share theirs
     if step is not None:
         step.qq_bias = tree_qq_bias_of(runner, tree)
     for name, metadata in per_layer.items():
@@ -152,8 +153,10 @@ def _hand_to_triton_layers(runner, per_layer: dict, step: TreeStep | None, prepa
             kv_cache = layers[name].kv_cache
             if kv_cache.data_ptr() not in recorded:
                 recorded.add(kv_cache.data_ptr())
-                step.attention_layers.append(
-                    PagedLayerCaches(kv_cache, metadata.block_table.index_select(0, step.request_indices)))
+                table = metadata.block_table
+                if id(table) not in tree_rows_of:
+                    tree_rows_of[id(table)] = table.index_select(0, step.request_indices)
+                step.attention_layers.append(PagedLayerCaches(kv_cache, tree_rows_of[id(table)]))
         elif not prepared and metadata.max_query_len == 1 + tree.num_nodes:
             # A dummy run (CUDA-graph capture): its uniform decode batch stands for steps of tree rows only (a batch
             # with a prefill is never replayed in a FULL graph: `full_graph_batches`).
