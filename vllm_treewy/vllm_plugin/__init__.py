@@ -14,6 +14,7 @@ def register() -> None:
         full_graph_batches,
         gdn_layer,
         pseudo_value_buffer,
+        startup_memory,
         step_metadata,
         tree_budget,
         tree_runner,
@@ -31,5 +32,6 @@ def register() -> None:
         gdn_cpu.install()
     if current_platform.is_cuda():
         full_graph_batches.install()
+        startup_memory.install()
     if current_platform.is_cpu() or current_platform.is_cuda():
         tree_runner.install()  # draft trees: vLLM's CPU attention, or TRITON_ATTN on CUDA

@@ -146,6 +146,12 @@ RUNNER_DETERMINE_BATCH_EXECUTION = PatchPoint(
     "slots (and whose attention took a tree's bias at capture)",
     ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"), only_on="cuda",
 )
+RUNNER_INITIALIZE_METADATA_BUILDERS = PatchPoint(
+    _RUNNER, "GPUModelRunner.initialize_metadata_builders", "wraps",
+    "start-up of hybrid models: empty the CUDA cache first, so that the builders' buffers do not pin the freed "
+    "profiling KV cache's segment and the KV cache fits", ("self", "kv_cache_config", "kernel_block_sizes"),
+    only_on="cuda",
+)
 _TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 TRITON_ATTENTION_FORWARD = PatchPoint(
     _TRITON_ATTN, "TritonAttentionImpl.forward", "wraps",
@@ -201,6 +207,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_AFTER_SAMPLING,
     CPU_ATTENTION_FORWARD,
     RUNNER_DETERMINE_BATCH_EXECUTION,
+    RUNNER_INITIALIZE_METADATA_BUILDERS,
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,

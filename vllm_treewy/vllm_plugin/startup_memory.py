@@ -1,0 +1,45 @@
+"""Start-up on CUDA: return the cached memory of the profiling KV cache before the real KV cache's builders allocate.
+
+vLLM 0.32 profiles CUDA-graph memory on a minimal KV cache (one block per sequence up to the largest capture size)
+and frees it; for a hybrid model with big GDN pages (the Qwen3.5-27B shape: 27-30 GiB) the freed block is still
+cached when `initialize_kv_cache` builds the attention metadata builders, whose first small buffers (TRITON_ATTN's
+12 MiB) are carved out of it. That pins the whole segment past every later `empty_cache()`, and the KV cache, sized
+from memory vLLM counted as free, then fails to allocate in one piece: measured on the H200 at gpu_memory_utilization
+0.9 for both store_all and reconstruct, "Tried to allocate 70.25 GiB ... 29.20 GiB is reserved by PyTorch but
+unallocated" (2026-12-01; the pinning blocks' stacks: bench/memory_pins.py). Emptying the cache first gives the
+builders fresh small segments.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from vllm_treewy.vllm_plugin.patch_points import RUNNER_INITIALIZE_METADATA_BUILDERS
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines, as it configures them
+GIB = 1 << 30
+
+
+def _emptying_the_cache_first(original):
+    @functools.wraps(original)
+    def initialize_metadata_builders(self, *args, **kwargs):
+        if self.model_config.is_hybrid:
+            reserved = torch.cuda.memory_reserved()
+            torch.cuda.empty_cache()
+            released = reserved - torch.cuda.memory_reserved()
+            if released:
+                logger.info("vllm-treewy: returned %.2f GiB of cached blocks before the KV cache's metadata "
+                            "builders allocate", released / GIB)
+        return original(self, *args, **kwargs)
+
+    initialize_metadata_builders.empties_the_cache_first = True
+    return initialize_metadata_builders
+
+
+def install() -> None:
+    if not getattr(RUNNER_INITIALIZE_METADATA_BUILDERS.resolve(), "empties_the_cache_first", False):
+        RUNNER_INITIALIZE_METADATA_BUILDERS.replace(_emptying_the_cache_first(
+            RUNNER_INITIALIZE_METADATA_BUILDERS.resolve()))
