@@ -239,20 +239,16 @@ TWO_HEADS = dict(heads_per_program=2)
 # (2). bf16 T=4 64/8/1 161, 64/4/1 236, two heads 32/4/1 245; bf16 T=8 64/8/1 234, 32/8/1 138, 16/8/1 94.
 # Dropped after 2026-12-01 (lost at B=64 and B=1, `results/2026-12-01/device/gated.json`): fp32 32/8/2, two heads
 # 16/8/1 tf32x3 and 32/8/1 2xTF32; bf16 one row per thread (8/4/2), two heads 16/8/1 and 32/8/1. Earlier: fp32
-# 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums.
-def _fma(block_k, num_warps, prefetch):
-    """No tensor cores: exact fp32 products on the CUDA cores, per-node [V, BK] partial sums reduced once after the
-    loop; BK >= 16 keeps a warp's loads on whole 64-byte row segments (sm_90 offline compile, fp32 T=4: 16/8/1 161
-    registers, 32/8/1 248, neither spills nor goes through shared memory in the loop)."""
-    return _cfg(block_k, num_warps, prefetch, state_dot=False, row_sums=False, late_node_terms=True)
-
-
+# 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums. After 2026-12-01b
+# (`results/2026-12-01b/device/gated.json`): CUDA-core products with [V, BK] partial sums, 16/8/1 and 32/8/1 (fp32
+# B=64: 292 / 245 vs 159.5 us; bf16 B=1: 16.9 / 13.3 vs 12.5).
 CONFIGS = {
-    "fp32": [_dot(32, 8, 1, **SPLIT), _fma(16, 8, 1), _fma(32, 8, 1), _dot(32, 8, 1, split_state_tf32=False),
-             _dot(16, 8, 1, **SPLIT), _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(32, 8, 1, **BF16_SPLIT)],
-    "bf16": [_dot(32, 4, 1, **TWO_HEADS), _fma(16, 8, 1), _fma(32, 8, 1), _dot(64, 8, 1), _dot(64, 4, 1),
-             _dot(32, 8, 1)],
+    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, split_state_tf32=False), _dot(16, 8, 1, **SPLIT),
+             _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(32, 8, 1, **BF16_SPLIT), _dot(16, 8, 1, **BF16_SPLIT)],
+    "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
 }
+
+
 def tuned_key(name, T, B):
     """Rows at B <= 8 take the small-batch tuning, the others the B=64 one; T as tuned, else T=4's."""
     return f"{name}/T={T}/{'small' if B <= 8 else 'large'}"

@@ -11,7 +11,8 @@ Correctness is measured on the fixture (`bench/gpu_vllm_e2e.py`).
 
 No allocator settings (PYTORCH_CUDA_ALLOC_CONF unset): reconstruct must start wherever store_all starts. On CUDA the
 engine's start-up records allocation stacks; a start-up OOM writes which live blocks pin the memory that vLLM
-counted as free to OUT/STRATEGY_oom_segments.json (`bench/memory_pins.py`).
+counted as free to OUT/STRATEGY_oom_segments.json (`bench/memory_pins.py`). OUT/STRATEGY.json is written once the
+engine has started (start-up seconds, vLLM's KV-cache report) and again with the run's figures.
 """
 
 from __future__ import annotations
@@ -69,10 +70,16 @@ def main(argv=None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     result = {"command": " ".join([sys.executable, *sys.argv]), "strategy": args.strategy, "args": vars(args),
               "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    out = Path(args.out)
+
+    def save():  # after the start-up too: a run cut by its time limit keeps what its start-up showed
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.strategy}.json").write_text(json.dumps(result, indent=2) + "\n")
+
     if current_platform.is_cuda():
         from bench import memory_pins
 
-        memory_pins.attach(Path(args.out) / f"{args.strategy}_oom_segments.json")
+        memory_pins.attach(out / f"{args.strategy}_oom_segments.json")
     start = time.perf_counter()
     try:
         with engine(str(model), load_format="dummy", skip_tokenizer_init=True, speculative_config=spec,
@@ -81,6 +88,8 @@ def main(argv=None) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype="float32",
                     **cuda_only) as llm:
             result["engine_start_s"] = time.perf_counter() - start
+            result["kv_cache"] = asdict(kv_cache_report(llm))
+            save()
             if current_platform.is_cuda():
                 import torch
 
@@ -91,7 +100,6 @@ def main(argv=None) -> int:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             after = read_acceptance(llm)
-            result["kv_cache"] = asdict(kv_cache_report(llm))
     except Exception as error:  # a failed start-up is a result too
         result["error"] = f"{type(error).__name__}: {error}"[:2000]
         print(result["error"], flush=True)
@@ -102,9 +110,7 @@ def main(argv=None) -> int:
                       / max(after.num_drafts - before.num_drafts, 1))
         print(f"{args.strategy}: {result['tokens_per_s']:,.0f} tokens/s, "
               f"max concurrency {result['kv_cache']['max_concurrency']:.1f}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.strategy}.json").write_text(json.dumps(result, indent=2) + "\n")
+    save()
     return 0 if "error" not in result else 1
 
 

@@ -3,7 +3,8 @@
 # Usage, from the checkout root on the H200:  bash bench/run_gpu_vllm_e2e.sh OUT_DIR "KS" [extra args]
 # e.g.  bash bench/run_gpu_vllm_e2e.sh $OUT "3 1"      or      bash bench/run_gpu_vllm_e2e.sh $OUT 3 --eager
 # A run with k = 1 starts only while less than SKIP_K1_AFTER_S seconds have passed (device-time budget); a failed
-# reconstruct run ends the call.
+# reconstruct run ends the call. STRATEGIES (default "reconstruct store_all") picks the speculative runs, e.g.
+# STRATEGIES=store_all with a cut call's reconstruct runs copied into OUT/runs, so that the reference judges both.
 set -u
 out=$1; ks=$2; shift 2
 # Per-engine results under $OUT too: they come back even when the call runs out of time before the reference,
@@ -11,7 +12,7 @@ out=$1; ks=$2; shift 2
 log=$out/log.txt runs=$out/runs
 start=$(date +%s)
 for k in $ks; do
-  for s in reconstruct store_all; do
+  for s in ${STRATEGIES:-reconstruct store_all}; do
     if [ "$k" != "${ks%% *}" ] && [ $(( $(date +%s) - start )) -gt "${SKIP_K1_AFTER_S:-260}" ]; then
       echo "=== skipped $s k=$k (time)" >>"$log"; continue
     fi

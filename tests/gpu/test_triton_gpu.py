@@ -225,7 +225,6 @@ def slot_factors(num_slots, tokens):
 GATED_VARIANTS = {
     "default": {},
     "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True, state_dot=False),
-    "fma": dict(block_k=16, num_warps=8, prefetch=1, row_sums=False, late_node_terms=True, state_dot=False),
     "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=False),
     "split": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True),
     "split_bf16": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,

@@ -1,13 +1,12 @@
-"""Start-up on CUDA: return the cached memory of the profiling KV cache before the real KV cache's builders allocate.
+"""Start-up on CUDA: return cached memory before the real KV cache's metadata builders allocate (hybrid models).
 
-vLLM 0.32 profiles CUDA-graph memory on a minimal KV cache (one block per sequence up to the largest capture size)
-and frees it; for a hybrid model with big GDN pages (the Qwen3.5-27B shape: 27-30 GiB) the freed block is still
-cached when `initialize_kv_cache` builds the attention metadata builders, whose first small buffers (TRITON_ATTN's
-12 MiB) are carved out of it. That pins the whole segment past every later `empty_cache()`, and the KV cache, sized
-from memory vLLM counted as free, then fails to allocate in one piece: measured on the H200 at gpu_memory_utilization
-0.9 for both store_all and reconstruct, "Tried to allocate 70.25 GiB ... 29.20 GiB is reserved by PyTorch but
-unallocated" (2026-12-01; the pinning blocks' stacks: bench/memory_pins.py). Emptying the cache first gives the
-builders fresh small segments.
+Measured on the H200 (Qwen3.5-27B shape, gpu_memory_utilization 0.9, no allocator settings, 2026-12-01): when
+`initialize_kv_cache` builds the attention metadata builders, a freed 27-30 GiB block is still cached (most likely the
+profiling KV cache of vLLM's CUDA-graph memory profile, one block per sequence), and their first small buffers
+(TRITON_ATTN's 12 MiB) are carved out of it. That pins the whole segment past every later `empty_cache()`, so the KV
+cache, sized from memory vLLM counted as free, fails to allocate in one piece: "Tried to allocate 70.25 GiB ...
+29.20 GiB is reserved by PyTorch but unallocated", for store_all and reconstruct alike (the pinning blocks' stacks:
+bench/memory_pins.py). Emptying the cache first gives the builders fresh small segments; with it both start.
 """
 
 from __future__ import annotations
