@@ -99,6 +99,34 @@ def _round_tf32(x):
 
 
 @triton.jit
+def _in_accumulator_layout(h):
+    """h [V, BK] fp32, the same values in the tensor cores' accumulator layout: the accumulator of a product of
+    zeros (h + 0, exact). With `split_in_mma_layout` the chunk changes layout once here, and the state products'
+    operands are split from it in registers (16-bit pieces as they are, tf32 ones after `_tf32_operand_order`)
+    instead of each piece's own round trip through shared memory into the operand layout."""
+    zeros_a = tl.zeros([h.shape[0], 16], dtype=tl.bfloat16)
+    zeros_b = tl.zeros([16, h.shape[1]], dtype=tl.bfloat16)
+    return tl.dot(zeros_a, zeros_b, h)
+
+
+@triton.jit
+def _tf32_operand_order(h):
+    """h [V, BK] in the accumulator layout with its columns reordered in each block of 8, 2t + e -> 4e + t: there a
+    thread holds columns 2t and 2t + 1 of a block, in a tf32 operand columns t and t + 4, so the reordered chunk is
+    the operand with no data movement. The q/k rows take the same order (`_tf32_operand_columns`): the products sum
+    over the columns, in any order."""
+    V: tl.constexpr = h.shape[0]
+    BK: tl.constexpr = h.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(h, [V, BK // 8, 4, 2]), (0, 1, 3, 2)), [V, BK])
+
+
+@triton.jit
+def _tf32_operand_columns(c):
+    """The chunk column that column c of `_tf32_operand_order`'s result holds: 8j + 4e + t -> 8j + 2t + e."""
+    return 8 * (c // 8) + 2 * (c % 4) + (c // 4) % 2
+
+
+@triton.jit
 def _state_products(h, kq, acc, STATE_PRODUCTS: tl.constexpr):
     """acc + h @ kq on the tensor cores, h [V, BK] a state chunk in fp32, kq [BK, NQ] raw q/k columns in fp32.
 
@@ -212,6 +240,7 @@ def _gated_step_kernel(
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
+    SPLIT_IN_MMA_LAYOUT: tl.constexpr,
 ):
     # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
     # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
@@ -316,9 +345,13 @@ def _gated_step_kernel(
                     acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
                     acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
     if DO_VERIFY and STATE_DOT:  # the [BK, NQ] q/k chunks travel with the state chunks: off the loop's critical path
+        if SPLIT_IN_MMA_LAYOUT and STATE_PRODUCTS != "3xbf16":  # in the state operand's column order
+            o_kq = _tf32_operand_columns(o_kc)
+        else:
+            o_kq = o_kc
         ahead_kq = ()
         for j in tl.static_range(PREFETCH):
-            ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kc)[:, None],
+            ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kq)[:, None],
                                            mask=kq_ok[None, :] & (j * BK < K), other=0.0),)
     # a loop, not unrolled: unrolled, the compiler hoists the small q/k loads of many chunks and runs out of
     # registers; in flight stay the PREFETCH chunks ahead
@@ -339,7 +372,7 @@ def _gated_step_kernel(
             rest = ()
             for j in tl.static_range(1, PREFETCH):
                 rest = rest + (ahead_kq[j],)
-            ahead_kq = rest + (tl.load(kq_row[None, :] + (cols + PREFETCH * BK)[:, None],
+            ahead_kq = rest + (tl.load(kq_row[None, :] + ((i_k + PREFETCH) * BK + o_kq)[:, None],
                                        mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             p_k = ()
@@ -359,7 +392,12 @@ def _gated_step_kernel(
             # operand
             products = ()
             for g in tl.static_range(G):
-                products = products + (_state_products(hs[g], kq, acc_kq[g], STATE_PRODUCTS),)
+                h = hs[g]
+                if SPLIT_IN_MMA_LAYOUT:
+                    h = _in_accumulator_layout(h)
+                    if STATE_PRODUCTS != "3xbf16":
+                        h = _tf32_operand_order(h)
+                products = products + (_state_products(h, kq, acc_kq[g], STATE_PRODUCTS),)
             acc_kq = products
         if DO_VERIFY and not STATE_DOT:
             h = hs[0]
@@ -462,7 +500,7 @@ def _gated_step_kernel(
 # Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1.
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
-                         heads_per_program=1)
+                         heads_per_program=1, split_in_mma_layout=False)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 SMALL_BATCH = 8
 
@@ -578,6 +616,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
         PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
         PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
+        SPLIT_IN_MMA_LAYOUT=launch["split_in_mma_layout"] and launch["state_dot"] and do_verify,
         STATE_PRODUCTS=_state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
                                             launch["split_state_tf32"], launch["split_state_bf16"]),
         **options,
@@ -620,6 +659,7 @@ def gdn_step_triton(
     split_state_tf32: bool | None = None,
     split_state_bf16: bool | None = None,
     heads_per_program: int | None = None,
+    split_in_mma_layout: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -648,6 +688,10 @@ def gdn_step_triton(
     `heads_per_program` (1 or 2; divides HV // H; with `state_dot`): one program verifies that many value heads of
     one key head for one request, sharing the q/k chunks, the key norms and Gram matrices and the pending key rows;
     half the programs at 2.
+    `split_in_mma_layout` (with `state_dot`): each committed chunk changes layout once, into the tensor cores'
+    accumulator layout (`_in_accumulator_layout`: one round trip through shared memory, half the bytes of 2xTF32's
+    two), and the products' operand pieces are split from it in registers (tf32 pieces in a column order that needs
+    no data movement, `_tf32_operand_order`; 16-bit pieces as they are).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -655,7 +699,8 @@ def gdn_step_triton(
                    activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k,
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
-                   split_state_bf16=split_state_bf16, heads_per_program=heads_per_program)
+                   split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
+                   split_in_mma_layout=split_in_mma_layout)
 
 
 def gdn_commit_triton(
