@@ -143,24 +143,39 @@ def _state_products(h, kq, acc, STATE_PRODUCTS: tl.constexpr):
     pieces before it left (exact differences in fp32), |e| <= 2^-9 |h - h_1 - h_2| <= 2^-27 |h|; each product
     h_j k is exact in fp32 (8 + 8 significant bits): within 2^-27 of the exact products, below fp32's own 2^-24.
     Three bf16 passes (half the bytes of a tf32 operand in shared memory, twice the tensor-core rate of tf32).
-    "tf32x3": q/k in fp32, not exact in tf32."""
-    if STATE_PRODUCTS == "tf32":
-        acc = tl.dot(h, kq, acc, input_precision="tf32")
-    elif STATE_PRODUCTS == "2xtf32":
+    "tf32x3": q/k in fp32, not exact in tf32.
+    `_operand_pieces` splits, `_piece_products` multiplies."""
+    pieces, kq_operand = _operand_pieces(h, kq, STATE_PRODUCTS)
+    return _piece_products(pieces, kq_operand, acc, STATE_PRODUCTS)
+
+
+@triton.jit
+def _operand_pieces(h, kq, STATE_PRODUCTS: tl.constexpr):
+    """(the state chunk's operand pieces, the small parts first; the q/k operand) of `_state_products`."""
+    if STATE_PRODUCTS == "2xtf32":
         h_hi = _round_tf32(h)
-        acc = tl.dot(_round_tf32(h - h_hi), kq, acc, input_precision="tf32")  # the small part first
-        acc = tl.dot(h_hi, kq, acc, input_precision="tf32")
+        pieces = (_round_tf32(h - h_hi), h_hi)
     elif STATE_PRODUCTS == "3xbf16":
-        k_bf16 = kq.to(tl.bfloat16)  # exact: the raw bf16 values
+        kq = kq.to(tl.bfloat16)  # exact: the raw bf16 values
         h_1 = h.to(tl.bfloat16)
         rest = h - h_1.to(tl.float32)
         h_2 = rest.to(tl.bfloat16)
-        h_3 = (rest - h_2.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(h_3, k_bf16, acc)  # the small parts first
-        acc = tl.dot(h_2, k_bf16, acc)
-        acc = tl.dot(h_1, k_bf16, acc)
+        pieces = ((rest - h_2.to(tl.float32)).to(tl.bfloat16), h_2, h_1)
     else:
-        acc = tl.dot(h, kq, acc, input_precision="tf32x3")
+        pieces = (h,)
+    return pieces, kq
+
+
+@triton.jit
+def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
+    """acc + sum over the pieces of piece @ kq (`_operand_pieces`)."""
+    for i in tl.static_range(len(pieces)):
+        if STATE_PRODUCTS == "3xbf16":
+            acc = tl.dot(pieces[i], kq, acc)
+        elif STATE_PRODUCTS == "tf32x3":
+            acc = tl.dot(pieces[i], kq, acc, input_precision="tf32x3")
+        else:
+            acc = tl.dot(pieces[i], kq, acc, input_precision="tf32")
     return acc
 
 
@@ -240,7 +255,7 @@ def _gated_step_kernel(
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
-    SPLIT_IN_MMA_LAYOUT: tl.constexpr,
+    SPLIT_IN_MMA_LAYOUT: tl.constexpr, LAGGED_PRODUCTS: tl.constexpr,
 ):
     # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
     # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
@@ -353,9 +368,22 @@ def _gated_step_kernel(
         for j in tl.static_range(PREFETCH):
             ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kq)[:, None],
                                            mask=kq_ok[None, :] & (j * BK < K), other=0.0),)
+    # LAGGED_PRODUCTS: a chunk's products come one iteration later (one more iteration, the first on zero pieces),
+    # from its operand pieces carried through the loop: a loop-carried operand goes to the tensor cores from shared
+    # memory (one store per piece), not back through shared memory into registers
+    if DO_VERIFY and LAGGED_PRODUCTS:
+        lagged = ()
+        for g in tl.static_range(G):
+            lagged = lagged + (_operand_pieces(tl.zeros([V, BK], dtype=tl.float32),
+                                               tl.zeros([BK, NQ], dtype=tl.float32), STATE_PRODUCTS),)
     # a loop, not unrolled: unrolled, the compiler hoists the small q/k loads of many chunks and runs out of
     # registers; in flight stay the PREFETCH chunks ahead
-    for i_k in tl.range(0, K // BK):
+    for i_k in tl.range(0, K // BK + LAGGED_PRODUCTS):
+        if DO_VERIFY and LAGGED_PRODUCTS:
+            products = ()
+            for g in tl.static_range(G):
+                products = products + (_piece_products(lagged[g][0], lagged[g][1], acc_kq[g], STATE_PRODUCTS),)
+            acc_kq = products
         cols = i_k * BK + o_kc
         hs = ()
         for g in tl.static_range(G):
@@ -377,14 +405,14 @@ def _gated_step_kernel(
         if HAS_PENDING:
             p_k = ()
             for d in tl.static_range(PENDING_ROWS):
-                p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0),)
+                p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d] & (cols < K), other=0.0),)
             committed = ()
             for g in tl.static_range(G):
                 h = p_root[g] * hs[g]
                 for d in tl.static_range(PENDING_ROWS):
                     h += p_wu[d * G + g][:, None] * p_k[d][None, :]
                 h = h.to(state.dtype.element_ty)
-                tl.store(p_state[g] + cols[None, :], h, mask=store_commit)
+                tl.store(p_state[g] + cols[None, :], h, mask=store_commit & (cols < K)[None, :])
                 committed = committed + (h.to(tl.float32),)
             hs = committed
         if DO_VERIFY and STATE_DOT:
@@ -397,8 +425,14 @@ def _gated_step_kernel(
                     h = _in_accumulator_layout(h)
                     if STATE_PRODUCTS != "3xbf16":
                         h = _tf32_operand_order(h)
-                products = products + (_state_products(h, kq, acc_kq[g], STATE_PRODUCTS),)
-            acc_kq = products
+                if LAGGED_PRODUCTS:
+                    products = products + (_operand_pieces(h, kq, STATE_PRODUCTS),)
+                else:
+                    products = products + (_state_products(h, kq, acc_kq[g], STATE_PRODUCTS),)
+            if LAGGED_PRODUCTS:
+                lagged = products
+            else:
+                acc_kq = products
         if DO_VERIFY and not STATE_DOT:
             h = hs[0]
             new_k = ()
@@ -500,7 +534,7 @@ def _gated_step_kernel(
 # Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1.
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
-                         heads_per_program=1, split_in_mma_layout=False)
+                         heads_per_program=1, split_in_mma_layout=False, lagged_products=False)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 SMALL_BATCH = 8
 
@@ -582,6 +616,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     heads = launch["heads_per_program"]
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
+    assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
@@ -617,6 +652,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
         PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
         SPLIT_IN_MMA_LAYOUT=launch["split_in_mma_layout"] and launch["state_dot"] and do_verify,
+        LAGGED_PRODUCTS=launch["lagged_products"] and launch["state_dot"] and do_verify,
         STATE_PRODUCTS=_state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
                                             launch["split_state_tf32"], launch["split_state_bf16"]),
         **options,
@@ -660,6 +696,7 @@ def gdn_step_triton(
     split_state_bf16: bool | None = None,
     heads_per_program: int | None = None,
     split_in_mma_layout: bool | None = None,
+    lagged_products: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -691,7 +728,10 @@ def gdn_step_triton(
     `split_in_mma_layout` (with `state_dot`): each committed chunk changes layout once, into the tensor cores'
     accumulator layout (`_in_accumulator_layout`: one round trip through shared memory, half the bytes of 2xTF32's
     two), and the products' operand pieces are split from it in registers (tf32 pieces in a column order that needs
-    no data movement, `_tf32_operand_order`; 16-bit pieces as they are).
+    no data movement, `_tf32_operand_order`; 16-bit pieces as they are). `lagged_products` (with `state_dot`; not
+    with `split_in_mma_layout`): each chunk's products one loop iteration later, from its operand pieces carried
+    through the loop, which the tensor cores read from shared memory (one store per piece, no load back into
+    registers); one more iteration.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -700,7 +740,7 @@ def gdn_step_triton(
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
                    split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
-                   split_in_mma_layout=split_in_mma_layout)
+                   split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products)
 
 
 def gdn_commit_triton(
