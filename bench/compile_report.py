@@ -39,7 +39,7 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
     const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
                  BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
                  DO_VERIFY=verify, HAS_PENDING=pending,
-                 **{"G": 1, "STATE_PRODUCTS": "tf32" if state_dtype == "bf16" else "tf32x3", **variant})  # q/k/v are bf16 here
+                 **{"G": 1, "SPLIT_IN_MMA_LAYOUT": False, "LAGGED_PRODUCTS": False, "STATE_PRODUCTS": "tf32" if state_dtype == "bf16" else "tf32x3", **variant})  # q/k/v are bf16 here
     sig = {}
     for name in names:
         if name in const:
@@ -94,10 +94,48 @@ def analyse(compiled):
             "STG.E.128", "STG.E.64", "STG.E", "LDL", "STL", "MUFU.EX2", "HMMA", "HGMMA")
     mix = {k: sum(v for op, v in ops.items() if op == k or op.startswith(k + ".") and k in ("STS", "LDS", "HMMA", "HGMMA"))
            for k in keys}
+    loop_ir = _state_loop_ttgir(ttgir)
     return dict(regs=int(regs.group(1)) if regs else None, stack=int(stack.group(1)) if stack else None,
                 shared=int(shared.group(1)) if shared else None, local=int(local.group(1)) if local else None,
                 convert_layout=ttgir.count("ttg.convert_layout"), local_alloc=ttgir.count("ttg.local_alloc"),
-                sass_total=sum(ops.values()), mix=mix)
+                sass_total=sum(ops.values()), mix=mix,
+                loop=dict(convert_layout=loop_ir.count("ttg.convert_layout"),
+                          local_alloc=loop_ir.count("ttg.local_alloc"), local_load=loop_ir.count("ttg.local_load"),
+                          sass=_state_loop_sass_mix(sass)))
+
+
+def _state_loop_ttgir(ttgir):
+    """The body of the largest scf.for (the state loop: the others are the solve's short one and unrolled ones)."""
+    lines = ttgir.splitlines()
+    bodies = []
+    for start, line in enumerate(lines):
+        if "scf.for" in line:
+            depth = 0
+            for end in range(start, len(lines)):
+                depth += lines[end].count("{") - lines[end].count("}")
+                if depth <= 0 and end > start:
+                    break
+            bodies.append("\n".join(lines[start:end + 1]))
+    return max(bodies, key=len, default="")
+
+
+def _state_loop_sass_mix(sass):
+    """Shared-memory, global and tensor-core instructions between the target and the source of the largest
+    backward branch (the state loop), per thread and iteration."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = [(int(t.group(1), 16), addr) for addr, op, rest in ins if op.startswith("BRA")
+             for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < addr]
+    if not loops:
+        return {}
+    first, last = max(loops, key=lambda loop: loop[1] - loop[0])
+    ops = collections.Counter(op for addr, op, _ in ins if first <= addr <= last)
+    prefixes = ("STS", "LDS", "STSM", "LDSM", "SHFL", "LDG", "STG", "HGMMA", "BAR", "MEMBAR")
+    mix = {op: n for op, n in sorted(ops.items()) if op.startswith(prefixes)}
+    return dict(total=sum(ops.values()), **mix)
 
 
 def main():

@@ -231,20 +231,27 @@ def _dot(block_k, num_warps, prefetch, **variant):
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
 BF16_SPLIT = dict(split_state_bf16=True)  # 3xBF16 (fp32 states; bf16 q/k)
 TWO_HEADS = dict(heads_per_program=2)
+MMA_SPLIT = dict(split_in_mma_layout=True)  # one layout change per chunk, the pieces split in registers
+LAGGED = dict(lagged_products=True)  # the pieces carried one iteration, read by the tensor cores from shared memory
 
 # candidates, timed at the tuning batches and speculative lengths (first = the launch default at large batches, also
 # checked against the compiled kernel); the fastest correct one per (state, T, small/large batch) serves the rows.
 # Registers from the sm_90 offline compile (bench/compile_report.py, fused): fp32 T=4 32/8/1 2xTF32 123 (tf32x3 109),
 # 16/8/1 2xTF32 80, two heads 16/8/1 2xTF32 128; fp32 T=8 32/8/1 2xTF32 184 (1 program per SM), 16/8/1 2xTF32 112
 # (2). bf16 T=4 64/8/1 161, 64/4/1 236, two heads 32/4/1 245; bf16 T=8 64/8/1 234, 32/8/1 138, 16/8/1 94.
+# Split in the accumulator layout (MMA_SPLIT, fp32 T=4 32/8/1): 2xTF32 124, 3xBF16 127 (in the load's layout 121);
+# per chunk 16 KiB stored + 16 KiB loaded through shared memory instead of 2xTF32's 32 + 32 (3xBF16's 24 + 24).
+# Lagged 2xTF32 (LAGGED) 121: 32 KiB stored, no loads back (the tensor cores read the 32 KiB), 5 iterations.
 # Dropped after 2026-12-01 (lost at B=64 and B=1, `results/2026-12-01/device/gated.json`): fp32 32/8/2, two heads
 # 16/8/1 tf32x3 and 32/8/1 2xTF32; bf16 one row per thread (8/4/2), two heads 16/8/1 and 32/8/1. Earlier: fp32
 # 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums. After 2026-12-01b
 # (`results/2026-12-01b/device/gated.json`): CUDA-core products with [V, BK] partial sums, 16/8/1 and 32/8/1 (fp32
-# B=64: 292 / 245 vs 159.5 us; bf16 B=1: 16.9 / 13.3 vs 12.5).
+# B=64: 292 / 245 vs 159.5 us; bf16 B=1: 16.9 / 13.3 vs 12.5); fp32 32/8/1 tf32x3 (164.2) and 16/8/1 2xTF32 (210.8),
+# second losses.
 CONFIGS = {
-    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, split_state_tf32=False), _dot(16, 8, 1, **SPLIT),
-             _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(32, 8, 1, **BF16_SPLIT), _dot(16, 8, 1, **BF16_SPLIT)],
+    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT), _dot(32, 8, 1, **SPLIT, **LAGGED),
+             _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT), _dot(16, 8, 1, **SPLIT, **TWO_HEADS),
+             _dot(32, 8, 1, **BF16_SPLIT), _dot(16, 8, 1, **BF16_SPLIT)],
     "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
 }
 

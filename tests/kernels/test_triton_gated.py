@@ -23,7 +23,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is rounded once on the way out
 SPARE_SLOTS = 2
 # the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 and 3xBF16 (where q/k are bf16),
-# two value heads per program (where HV = 2H)
+# two value heads per program (where HV = 2H), the operands split in the accumulator layout (tf32 / tf32x3, 2xTF32,
+# 3xBF16), the products one iteration late (2xTF32, 3xBF16 with two heads)
 VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
@@ -31,7 +32,13 @@ VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, heads_per_program=2),
             dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_tf32=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True)]
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_in_mma_layout=True),
+            dict(block_k=32, state_dot=True, late_node_terms=True, split_state_tf32=True, split_in_mma_layout=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True, split_in_mma_layout=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, lagged_products=True),
+            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_bf16=True,
+                 lagged_products=True)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 
@@ -297,18 +304,20 @@ def test_state_products_mode():
 @given(batch=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=1, max_size=3),
        seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
 @pytest.mark.parametrize("split", ["split_state_tf32", "split_state_bf16"])
-def test_split_state(split, batch, seed, gate_scale):
-    """2xTF32 or 3xBF16 (fp32 state, raw bf16 q/k): outputs and u vs the fp64 reference at the fp32 tolerance, and u
-    within 2e-7 of the one-pass fp32 products (the interpreter runs every dot in fp32), the bounds of
-    `_state_products` (2^-22, 2^-27 per product) with room for the fp32 sums: both measure 3-7e-8 here, a split into
-    two bf16 pieces (2^-18) 3-8e-7."""
+@pytest.mark.parametrize("operands", [{}, dict(split_in_mma_layout=True), dict(lagged_products=True)])
+def test_split_state(split, operands, batch, seed, gate_scale):
+    """2xTF32 or 3xBF16 (fp32 state, raw bf16 q/k), the pieces split in the load's layout, in the accumulator layout
+    (tf32 pieces there with reordered columns) or one iteration ahead of their products: outputs and u vs the fp64
+    reference at the fp32 tolerance, and u within 2e-7 of the one-pass fp32 products (the interpreter runs every dot
+    in fp32), the bounds of `_state_products` (2^-22, 2^-27 per product) with room for the fp32 sums: both measure
+    3-7e-8 here, a split into two bf16 pieces (2^-18) 3-8e-7."""
     packed, inputs, pool, slots = gated_inputs(batch, 2, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
     state = pool.float().to(DEVICE)
     h0 = state.cpu().clone()
     factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
     before = factors.clone()
     launch = dict(block_k=16, state_dot=True, late_node_terms=True)
-    out = run_step(packed, inputs, state, slots, 2, factors, **{split: True}, **launch)
+    out = run_step(packed, inputs, state, slots, 2, factors, **{split: True}, **operands, **launch)
     check_step(packed, inputs, h0, slots, batch, 2, out, factors, before, TOLERANCE[torch.float32],
                OUT_TOLERANCE_BF16)
     exact_factors = before.clone()

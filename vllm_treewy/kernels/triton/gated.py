@@ -99,6 +99,34 @@ def _round_tf32(x):
 
 
 @triton.jit
+def _in_accumulator_layout(h):
+    """h [V, BK] fp32, the same values in the tensor cores' accumulator layout: the accumulator of a product of
+    zeros (h + 0, exact). With `split_in_mma_layout` the chunk changes layout once here, and the state products'
+    operands are split from it in registers (16-bit pieces as they are, tf32 ones after `_tf32_operand_order`)
+    instead of each piece's own round trip through shared memory into the operand layout."""
+    zeros_a = tl.zeros([h.shape[0], 16], dtype=tl.bfloat16)
+    zeros_b = tl.zeros([16, h.shape[1]], dtype=tl.bfloat16)
+    return tl.dot(zeros_a, zeros_b, h)
+
+
+@triton.jit
+def _tf32_operand_order(h):
+    """h [V, BK] in the accumulator layout with its columns reordered in each block of 8, 2t + e -> 4e + t: there a
+    thread holds columns 2t and 2t + 1 of a block, in a tf32 operand columns t and t + 4, so the reordered chunk is
+    the operand with no data movement. The q/k rows take the same order (`_tf32_operand_columns`): the products sum
+    over the columns, in any order."""
+    V: tl.constexpr = h.shape[0]
+    BK: tl.constexpr = h.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(h, [V, BK // 8, 4, 2]), (0, 1, 3, 2)), [V, BK])
+
+
+@triton.jit
+def _tf32_operand_columns(c):
+    """The chunk column that column c of `_tf32_operand_order`'s result holds: 8j + 4e + t -> 8j + 2t + e."""
+    return 8 * (c // 8) + 2 * (c % 4) + (c // 4) % 2
+
+
+@triton.jit
 def _state_products(h, kq, acc, STATE_PRODUCTS: tl.constexpr):
     """acc + h @ kq on the tensor cores, h [V, BK] a state chunk in fp32, kq [BK, NQ] raw q/k columns in fp32.
 
@@ -115,24 +143,39 @@ def _state_products(h, kq, acc, STATE_PRODUCTS: tl.constexpr):
     pieces before it left (exact differences in fp32), |e| <= 2^-9 |h - h_1 - h_2| <= 2^-27 |h|; each product
     h_j k is exact in fp32 (8 + 8 significant bits): within 2^-27 of the exact products, below fp32's own 2^-24.
     Three bf16 passes (half the bytes of a tf32 operand in shared memory, twice the tensor-core rate of tf32).
-    "tf32x3": q/k in fp32, not exact in tf32."""
-    if STATE_PRODUCTS == "tf32":
-        acc = tl.dot(h, kq, acc, input_precision="tf32")
-    elif STATE_PRODUCTS == "2xtf32":
+    "tf32x3": q/k in fp32, not exact in tf32.
+    `_operand_pieces` splits, `_piece_products` multiplies."""
+    pieces, kq_operand = _operand_pieces(h, kq, STATE_PRODUCTS)
+    return _piece_products(pieces, kq_operand, acc, STATE_PRODUCTS)
+
+
+@triton.jit
+def _operand_pieces(h, kq, STATE_PRODUCTS: tl.constexpr):
+    """(the state chunk's operand pieces, the small parts first; the q/k operand) of `_state_products`."""
+    if STATE_PRODUCTS == "2xtf32":
         h_hi = _round_tf32(h)
-        acc = tl.dot(_round_tf32(h - h_hi), kq, acc, input_precision="tf32")  # the small part first
-        acc = tl.dot(h_hi, kq, acc, input_precision="tf32")
+        pieces = (_round_tf32(h - h_hi), h_hi)
     elif STATE_PRODUCTS == "3xbf16":
-        k_bf16 = kq.to(tl.bfloat16)  # exact: the raw bf16 values
+        kq = kq.to(tl.bfloat16)  # exact: the raw bf16 values
         h_1 = h.to(tl.bfloat16)
         rest = h - h_1.to(tl.float32)
         h_2 = rest.to(tl.bfloat16)
-        h_3 = (rest - h_2.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(h_3, k_bf16, acc)  # the small parts first
-        acc = tl.dot(h_2, k_bf16, acc)
-        acc = tl.dot(h_1, k_bf16, acc)
+        pieces = ((rest - h_2.to(tl.float32)).to(tl.bfloat16), h_2, h_1)
     else:
-        acc = tl.dot(h, kq, acc, input_precision="tf32x3")
+        pieces = (h,)
+    return pieces, kq
+
+
+@triton.jit
+def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
+    """acc + sum over the pieces of piece @ kq (`_operand_pieces`)."""
+    for i in tl.static_range(len(pieces)):
+        if STATE_PRODUCTS == "3xbf16":
+            acc = tl.dot(pieces[i], kq, acc)
+        elif STATE_PRODUCTS == "tf32x3":
+            acc = tl.dot(pieces[i], kq, acc, input_precision="tf32x3")
+        else:
+            acc = tl.dot(pieces[i], kq, acc, input_precision="tf32")
     return acc
 
 
@@ -212,6 +255,7 @@ def _gated_step_kernel(
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
+    SPLIT_IN_MMA_LAYOUT: tl.constexpr, LAGGED_PRODUCTS: tl.constexpr,
 ):
     # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
     # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
@@ -316,13 +360,30 @@ def _gated_step_kernel(
                     acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
                     acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
     if DO_VERIFY and STATE_DOT:  # the [BK, NQ] q/k chunks travel with the state chunks: off the loop's critical path
+        if SPLIT_IN_MMA_LAYOUT and STATE_PRODUCTS != "3xbf16":  # in the state operand's column order
+            o_kq = _tf32_operand_columns(o_kc)
+        else:
+            o_kq = o_kc
         ahead_kq = ()
         for j in tl.static_range(PREFETCH):
-            ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kc)[:, None],
+            ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kq)[:, None],
                                            mask=kq_ok[None, :] & (j * BK < K), other=0.0),)
+    # LAGGED_PRODUCTS: a chunk's products come one iteration later (one more iteration, the first on zero pieces),
+    # from its operand pieces carried through the loop: a loop-carried operand goes to the tensor cores from shared
+    # memory (one store per piece), not back through shared memory into registers
+    if DO_VERIFY and LAGGED_PRODUCTS:
+        lagged = ()
+        for g in tl.static_range(G):
+            lagged = lagged + (_operand_pieces(tl.zeros([V, BK], dtype=tl.float32),
+                                               tl.zeros([BK, NQ], dtype=tl.float32), STATE_PRODUCTS),)
     # a loop, not unrolled: unrolled, the compiler hoists the small q/k loads of many chunks and runs out of
     # registers; in flight stay the PREFETCH chunks ahead
-    for i_k in tl.range(0, K // BK):
+    for i_k in tl.range(0, K // BK + LAGGED_PRODUCTS):
+        if DO_VERIFY and LAGGED_PRODUCTS:
+            products = ()
+            for g in tl.static_range(G):
+                products = products + (_piece_products(lagged[g][0], lagged[g][1], acc_kq[g], STATE_PRODUCTS),)
+            acc_kq = products
         cols = i_k * BK + o_kc
         hs = ()
         for g in tl.static_range(G):
@@ -339,19 +400,19 @@ def _gated_step_kernel(
             rest = ()
             for j in tl.static_range(1, PREFETCH):
                 rest = rest + (ahead_kq[j],)
-            ahead_kq = rest + (tl.load(kq_row[None, :] + (cols + PREFETCH * BK)[:, None],
+            ahead_kq = rest + (tl.load(kq_row[None, :] + ((i_k + PREFETCH) * BK + o_kq)[:, None],
                                        mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             p_k = ()
             for d in tl.static_range(PENDING_ROWS):
-                p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d], other=0.0),)
+                p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d] & (cols < K), other=0.0),)
             committed = ()
             for g in tl.static_range(G):
                 h = p_root[g] * hs[g]
                 for d in tl.static_range(PENDING_ROWS):
                     h += p_wu[d * G + g][:, None] * p_k[d][None, :]
                 h = h.to(state.dtype.element_ty)
-                tl.store(p_state[g] + cols[None, :], h, mask=store_commit)
+                tl.store(p_state[g] + cols[None, :], h, mask=store_commit & (cols < K)[None, :])
                 committed = committed + (h.to(tl.float32),)
             hs = committed
         if DO_VERIFY and STATE_DOT:
@@ -359,8 +420,19 @@ def _gated_step_kernel(
             # operand
             products = ()
             for g in tl.static_range(G):
-                products = products + (_state_products(hs[g], kq, acc_kq[g], STATE_PRODUCTS),)
-            acc_kq = products
+                h = hs[g]
+                if SPLIT_IN_MMA_LAYOUT:
+                    h = _in_accumulator_layout(h)
+                    if STATE_PRODUCTS != "3xbf16":
+                        h = _tf32_operand_order(h)
+                if LAGGED_PRODUCTS:
+                    products = products + (_operand_pieces(h, kq, STATE_PRODUCTS),)
+                else:
+                    products = products + (_state_products(h, kq, acc_kq[g], STATE_PRODUCTS),)
+            if LAGGED_PRODUCTS:
+                lagged = products
+            else:
+                acc_kq = products
         if DO_VERIFY and not STATE_DOT:
             h = hs[0]
             new_k = ()
@@ -462,7 +534,7 @@ def _gated_step_kernel(
 # Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1.
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
-                         heads_per_program=1)
+                         heads_per_program=1, split_in_mma_layout=False, lagged_products=False)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 SMALL_BATCH = 8
 
@@ -544,6 +616,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     heads = launch["heads_per_program"]
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
+    assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
@@ -578,6 +651,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
         PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
         PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
+        SPLIT_IN_MMA_LAYOUT=launch["split_in_mma_layout"] and launch["state_dot"] and do_verify,
+        LAGGED_PRODUCTS=launch["lagged_products"] and launch["state_dot"] and do_verify,
         STATE_PRODUCTS=_state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
                                             launch["split_state_tf32"], launch["split_state_bf16"]),
         **options,
@@ -620,6 +695,8 @@ def gdn_step_triton(
     split_state_tf32: bool | None = None,
     split_state_bf16: bool | None = None,
     heads_per_program: int | None = None,
+    split_in_mma_layout: bool | None = None,
+    lagged_products: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -648,6 +725,13 @@ def gdn_step_triton(
     `heads_per_program` (1 or 2; divides HV // H; with `state_dot`): one program verifies that many value heads of
     one key head for one request, sharing the q/k chunks, the key norms and Gram matrices and the pending key rows;
     half the programs at 2.
+    `split_in_mma_layout` (with `state_dot`): each committed chunk changes layout once, into the tensor cores'
+    accumulator layout (`_in_accumulator_layout`: one round trip through shared memory, half the bytes of 2xTF32's
+    two), and the products' operand pieces are split from it in registers (tf32 pieces in a column order that needs
+    no data movement, `_tf32_operand_order`; 16-bit pieces as they are). `lagged_products` (with `state_dot`; not
+    with `split_in_mma_layout`): each chunk's products one loop iteration later, from its operand pieces carried
+    through the loop, which the tensor cores read from shared memory (one store per piece, no load back into
+    registers); one more iteration.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -655,7 +739,8 @@ def gdn_step_triton(
                    activation=activation, ancestors=ancestors, out=out, do_verify=True, block_k=block_k,
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
-                   split_state_bf16=split_state_bf16, heads_per_program=heads_per_program)
+                   split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
+                   split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products)
 
 
 def gdn_commit_triton(
