@@ -224,6 +224,10 @@ def slot_factors(num_slots, tokens):
 # tf32x3, 2xTF32 and 3xBF16 (fp32 states; a bf16 state runs its one exact pass) and two value heads per program
 GATED_VARIANTS = {
     "default": {},
+    "split_in_mma_layout": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
+                                split_state_tf32=True, split_in_mma_layout=True),
+    "lagged_products": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
+                            split_state_tf32=True, lagged_products=True),
     "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True, state_dot=False),
     "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=False),
     "split": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True),
