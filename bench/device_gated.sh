@@ -1,7 +1,8 @@
 # One device call (H200): bench, the gated GPU tests, optionally one ncu profile. Run from a checkout root that
 # holds .gpu-vllm (carry it):  bash bench/device_gated.sh  (this tree), or with another tree copied under it,
 # bash .scratch/kernels/bench/device_gated.sh (that tree's code runs: the script changes to its own tree).
-# Env: BENCH_ARGS, BENCH_TIMEOUT, SKIP_BENCH, SKIP_TESTS, TEST_TIMEOUT, NCU_TIMEOUT, NCU ("fp32 4 64 '{json config}'").
+# Env: BENCH_ARGS, BENCH_TIMEOUT, SKIP_BENCH, SKIP_TESTS, TEST_TIMEOUT, NCU_TIMEOUT, NCU ("fp32 4 64 '{json config}'"),
+# NCU_SOURCE (the same arguments: a full profile with per-instruction stall samples, ncu_source.csv).
 set -o pipefail
 source .gpu-vllm/device-setup.sh
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,4 +26,12 @@ if [ -n "$NCU" ]; then
     --section WarpStateStats --section ComputeWorkloadAnalysis python3 bench/profile_gated.py $NCU" > $OUT/ncu.txt 2>&1
   grep -E "Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Duration|Warp Cycles Per Issued" \
     $OUT/ncu.txt | head -12
+fi
+if [ -n "$NCU_SOURCE" ]; then
+  # where the warps stall, per SASS instruction (the source page of a full profile, as CSV): same launch as NCU's
+  eval "timeout ${NCU_TIMEOUT:-60} ncu --clock-control none -k regex:_gated_step_kernel --launch-skip 6 --launch-count 1 \
+    --set full --import-source yes -f -o $OUT/gated_source python3 bench/profile_gated.py $NCU_SOURCE" \
+    > $OUT/ncu_source.log 2>&1
+  ncu -i $OUT/gated_source.ncu-rep --page source --csv --print-source sass > $OUT/ncu_source.csv 2>>$OUT/ncu_source.log
+  ls -la $OUT/gated_source.ncu-rep $OUT/ncu_source.csv; tail -3 $OUT/ncu_source.log
 fi
