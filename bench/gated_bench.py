@@ -229,7 +229,7 @@ def _dot(block_k, num_warps, prefetch, **variant):
 
 
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
-BF16_SPLIT = dict(split_state_bf16=True)  # 3xBF16 (fp32 states; bf16 q/k)
+BF16_SPLIT = dict(split_state_bf16=True)  # bf16 pieces: 3xBF16 (fp32 states), one exact pass (bf16 states)
 TWO_HEADS = dict(heads_per_program=2)
 MMA_SPLIT = dict(split_in_mma_layout=True)  # one layout change per chunk, the pieces split in registers
 LAGGED = dict(lagged_products=True)  # the pieces carried one iteration, read by the tensor cores from shared memory
@@ -252,7 +252,8 @@ CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT), _dot(32, 8, 1, **SPLIT, **LAGGED),
              _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT), _dot(16, 8, 1, **SPLIT, **TWO_HEADS),
              _dot(32, 8, 1, **BF16_SPLIT), _dot(16, 8, 1, **BF16_SPLIT)],
-    "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
+    "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(32, 4, 1, **TWO_HEADS, **BF16_SPLIT), _dot(64, 8, 1, **BF16_SPLIT),
+             _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
 }
 
 

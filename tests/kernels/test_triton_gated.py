@@ -295,7 +295,9 @@ def test_state_products_mode():
     assert mode(torch.float32, torch.bfloat16, False, False) == "tf32x3"
     assert mode(torch.float32, torch.float32, True, True) == "tf32x3"  # fp32 q/k: not exact in tf32, stays tf32x3
     assert mode(torch.bfloat16, torch.float32, True, False) == "tf32x3"
-    assert mode(torch.bfloat16, torch.bfloat16, True, True) == "tf32"
+    assert mode(torch.bfloat16, torch.bfloat16, True, False) == "tf32"
+    assert mode(torch.bfloat16, torch.bfloat16, True, True) == "bf16"  # a bf16 state's one bf16 piece
+    assert mode(torch.float16, torch.bfloat16, False, True) == "tf32"  # an fp16 state is not exact in bf16
     assert mode(torch.float32, torch.bfloat16, True, True) == "3xbf16"  # asked for: wins over the default's split
     assert mode(torch.float32, torch.float16, False, True) == "tf32x3"  # fp16 q/k are not exact in bf16
 
@@ -325,6 +327,27 @@ def test_split_state(split, operands, batch, seed, gate_scale):
     u = split_slot_factors(factors.cpu(), 4, 32, 32)[2]
     u_exact = split_slot_factors(exact_factors.cpu(), 4, 32, 32)[2]
     assert within(u, u_exact.double(), 2e-7)
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
+@pytest.mark.parametrize("operands", [{}, dict(split_in_mma_layout=True), dict(lagged_products=True)])
+def test_bf16_state_one_bf16_pass(operands, batch, seed, gate_scale):
+    """A bf16 state with bf16 q/k and `split_state_bf16`: one bf16 pass, exact products as the one tf32 pass (the
+    interpreter runs both dots in fp32): outputs and factor rows as the tf32 pass's, and vs the fp64 reference."""
+    packed, inputs, pool, slots = gated_inputs(batch, 2, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
+    state = pool.to(torch.bfloat16).to(DEVICE)
+    factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
+    before = factors.clone()
+    launch = dict(block_k=16, state_dot=True, late_node_terms=True)
+    out = run_step(packed, inputs, state, slots, 2, factors, split_state_bf16=True, **operands, **launch)
+    check_step(packed, inputs, state.cpu(), slots, batch, 2, out, factors, before, TOLERANCE[torch.bfloat16],
+               OUT_TOLERANCE_BF16)
+    tf32_factors = before.clone()
+    tf32_out = run_step(packed, inputs, state, slots, 2, tf32_factors, **launch)
+    assert within(out.cpu(), tf32_out.cpu().double(), 1e-6)
+    assert within(factors.cpu(), tf32_factors.cpu().double(), 1e-6)
 
 
 @settings(max_examples=4, deadline=None)

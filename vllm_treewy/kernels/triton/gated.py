@@ -20,8 +20,8 @@ half the programs (on the H200 the 16-bit-state default for large batches; slowe
   tf32 pass when the state and q/k are bf16 (exact products), tf32x3 (hi + lo parts) for an fp32 state (~fp32:
   measured 1-2e-7 on u and the committed state at K=128 against fp64), or with `split_state_tf32` two tf32 passes
   (2xTF32: the state's hi and lo parts against the raw bf16 q/k, which are exact in tf32; the fp32 default since
-  2026-12-01), or with `split_state_bf16` three bf16 passes (the state in three bf16 pieces; not yet timed on a
-  GPU); `_state_products`. The [BK, 16] q/k chunks are prefetched with the state chunks.
+  2026-12-01), or with `split_state_bf16` bf16 passes (an fp32 state in three bf16 pieces: 160.0 vs 2xTF32's 159.5
+  us at B=64, 2026-12-01; a bf16 state in one, exact, not yet timed); `_state_products`. The [BK, 16] q/k chunks are prefetched with the state chunks.
 - one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
   (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
@@ -143,6 +143,7 @@ def _state_products(h, kq, acc, STATE_PRODUCTS: tl.constexpr):
     pieces before it left (exact differences in fp32), |e| <= 2^-9 |h - h_1 - h_2| <= 2^-27 |h|; each product
     h_j k is exact in fp32 (8 + 8 significant bits): within 2^-27 of the exact products, below fp32's own 2^-24.
     Three bf16 passes (half the bytes of a tf32 operand in shared memory, twice the tensor-core rate of tf32).
+    "bf16" (a bf16 state with bf16 q/k): "3xbf16"'s one piece, as exact as "tf32" at half its operand bytes.
     "tf32x3": q/k in fp32, not exact in tf32.
     `_operand_pieces` splits, `_piece_products` multiplies."""
     pieces, kq_operand = _operand_pieces(h, kq, STATE_PRODUCTS)
@@ -155,6 +156,9 @@ def _operand_pieces(h, kq, STATE_PRODUCTS: tl.constexpr):
     if STATE_PRODUCTS == "2xtf32":
         h_hi = _round_tf32(h)
         pieces = (_round_tf32(h - h_hi), h_hi)
+    elif STATE_PRODUCTS == "bf16":
+        kq = kq.to(tl.bfloat16)  # exact: the raw bf16 values
+        pieces = (h.to(tl.bfloat16),)  # exact: a bf16 state's values
     elif STATE_PRODUCTS == "3xbf16":
         kq = kq.to(tl.bfloat16)  # exact: the raw bf16 values
         h_1 = h.to(tl.bfloat16)
@@ -170,7 +174,7 @@ def _operand_pieces(h, kq, STATE_PRODUCTS: tl.constexpr):
 def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
     """acc + sum over the pieces of piece @ kq (`_operand_pieces`)."""
     for i in tl.static_range(len(pieces)):
-        if STATE_PRODUCTS == "3xbf16":
+        if STATE_PRODUCTS == "3xbf16" or STATE_PRODUCTS == "bf16":
             acc = tl.dot(pieces[i], kq, acc)
         elif STATE_PRODUCTS == "tf32x3":
             acc = tl.dot(pieces[i], kq, acc, input_precision="tf32x3")
@@ -360,7 +364,7 @@ def _gated_step_kernel(
                     acc_k = acc_k + (tl.zeros([V, BK], dtype=tl.float32),)
                     acc_q = acc_q + (tl.zeros([V, BK], dtype=tl.float32),)
     if DO_VERIFY and STATE_DOT:  # the [BK, NQ] q/k chunks travel with the state chunks: off the loop's critical path
-        if SPLIT_IN_MMA_LAYOUT and STATE_PRODUCTS != "3xbf16":  # in the state operand's column order
+        if SPLIT_IN_MMA_LAYOUT and STATE_PRODUCTS != "3xbf16" and STATE_PRODUCTS != "bf16":  # tf32 operand order
             o_kq = _tf32_operand_columns(o_kc)
         else:
             o_kq = o_kc
@@ -423,7 +427,7 @@ def _gated_step_kernel(
                 h = hs[g]
                 if SPLIT_IN_MMA_LAYOUT:
                     h = _in_accumulator_layout(h)
-                    if STATE_PRODUCTS != "3xbf16":
+                    if STATE_PRODUCTS != "3xbf16" and STATE_PRODUCTS != "bf16":
                         h = _tf32_operand_order(h)
                 if LAGGED_PRODUCTS:
                     products = products + (_operand_pieces(h, kq, STATE_PRODUCTS),)
@@ -564,9 +568,12 @@ EXACT_IN_TF32 = (torch.bfloat16, torch.float16)
 
 def _state_products_mode(state_dtype, qkv_dtype, split_state_tf32: bool, split_state_bf16: bool) -> str:
     """How the tensor cores form the products with the state (`_state_products`): one tf32 pass where both operands
-    are exact in tf32; where only the state is not, its split into three bf16 pieces (bf16 q/k; asked for, it wins
-    over the default's tf32 split) or two tf32 pieces if asked for; else tf32x3."""
+    are exact in tf32 (one bf16 pass where both are bf16 and `split_state_bf16` asks for bf16 pieces); where only the
+    state is not, its split into three bf16 pieces (bf16 q/k; asked for, it wins over the default's tf32 split) or
+    two tf32 pieces if asked for; else tf32x3."""
     if qkv_dtype in EXACT_IN_TF32:
+        if state_dtype == torch.bfloat16 and qkv_dtype == torch.bfloat16 and split_state_bf16:
+            return "bf16"
         if state_dtype in EXACT_IN_TF32:
             return "tf32"
         if split_state_bf16 and qkv_dtype == torch.bfloat16:
@@ -721,7 +728,7 @@ def gdn_step_triton(
     load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8). `split_state_tf32`: with
     `state_dot`, an fp32 state and bf16/fp16 q/k, two tf32 passes (the state split into tf32 hi and lo parts, q/k
     exact) instead of tf32x3's three; relative error of each product 2^-22 (`_state_products`). `split_state_bf16`:
-    the same with bf16 q/k, three bf16 passes (2^-27).
+    the same with bf16 q/k, three bf16 passes (2^-27); for a bf16 state, one bf16 pass (exact products).
     `heads_per_program` (1 or 2; divides HV // H; with `state_dot`): one program verifies that many value heads of
     one key head for one request, sharing the q/k chunks, the key norms and Gram matrices and the pending key rows;
     half the programs at 2.
