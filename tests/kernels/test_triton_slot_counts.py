@@ -1,12 +1,13 @@
 """The per-step count updates of the GDN slots: the one-launch kernels equal their torch twins and the per-row
 semantics of `vllm_plugin.step_metadata` / `accepted_counts`, on random batches: null-block rows (captures,
 padding), strided slot columns and counts (the count state lives inside each slot's KV-cache page), slots that a
-non-speculative row takes over, and stale block-table rows past the batch."""
+non-speculative row takes over, and stale block-table rows past the batch. And one compiled variant per kernel."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.kernels.triton.slot_counts import (
     commit_nodes_and_counts_torch,
     commit_nodes_and_counts_triton,
@@ -15,6 +16,7 @@ from vllm_treewy.kernels.triton.slot_counts import (
     record_accepted_counts_triton,
 )
 
+from .test_jit_variants import specialization_key
 from .triton_cases import DEVICE
 
 NULL_BLOCK = 0
@@ -150,3 +152,35 @@ def _block_table(slots: list[int], width: int) -> torch.Tensor:
     table = torch.full((len(slots), width), 1000, dtype=torch.int32)  # other columns: blocks no row may touch
     table[:, 0] = torch.tensor(slots, dtype=torch.int32)
     return table
+
+
+class _Launches:
+    """Stands in for a kernel: records each launch's (grid, args, kwargs) instead of running it."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs, None))
+
+
+def test_one_compiled_variant_whatever_the_batch(monkeypatch):
+    """Both kernels run every step outside the graphs: a batch of a new size, stride or buffer offset must not
+    compile a new variant in the middle of serving (Triton's key: dtypes, alignment, ints == 1 or % 16)."""
+    kernels = {name: getattr(slot_counts, name) for name in ("_commit_nodes_kernel", "_record_accepted_counts_kernel")}
+    launches = {name: _Launches() for name in kernels}
+    for name, recorder in launches.items():
+        monkeypatch.setattr(slot_counts, name, recorder)
+    for rows in (1, 3, 16, 17, 128, 300):
+        for offset in (0, 1):  # a slice at an odd offset of a larger buffer
+            counts = torch.zeros(64, 3, dtype=torch.int32)[:, 2]
+            table = torch.zeros(rows + offset, 1 + offset, dtype=torch.int32)[offset:]
+            buffer = torch.zeros(rows + 1 + offset, dtype=torch.int32)[offset:]
+            commit_nodes_and_counts_triton(counts, table[:, 0], buffer, buffer[:rows], buffer[1:], None, NULL_BLOCK)
+            commit_nodes_and_counts_triton(counts, None, None, None, None, table[:, 0], NULL_BLOCK)
+            commit_nodes_and_counts_triton(counts, buffer[:rows], buffer, buffer[:rows], buffer[1:], table[:, 0],
+                                           NULL_BLOCK)
+            record_accepted_counts_triton(count_table([(counts, table)] * (1 + offset)), buffer, buffer[1:], rows)
+    for name, kernel in kernels.items():
+        keys = {specialization_key(kernel, launch) for launch in launches[name].launches}
+        assert len(keys) == 1, (name, keys)

@@ -59,8 +59,12 @@ def commit_nodes_and_counts_torch(counts, batch_slots, spec_query_start_loc, slo
         counts.index_fill_(0, non_spec_slots.long(), 0)
 
 
+# One compiled variant per dtype signature: neither row counts, strides nor the buffers' alignment (which a scalar
+# gather never uses) may compile a new one in the middle of serving.
 @triton.jit(do_not_specialize=["counts_stride", "batch_slots_stride", "num_spec_rows", "non_spec_stride",
-                               "num_non_spec_rows"])
+                               "num_non_spec_rows"],
+            do_not_specialize_on_alignment=["counts", "batch_slots", "spec_query_start_loc", "slots", "commit_nodes",
+                                            "non_spec_slots"])
 def _commit_nodes_kernel(
     counts, counts_stride, batch_slots, batch_slots_stride, spec_query_start_loc, slots, commit_nodes, num_spec_rows,
     non_spec_slots, non_spec_stride, num_non_spec_rows, NULL_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
@@ -124,7 +128,8 @@ def record_accepted_counts_torch(groups: Sequence[tuple[torch.Tensor, torch.Tens
         counts[slots] = torch.where(speculative, accepted.to(counts.dtype), counts[slots])
 
 
-@triton.jit(do_not_specialize=["num_groups", "num_rows"])
+@triton.jit(do_not_specialize=["num_groups", "num_rows"],
+            do_not_specialize_on_alignment=["table", "draft_tokens", "accepted"])
 def _record_accepted_counts_kernel(table, num_groups, draft_tokens, accepted, num_rows, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < num_rows
