@@ -6,7 +6,8 @@ and vLLM re-adds it with a count of 1 (`GPUModelRunner._update_states`, `InputBa
 that read it would rebuild the state at the wrong node (`tests/plugin/test_step_metadata.py`). The slot does not
 move, so the count state of the pseudo-value buffer (in vLLM's KV cache) keeps it until the request's next step:
 1 + the accepted node's index in the verified block (chains: vLLM's accepted count; draft trees: written by the
-tree sampler). Device work right after vLLM's own update, no host sync.
+tree sampler). Device work right after vLLM's own update, no host sync; for chains on CUDA one Triton launch for
+every group (`kernels.triton.slot_counts`).
 """
 
 from __future__ import annotations

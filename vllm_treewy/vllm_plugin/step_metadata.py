@@ -11,7 +11,8 @@ commit is never committed into by its next owner.
 Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
 block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
 the tree's one ancestor table. All of it is device work outside the forward (so outside any CUDA graph), with no
-host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata.
+host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata. On CUDA the
+counts and commit nodes are one Triton launch per build (`kernels.triton.slot_counts`), the torch ops elsewhere.
 """
 
 from __future__ import annotations
