@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--strategies", nargs="+", default=["store_all", "reconstruct"])
+    parser.add_argument("--triton", action="store_true",
+                        help="force the one-launch count kernels (CUDA's path; here interpreted, so it times the "
+                             "interpreter, not a launch)")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -78,6 +81,10 @@ def main(argv=None) -> int:
     from vllm_treewy.fixture import build_fixture, fixture_prompts
 
     plugin.register()
+    if args.triton:
+        from vllm_treewy.kernels.triton import slot_counts
+
+        slot_counts.launches_triton = lambda counts: True
     model = str(build_fixture(Path(tempfile.mkdtemp()) / "fixture"))
     prompts = fixture_prompts(AutoTokenizer.from_pretrained(model), args.batch)
     results = {s: profile(s, model, prompts, args) for s in args.strategies}

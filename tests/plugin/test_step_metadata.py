@@ -5,10 +5,12 @@ committed into by the prefill that takes it next, nor by that request's first sp
 import functools
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttentionMetadataBuilder
 
+from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata, with_commit_nodes
 from vllm_treewy.vllm_plugin.tree_sampler import record_accepted_leaves
@@ -16,8 +18,16 @@ from vllm_treewy.vllm_plugin.tree_sampler import record_accepted_leaves
 NUM_SLOTS, MAX_ROWS = 8, 16
 
 
+@pytest.fixture(autouse=True, params=["torch", "triton"])
+def count_updates(request, monkeypatch):
+    """Every test on both paths: the torch ops (CPU) and the one-launch kernel (CUDA; here the interpreter)."""
+    monkeypatch.setattr(slot_counts, "launches_triton", lambda counts: request.param == "triton")
+    return request.param
+
+
 def _builder(full_graphs: bool, widths=None):
-    counts = torch.zeros(NUM_SLOTS, 1, dtype=torch.int32)
+    # the count state inside each slot's KV-cache page, after the slot's other states: strided
+    counts = torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2:]
     layer = SimpleNamespace(kv_cache=(None, None, None, None, counts))
     tree = None if widths is None else DraftTree.from_widths(widths)
     speculative_config = SimpleNamespace(is_draft_tree=tree is not None, draft_tree=tree)

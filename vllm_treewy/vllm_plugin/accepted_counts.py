@@ -6,7 +6,8 @@ and vLLM re-adds it with a count of 1 (`GPUModelRunner._update_states`, `InputBa
 that read it would rebuild the state at the wrong node (`tests/plugin/test_step_metadata.py`). The slot does not
 move, so the count state of the pseudo-value buffer (in vLLM's KV cache) keeps it until the request's next step:
 1 + the accepted node's index in the verified block (chains: vLLM's accepted count; draft trees: written by the
-tree sampler). Device work right after vLLM's own update, no host sync.
+tree sampler). Device work right after vLLM's own update, no host sync; for chains on CUDA one Triton launch for
+every group (`kernels.triton.slot_counts`).
 """
 
 from __future__ import annotations
@@ -15,36 +16,61 @@ import functools
 
 import torch
 
+from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 
 
-def gdn_slot_counts(runner, rows: torch.Tensor | slice):
-    """(count state, state slots of the batch `rows`: an index tensor or a slice) per KV-cache group of reconstruct
-    GDN layers: the count lives in the group's first layer, the one its GDN metadata builder reads
-    (`step_metadata.verified_node_counts`)."""
+def _reconstruct_gdn_groups(runner):
+    """(group id, count state) per KV-cache group of reconstruct GDN layers: the count lives in the group's first
+    layer, the one its GDN metadata builder reads (`step_metadata.verified_node_counts`)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     layers = runner.compilation_config.static_forward_context
-    num_reqs = runner.input_batch.num_reqs
     for group_id, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         if not isinstance(group.kv_cache_spec, MambaSpec):
             continue
-        # One state block per request under reconstruct (no prefix caching): column 0 is the slot.
         layer = layers[group.layer_names[0]]
         if getattr(layer, "reconstructs_state", False):
-            slots = runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[rows, 0]
-            yield layer.verified_node_counts(), slots
+            yield group_id, layer.verified_node_counts()
+
+
+def gdn_slot_counts(runner, rows: torch.Tensor | slice):
+    """(count state, state slots of the batch `rows`: an index tensor or a slice) per KV-cache group of reconstruct
+    GDN layers."""
+    num_reqs = runner.input_batch.num_reqs
+    for group_id, counts in _reconstruct_gdn_groups(runner):
+        # One state block per request under reconstruct (no prefix caching): column 0 is the slot.
+        yield counts, runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[rows, 0]
+
+
+def gdn_counts_and_block_tables(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(count state, the group's whole device block table) per KV-cache group of reconstruct GDN layers: column 0
+    of a batch row is its slot."""
+    return [(counts, runner.input_batch.block_table[group_id].block_table.gpu)
+            for group_id, counts in _reconstruct_gdn_groups(runner)]
 
 
 def record_chain_accepted_counts(runner, num_reqs: int) -> None:
     """After vLLM counted this step's accepted tokens per row (its `num_reqs` rows): the speculative rows' counts into
     their slots (rows that verified no drafts, e.g. prefills, keep their slot's count). Device tensors only: no host
-    sync."""
-    speculative = runner.num_decode_draft_tokens.gpu[:num_reqs] >= 0  # this step's rows that verified drafts
-    accepted = runner.num_accepted_tokens.gpu[:num_reqs]
-    for counts, slots in gdn_slot_counts(runner, slice(0, num_reqs)):
-        counts[slots] = torch.where(speculative, accepted.to(counts.dtype), counts[slots])
+    sync. CUDA: one launch for every group (it runs every step, outside the graphs)."""
+    groups = gdn_counts_and_block_tables(runner)
+    if not groups:
+        return
+    draft_tokens, accepted = runner.num_decode_draft_tokens.gpu, runner.num_accepted_tokens.gpu
+    if slot_counts.launches_triton(groups[0][0]):
+        slot_counts.record_accepted_counts_triton(_count_table(runner, groups), draft_tokens, accepted, num_reqs)
+    else:
+        slot_counts.record_accepted_counts_torch(groups, draft_tokens, accepted, num_reqs)
+
+
+def _count_table(runner, groups) -> torch.Tensor:
+    """The groups' `count_table`, kept on the runner while their tensors stay where they are (the KV cache's life)."""
+    addresses = tuple((counts.data_ptr(), block_table.data_ptr()) for counts, block_table in groups)
+    if getattr(runner, "treewy_count_table_addresses", None) != addresses:
+        runner.treewy_count_table, runner.treewy_count_table_addresses = slot_counts.count_table(groups), addresses
+    return runner.treewy_count_table
 
 
 def _recording_accepted_counts(original):

@@ -11,7 +11,8 @@ commit is never committed into by its next owner.
 Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
 block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
 the tree's one ancestor table. All of it is device work outside the forward (so outside any CUDA graph), with no
-host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata.
+host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata. On CUDA the
+counts and commit nodes are one Triton launch per build (`kernels.triton.slot_counts`), the torch ops elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from vllm_treewy.kernels.triton._tree import ancestor_table_torch
+from vllm_treewy.kernels.triton.slot_counts import commit_nodes_and_counts
 from vllm_treewy.tree import DraftTree, chain_parents, node_requests
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD
@@ -118,38 +120,39 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
     result = ReconstructGDNAttentionMetadata(**{name: getattr(metadata, name) for name in _GDN_METADATA_FIELDS})
     counts = verified_node_counts(builder)
     tree = draft_tree_of(builder.vllm_config.speculative_config)
+    batch_slots = slots = commit_nodes = None
     if metadata.num_spec_decodes > 0:
         # Every row of the batch (a FULL graph's padding rows too: in the null slot, with no nodes), so that a
         # staged batch is computed straight into the builder's persistent buffers.
         batch_slots = metadata.spec_state_indices_tensor[:, 0]
+        rows = batch_slots.shape[0]
         # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
         if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, metadata.num_spec_decodes,
                                       metadata.num_spec_decode_tokens):
-            slots = _persistent(builder, "treewy_spec_slots", batch_slots.shape[0]).copy_(batch_slots)
-            commit_nodes = _persistent(builder, "treewy_commit_nodes", batch_slots.shape[0])
+            slots = _persistent(builder, "treewy_spec_slots", rows)
+            commit_nodes = _persistent(builder, "treewy_commit_nodes", rows)
         else:
-            slots = batch_slots.contiguous()
+            slots = torch.empty(rows, dtype=batch_slots.dtype, device=batch_slots.device)
             commit_nodes = torch.empty_like(slots)
         if tree is not None:
             if not hasattr(builder, "treewy_tree_ancestors"):  # the shape is static: built once per builder
                 builder.treewy_tree_ancestors = verified_tree_ancestors(tree, slots.device)
             result.tree_ancestors = builder.treewy_tree_ancestors  # `ancestors` and `parents` follow in the forward
         if counts is None:
+            slots.copy_(batch_slots)
             commit_nodes.fill_(-1)
-        else:
-            # The null block (CUDA-graph capture and padding rows point there) never holds a verify to commit: else
-            # every row of a capture would commit into it at once; nor is a count ever recorded for it.
-            null_rows = slots == NULL_BLOCK_ID
-            # Recorded after the slot's last sampling (`accepted_counts`): 1 + the accepted node's block index; 0
-            # (nothing pending) gives -1.
-            torch.sub(counts[slots], 1, out=commit_nodes).masked_fill_(null_rows, -1)
-            counts[slots] = metadata.spec_query_start_loc.diff().masked_fill_(null_rows, 0)
         result.spec_slots, result.commit_nodes = slots, commit_nodes
-    if counts is not None and metadata.non_spec_state_indices_tensor is not None:
-        # Every row outside the speculative path (prefills, and a first step that vLLM counts as a decode) starts
-        # or continues from the state vLLM's own kernels find in the slot: a slot's new owner commits nothing.
-        # (index_fill_, not `counts[rows] = 0`: on CUDA that copies the 0 from the host and waits for the device.)
-        counts.index_fill_(0, metadata.non_spec_state_indices_tensor.long(), 0)
+    if counts is not None:
+        # The slots, contiguous (vLLM's column 0 is strided); each row's commit node from the count recorded after
+        # its slot's last sampling (`accepted_counts`: 1 + the accepted node's block index; 0, nothing pending,
+        # gives -1); then the step's counts. The null block (CUDA-graph capture and padding rows point there) never
+        # holds a verify to commit: else every row of a capture would commit into it at once; nor is a count ever
+        # recorded for it. Every row outside the speculative path (prefills, and a first step that vLLM counts as
+        # a decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's new owner
+        # commits nothing. One launch on CUDA (it runs every step, outside the graphs).
+        commit_nodes_and_counts(counts, batch_slots=batch_slots, spec_query_start_loc=metadata.spec_query_start_loc,
+                                slots=slots, commit_nodes=commit_nodes,
+                                non_spec_slots=metadata.non_spec_state_indices_tensor, null_block=NULL_BLOCK_ID)
     return result
 
 
