@@ -3,8 +3,9 @@
 Both run every engine step outside the CUDA graphs; on a mostly idle GPU their host time is the step's. A decode
 batch of `--batch` speculative rows staged as for a FULL CUDA graph (vLLM's strided column of slots, strided
 counts), `--groups` KV-cache groups of GDN layers: the builder's update once per group, the after-sampling update
-once for all groups. The updates alone: the adapter's Python around them (the same on both paths) is not timed. Each path is called `--calls` times back to back; the host time per call is the loop's wall time
-before the final synchronize (the GPU keeps up with launches this small).
+once for all groups. The updates alone: the adapter's Python around them (the same on both paths) is not timed.
+Each path is called `--calls` times back to back; the host time per call is the loop's wall time before the final
+synchronize (the GPU keeps up with launches this small).
 
     python bench/count_updates_host_time.py --device cuda --batch 8 --groups 3
 
