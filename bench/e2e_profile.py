@@ -54,13 +54,17 @@ def busy_us(events: Iterable[KernelEvent]) -> float:
     return total
 
 
+MOST_LAUNCHED_NAME = 160  # characters of a kernel's name kept (C++ template names run to thousands)
+
+
 def summarize(events: list[KernelEvent], wall_s: float, output_tokens: int) -> dict:
     by_kind: dict[str, dict] = {}
     for e in events:
-        entry = by_kind.setdefault(kind_of(e.name), {"us": 0.0, "launches": 0, "top": {}})
+        entry = by_kind.setdefault(kind_of(e.name), {"us": 0.0, "launches": 0, "top": {}, "counts": {}})
         entry["us"] += e.duration_us
         entry["launches"] += 1
         entry["top"][e.name] = entry["top"].get(e.name, 0.0) + e.duration_us
+        entry["counts"][e.name] = entry["counts"].get(e.name, 0) + 1
     busy = busy_us(events)
     wall_us = wall_s * 1e6
     per_token = 1 / max(output_tokens, 1)
@@ -72,7 +76,10 @@ def summarize(events: list[KernelEvent], wall_s: float, output_tokens: int) -> d
         "kinds": {
             kind: {"us_per_token": v["us"] * per_token, "launches_per_token": v["launches"] * per_token,
                    "share_of_gpu": v["us"] / max(busy, 1e-9),
-                   "top": dict(sorted(v["top"].items(), key=lambda kv: -kv[1])[:5])}
+                   "top": dict(sorted(v["top"].items(), key=lambda kv: -kv[1])[:5]),
+                   # launches per token of the most launched kernels: where two strategies' launch counts differ
+                   "most_launched": {name[:MOST_LAUNCHED_NAME]: n * per_token for name, n in
+                                     sorted(v["counts"].items(), key=lambda kv: -kv[1])[:8]}}
             for kind, v in sorted(by_kind.items(), key=lambda kv: -kv[1]["us"])
         },
     }

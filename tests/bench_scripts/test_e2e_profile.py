@@ -36,3 +36,11 @@ def test_summary_per_token():
     assert list(summary["kinds"]) == ["GEMM", "treewy GDN step"]
     assert summary["kinds"]["treewy GDN step"]["us_per_token"] == 15.0
     assert summary["kinds"]["GEMM"]["launches_per_token"] == 0.5
+
+
+def test_most_launched_kernels_per_token():
+    events = [KernelEvent("index_put_" + "x" * 300, 10 * i, 1) for i in range(6)]
+    events += [KernelEvent("direct_copy_kernel", 100 + 10 * i, 5) for i in range(2)]
+    launched = summarize(events, wall_s=1e-3, output_tokens=2)["kinds"]["sampling and copies"]["most_launched"]
+    assert list(launched.values()) == [3.0, 1.0]  # per token, most launched first
+    assert len(next(iter(launched))) == 160
