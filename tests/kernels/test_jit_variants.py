@@ -69,7 +69,7 @@ def step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, pe
     return conv, gated
 
 
-@pytest.mark.parametrize("tokens", [2, 4])
+@pytest.mark.parametrize("tokens", [2, 4, 8])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_one_variant_per_kernel_across_batch_sizes(tokens, state_dtype):
     state = torch.empty(SLOTS, HV, V, K, dtype=state_dtype)
@@ -87,7 +87,7 @@ def test_one_variant_per_kernel_across_batch_sizes(tokens, state_dtype):
             conv, gated = step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, persistent)
             keys["conv"].add(specialization_key(conv_module._conv_step_kernel, conv))
             keys["gated"].add(specialization_key(gated_module._gated_step_kernel, gated))
-    launches = {str(gated_module.launch_defaults(state_dtype, batch, HV // H, K)) for batch in BATCHES}
+    launches = {str(gated_module.launch_defaults(state_dtype, batch, HV // H, K, tokens)) for batch in BATCHES}
     assert len(keys["conv"]) == 1 and len(keys["gated"]) == len(launches), keys
 
 

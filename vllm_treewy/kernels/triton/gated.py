@@ -535,7 +535,9 @@ def _gated_step_kernel(
 # 32, 8 warps, 2xTF32 (159.5 / 14.4 us at B=64 / 1, against tf32x3's 163.8 / 14.6). 16-bit states: the tensor-core
 # layout; few requests want 8 warps on one head's 64-column chunks (12.4 us at B=1; 32/4/1 with two heads: 20.2),
 # many want two value heads per program at 32/4/1 (128.5 us at B=64; one head 64/4/1: 141.0; 64/8/1: 189.4).
-# Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1.
+# Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1. fp32 states with 5-8 nodes
+# (T=8 measured, `results/2026-12-01b/device/gated.json`) and many requests: two value heads per program at 16/8/1
+# (593.4 us at B=64 against 677.8 for one head at 32/8/1; at B=1 one head stays, 42.8 against 72.4).
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False)
@@ -548,12 +550,15 @@ NARROW_HEAD_LAUNCH = dict(FP32_STATE_LAUNCH, block_k=8, num_warps=4, prefetch=2,
                           split_state_tf32=False)
 
 
-def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_head: int, head_k_dim: int) -> dict:
+def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_head: int, head_k_dim: int,
+                    max_nodes: int = 4) -> dict:
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
-    static, so each captured size keeps its own choice) and a head shape."""
+    static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
+        if batch > SMALL_BATCH and 4 < max_nodes <= 8 and value_heads_per_key_head % 2 == 0:
+            return dict(FP32_STATE_LAUNCH, block_k=16, heads_per_program=2)
         return FP32_STATE_LAUNCH
     if batch <= SMALL_BATCH:
         return dict(HALF_STATE_LAUNCH, block_k=64)
@@ -617,7 +622,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
     _check_factors(factors, state, state_indices, pending_nodes, pending_ancestors)
     batch = state_indices.shape[0]
-    launch = {**launch_defaults(state.dtype, batch, HV // H, K), **{k: v for k, v in launch.items() if v is not None}}
+    launch = {**launch_defaults(state.dtype, batch, HV // H, K, max_nodes),
+              **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
     heads = launch["heads_per_program"]
