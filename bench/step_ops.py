@@ -13,8 +13,8 @@ touched, no launch), and each interpreted Triton launch as one (with the mode of
 - `--whole-step`: everything the model runner runs per engine step (`execute_model` and `sample_tokens`) except the
   target model's and the MTP drafter's forwards (CUDA graphs on the GPU: counting is off inside them, and so are the
   GDN layers' own ops), for store_all and reconstruct with the same prompts; each op is attributed to its call site,
-  the innermost frame in vllm/ or vllm_treewy/ (file:line function). Not counted: the scheduler and the front end
-  (host work, no tensors), and the model's logits head and sampling are counted (eager on CUDA too).
+  the innermost frame in vllm/ or vllm_treewy/ (file:line function). The logits heads, the samplers and the
+  drafter's input preparation are counted (eager on CUDA too); the scheduler and the front end are not (host work).
 
 `--triton` forces the adapter's one-launch count kernels (the CUDA path), run by the interpreter: TRITON_INTERPRET=1.
 
