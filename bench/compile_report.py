@@ -39,7 +39,7 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
     const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
                  BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
                  DO_VERIFY=verify, HAS_PENDING=pending,
-                 G=1, SPLIT_IN_MMA_LAYOUT=False, LAGGED_PRODUCTS=False,
+                 G=1, SPLIT_IN_MMA_LAYOUT=False, LAGGED_PRODUCTS=False, STATE_TMA=False,
                  STATE_PRODUCTS="tf32" if state_dtype == "bf16" else "tf32x3")  # q/k/v are bf16 here
     const.update(variant)
     sig = {}
@@ -53,11 +53,15 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
         else:
             sig[name] = PTR_TYPES.get(name, "*fp32")
     sig["state"] = "*fp32" if state_dtype == "fp32" else "*bf16"
+    # STATE_TMA: a host-side descriptor over the pool, block [1, 1, V, BK]; else the state pointer again (unused)
+    sig["state_desc"] = (f"tensordesc<{state_dtype}[1, 1, {const['V']}, {const['BK']}]>" if const["STATE_TMA"]
+                         else sig["state"])
     options = dict(num_warps=num_warps, num_stages=1)
     if maxnreg:
         options["maxnreg"] = maxnreg
     # what the JIT's specialisation gives at run time: pointers and the (multiple-of-16) strides divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr" and n not in FLOATS}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and n not in FLOATS and not sig[n].startswith("tensordesc")}
     return triton.compile(ASTSource(fn=_gated_step_kernel, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 

@@ -233,6 +233,7 @@ BF16_SPLIT = dict(split_state_bf16=True)  # bf16 pieces: 3xBF16 (fp32 states), o
 TWO_HEADS = dict(heads_per_program=2)
 MMA_SPLIT = dict(split_in_mma_layout=True)  # one layout change per chunk, the pieces split in registers
 LAGGED = dict(lagged_products=True)  # the pieces carried one iteration, read by the tensor cores from shared memory
+TMA = dict(tma_state=True)  # state chunks as TMA copies into a shared-memory ring (Triton's pipeliner, mbarriers)
 
 # candidates, timed at the tuning batches and speculative lengths (first = the launch default at large batches, also
 # checked against the compiled kernel); the fastest correct one per (state, T, small/large batch) serves the rows.
@@ -242,6 +243,8 @@ LAGGED = dict(lagged_products=True)  # the pieces carried one iteration, read by
 # Split in the accumulator layout (MMA_SPLIT, fp32 T=4 32/8/1): 2xTF32 124, 3xBF16 127 (in the load's layout 121);
 # per chunk 16 KiB stored + 16 KiB loaded through shared memory instead of 2xTF32's 32 + 32 (3xBF16's 24 + 24).
 # Lagged 2xTF32 (LAGGED) 121: 32 KiB stored, no loads back (the tensor cores read the 32 KiB), 5 iterations.
+# TMA 2xTF32 32/8/1: 102 registers, 69 KiB shared (a two-chunk ring of 32 KiB plus the pieces' 32), two CTAs per SM
+# as the default's 123 / 34 KiB; per chunk one more 16 KiB read from shared memory (the ring into registers).
 # Dropped after 2026-12-01 (lost at B=64 and B=1, `results/2026-12-01/device/gated.json`): fp32 32/8/2, two heads
 # 16/8/1 tf32x3 and 32/8/1 2xTF32; bf16 one row per thread (8/4/2), two heads 16/8/1 and 32/8/1. Earlier: fp32
 # 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums. After 2026-12-01b
@@ -251,7 +254,7 @@ LAGGED = dict(lagged_products=True)  # the pieces carried one iteration, read by
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT), _dot(32, 8, 1, **SPLIT, **LAGGED),
              _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT), _dot(16, 8, 1, **SPLIT, **TWO_HEADS),
-             _dot(32, 8, 1, **BF16_SPLIT), _dot(16, 8, 1, **BF16_SPLIT)],
+             _dot(32, 8, 1, **BF16_SPLIT), _dot(16, 8, 1, **BF16_SPLIT), _dot(32, 8, 1, **SPLIT, **TMA)],
     "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(32, 4, 1, **TWO_HEADS, **BF16_SPLIT), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
 }

@@ -24,7 +24,8 @@ STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is
 SPARE_SLOTS = 2
 # the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 and 3xBF16 (where q/k are bf16),
 # two value heads per program (where HV = 2H), the operands split in the accumulator layout (tf32 / tf32x3, 2xTF32,
-# 3xBF16), the products one iteration late (2xTF32, 3xBF16 with two heads)
+# 3xBF16), the products one iteration late (2xTF32, 3xBF16 with two heads), the state chunks through TMA (2xTF32;
+# lagged with two heads and two chunks ahead)
 VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
@@ -38,7 +39,10 @@ VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True, split_in_mma_layout=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, lagged_products=True),
             dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_bf16=True,
-                 lagged_products=True)]
+                 lagged_products=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, tma_state=True),
+            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, prefetch=2,
+                 lagged_products=True, tma_state=True)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 

@@ -66,6 +66,7 @@ optional), so the call is CUDA-graph capturable. vLLM passes the layer's `layer_
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..gated import slot_factor_width, split_slot_factors
 from ._tree import _ancestor
@@ -249,7 +250,7 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
 # q/k/v/z loads (tests/kernels/test_jit_variants.py counts one variant across batch sizes)
 @triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes", "pending_nodes", "pending_ancestors"])
 def _gated_step_kernel(
-    qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes, out, factors,
+    qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_desc, state_indices, ancestors, cu_nodes, out, factors,
     pending_nodes, pending_ancestors,
     stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
     stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
@@ -259,7 +260,7 @@ def _gated_step_kernel(
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
-    SPLIT_IN_MMA_LAYOUT: tl.constexpr, LAGGED_PRODUCTS: tl.constexpr,
+    SPLIT_IN_MMA_LAYOUT: tl.constexpr, LAGGED_PRODUCTS: tl.constexpr, STATE_TMA: tl.constexpr,
 ):
     # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
     # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
@@ -281,11 +282,13 @@ def _gated_step_kernel(
     f_kscale = f_slot + HV * K + i_hv0
     f_u = f_slot + HV * (K + 1) + i_hv0 * V
     f_g = f_slot + HV * (K + 1 + V) + i_hv0
-    # the first PREFETCH state chunks in flight before anything else (everything below is independent of them)
+    # the first PREFETCH state chunks in flight before anything else (everything below is independent of them);
+    # STATE_TMA: Triton's pipeliner issues them (bulk copies into shared memory, see the loop)
     ahead = ()
-    for j in tl.static_range(PREFETCH):
-        for g in tl.static_range(G):
-            ahead = ahead + (tl.load(p_state[g] + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
+    if not STATE_TMA:
+        for j in tl.static_range(PREFETCH):
+            for g in tl.static_range(G):
+                ahead = ahead + (tl.load(p_state[g] + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
 
     if HAS_PENDING:
         # the previous step's path to its accepted node a, row j = the d-th ancestor of a (d = 0..PENDING_ROWS-1;
@@ -369,9 +372,10 @@ def _gated_step_kernel(
         else:
             o_kq = o_kc
         ahead_kq = ()
-        for j in tl.static_range(PREFETCH):
-            ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kq)[:, None],
-                                           mask=kq_ok[None, :] & (j * BK < K), other=0.0),)
+        if not STATE_TMA:
+            for j in tl.static_range(PREFETCH):
+                ahead_kq = ahead_kq + (tl.load(kq_row[None, :] + (j * BK + o_kq)[:, None],
+                                               mask=kq_ok[None, :] & (j * BK < K), other=0.0),)
     # LAGGED_PRODUCTS: a chunk's products come one iteration later (one more iteration, the first on zero pieces),
     # from its operand pieces carried through the loop: a loop-carried operand goes to the tensor cores from shared
     # memory (one store per piece), not back through shared memory into registers
@@ -381,8 +385,12 @@ def _gated_step_kernel(
             lagged = lagged + (_operand_pieces(tl.zeros([V, BK], dtype=tl.float32),
                                                tl.zeros([BK, NQ], dtype=tl.float32), STATE_PRODUCTS),)
     # a loop, not unrolled: unrolled, the compiler hoists the small q/k loads of many chunks and runs out of
-    # registers; in flight stay the PREFETCH chunks ahead
-    for i_k in tl.range(0, K // BK + LAGGED_PRODUCTS):
+    # registers; in flight stay the PREFETCH chunks ahead. STATE_TMA: the loop loads chunk i_k itself and Triton's
+    # pipeliner turns the loads into asynchronous copies (TMA for the state, tracked by mbarriers; cp.async for q/k
+    # and the pending key rows): no register load is outstanding at the tensor-core products' proxy fences. Triton
+    # 3.6 gives num_stages - 1 buffers and issues chunk i + num_stages - 1 at the end of iteration i, so PREFETCH + 2
+    # stages keep PREFETCH chunks in flight while a chunk is worked on
+    for i_k in tl.range(0, K // BK + LAGGED_PRODUCTS, num_stages=PREFETCH + 2 if STATE_TMA else 1):
         if DO_VERIFY and LAGGED_PRODUCTS:
             products = ()
             for g in tl.static_range(G):
@@ -390,22 +398,31 @@ def _gated_step_kernel(
             acc_kq = products
         cols = i_k * BK + o_kc
         hs = ()
-        for g in tl.static_range(G):
-            hs = hs + (ahead[g].to(tl.float32),)
-        rest = ()
-        for j in tl.static_range(G, PREFETCH * G):
-            rest = rest + (ahead[j],)
-        for g in tl.static_range(G):
-            rest = rest + (tl.load(p_state[g] + (cols + PREFETCH * BK)[None, :], mask=(i_k + PREFETCH) * BK < K,
-                                   other=0.0),)
-        ahead = rest
-        if DO_VERIFY and STATE_DOT:
-            kq = ahead_kq[0].to(tl.float32)
+        if STATE_TMA:  # columns past K (the lagged iteration's) arrive as zeros
+            for g in tl.static_range(G):
+                chunk = state_desc.load([slot.to(tl.int32), i_hv0 + g, 0, i_k * BK])
+                hs = hs + (chunk.reshape([V, BK]).to(tl.float32),)
+        else:
+            for g in tl.static_range(G):
+                hs = hs + (ahead[g].to(tl.float32),)
             rest = ()
-            for j in tl.static_range(1, PREFETCH):
-                rest = rest + (ahead_kq[j],)
-            ahead_kq = rest + (tl.load(kq_row[None, :] + ((i_k + PREFETCH) * BK + o_kq)[:, None],
-                                       mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
+            for j in tl.static_range(G, PREFETCH * G):
+                rest = rest + (ahead[j],)
+            for g in tl.static_range(G):
+                rest = rest + (tl.load(p_state[g] + (cols + PREFETCH * BK)[None, :],
+                                       mask=(i_k + PREFETCH) * BK < K, other=0.0),)
+            ahead = rest
+        if DO_VERIFY and STATE_DOT:
+            if STATE_TMA:
+                kq = tl.load(kq_row[None, :] + (i_k * BK + o_kq)[:, None], mask=kq_ok[None, :] & (i_k * BK < K),
+                             other=0.0).to(tl.float32)
+            else:
+                kq = ahead_kq[0].to(tl.float32)
+                rest = ()
+                for j in tl.static_range(1, PREFETCH):
+                    rest = rest + (ahead_kq[j],)
+                ahead_kq = rest + (tl.load(kq_row[None, :] + ((i_k + PREFETCH) * BK + o_kq)[:, None],
+                                           mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             p_k = ()
             for d in tl.static_range(PENDING_ROWS):
@@ -540,7 +557,7 @@ def _gated_step_kernel(
 # (593.4 us at B=64 against 677.8 for one head at 32/8/1; at B=1 one head stays, 42.8 against 72.4).
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
-                         heads_per_program=1, split_in_mma_layout=False, lagged_products=False)
+                         heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 SMALL_BATCH = 8
 
@@ -631,6 +648,10 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
     options = dict(num_warps=launch["num_warps"], num_stages=1)
+    # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
+    # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
+    state_desc = (TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, V, block_k])
+                  if launch["tma_state"] else state)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
     if do_verify:
@@ -644,14 +665,14 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         if out is None:
             out = torch.empty(n_nodes, HV, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         out3 = out.view(n_nodes, HV, V)
-        v_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, ancestors,
-                  cu_nodes, out3)
+        v_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_desc, state_indices,
+                  ancestors, cu_nodes, out3)
         strides = (mixed_qkv.stride(0), a.stride(0), b.stride(0), output_gate.stride(0), output_gate.stride(1),
                    out3.stride(0), out3.stride(1))
         bt = _nodes_block(max_nodes)
     else:  # commit alone: the verify's pointers are never dereferenced
         max_anc, bt = 0, 2
-        v_args = (factors,) * 7 + (state, state_indices, state_indices, state_indices, factors)
+        v_args = (factors,) * 7 + (state, state_desc, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
     kernel_args = (
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
@@ -666,6 +687,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
         SPLIT_IN_MMA_LAYOUT=launch["split_in_mma_layout"] and launch["state_dot"] and do_verify,
         LAGGED_PRODUCTS=launch["lagged_products"] and launch["state_dot"] and do_verify,
+        STATE_TMA=launch["tma_state"],
         STATE_PRODUCTS=_state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
                                             launch["split_state_tf32"], launch["split_state_bf16"]),
         **options,
@@ -710,6 +732,7 @@ def gdn_step_triton(
     heads_per_program: int | None = None,
     split_in_mma_layout: bool | None = None,
     lagged_products: bool | None = None,
+    tma_state: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -744,7 +767,10 @@ def gdn_step_triton(
     no data movement, `_tf32_operand_order`; 16-bit pieces as they are). `lagged_products` (with `state_dot`; not
     with `split_in_mma_layout`): each chunk's products one loop iteration later, from its operand pieces carried
     through the loop, which the tensor cores read from shared memory (one store per piece, no load back into
-    registers); one more iteration.
+    registers); one more iteration. `tma_state`: the state chunks arrive through TMA (a host-side tensor descriptor
+    over the pool, block [1, 1, V, block_k]; base and strides 16-byte aligned) as asynchronous copies into shared
+    memory that Triton's pipeliner keeps `prefetch` chunks ahead (prefetch + 1 buffers, mbarriers), the q/k chunks
+    loaded in the loop for the same pipeliner, so no register load is outstanding at the products' fences.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -753,7 +779,7 @@ def gdn_step_triton(
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
                    split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
-                   split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products)
+                   split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state)
 
 
 def gdn_commit_triton(
