@@ -224,6 +224,8 @@ def slot_factors(num_slots, tokens):
 # tf32x3, 2xTF32 and 3xBF16 (fp32 states; a bf16 state runs its one exact pass) and two value heads per program
 GATED_VARIANTS = {
     "default": {},
+    "tma_state": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
+                      split_state_tf32=True, tma_state=True),
     "split_in_mma_layout": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
                                 split_state_tf32=True, split_in_mma_layout=True),
     "lagged_products": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
@@ -235,8 +237,6 @@ GATED_VARIANTS = {
                        split_state_bf16=True),
     "two_heads": dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, heads_per_program=2,
                       split_state_tf32=True),
-    "tma_state": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                      split_state_tf32=True, tma_state=True),
 }
 
 
