@@ -12,6 +12,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttenti
 
 from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata, with_commit_nodes
 from vllm_treewy.vllm_plugin.tree_sampler import record_accepted_leaves
 
@@ -25,10 +26,19 @@ def count_updates(request, monkeypatch):
     return request.param
 
 
+class FakeGDNLayer:
+    """A reconstruct GDN layer as the builder sees it: its KV-cache entries, read through the layer's own method."""
+
+    verified_node_counts = ReconstructGatedDeltaNetAttention.verified_node_counts
+
+    def __init__(self, kv_cache):
+        self.kv_cache = kv_cache
+
+
 def _builder(full_graphs: bool, widths=None):
     # the count state inside each slot's KV-cache page, after the slot's other states: strided
     counts = torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2:]
-    layer = SimpleNamespace(kv_cache=(None, None, None, None, counts))
+    layer = FakeGDNLayer((None, None, None, None, counts))
     tree = None if widths is None else DraftTree.from_widths(widths)
     speculative_config = SimpleNamespace(is_draft_tree=tree is not None, draft_tree=tree)
     builder = SimpleNamespace(
@@ -230,7 +240,7 @@ def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_p
     config = engine_config(str(build_fixture(tmp_path / "fixture")),
                            {"method": "mtp", "num_speculative_tokens": k, "mamba_state_commit": "reconstruct"})
     counts = torch.zeros(NUM_SLOTS, 1, dtype=torch.int32)
-    config.compilation_config.static_forward_context["gdn.0"] = SimpleNamespace(kv_cache=(None,) * 4 + (counts,))
+    config.compilation_config.static_forward_context["gdn.0"] = FakeGDNLayer((None,) * 4 + (counts,))
     with set_current_vllm_config(config):
         spec = MambaSpec(block_size=512, shapes=((3, 64),), dtypes=(torch.bfloat16,), num_speculative_blocks=0)
         builder = GDNAttentionMetadataBuilder(spec, ["gdn.0"], config, torch.device("cpu"))

@@ -31,13 +31,13 @@ def _reconstruct_gdn_groups(runner):
         if not isinstance(group.kv_cache_spec, MambaSpec):
             continue
         layer = layers[group.layer_names[0]]
-        if getattr(layer, "reconstructs_state", False):
-            yield group_id, layer.verified_node_counts()
+        counts = layer.verified_node_counts() if getattr(layer, "reconstructs_state", False) else None
+        if counts is not None:
+            yield group_id, counts
 
 
-def gdn_slot_counts(runner, rows: torch.Tensor | slice):
-    """(count state, state slots of the batch `rows`: an index tensor or a slice) per KV-cache group of reconstruct
-    GDN layers."""
+def gdn_slot_counts(runner, rows: torch.Tensor):
+    """(count state, state slots of the batch `rows`) per KV-cache group of reconstruct GDN layers."""
     num_reqs = runner.input_batch.num_reqs
     for group_id, counts in _reconstruct_gdn_groups(runner):
         # One state block per request under reconstruct (no prefix caching): column 0 is the slot.

@@ -110,8 +110,11 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def pseudo_value_buffer(self) -> PseudoValueBuffer:
         return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.verified_node_counts(), self.buffer_layout())
 
-    def verified_node_counts(self) -> torch.Tensor:
-        """`[S]` the buffer's count state alone: what the runner updates every step after sampling."""
+    def verified_node_counts(self) -> torch.Tensor | None:
+        """`[S]` the buffer's count state alone: what the metadata builder and the runner update every step; None
+        before vLLM binds the KV cache (its profile run)."""
+        if len(self.kv_cache) != 5 or self.kv_cache[4].numel() == 0:
+            return None
         return self.kv_cache[4].view(-1)
 
     def conv_weight(self) -> torch.Tensor:

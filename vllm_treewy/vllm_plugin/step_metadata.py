@@ -103,9 +103,7 @@ _GDN_METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(GDNAttentionMeta
 
 def verified_node_counts(builder) -> torch.Tensor | None:
     """`[S]` int32 of the builder's first GDN layer's buffer; None before vLLM binds the KV cache (profile run)."""
-    layer = builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]]
-    counts = layer.kv_cache[-1] if len(layer.kv_cache) == 5 else None
-    return None if counts is None or counts.numel() == 0 else counts.view(-1)
+    return builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]].verified_node_counts()
 
 
 def verified_tree_ancestors(tree: DraftTree, device) -> torch.Tensor:

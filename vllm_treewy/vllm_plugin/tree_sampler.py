@@ -38,8 +38,7 @@ def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, block_argmax: t
     `draft_tokens [R * N]`: the rows' drafts in node order; `block_argmax [R * (1 + N)]`: the target's argmax at
     every verified-block token."""
     num_requests, num_nodes = step.num_requests, step.tree.num_nodes
-    cu_nodes = torch.arange(num_requests + 1, device=draft_tokens.device) * num_nodes
-    acceptance = greedy_tree_acceptance(step.parents, cu_nodes, draft_tokens, block_argmax, step.depth)
+    acceptance = greedy_tree_acceptance(step.parents, step.cu_nodes, draft_tokens, block_argmax, step.depth)
     drafts = draft_tokens.long().view(num_requests, num_nodes)
     path = acceptance.accepted_nodes
     path_tokens = torch.where(path >= 0, drafts.gather(1, path.clamp(min=0)), PLACEHOLDER_TOKEN)

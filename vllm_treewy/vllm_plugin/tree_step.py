@@ -51,6 +51,7 @@ class TreeStep:
     block_ancestors: torch.Tensor  # [R * (1 + N), depth + 1] int32 (`verified_block_ancestors`)
     root_positions: torch.Tensor  # [R] int64 committed length before each root (= the root's position)
     parents: torch.Tensor  # [R * N] int32 the tree rows' local draft parents (-1: child of the root), packed
+    cu_nodes: torch.Tensor  # [R + 1] int32 the tree rows' draft nodes back to back: 0, N, ...
     position_shifts: torch.Tensor  # [R * (1 + N)] int64 block index - depth of every verified-block token
     attention_layers: list[AttentionLayerCaches | PagedLayerCaches] = field(default_factory=list)
     # Every other request of the batch has a one-token query (no prefill chunk of more): vLLM's TRITON_ATTN launch
@@ -112,6 +113,7 @@ def find_tree_step(tree: DraftTree, num_decode_draft_tokens: np.ndarray, num_dra
         block_ancestors=verified_block_ancestors(parents, cu_nodes, tree.max_depth),
         root_positions=root_positions,
         parents=parents,
+        cu_nodes=cu_nodes,
         position_shifts=position_shifts,
     )
 
