@@ -29,11 +29,12 @@ from vllm_treewy.kernels.triton.slot_counts import (
     record_accepted_counts_triton,
 )
 
-NULL_BLOCK, SLOTS, K = 0, 64, 3
+NULL_BLOCK, K = 0, 3
 
 
 def _step_tensors(batch: int, groups: int, device: str):
-    pages = torch.zeros(groups, SLOTS, 4, dtype=torch.int32, device=device)
+    # slot 0 is the null block, the batch's rows own slots 1..batch
+    pages = torch.zeros(groups, batch + 1, 4, dtype=torch.int32, device=device)
     counts = [pages[g, :, 3] for g in range(groups)]  # strided, as in the KV cache's pages
     spec_state_indices = torch.zeros(batch, 1 + K, dtype=torch.int32, device=device)
     spec_state_indices[:, 0] = torch.arange(1, batch + 1, dtype=torch.int32)
