@@ -2,21 +2,24 @@
 # The device command behind bench/results/gpu_vllm_e2e (one engine per process; the reference judges last).
 # Usage, from the checkout root on the H200:  bash bench/run_gpu_vllm_e2e.sh OUT_DIR "KS" [extra args]
 # e.g.  bash bench/run_gpu_vllm_e2e.sh $OUT "3 1"      or      bash bench/run_gpu_vllm_e2e.sh $OUT 3 --eager
-# A run with k = 1 starts only while less than SKIP_K1_AFTER_S seconds have passed (device-time budget); a failed
-# reconstruct run ends the call. STRATEGIES (default "reconstruct store_all") picks the speculative runs, e.g.
-# STRATEGIES=store_all with a cut call's reconstruct runs copied into OUT/runs, so that the reference judges both.
+# Device time: the call's limit is CALL_LIMIT_S (default 560: a `timeout 560` around it); a speculative run after
+# the first starts only if RUN_S (one engine's start and runs, default 150) and REFERENCE_S (the reference and its
+# verdicts, default 170) still fit, so the verdicts always come back. A failed reconstruct run ends the call.
+# STRATEGIES (default "reconstruct store_all") picks the speculative runs, e.g. STRATEGIES=store_all with a cut
+# call's reconstruct runs copied into OUT/runs, so that the reference judges both.
 set -u
 out=$1; ks=$2; shift 2
 # Per-engine results under $OUT too: they come back even when the call runs out of time before the reference,
 # which judges every run under $OUT/runs (copy a cut call's runs there to judge them in the next one).
 log=$out/log.txt runs=$out/runs
-start=$(date +%s)
+start=$(date +%s) first=1
 for k in $ks; do
   for s in ${STRATEGIES:-reconstruct store_all}; do
-    if [ "$k" != "${ks%% *}" ] && [ $(( $(date +%s) - start )) -gt "${SKIP_K1_AFTER_S:-260}" ]; then
+    elapsed=$(( $(date +%s) - start ))
+    if [ "$first" = 0 ] && [ $(( elapsed + ${RUN_S:-150} + ${REFERENCE_S:-170} )) -gt "${CALL_LIMIT_S:-560}" ]; then
       echo "=== skipped $s k=$k (time)" >>"$log"; continue
     fi
-    echo "=== $s k=$k at $(( $(date +%s) - start )) s" >>"$log"
+    echo "=== $s k=$k at $elapsed s" >>"$log"; first=0
     python3 bench/gpu_vllm_e2e.py spec --strategy "$s" --k "$k" --runs "$runs" "$@" >>"$log" 2>&1
     rc=$?
     echo "=== rc=$rc" >>"$log"

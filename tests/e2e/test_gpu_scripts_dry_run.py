@@ -17,7 +17,8 @@ SMALL = ["--batch-sizes", "1", "2", "--max-tokens", "4", "--timing-repeats", "1"
 def run_script(*command: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", TREE_GPU_TESTS="0", PYTHONUNBUFFERED="1")
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", TREE_GPU_TESTS="0", PYTHONUNBUFFERED="1",
+               CALL_LIMIT_S="100000")  # a loaded CPU must not skip runs: the flow is what is tested
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -35,6 +36,24 @@ def test_chain_script_writes_every_run_and_verdict(tmp_path):
     assert report["runs"]["reconstruct-k1"]["kv_cache"]["gdn_blocks_per_request"][0] == 1
     assert [line.split(":")[0] for line in report["beside_store_all"]] == [
         "reconstruct-k1 beside store_all at batch 1", "reconstruct-k1 beside store_all at batch 2"]
+
+
+def test_chain_script_skips_runs_that_would_leave_the_reference_no_time(tmp_path):
+    # a stand-in python3 that only logs its arguments: the script's own scheduling, without engines
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "python3 $*"\n')
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CALL_LIMIT_S="200", RUN_S="150",
+               REFERENCE_S="170")
+    subprocess.run(["bash", "bench/run_gpu_vllm_e2e.sh", str(out), "3 1"], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=60)
+    markers = [line for line in (out / "log.txt").read_text().splitlines() if line.startswith("=== ")]
+    assert [m.split(" at ")[0] for m in markers] == [
+        "=== reconstruct k=3", "=== rc=0", "=== skipped store_all k=3 (time)", "=== skipped reconstruct k=1 (time)",
+        "=== skipped store_all k=1 (time)", "=== reference", "=== rc=0"]
 
 
 @pytest.mark.parametrize("widths", ["2,1"])
