@@ -4,6 +4,9 @@ Runs after the plugin's `register()` too: the check looks through our wrappers (
 """
 
 import dataclasses
+import functools
+import sys
+import types
 
 import pytest
 
@@ -40,3 +43,52 @@ def test_register_replaces_every_wrapped_point_and_is_idempotent():
     for point in PATCH_POINTS:
         if point.how == "wraps" and point.only_on in (None, platform):
             assert point.original() is not getattr(point.resolve(), "__func__", point.resolve()), point
+
+
+def _counting(original, calls):
+    @functools.wraps(original)
+    def counted(*args):
+        calls.append(args)
+        return original(*args)
+
+    return counted
+
+
+def test_wrap_wraps_once_and_finds_its_mark_under_a_later_wrapper(monkeypatch):
+    module = types.ModuleType("treewy_fake_module")
+
+    class Owner:
+        def method(self, x):
+            return x + 1
+
+        @classmethod
+        def from_config(cls, x):
+            return x * 2
+
+    module.Owner = Owner
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    calls = []
+    method = PatchPoint(module.__name__, "Owner.method", "wraps", "", ("self", "x"))
+    for _ in range(2):
+        method.wrap(_counting, calls)
+    assert Owner().method(1) == 2 and len(calls) == 1
+    # someone else's functools.wraps wrapper on top keeps the mark: still no second wrapper of ours
+    Owner.method = functools.wraps(Owner.method)(lambda self, x: Owner.method.__wrapped__(self, x))
+    method.wrap(_counting, calls)
+    assert Owner().method(1) == 2 and len(calls) == 2
+    assert method.original() is not Owner.method
+
+    def doubling_classmethod(original, calls):
+        function = original.__func__
+
+        @functools.wraps(function)
+        def counted(cls, x):
+            calls.append(x)
+            return function(cls, x)
+
+        return classmethod(counted)
+
+    from_config = PatchPoint(module.__name__, "Owner.from_config", "wraps", "", ("cls", "x"))
+    for _ in range(2):
+        from_config.wrap(doubling_classmethod, calls)
+    assert Owner.from_config(3) == 6 and calls[-1] == 3 and len(calls) == 3

@@ -40,4 +40,4 @@ def test_the_cache_is_emptied_before_the_builders_allocate_for_hybrid_models(cac
     wrapped(SimpleNamespace(model_config=SimpleNamespace(is_hybrid=hybrid)), "config", [16])
     expected = [("builders", "config", [16])]
     assert cache.events == (["empty_cache"] + expected if hybrid else expected)
-    assert wrapped.empties_the_cache_first and wrapped.__wrapped__ is builders
+    assert wrapped.__wrapped__ is builders

@@ -81,10 +81,8 @@ def _recording_accepted_counts(original):
         if reconstructs_mamba_state(config) and draft_tree_of(config) is None:
             record_chain_accepted_counts(self, output_token_ids.size(0))
 
-    update_states_after_model_execute.records_accepted_counts = True
     return update_states_after_model_execute
 
 
 def install() -> None:
-    if not getattr(RUNNER_AFTER_SAMPLING.resolve(), "records_accepted_counts", False):
-        RUNNER_AFTER_SAMPLING.replace(_recording_accepted_counts(RUNNER_AFTER_SAMPLING.resolve()))
+    RUNNER_AFTER_SAMPLING.wrap(_recording_accepted_counts)

@@ -138,7 +138,6 @@ def _v2_unsupported_with_reconstruct(original):
             features.append("mamba_state_commit='reconstruct' (vllm-treewy hooks the V1 model runner)")
         return features
 
-    unsupported_features.lists_reconstruct = True
     return unsupported_features
 
 
@@ -149,6 +148,4 @@ def install() -> None:
     """
     for point in patch_points.SPECULATIVE_CONFIG:
         point.replace(TreewySpeculativeConfig)
-    point = patch_points.V2_UNSUPPORTED_FEATURES
-    if not getattr(point.resolve(), "lists_reconstruct", False):
-        point.replace(_v2_unsupported_with_reconstruct(point.resolve()))
+    patch_points.V2_UNSUPPORTED_FEATURES.wrap(_v2_unsupported_with_reconstruct)

@@ -36,11 +36,8 @@ def _keeping_prompt_chunks_out_of_full_graphs(original):
         return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, *args,
                         **kwargs)
 
-    determine_batch_execution_and_padding.keeps_prompt_chunks_out_of_full_graphs = True
     return determine_batch_execution_and_padding
 
 
 def install() -> None:
-    if not getattr(RUNNER_DETERMINE_BATCH_EXECUTION.resolve(), "keeps_prompt_chunks_out_of_full_graphs", False):
-        RUNNER_DETERMINE_BATCH_EXECUTION.replace(_keeping_prompt_chunks_out_of_full_graphs(
-            RUNNER_DETERMINE_BATCH_EXECUTION.resolve()))
+    RUNNER_DETERMINE_BATCH_EXECUTION.wrap(_keeping_prompt_chunks_out_of_full_graphs)

@@ -21,10 +21,8 @@ def _dispatching(original_spec_forward):
             return layer.speculative_step(metadata, mixed_qkv_spec, a_spec, b_spec)
         return original_spec_forward(layer, metadata, mixed_qkv_spec, b_spec, a_spec, *args, **kwargs)
 
-    spec_forward.reconstruct_dispatch = True
     return spec_forward
 
 
 def install() -> None:
-    if not getattr(CPU_GDN_SPEC_FORWARD.resolve(), "reconstruct_dispatch", False):
-        CPU_GDN_SPEC_FORWARD.replace(_dispatching(CPU_GDN_SPEC_FORWARD.resolve()))
+    CPU_GDN_SPEC_FORWARD.wrap(_dispatching)

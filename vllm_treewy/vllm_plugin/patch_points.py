@@ -36,6 +36,17 @@ class PatchPoint:
         owner, name = self._owner_and_name()
         setattr(owner, name, new)
 
+    def wrap(self, make_wrapper, *args) -> None:
+        """Replaces the attribute by `make_wrapper(current, *args)`, once per process: vLLM calls the plugin's
+        `register()` in every process, possibly more than once, and a second wrapper would run the hook twice.
+        The wrapper is marked with its maker's name; `functools.wraps` copies the mark into any later wrapper."""
+        mark = f"_treewy_{make_wrapper.__name__}"
+        if getattr(self.resolve(), mark, False):
+            return
+        wrapper = make_wrapper(self.resolve(), *args)
+        setattr(getattr(wrapper, "__func__", wrapper), mark, True)  # a classmethod: its function (what resolves)
+        self.replace(wrapper)
+
     def original(self):
         """What vLLM defines there, under any wrapper of ours (wrappers set `__wrapped__`)."""
         target = self.resolve()

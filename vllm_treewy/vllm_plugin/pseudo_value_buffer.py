@@ -96,25 +96,23 @@ def _model_buffer_layout(vllm_config) -> BufferLayout:
 
 
 def _appending_buffer_states(original, buffer_states):
-    """Wraps a model's `get_mamba_state_{shape,dtype}_from_config` classmethod so that, under reconstruct, the
-    buffer's states follow vLLM's conv and SSM states: vLLM sizes a hybrid's pages from them."""
+    """Wraps a model's `get_mamba_state_{shape,dtype}_from_config` classmethod (`original`, as the class resolves
+    it) so that, under reconstruct, the buffer's states follow vLLM's conv and SSM states: vLLM sizes a hybrid's
+    pages from them."""
+    function = original.__func__
 
-    @functools.wraps(original)
+    @functools.wraps(function)
     def with_buffer(cls, vllm_config):
-        states = original(cls, vllm_config)
+        states = function(cls, vllm_config)
         if not reconstructs_mamba_state(vllm_config.speculative_config):
             return states
         return (*states, *buffer_states(vllm_config, states))
 
-    with_buffer.adds_pseudo_value_buffer = True
     return classmethod(with_buffer)
 
 
 def install() -> None:
     """The GDN models' state shapes and dtypes (`MODEL_STATE_SHAPES`, `MODEL_STATE_DTYPES`) include the buffer."""
     for shape_point, dtype_point in zip(MODEL_STATE_SHAPES, MODEL_STATE_DTYPES, strict=True):
-        if not getattr(shape_point.resolve(), "adds_pseudo_value_buffer", False):
-            shape_point.replace(_appending_buffer_states(
-                shape_point.resolve().__func__, lambda vllm_config, _: _model_buffer_layout(vllm_config).shapes()))
-            dtype_point.replace(_appending_buffer_states(
-                dtype_point.resolve().__func__, lambda _, dtypes: BufferLayout.dtypes(dtypes[0])))
+        shape_point.wrap(_appending_buffer_states, lambda vllm_config, _: _model_buffer_layout(vllm_config).shapes())
+        dtype_point.wrap(_appending_buffer_states, lambda _, dtypes: BufferLayout.dtypes(dtypes[0]))

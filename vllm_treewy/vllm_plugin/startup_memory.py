@@ -34,11 +34,8 @@ def _emptying_the_cache_first(original):
                             "builders allocate", released / GIB)
         return original(self, *args, **kwargs)
 
-    initialize_metadata_builders.empties_the_cache_first = True
     return initialize_metadata_builders
 
 
 def install() -> None:
-    if not getattr(RUNNER_INITIALIZE_METADATA_BUILDERS.resolve(), "empties_the_cache_first", False):
-        RUNNER_INITIALIZE_METADATA_BUILDERS.replace(_emptying_the_cache_first(
-            RUNNER_INITIALIZE_METADATA_BUILDERS.resolve()))
+    RUNNER_INITIALIZE_METADATA_BUILDERS.wrap(_emptying_the_cache_first)

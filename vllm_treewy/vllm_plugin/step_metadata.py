@@ -170,10 +170,8 @@ def _building_commit_nodes(original):
             return metadata
         return with_commit_nodes(self, metadata)
 
-    build.builds_commit_nodes = True
     return build
 
 
 def install() -> None:
-    if not getattr(GDN_METADATA_BUILD.resolve(), "builds_commit_nodes", False):
-        GDN_METADATA_BUILD.replace(_building_commit_nodes(GDN_METADATA_BUILD.resolve()))
+    GDN_METADATA_BUILD.wrap(_building_commit_nodes)

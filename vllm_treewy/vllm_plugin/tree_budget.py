@@ -53,10 +53,8 @@ def _whole_trees_only(original):
                 count_fallbacks(len(fallbacks))
         return original(self, scheduler_output)
 
-    update_after_schedule.whole_trees_only = True
     return update_after_schedule
 
 
 def install() -> None:
-    if not getattr(SCHEDULER_UPDATE_AFTER_SCHEDULE.resolve(), "whole_trees_only", False):
-        SCHEDULER_UPDATE_AFTER_SCHEDULE.replace(_whole_trees_only(SCHEDULER_UPDATE_AFTER_SCHEDULE.resolve()))
+    SCHEDULER_UPDATE_AFTER_SCHEDULE.wrap(_whole_trees_only)

@@ -99,7 +99,6 @@ def _preparing_tree_rows(original):
             setattr(self, _PENDING_TREE_STEP, step)
         return result
 
-    prepare_inputs.prepares_tree_rows = True
     return prepare_inputs
 
 
@@ -193,7 +192,6 @@ def _handing_tree_step_to_attention(original):
             _hand_to_triton_layers(self, per_layer, step, prepared)
         return attn_metadata, spec_common
 
-    build_attention_metadata.hands_tree_step = True
     return build_attention_metadata
 
 
@@ -217,7 +215,6 @@ def _attending_tree_rows(original):
         step.attention_layers.append(AttentionLayerCaches(key_cache, value_cache, block_table, layer.isa))
         return output
 
-    forward.attends_tree_rows = True
     return forward
 
 
@@ -231,7 +228,6 @@ def _passing_qq_bias(original):
             kwargs["qq_bias"] = _active_qq_bias
         return original(*args, **kwargs)
 
-    unified_attention.passes_qq_bias = True
     return unified_attention
 
 
@@ -283,7 +279,6 @@ def _attending_tree_rows_triton(original):
             softcap=self.logits_soft_cap, sinks=self.sinks)
         return output
 
-    forward.attends_tree_rows = True
     return forward
 
 
@@ -301,23 +296,17 @@ def _sampling_trees(original):
             record_accepted_leaves(counts, slots, acceptance)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
 
-    sample.samples_trees = True
     return sample
 
 
 def install() -> None:
     from vllm.platforms import current_platform
 
-    wrappers = [
-        (RUNNER_PREPARE_INPUTS, _preparing_tree_rows, "prepares_tree_rows"),
-        (RUNNER_BUILD_ATTENTION_METADATA, _handing_tree_step_to_attention, "hands_tree_step"),
-        (RUNNER_SAMPLE, _sampling_trees, "samples_trees"),
-    ]
+    RUNNER_PREPARE_INPUTS.wrap(_preparing_tree_rows)
+    RUNNER_BUILD_ATTENTION_METADATA.wrap(_handing_tree_step_to_attention)
+    RUNNER_SAMPLE.wrap(_sampling_trees)
     if current_platform.is_cpu():
-        wrappers.append((CPU_ATTENTION_FORWARD, _attending_tree_rows, "attends_tree_rows"))
+        CPU_ATTENTION_FORWARD.wrap(_attending_tree_rows)
     else:
-        wrappers += [(TRITON_ATTENTION_FORWARD, _attending_tree_rows_triton, "attends_tree_rows"),
-                     (TRITON_UNIFIED_ATTENTION, _passing_qq_bias, "passes_qq_bias")]
-    for point, wrap, marker in wrappers:
-        if not getattr(point.resolve(), marker, False):
-            point.replace(wrap(point.resolve()))
+        TRITON_ATTENTION_FORWARD.wrap(_attending_tree_rows_triton)
+        TRITON_UNIFIED_ATTENTION.wrap(_passing_qq_bias)
