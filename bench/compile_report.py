@@ -79,13 +79,16 @@ def compile_conv(block_nodes, block_d=256, num_warps=4):
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
 
 
-def analyse(compiled):
+def cuobjdump(compiled, flag):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                               text=True).stdout
-        sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([str(BIN / "cuobjdump"), flag, f.name], capture_output=True, text=True).stdout
+
+
+def analyse(compiled):
+    usage = cuobjdump(compiled, "--dump-resource-usage")
+    sass = cuobjdump(compiled, "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     shared = re.search(r"SHARED:(\d+)", usage)
@@ -102,7 +105,8 @@ def analyse(compiled):
            for k in keys}
     loop_ir = _state_loop_ttgir(ttgir)
     return dict(regs=int(regs.group(1)) if regs else None, stack=int(stack.group(1)) if stack else None,
-                shared=int(shared.group(1)) if shared else None, local=int(local.group(1)) if local else None,
+                shared=int(shared.group(1)) if shared else None, dynamic_shared=compiled.metadata.shared,
+                local=int(local.group(1)) if local else None,
                 convert_layout=ttgir.count("ttg.convert_layout"), local_alloc=ttgir.count("ttg.local_alloc"),
                 sass_total=sum(ops.values()), mix=mix,
                 loop=dict(convert_layout=loop_ir.count("ttg.convert_layout"),
@@ -176,6 +180,7 @@ def main():
                             stem = f"{state}_T{tokens}_{mode}_w{w}_" + "_".join(f"{k}{v}" for k, v in variant.items())
                             (d / f"{stem}.ttgir").write_text(c.asm["ttgir"])
                             (d / f"{stem}.ptx").write_text(c.asm["ptx"])
+                            (d / f"{stem}.sass").write_text(cuobjdump(c, "--dump-sass"))
 
 
 if __name__ == "__main__":

@@ -245,16 +245,22 @@ TMA = dict(tma_state=True)  # state chunks as TMA copies into a shared-memory ri
 # Lagged 2xTF32 (LAGGED) 121: 32 KiB stored, no loads back (the tensor cores read the 32 KiB), 5 iterations.
 # TMA 2xTF32 32/8/1: 102 registers, 69 KiB shared (a two-chunk ring of 32 KiB plus the pieces' 32), two CTAs per SM
 # as the default's 123 / 34 KiB; per chunk one more 16 KiB read from shared memory (the ring into registers).
+# With the pending key rows prefetched (2026-12-01, sixth session): default 128 registers (still two CTAs per SM),
+# 32/8/2 184 (one; 145 before). More bytes in flight: TMA at prefetch 2 and 3 (3: the whole 128-column head, a ring
+# of four chunks), 102 / 100 registers, 86.5 / 104 KiB shared, two CTAs per SM; 32/8/2 back (dropped after 2026-12-01,
+# before the key rows were prefetched).
 # Dropped after 2026-12-01 (lost at B=64 and B=1, `results/2026-12-01/device/gated.json`): fp32 32/8/2, two heads
 # 16/8/1 tf32x3 and 32/8/1 2xTF32; bf16 one row per thread (8/4/2), two heads 16/8/1 and 32/8/1. Earlier: fp32
 # 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums. After 2026-12-01b
 # (`results/2026-12-01b/device/gated.json`): CUDA-core products with [V, BK] partial sums, 16/8/1 and 32/8/1 (fp32
 # B=64: 292 / 245 vs 159.5 us; bf16 B=1: 16.9 / 13.3 vs 12.5); fp32 32/8/1 tf32x3 (164.2) and 16/8/1 2xTF32 (210.8),
-# second losses.
+# second losses. After 2026-12-01c (`results/2026-12-01c/device/gated.json`, T=4): fp32 3xBF16 32/8/1 and 16/8/1
+# (160.2 / 371.2 us at B=64 vs 153.2; 15.2 / 23.3 at B=1 vs 13.8), making room for the three above.
 CONFIGS = {
-    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **TMA), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT),
+    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **TMA), _dot(32, 8, 2, **SPLIT, **TMA),
+             _dot(32, 8, 3, **SPLIT, **TMA), _dot(32, 8, 2, **SPLIT), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT),
              _dot(32, 8, 1, **SPLIT, **LAGGED), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
-             _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(32, 8, 1, **BF16_SPLIT), _dot(16, 8, 1, **BF16_SPLIT)],
+             _dot(16, 8, 1, **SPLIT, **TWO_HEADS)],
     "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(32, 4, 1, **TWO_HEADS, **BF16_SPLIT), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
 }

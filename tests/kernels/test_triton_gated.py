@@ -381,3 +381,42 @@ def test_two_heads_per_program_equal_one(first, second, seed, state_dtype, input
         results.append((out1, out2, state, factors, alone))
     for one, two in zip(*results):
         assert torch.equal(one.nan_to_num(0.0), two.nan_to_num(0.0))
+
+
+@settings(max_examples=2, deadline=None)
+@given(first=st.lists(chains(max_nodes=6), min_size=1, max_size=3),
+       second=st.lists(chains(max_nodes=4), min_size=3, max_size=3), seed=st.integers(0, 2**16), data=st.data())
+@pytest.mark.parametrize("launch", [dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True),
+                                    dict(block_k=16, state_dot=True, late_node_terms=False, lagged_products=True),
+                                    dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True)])
+def test_pending_key_rows_prefetched(launch, first, second, seed, data):
+    """The pending key rows arrive `prefetch` chunks ahead of their commit, as the state chunks do (a schedule, not
+    arithmetic): with K = 64 (4 or 8 chunks), prefetch 1, 2 and 3 commit bit for bit alike, alone and fused into a
+    step, and the committed state is the fp64 state after the accepted node."""
+    second = second[: len(first)]
+    accepted = torch.tensor([data.draw(st.integers(-1, len(c) - 1)) for c in first], dtype=torch.int32)
+    packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, 64, 16, seed)
+    packed2, inputs2, _, _ = gated_inputs(second, 1, 2, 64, 16, seed + 1)
+    h0 = pool.float()
+    rows_per_slot = max(packed1.max_nodes, packed2.max_nodes)
+    results = []
+    for prefetch in (1, 2, 3):
+        state = h0.to(DEVICE).clone()
+        factors = slot_factor_page(state.shape[0], rows_per_slot, 2, 64, 16, seed)
+        run_step(packed1, inputs1, state, slots, 1, factors, chain=True, prefetch=prefetch, **launch)
+        alone = state.clone()
+        gdn_commit_triton(alone, slots.to(DEVICE), factors, accepted.to(DEVICE), num_key_heads=1,
+                          block_k=launch["block_k"], prefetch=prefetch)
+        out = run_step(packed2, inputs2, state, slots, 1, factors, pending=accepted, prefetch=prefetch, **launch)
+        results.append((alone, state, out))
+    for alone, state, out in results[1:]:
+        assert torch.equal(alone, results[0][0]) and torch.equal(state, results[0][1])
+        assert torch.equal(out.nan_to_num(0.0), results[0][2].nan_to_num(0.0))
+    committed = results[0][0].cpu()
+    for b in range(len(first)):
+        slot = int(slots[b])
+        if accepted[b] < 0:
+            assert torch.equal(committed[slot], h0[slot])
+        else:
+            reference = reference_of(packed1, inputs1, h0, slots, first, 1, b)
+            assert within(committed[slot], reference.recurrence.state[int(accepted[b])], STATE_TOLERANCE[torch.float32])

@@ -29,7 +29,9 @@ half the programs (on the H200 the 16-bit-state default for large batches; slowe
 Measured on the H200 (bench/results/kernels.md, 2026-12-01): fp32 state, chain T=4, 1.21x / 1.28x vLLM's compiled
 kernel at B=64 / 256, 0.96x at B=1, T=8 0.52x; bf16 state 0.82x / 0.85x, 0.98x at B=1. ncu: DRAM at 30% of
 peak, shared memory at 79%: each state chunk goes through shared memory into the wgmma operand layout, per split
-piece.
+piece. Latency-bound: in ncu's per-instruction stall samples (fp32 T=4 B=64) 21% of all sit on the pending commit's
+first multiply, waiting for the key rows loaded in the same iteration; they now travel PREFETCH chunks ahead like
+the state chunks (not yet timed).
 
 A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
 `verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
@@ -315,6 +317,15 @@ def _gated_step_kernel(
             running = summed
             p_krow = p_krow + (f_k + row,)
             p_on = p_on + (on,)
+        # the key rows' first PREFETCH chunks in flight like the state's (chunk j's row d at j * PENDING_ROWS + d):
+        # loaded in the iteration that used them, they were the loop's hottest stall (ncu, 2026-12-01). STATE_TMA:
+        # the loop loads them, for the pipeliner
+        ahead_pk = ()
+        if not STATE_TMA:
+            for j in tl.static_range(PREFETCH):
+                for d in tl.static_range(PENDING_ROWS):
+                    ahead_pk = ahead_pk + (tl.load(p_krow[d] + j * BK + o_kc, mask=p_on[d] & (j * BK + o_kc < K),
+                                                   other=0.0),)
         p_root = ()
         for g in tl.static_range(G):
             p_root = p_root + (tl.exp(running[g]),)
@@ -346,11 +357,11 @@ def _gated_step_kernel(
             kq_ok = (q_node < n) & (o_q < 2 * BT)
             kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(o_q < BT, H * K, 0) + i_h * K
 
-    # the state, BK key columns at a time; PREFETCH chunks are in flight ahead of the one in use, loaded before the
-    # commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of tensor-core products per head, the
-    # [BK, 16] q/k chunk shared by the G heads. Else (G = 1, BK = one 16-byte vector per value row) each thread
-    # owns whole value rows, and every product with the state accumulates elementwise into per-node [V, BK]
-    # partial sums (no reduction, no shuffle, no layout change inside the loop)
+    # the state, BK key columns at a time; PREFETCH chunks (state, q/k and pending key rows) are in flight ahead of
+    # the one in use, loaded before the commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of
+    # tensor-core products per head, the [BK, 16] q/k chunk shared by the G heads. Else (G = 1, BK = one 16-byte
+    # vector per value row) each thread owns whole value rows, and every product with the state accumulates
+    # elementwise into per-node [V, BK] partial sums (no reduction, no shuffle, no layout change inside the loop)
     if DO_VERIFY:
         if STATE_DOT:
             acc_kq = ()
@@ -425,8 +436,19 @@ def _gated_step_kernel(
                                            mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             p_k = ()
-            for d in tl.static_range(PENDING_ROWS):
-                p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d] & (cols < K), other=0.0),)
+            if STATE_TMA:
+                for d in tl.static_range(PENDING_ROWS):
+                    p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d] & (cols < K), other=0.0),)
+            else:
+                for d in tl.static_range(PENDING_ROWS):
+                    p_k = p_k + (ahead_pk[d],)
+                rest = ()
+                for j in tl.static_range(PENDING_ROWS, PREFETCH * PENDING_ROWS):
+                    rest = rest + (ahead_pk[j],)
+                for d in tl.static_range(PENDING_ROWS):
+                    rest = rest + (tl.load(p_krow[d] + cols + PREFETCH * BK, mask=p_on[d] & (cols + PREFETCH * BK < K),
+                                           other=0.0),)
+                ahead_pk = rest
             committed = ()
             for g in tl.static_range(G):
                 h = p_root[g] * hs[g]
