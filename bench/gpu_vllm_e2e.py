@@ -19,7 +19,9 @@ Model: the fixture at shape `qwen35` (GDN 16 key heads, 32 value heads, K = V = 
 first B fixture prompts are submitted at once (`max_num_seqs` = the largest B) for `--max-tokens` greedy tokens;
 tokens/s is B * max_tokens over the `generate` call's wall time, after a warm-up pass over the same batch sizes.
 The reference engine times the same batches without speculation, then re-scores every divergence (tie-aware
-verdict: a divergence passes only where the reference's top two logits are within one bf16 step).
+verdict: a divergence passes only where the reference's top two logits are within one bf16 step). As a control, it
+judges itself the same way: each batch's prompts generated again in the next smaller batch size's batches, the same
+requests in other batch shapes (`no_spec_in_smaller_batches`: the fixture's floor for the criterion).
 
 Draft trees (`draft_tree_widths`, CUDA with TRITON_ATTN), with the test drafter `continuation_drafter` (method
 custom_class) as in the CPU e2e tests; `bench/run_gpu_tree_e2e.sh` runs them:
@@ -156,6 +158,21 @@ def verdict_record(verdict) -> dict:
             "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures)}
 
 
+def batch_shape_control(reference, prompts, batch_sizes, max_tokens: int) -> dict:
+    """The no-speculation engine's outputs for each batch size's prompts generated again in smaller batches (those of
+    the next smaller batch size): the same requests in other batch shapes, which vLLM's kernels are not invariant to.
+    Judged against the reference outputs like a speculative run, their divergences beyond one bf16 step are the
+    fixture's own floor for the tie-aware criterion."""
+    from vllm_treewy.vllm_plugin.equivalence import generate_greedy
+
+    sizes = sorted(batch_sizes)
+    control = {}
+    for chunk, b in zip(sizes, sizes[1:]):
+        control[b] = [out for start in range(0, b, chunk)
+                      for out in generate_greedy(reference, prompts[start : start + chunk], [max_tokens] * chunk)]
+    return control
+
+
 def teacher_forced_verdicts(llm, prompts, outputs, exact_logits) -> dict:
     from vllm_treewy.vllm_plugin.equivalence import compare_teacher_forced
 
@@ -250,6 +267,9 @@ def run_reference(args) -> int:
         outputs, tokens_per_s = timed_batches(reference, prompts, args)
         report["runs"]["no-spec"] = {"tokens_per_s": tokens_per_s, "kv_cache": asdict(kv_cache_report(reference)),
                                      "profile": maybe_profile(reference, prompts, args, "no-spec")}
+        report["no_spec_in_smaller_batches"] = {
+            b: verdict_record(compare_tie_aware(reference, prompts[:b], outputs[b], out, exact_logits))
+            for b, out in batch_shape_control(reference, prompts, args.batch_sizes, args.max_tokens).items()}
         for run in runs:
             entry = {key: run.get(key) for key in ("strategy", "k", "engine_start_s", "acceptance_rate", "kv_cache",
                                                    "profile")}
@@ -264,6 +284,8 @@ def run_reference(args) -> int:
         print(name, json.dumps({k: v for k, v in entry.items() if k != "verdicts"}), flush=True)
         for b, v in entry.get("verdicts", {}).items():
             print(f"  batch {b}: {v['summary']}", flush=True)
+    for b, v in report["no_spec_in_smaller_batches"].items():
+        print(f"  no speculation, batch {b} in smaller batches: {v['summary']}", flush=True)
     report["beside_store_all"] = beside_store_all(report["runs"])
     for line in report["beside_store_all"]:
         print(line, flush=True)

@@ -32,4 +32,4 @@ echo "=== reference at $(( $(date +%s) - start )) s" >>"$log"
 python3 bench/gpu_vllm_e2e.py reference --runs "$runs" --out "$out/gpu_vllm_e2e.json" \
   --command "bash bench/run_gpu_vllm_e2e.sh \$OUT \"$ks\" $*" "$@" >>"$log" 2>&1
 echo "=== rc=$? at $(( $(date +%s) - start )) s" >>"$log"
-grep -E "^===|tokens/s|us/token|beside store_all|batch [0-9]+:|PASS|FAIL|k[0-9]+ done|Traceback|Error|cudagraph_mode|Capturing CUDA graphs|GDN spec decode|Maximum concurrency|no-spec|-k[0-9] \{" "$log" | cut -c1-300 | tail -90
+grep -E "^===|tokens/s|us/token|beside store_all|smaller batches|batch [0-9]+:|PASS|FAIL|k[0-9]+ done|Traceback|Error|cudagraph_mode|Capturing CUDA graphs|GDN spec decode|Maximum concurrency|no-spec|-k[0-9] \{" "$log" | cut -c1-300 | tail -90
