@@ -25,7 +25,7 @@ SPARE_SLOTS = 2
 # the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 and 3xBF16 (where q/k are bf16),
 # two value heads per program (where HV = 2H), the operands split in the accumulator layout (tf32 / tf32x3, 2xTF32,
 # 3xBF16), the products one iteration late (2xTF32, 3xBF16 with two heads), the state chunks through TMA (2xTF32;
-# lagged with two heads and two chunks ahead)
+# lagged with two heads and two chunks ahead), the epilogue in the accumulator's layout (2xTF32; two heads)
 VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
@@ -42,7 +42,9 @@ VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
                  lagged_products=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, tma_state=True),
             dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, prefetch=2,
-                 lagged_products=True, tma_state=True)]
+                 lagged_products=True, tma_state=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, epilogue_in_mma_layout=True),
+            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, epilogue_in_mma_layout=True)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 
