@@ -276,15 +276,22 @@ def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_bet
     the 4 lanes that share a row), no per-node rows to gather."""
     o_v = tl.arange(0, V)
     rows = tl.arange(0, BT)
+    NQ: tl.constexpr = acc_kq[0].shape[1]
     w = tl.load(norm_weight + o_v).to(tl.float32)
     b_us = ()
     for g in tl.static_range(G):
         hk, hq = _node_columns(acc_kq[g], BT)
         head = i_hv0 + g
-        b_v = tl.load(qkv + node.to(tl.int64)[None, :] * stride_qkv + 2 * H * K + head * V + o_v[:, None],
-                      mask=valid[None, :], other=0.0).to(tl.float32)
-        b_z = tl.load(z + node[None, :] * stride_z + head * stride_zh + o_v[:, None], mask=valid[None, :],
-                      other=0.0).to(tl.float32)
+        # v and z in the accumulator's columns (v_t at 2t, z_t at 2t + 1), moved into its layout at once: loaded in
+        # their own layout, they would pull the per-node math out of the accumulator's
+        b_vz = tl.reshape(tl.join(
+            tl.load(qkv + node.to(tl.int64)[None, :] * stride_qkv + 2 * H * K + head * V + o_v[:, None],
+                    mask=valid[None, :], other=0.0).to(tl.float32),
+            tl.load(z + node[None, :] * stride_z + head * stride_zh + o_v[:, None], mask=valid[None, :],
+                    other=0.0).to(tl.float32)), [V, 2 * BT])
+        if 2 * BT < NQ:  # zero columns up to the accumulator's 16: [V, 8] and zeros side by side
+            b_vz = tl.reshape(tl.permute(tl.join(b_vz, tl.zeros_like(b_vz)), (0, 2, 1)), [V, NQ])
+        b_v, b_z = _node_columns(_in_accumulator_layout(b_vz), BT)
         exp_c = tl.exp(path_c[g])
         b_r = b_beta[g][None, :] * (b_v - (exp_c * k_inv)[None, :] * hk)
         lower = tl.where(rows[None, :] != rows[:, None], b_beta[g][:, None] * decay[g] * kk, 0.0)
@@ -295,7 +302,7 @@ def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_bet
         p_inverse = tl.sum((decay[g] * qk)[:, :, None] * inverse[None, :, :], 1)
         b_u = tl.zeros([V, BT], dtype=tl.float32)
         b_o = (exp_c * q_inv)[None, :] * hq
-        for j in tl.static_range(BT):
+        for j in tl.static_range(BT):  # r's column j: a sum over the 4 lanes of a quad
             r_j = tl.sum(tl.where(rows[None, :] == j, b_r, 0.0), 1)
             b_u += r_j[:, None] * tl.sum(tl.where(rows[None, :] == j, inverse, 0.0), 1)[None, :]
             b_o += r_j[:, None] * tl.sum(tl.where(rows[None, :] == j, p_inverse, 0.0), 1)[None, :]
