@@ -234,6 +234,7 @@ TWO_HEADS = dict(heads_per_program=2)
 MMA_SPLIT = dict(split_in_mma_layout=True)  # one layout change per chunk, the pieces split in registers
 LAGGED = dict(lagged_products=True)  # the pieces carried one iteration, read by the tensor cores from shared memory
 TMA = dict(tma_state=True)  # state chunks as TMA copies into a shared-memory ring (Triton's pipeliner, mbarriers)
+EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles in the accumulator's layout
 
 # candidates, timed at the tuning batches and speculative lengths (first = the launch default at large batches, also
 # checked against the compiled kernel); the fastest correct one per (state, T, small/large batch) serves the rows.
@@ -258,11 +259,12 @@ TMA = dict(tma_state=True)  # state chunks as TMA copies into a shared-memory ri
 # (160.2 / 371.2 us at B=64 vs 153.2; 15.2 / 23.3 at B=1 vs 13.8), making room for the three above.
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **TMA), _dot(32, 8, 2, **SPLIT, **TMA),
-             _dot(32, 8, 3, **SPLIT, **TMA), _dot(32, 8, 2, **SPLIT), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT),
+             _dot(32, 8, 3, **SPLIT, **TMA), _dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT),
              _dot(32, 8, 1, **SPLIT, **LAGGED), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
              _dot(16, 8, 1, **SPLIT, **TWO_HEADS)],
     "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(32, 4, 1, **TWO_HEADS, **BF16_SPLIT), _dot(64, 8, 1, **BF16_SPLIT),
-             _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
+             _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1),
+             _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE)],
 }
 
 
