@@ -250,6 +250,8 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # 32/8/2 184 (one; 145 before). More bytes in flight: TMA at prefetch 2 and 3 (3: the whole 128-column head, a ring
 # of four chunks), 102 / 100 registers, 86.5 / 104 KiB shared, two CTAs per SM; 32/8/2 back (dropped after 2026-12-01,
 # before the key rows were prefetched).
+# The epilogue in the accumulator's layout (EPILOGUE, not timed): fp32 T=4 32/8/1 2xTF32 128 registers as the
+# default, bf16 two heads 32/4/1 255 (254); fewer shared-memory round trips, as many shuffles (kernels.md).
 # Dropped after 2026-12-01 (lost at B=64 and B=1, `results/2026-12-01/device/gated.json`): fp32 32/8/2, two heads
 # 16/8/1 tf32x3 and 32/8/1 2xTF32; bf16 one row per thread (8/4/2), two heads 16/8/1 and 32/8/1. Earlier: fp32
 # 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums. After 2026-12-01b
