@@ -188,10 +188,10 @@ def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
 
 @triton.jit
 def _node_columns(acc, BT: tl.constexpr):
-    """(h k, h q) as [V, BT] tiles, node t in column t, from the [V, NQ] accumulator of interleaved columns (k_t at
-    2t, q_t at 2t + 1, zeros from 2 BT on): in the tensor cores' accumulator layout a thread holds column pairs
-    (2c, 2c + 1) and (2c + 8, 2c + 9), so the reshape and splits move no data. BT >= 4: the zero block (columns
-    8..15 at BT = 4) is the in-thread one."""
+    """The even and odd columns of a [V, NQ] tile in the tensor cores' accumulator layout as [V, BT] tiles, node t in
+    column t (the accumulator's k_t at 2t and q_t at 2t + 1, or v_t and z_t; zeros from 2 BT on). There a thread
+    holds the column pairs (2c, 2c + 1) and (2c + 8, 2c + 9), so the reshape and splits move no data. BT >= 4: the
+    zero block (columns 8..15 at BT = 4) is the in-thread one."""
     V: tl.constexpr = acc.shape[0]
     NQ: tl.constexpr = acc.shape[1]
     if NQ == 4 * BT:
