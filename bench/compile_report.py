@@ -39,7 +39,7 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
     const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
                  BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
                  DO_VERIFY=verify, HAS_PENDING=pending,
-                 G=1, SPLIT_IN_MMA_LAYOUT=False, LAGGED_PRODUCTS=False, STATE_TMA=False,
+                 G=1, SPLIT_IN_MMA_LAYOUT=False, LAGGED_PRODUCTS=False, STATE_TMA=False, EPILOGUE_IN_MMA_LAYOUT=False,
                  STATE_PRODUCTS="tf32" if state_dtype == "bf16" else "tf32x3")  # q/k/v are bf16 here
     const.update(variant)
     sig = {}

@@ -234,6 +234,7 @@ TWO_HEADS = dict(heads_per_program=2)
 MMA_SPLIT = dict(split_in_mma_layout=True)  # one layout change per chunk, the pieces split in registers
 LAGGED = dict(lagged_products=True)  # the pieces carried one iteration, read by the tensor cores from shared memory
 TMA = dict(tma_state=True)  # state chunks as TMA copies into a shared-memory ring (Triton's pipeliner, mbarriers)
+EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles in the accumulator's layout
 
 # candidates, timed at the tuning batches and speculative lengths (first = the launch default at large batches, also
 # checked against the compiled kernel); the fastest correct one per (state, T, small/large batch) serves the rows.
@@ -249,6 +250,8 @@ TMA = dict(tma_state=True)  # state chunks as TMA copies into a shared-memory ri
 # 32/8/2 184 (one; 145 before). More bytes in flight: TMA at prefetch 2 and 3 (3: the whole 128-column head, a ring
 # of four chunks), 102 / 100 registers, 86.5 / 104 KiB shared, two CTAs per SM; 32/8/2 back (dropped after 2026-12-01,
 # before the key rows were prefetched).
+# The epilogue in the accumulator's layout (EPILOGUE, not timed): fp32 T=4 32/8/1 2xTF32 128 registers as the
+# default, bf16 two heads 32/4/1 255 (254); fewer shared-memory round trips, as many shuffles (kernels.md).
 # Dropped after 2026-12-01 (lost at B=64 and B=1, `results/2026-12-01/device/gated.json`): fp32 32/8/2, two heads
 # 16/8/1 tf32x3 and 32/8/1 2xTF32; bf16 one row per thread (8/4/2), two heads 16/8/1 and 32/8/1. Earlier: fp32
 # 32/4/1, 16/4/2, 16/8/2, 64/8/1, 16 warps; one row per thread without row sums. After 2026-12-01b
@@ -258,11 +261,12 @@ TMA = dict(tma_state=True)  # state chunks as TMA copies into a shared-memory ri
 # (160.2 / 371.2 us at B=64 vs 153.2; 15.2 / 23.3 at B=1 vs 13.8), making room for the three above.
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **TMA), _dot(32, 8, 2, **SPLIT, **TMA),
-             _dot(32, 8, 3, **SPLIT, **TMA), _dot(32, 8, 2, **SPLIT), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT),
+             _dot(32, 8, 3, **SPLIT, **TMA), _dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT),
              _dot(32, 8, 1, **SPLIT, **LAGGED), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
              _dot(16, 8, 1, **SPLIT, **TWO_HEADS)],
     "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(32, 4, 1, **TWO_HEADS, **BF16_SPLIT), _dot(64, 8, 1, **BF16_SPLIT),
-             _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1)],
+             _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1),
+             _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE)],
 }
 
 

@@ -237,6 +237,8 @@ GATED_VARIANTS = {
                        split_state_bf16=True),
     "two_heads": dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, heads_per_program=2,
                       split_state_tf32=True),
+    "epilogue_in_mma_layout": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
+                                   split_state_tf32=True, epilogue_in_mma_layout=True),
 }
 
 

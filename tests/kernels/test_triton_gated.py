@@ -25,7 +25,7 @@ SPARE_SLOTS = 2
 # the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 and 3xBF16 (where q/k are bf16),
 # two value heads per program (where HV = 2H), the operands split in the accumulator layout (tf32 / tf32x3, 2xTF32,
 # 3xBF16), the products one iteration late (2xTF32, 3xBF16 with two heads), the state chunks through TMA (2xTF32;
-# lagged with two heads and two chunks ahead)
+# lagged with two heads and two chunks ahead), the epilogue in the accumulator's layout (2xTF32; two heads)
 VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
@@ -42,7 +42,9 @@ VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
                  lagged_products=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, tma_state=True),
             dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, prefetch=2,
-                 lagged_products=True, tma_state=True)]
+                 lagged_products=True, tma_state=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, epilogue_in_mma_layout=True),
+            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, epilogue_in_mma_layout=True)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 
@@ -310,7 +312,8 @@ def test_state_products_mode():
 @given(batch=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=1, max_size=3),
        seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
 @pytest.mark.parametrize("split", ["split_state_tf32", "split_state_bf16"])
-@pytest.mark.parametrize("operands", [{}, dict(split_in_mma_layout=True), dict(lagged_products=True)])
+@pytest.mark.parametrize("operands", [{}, dict(split_in_mma_layout=True), dict(lagged_products=True),
+                                      dict(epilogue_in_mma_layout=True)])
 def test_split_state(split, operands, batch, seed, gate_scale):
     """2xTF32 or 3xBF16 (fp32 state, raw bf16 q/k), the pieces split in the load's layout, in the accumulator layout
     (tf32 pieces there with reordered columns) or one iteration ahead of their products: outputs and u vs the fp64
@@ -336,7 +339,8 @@ def test_split_state(split, operands, batch, seed, gate_scale):
 @settings(max_examples=4, deadline=None)
 @given(batch=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=1, max_size=3),
        seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
-@pytest.mark.parametrize("operands", [{}, dict(split_in_mma_layout=True), dict(lagged_products=True)])
+@pytest.mark.parametrize("operands", [{}, dict(split_in_mma_layout=True), dict(lagged_products=True),
+                                      dict(epilogue_in_mma_layout=True)])
 def test_bf16_state_one_bf16_pass(operands, batch, seed, gate_scale):
     """A bf16 state with bf16 q/k and `split_state_bf16`: one bf16 pass, exact products as the one tf32 pass (the
     interpreter runs both dots in fp32): outputs and factor rows as the tf32 pass's, and vs the fp64 reference."""
@@ -420,3 +424,36 @@ def test_pending_key_rows_prefetched(launch, first, second, seed, data):
         else:
             reference = reference_of(packed1, inputs1, h0, slots, first, 1, b)
             assert within(committed[slot], reference.recurrence.state[int(accepted[b])], STATE_TOLERANCE[torch.float32])
+
+
+@settings(max_examples=3, deadline=None)
+@given(first=st.lists(chains(max_nodes=8), min_size=1, max_size=3),
+       second=st.lists(st.one_of(chains(max_nodes=8), trees(max_nodes=8, max_depth=4)), min_size=3, max_size=3),
+       seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]), data=st.data())
+@pytest.mark.parametrize("heads", [1, 2])
+def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
+    """`epilogue_in_mma_layout` (interleaved q/k columns, the solve as products with a small inverse) against the
+    default epilogue: a chain step (vs fp64), then a step of chains or trees committing the first step's accepted
+    nodes; factor rows and committed states within 1e-6 of the default's (different rounding: u from the inverse's
+    products, not the forward substitution's), the bf16 outputs within one rounding; one and two value heads per
+    program."""
+    second = second[: len(first)]
+    accepted = torch.tensor([data.draw(st.integers(-1, len(c) - 1)) for c in first], dtype=torch.int32)
+    packed1, inputs1, pool, slots = gated_inputs(first, 2, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
+    packed2, inputs2, _, _ = gated_inputs(second, 2, 2, 32, 32, seed + 1, gate_scale, dtype=torch.bfloat16)
+    rows_per_slot = max(packed1.max_nodes, packed2.max_nodes)
+    launch = dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, heads_per_program=heads)
+    results = []
+    for epilogue in (False, True):
+        state = pool.float().to(DEVICE)
+        factors = slot_factor_page(state.shape[0], rows_per_slot, 4, 32, 32, seed)
+        before = factors.clone()
+        out1 = run_step(packed1, inputs1, state, slots, 2, factors, chain=True, epilogue_in_mma_layout=epilogue,
+                        **launch)
+        check_step(packed1, inputs1, pool.float(), slots, first, 2, out1, factors, before, TOLERANCE[torch.float32],
+                   OUT_TOLERANCE_BF16)
+        out2 = run_step(packed2, inputs2, state, slots, 2, factors, pending=accepted,
+                        epilogue_in_mma_layout=epilogue, **launch)
+        results.append((out1, out2, state, factors))
+    for default, option, tolerance in zip(*results, (OUT_TOLERANCE_BF16, OUT_TOLERANCE_BF16, 1e-6, 1e-6)):
+        assert within(option.nan_to_num(0.0).cpu(), default.nan_to_num(0.0).cpu().double(), tolerance)

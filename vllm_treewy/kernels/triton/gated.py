@@ -187,6 +187,21 @@ def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
 
 
 @triton.jit
+def _node_columns(acc, BT: tl.constexpr):
+    """The even and odd columns of a [V, NQ] tile in the tensor cores' accumulator layout as [V, BT] tiles, node t in
+    column t (the accumulator's k_t at 2t and q_t at 2t + 1, or v_t and z_t; zeros from 2 BT on). There a thread
+    holds the column pairs (2c, 2c + 1) and (2c + 8, 2c + 9), so the reshape and splits move no data. BT >= 4: the
+    zero block (columns 8..15 at BT = 4) is the in-thread one."""
+    V: tl.constexpr = acc.shape[0]
+    NQ: tl.constexpr = acc.shape[1]
+    if NQ == 4 * BT:
+        nodes, zeros = tl.split(tl.permute(tl.reshape(acc, [V, 2, BT, 2]), (0, 2, 3, 1)))
+    else:
+        nodes = tl.reshape(acc, [V, BT, 2])
+    return tl.split(nodes)
+
+
+@triton.jit
 def _gate_terms(a, b, A_log, dt_bias, ancestors, bos, n, i_hv, stride_a, stride_b, BT: tl.constexpr,
                 MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
     """One value head's gates of the nodes: g, beta, the path sums c and the decays exp(c_i - c_j) (running sums up
@@ -246,6 +261,65 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
     return g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk
 
 
+@triton.jit
+def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_beta, path_c, decay, q_inv, k_inv, kk,
+                            qk, i_hv0, eps, stride_qkv, stride_z, stride_zh, stride_out, stride_outh, H: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, ACT: tl.constexpr):
+    """The verify's epilogue with node t in column t of [V, BT] tiles in the accumulator's layout
+    (EPILOGUE_IN_MMA_LAYOUT; interleaved q/k columns, `_node_columns`): stores the normed, gated outputs and returns
+    per head u [V, BT].
+
+    Row v of u depends only on row v of r = beta (v - exp(c) k_inv h k): (I + L) u_v = r_v with L the strictly lower
+    matrix beta_i exp(c_i - c_j) k_i.k_j, so u = r T^T with T = (I + L)^-1 (unit lower triangular, forward
+    substitution on the [BT, BT] matrix), and o = exp(c) q_inv h q + u P^T = exp(c) q_inv h q + r (P T)^T with
+    P = exp(c_i - c_j) q_i.k_j. Each of u's and o's columns sums r's columns: one column of r at a time (a sum over
+    the 4 lanes that share a row), no per-node rows to gather."""
+    o_v = tl.arange(0, V)
+    rows = tl.arange(0, BT)
+    NQ: tl.constexpr = acc_kq[0].shape[1]
+    w = tl.load(norm_weight + o_v).to(tl.float32)
+    b_us = ()
+    for g in tl.static_range(G):
+        hk, hq = _node_columns(acc_kq[g], BT)
+        head = i_hv0 + g
+        # v and z in the accumulator's columns (v_t at 2t, z_t at 2t + 1), moved into its layout at once: loaded in
+        # their own layout, they would pull the per-node math out of the accumulator's
+        b_vz = tl.reshape(tl.join(
+            tl.load(qkv + node.to(tl.int64)[None, :] * stride_qkv + 2 * H * K + head * V + o_v[:, None],
+                    mask=valid[None, :], other=0.0).to(tl.float32),
+            tl.load(z + node[None, :] * stride_z + head * stride_zh + o_v[:, None], mask=valid[None, :],
+                    other=0.0).to(tl.float32)), [V, 2 * BT])
+        if 2 * BT < NQ:  # zero columns up to the accumulator's 16: [V, 8] and zeros side by side
+            b_vz = tl.reshape(tl.permute(tl.join(b_vz, tl.zeros_like(b_vz)), (0, 2, 1)), [V, NQ])
+        b_v, b_z = _node_columns(_in_accumulator_layout(b_vz), BT)
+        exp_c = tl.exp(path_c[g])
+        b_r = b_beta[g][None, :] * (b_v - (exp_c * k_inv)[None, :] * hk)
+        lower = tl.where(rows[None, :] != rows[:, None], b_beta[g][:, None] * decay[g] * kk, 0.0)
+        inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+        for i in tl.static_range(1, BT):  # rows above i are final when row i is solved
+            l_row = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), 0)
+            inverse = tl.where(rows[:, None] == i, inverse - tl.sum(l_row[:, None] * inverse, 0)[None, :], inverse)
+        p_inverse = tl.sum((decay[g] * qk)[:, :, None] * inverse[None, :, :], 1)
+        b_u = tl.zeros([V, BT], dtype=tl.float32)
+        b_o = (exp_c * q_inv)[None, :] * hq
+        for j in tl.static_range(BT):  # r's column j: a sum over the 4 lanes of a quad
+            r_j = tl.sum(tl.where(rows[None, :] == j, b_r, 0.0), 1)
+            b_u += r_j[:, None] * tl.sum(tl.where(rows[None, :] == j, inverse, 0.0), 1)[None, :]
+            b_o += r_j[:, None] * tl.sum(tl.where(rows[None, :] == j, p_inverse, 0.0), 1)[None, :]
+        b_us = b_us + (b_u,)
+        # gated RMSNorm over V (the rows), the core output rounded to the output dtype first, as in the other layout
+        b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(b_o * b_o, 0) / V + eps)
+        if ACT == "silu":
+            gate = b_z * tl.sigmoid(b_z)
+        else:
+            gate = tl.sigmoid(b_z)
+        y = b_o * rstd[None, :] * w[:, None] * gate
+        tl.store(out + node[None, :] * stride_out + head * stride_outh + o_v[:, None], y.to(out.dtype.element_ty),
+                 mask=valid[None, :])
+    return b_us
+
+
 # the integer-array pointers are read as scalars or gathers: their alignment buys nothing, and without the alignment
 # key a caller's offset view cannot compile a second variant. The int arguments (strides) are model constants in vLLM
 # (views of the projections, the pools and pages) and stay specialised: their divisibility by 16 vectorises the
@@ -263,6 +337,7 @@ def _gated_step_kernel(
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
     SPLIT_IN_MMA_LAYOUT: tl.constexpr, LAGGED_PRODUCTS: tl.constexpr, STATE_TMA: tl.constexpr,
+    EPILOGUE_IN_MMA_LAYOUT: tl.constexpr,
 ):
     # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
     # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
@@ -350,12 +425,18 @@ def _gated_step_kernel(
                 row_off = row_off + ((bos + t).to(tl.int64) * stride_qkv,)
                 row_ok = row_ok + (t < n,)
         else:
-            # columns of the [BK, NQ] right operand: k_0..k_{BT-1}, q_0..q_{BT-1}, zero padding up to 16
+            # columns of the [BK, NQ] right operand: k_0..k_{BT-1}, q_0..q_{BT-1}, zero padding up to 16;
+            # EPILOGUE_IN_MMA_LAYOUT: interleaved, k_t at 2t and q_t at 2t + 1 (`_node_columns`)
             NQ: tl.constexpr = max(16, 2 * BT)
             o_q = tl.arange(0, NQ)
-            q_node = o_q % BT
+            if EPILOGUE_IN_MMA_LAYOUT:
+                q_node = o_q // 2
+                is_key = o_q % 2 == 0
+            else:
+                q_node = o_q % BT
+                is_key = o_q < BT
             kq_ok = (q_node < n) & (o_q < 2 * BT)
-            kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(o_q < BT, H * K, 0) + i_h * K
+            kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(is_key, H * K, 0) + i_h * K
 
     # the state, BK key columns at a time; PREFETCH chunks (state, q/k and pending key rows) are in flight ahead of
     # the one in use, loaded before the commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of
@@ -499,63 +580,68 @@ def _gated_step_kernel(
             g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
                 a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G,
                 MAX_ANC, IS_CHAIN)
-        # per head: h k_t, h q_t as [BT, V] tiles, r = beta (v - exp(c) h k), the solve's off-diagonal matrix
-        # beta_i exp(c_i - c_j) k_i.k_j; the norm's inputs (z, weight) in flight before the solve's loop
-        w = tl.load(norm_weight + o_v).to(tl.float32)
-        exp_c = ()
-        hqs = ()
-        b_us = ()
-        gmats = ()
-        b_zs = ()
-        for g in tl.static_range(G):
-            exp_c = exp_c + (tl.exp(path_c[g]),)
-            hk = tl.zeros([BT, V], dtype=tl.float32)
-            hq = tl.zeros([BT, V], dtype=tl.float32)
-            for t in tl.static_range(BT):
-                if STATE_DOT:
-                    hk = tl.where(rows[:, None] == t, tl.sum(tl.where(o_q[None, :] == t, acc_kq[g], 0.0), 1)[None, :],
-                                  hk)
-                    hq = tl.where(rows[:, None] == t,
-                                  tl.sum(tl.where(o_q[None, :] == BT + t, acc_kq[g], 0.0), 1)[None, :], hq)
-                elif ROW_SUMS:
-                    hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
-                    hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
-                else:
-                    hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
-                    hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
-            b_v = tl.load(qkv + node.to(tl.int64)[:, None] * stride_qkv + 2 * H * K + (i_hv0 + g) * V + o_v[None, :],
-                          mask=valid[:, None], other=0.0).to(tl.float32)
-            b_us = b_us + (b_beta[g][:, None] * (b_v - exp_c[g][:, None] * (hk * k_inv[:, None])),)
-            hqs = hqs + (hq * q_inv[:, None],)
-            gmats = gmats + (tl.where(rows[None, :] != rows[:, None], b_beta[g][:, None] * decay[g] * kk, 0.0),)
-            b_zs = b_zs + (tl.load(z + node[:, None] * stride_z + (i_hv0 + g) * stride_zh + o_v[None, :],
-                                   mask=valid[:, None], other=0.0).to(tl.float32),)
-        # forward substitution, the heads side by side: rows above i are final when row i is solved
-        for i in range(1, n):
-            solved = ()
+        if EPILOGUE_IN_MMA_LAYOUT:
+            b_us = _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_beta, path_c, decay, q_inv,
+                                           k_inv, kk, qk, i_hv0, eps, stride_qkv, stride_z, stride_zh, stride_out,
+                                           stride_outh, H, K, V, G, BT, ACT)
+        else:
+            # per head: h k_t, h q_t as [BT, V] tiles, r = beta (v - exp(c) h k), the solve's off-diagonal matrix
+            # beta_i exp(c_i - c_j) k_i.k_j; the norm's inputs (z, weight) in flight before the solve's loop
+            w = tl.load(norm_weight + o_v).to(tl.float32)
+            exp_c = ()
+            hqs = ()
+            b_us = ()
+            gmats = ()
+            b_zs = ()
             for g in tl.static_range(G):
-                g_row = tl.sum(tl.where(rows[:, None] == i, gmats[g], 0.0), 0)
-                solved = solved + (tl.where(rows[:, None] == i, b_us[g] - tl.sum(g_row[:, None] * b_us[g], 0)[None, :],
-                                            b_us[g]),)
-            b_us = solved
-        for g in tl.static_range(G):
-            pmat = decay[g] * qk
-            b_o = exp_c[g][:, None] * hqs[g]
-            for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
-                u_j = tl.sum(tl.where(rows[:, None] == j, b_us[g], 0.0), 0)
-                p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
-                b_o += p_j[:, None] * u_j[None, :]
-            # gated RMSNorm over the head's V values, output gate fused; the core output rounded to the output
-            # dtype first, as vLLM's non-speculative decode stores it (and its compiled MTP kernel rounds it)
-            b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
-            if ACT == "silu":
-                gate = b_zs[g] * tl.sigmoid(b_zs[g])
-            else:
-                gate = tl.sigmoid(b_zs[g])
-            y = b_o * rstd[:, None] * w[None, :] * gate
-            tl.store(out + node[:, None] * stride_out + (i_hv0 + g) * stride_outh + o_v[None, :],
-                     y.to(out.dtype.element_ty), mask=valid[:, None])
+                exp_c = exp_c + (tl.exp(path_c[g]),)
+                hk = tl.zeros([BT, V], dtype=tl.float32)
+                hq = tl.zeros([BT, V], dtype=tl.float32)
+                for t in tl.static_range(BT):
+                    if STATE_DOT:
+                        hk = tl.where(rows[:, None] == t,
+                                      tl.sum(tl.where(o_q[None, :] == t, acc_kq[g], 0.0), 1)[None, :], hk)
+                        hq = tl.where(rows[:, None] == t,
+                                      tl.sum(tl.where(o_q[None, :] == BT + t, acc_kq[g], 0.0), 1)[None, :], hq)
+                    elif ROW_SUMS:
+                        hk = tl.where(rows[:, None] == t, acc_k[t][None, :], hk)
+                        hq = tl.where(rows[:, None] == t, acc_q[t][None, :], hq)
+                    else:
+                        hk = tl.where(rows[:, None] == t, tl.sum(acc_k[t], 1)[None, :], hk)
+                        hq = tl.where(rows[:, None] == t, tl.sum(acc_q[t], 1)[None, :], hq)
+                b_v = tl.load(qkv + node.to(tl.int64)[:, None] * stride_qkv + 2 * H * K + (i_hv0 + g) * V
+                              + o_v[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                b_us = b_us + (b_beta[g][:, None] * (b_v - exp_c[g][:, None] * (hk * k_inv[:, None])),)
+                hqs = hqs + (hq * q_inv[:, None],)
+                gmats = gmats + (tl.where(rows[None, :] != rows[:, None], b_beta[g][:, None] * decay[g] * kk, 0.0),)
+                b_zs = b_zs + (tl.load(z + node[:, None] * stride_z + (i_hv0 + g) * stride_zh + o_v[None, :],
+                                       mask=valid[:, None], other=0.0).to(tl.float32),)
+            # forward substitution, the heads side by side: rows above i are final when row i is solved
+            for i in range(1, n):
+                solved = ()
+                for g in tl.static_range(G):
+                    g_row = tl.sum(tl.where(rows[:, None] == i, gmats[g], 0.0), 0)
+                    solved = solved + (tl.where(rows[:, None] == i,
+                                                b_us[g] - tl.sum(g_row[:, None] * b_us[g], 0)[None, :], b_us[g]),)
+                b_us = solved
+            for g in tl.static_range(G):
+                pmat = decay[g] * qk
+                b_o = exp_c[g][:, None] * hqs[g]
+                for j in tl.static_range(BT):  # one node's u at a time: no [BT, BT, V] product (registers at T=8)
+                    u_j = tl.sum(tl.where(rows[:, None] == j, b_us[g], 0.0), 0)
+                    p_j = tl.sum(tl.where(rows[None, :] == j, pmat, 0.0), 1)
+                    b_o += p_j[:, None] * u_j[None, :]
+                # gated RMSNorm over the head's V values, output gate fused; the core output rounded to the output
+                # dtype first, as vLLM's non-speculative decode stores it (and its compiled MTP kernel rounds it)
+                b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
+                if ACT == "silu":
+                    gate = b_zs[g] * tl.sigmoid(b_zs[g])
+                else:
+                    gate = tl.sigmoid(b_zs[g])
+                y = b_o * rstd[:, None] * w[None, :] * gate
+                tl.store(out + node[:, None] * stride_out + (i_hv0 + g) * stride_outh + o_v[None, :],
+                         y.to(out.dtype.element_ty), mask=valid[:, None])
         # this step's factors into the slot's rows, after every thread's last read of the pending rows; the raw
         # keys reloaded here rather than kept live through the state loop, one copy per value head
         tl.debug_barrier()
@@ -565,7 +651,10 @@ def _gated_step_kernel(
         for g in tl.static_range(G):
             tl.store(f_k + g * K + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
             tl.store(f_kscale + g + f_row, k_inv, mask=valid)
-            tl.store(f_u + g * V + f_row[:, None] + o_v[None, :], b_us[g], mask=valid[:, None])
+            if EPILOGUE_IN_MMA_LAYOUT:
+                tl.store(f_u + g * V + f_row[None, :] + o_v[:, None], b_us[g], mask=valid[None, :])
+            else:
+                tl.store(f_u + g * V + f_row[:, None] + o_v[None, :], b_us[g], mask=valid[:, None])
             tl.store(f_g + g + f_row, g_own[g], mask=valid)
 
 
@@ -579,7 +668,8 @@ def _gated_step_kernel(
 # (593.4 us at B=64 against 677.8 for one head at 32/8/1; at B=1 one head stays, 42.8 against 72.4).
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
-                         heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False)
+                         heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
+                         epilogue_in_mma_layout=False)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 SMALL_BATCH = 8
 
@@ -692,6 +782,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         strides = (mixed_qkv.stride(0), a.stride(0), b.stride(0), output_gate.stride(0), output_gate.stride(1),
                    out3.stride(0), out3.stride(1))
         bt = _nodes_block(max_nodes)
+        if launch["epilogue_in_mma_layout"] and launch["state_dot"]:  # a column per node: 4 columns per lane quad
+            bt = max(4, bt)
     else:  # commit alone: the verify's pointers are never dereferenced
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_desc, state_indices, state_indices, state_indices, factors)
@@ -710,6 +802,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         SPLIT_IN_MMA_LAYOUT=launch["split_in_mma_layout"] and launch["state_dot"] and do_verify,
         LAGGED_PRODUCTS=launch["lagged_products"] and launch["state_dot"] and do_verify,
         STATE_TMA=launch["tma_state"],
+        EPILOGUE_IN_MMA_LAYOUT=launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify,
         STATE_PRODUCTS=_state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
                                             launch["split_state_tf32"], launch["split_state_bf16"]),
         **options,
@@ -755,6 +848,7 @@ def gdn_step_triton(
     split_in_mma_layout: bool | None = None,
     lagged_products: bool | None = None,
     tma_state: bool | None = None,
+    epilogue_in_mma_layout: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -793,6 +887,9 @@ def gdn_step_triton(
     over the pool, block [1, 1, V, block_k]; base and strides 16-byte aligned) as asynchronous copies into shared
     memory that Triton's pipeliner keeps `prefetch` chunks ahead (prefetch + 1 buffers, mbarriers), the q/k chunks
     loaded in the loop for the same pipeliner, so no register load is outstanding at the products' fences.
+    `epilogue_in_mma_layout` (with `state_dot`): the q/k columns interleaved (k_t, q_t side by side), so the
+    epilogue takes each node's h k_t, h q_t as a column of the accumulator in place and works on [V, nodes] tiles,
+    the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -801,7 +898,8 @@ def gdn_step_triton(
                    num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, row_sums=row_sums,
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
                    split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
-                   split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state)
+                   split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
+                   epilogue_in_mma_layout=epilogue_in_mma_layout)
 
 
 def gdn_commit_triton(
