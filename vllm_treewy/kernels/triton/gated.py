@@ -187,6 +187,14 @@ def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
 
 
 @triton.jit
+def _output_gate(z, ACT: tl.constexpr):
+    """The gated RMSNorm's output gate of the layer's activation (`GATE_ACTIVATIONS`)."""
+    if ACT == "silu":
+        return z * tl.sigmoid(z)
+    return tl.sigmoid(z)
+
+
+@triton.jit
 def _node_columns(acc, BT: tl.constexpr):
     """The even and odd columns of a [V, NQ] tile in the tensor cores' accumulator layout as [V, BT] tiles, node t in
     column t (the accumulator's k_t at 2t and q_t at 2t + 1, or v_t and z_t; zeros from 2 BT on). There a thread
@@ -310,11 +318,7 @@ def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_bet
         # gated RMSNorm over V (the rows), the core output rounded to the output dtype first, as in the other layout
         b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(b_o * b_o, 0) / V + eps)
-        if ACT == "silu":
-            gate = b_z * tl.sigmoid(b_z)
-        else:
-            gate = tl.sigmoid(b_z)
-        y = b_o * rstd[None, :] * w[:, None] * gate
+        y = b_o * rstd[None, :] * w[:, None] * _output_gate(b_z, ACT)
         tl.store(out + node[None, :] * stride_out + head * stride_outh + o_v[:, None], y.to(out.dtype.element_ty),
                  mask=valid[None, :])
     return b_us
@@ -635,11 +639,7 @@ def _gated_step_kernel(
                 # dtype first, as vLLM's non-speculative decode stores it (and its compiled MTP kernel rounds it)
                 b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
                 rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
-                if ACT == "silu":
-                    gate = b_zs[g] * tl.sigmoid(b_zs[g])
-                else:
-                    gate = tl.sigmoid(b_zs[g])
-                y = b_o * rstd[:, None] * w[None, :] * gate
+                y = b_o * rstd[:, None] * w[None, :] * _output_gate(b_zs[g], ACT)
                 tl.store(out + node[:, None] * stride_out + (i_hv0 + g) * stride_outh + o_v[None, :],
                          y.to(out.dtype.element_ty), mask=valid[:, None])
         # this step's factors into the slot's rows, after every thread's last read of the pending rows; the raw
