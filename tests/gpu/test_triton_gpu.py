@@ -221,24 +221,29 @@ def slot_factors(num_slots, tokens):
 
 
 # launch variants: the defaults, and each layout explicitly (the bf16 x bf16 tensor-core dot runs only on a GPU);
-# tf32x3, 2xTF32 and 3xBF16 (fp32 states; a bf16 state runs its one exact pass) and two value heads per program
+# tf32x3, 2xTF32 and 3xBF16 (fp32 states; a bf16 state runs its one exact pass) and two value heads per program.
+# The explicit ones pin the epilogue and the state products (`PINNED`): left out, they would come from
+# `launch_defaults` (fp32 states with 3-8 nodes: epilogue_in_mma_layout; 16-bit states with 3-4: split_state_bf16)
+PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False)
 GATED_VARIANTS = {
     "default": {},
     "tma_state": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                      split_state_tf32=True, tma_state=True),
+                      split_state_tf32=True, tma_state=True, **PINNED),
     "split_in_mma_layout": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                                split_state_tf32=True, split_in_mma_layout=True),
+                                split_state_tf32=True, split_in_mma_layout=True, **PINNED),
     "lagged_products": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                            split_state_tf32=True, lagged_products=True),
-    "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True, state_dot=False),
-    "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=False),
-    "split": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True),
+                            split_state_tf32=True, lagged_products=True, **PINNED),
+    "rows": dict(block_k=8, num_warps=4, prefetch=2, row_sums=True, late_node_terms=True, state_dot=False, **PINNED),
+    "dot": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=False,
+                **PINNED),
+    "split": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True,
+                  **PINNED),
     "split_bf16": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                       split_state_bf16=True),
+                       split_state_bf16=True, epilogue_in_mma_layout=False),
     "two_heads": dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, heads_per_program=2,
-                      split_state_tf32=True),
+                      split_state_tf32=True, **PINNED),
     "epilogue_in_mma_layout": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                                   split_state_tf32=True, epilogue_in_mma_layout=True),
+                                   split_state_tf32=True, epilogue_in_mma_layout=True, split_state_bf16=False),
 }
 
 

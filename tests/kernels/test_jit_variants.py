@@ -4,8 +4,8 @@ Here the launch arguments are built exactly as `gdn_step_triton` / `conv_step_tr
 vLLM's Qwen3.5 GDN layer hands over at every batch size it captures (FULL CUDA graphs: slices of persistent
 buffers; mixed prefill batches: `index_select` copies), and bound with Triton's own binder; nothing is compiled.
 Expected: one key per kernel, speculative length and launch configuration (the grid carries the batch, the integer
-arguments are strides of model-shaped views; 16-bit states take one configuration for small batches and one for
-large, `launch_defaults`)."""
+arguments are strides of model-shaped views; `launch_defaults` gives 16-bit states at 2 or 8 tokens one configuration
+for small batches and one for large, every other case one for all batches)."""
 
 import pytest
 import torch

@@ -25,7 +25,9 @@ SPARE_SLOTS = 2
 # the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 and 3xBF16 (where q/k are bf16),
 # two value heads per program (where HV = 2H), the operands split in the accumulator layout (tf32 / tf32x3, 2xTF32,
 # 3xBF16), the products one iteration late (2xTF32, 3xBF16 with two heads), the state chunks through TMA (2xTF32;
-# lagged with two heads and two chunks ahead), the epilogue in the accumulator's layout (2xTF32; two heads)
+# lagged with two heads and two chunks ahead), the epilogue in the accumulator's layout (2xTF32; two heads); options
+# left out come from `launch_defaults` (fp32 states with 3-8 nodes: that epilogue; 16-bit states with 3-4: the bf16
+# pass), so the last entry pins the earlier epilogue and the tf32 pass there
 VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
@@ -44,7 +46,9 @@ VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, prefetch=2,
                  lagged_products=True, tma_state=True),
             dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, epilogue_in_mma_layout=True),
-            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, epilogue_in_mma_layout=True)]
+            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, epilogue_in_mma_layout=True),
+            dict(block_k=16, state_dot=True, late_node_terms=True, epilogue_in_mma_layout=False,
+                 split_state_bf16=False)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 
@@ -353,7 +357,8 @@ def test_bf16_state_one_bf16_pass(operands, batch, seed, gate_scale):
     check_step(packed, inputs, state.cpu(), slots, batch, 2, out, factors, before, TOLERANCE[torch.bfloat16],
                OUT_TOLERANCE_BF16)
     tf32_factors = before.clone()
-    tf32_out = run_step(packed, inputs, state, slots, 2, tf32_factors, **launch)
+    # the tf32 pass asked for: 3-4 nodes default to the bf16 pass (`launch_defaults`)
+    tf32_out = run_step(packed, inputs, state, slots, 2, tf32_factors, split_state_bf16=False, **launch)
     assert within(out.cpu(), tf32_out.cpu().double(), 1e-6)
     assert within(factors.cpu(), tf32_factors.cpu().double(), 1e-6)
 
@@ -457,3 +462,72 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
         results.append((out1, out2, state, factors))
     for default, option, tolerance in zip(*results, (OUT_TOLERANCE_BF16, OUT_TOLERANCE_BF16, 1e-6, 1e-6)):
         assert within(option.nan_to_num(0.0).cpu(), default.nan_to_num(0.0).cpu().double(), tolerance)
+
+
+def test_launch_defaults_measured_choices():
+    """The H200 choices of bench/results/2026-12-01d (kernels.md, seventh session): fp32 states with 3-8 nodes take
+    the accumulator-layout epilogue at every batch (the two-heads 16/8/1 rule for 5-8 nodes is gone), 16-bit states
+    with 3-4 nodes 64/8/1 with the bf16 pass at every batch; 1-2 nodes, more than 8 (fp32) or 5+ (16-bit), and
+    narrow heads keep the earlier rules."""
+    from vllm_treewy.kernels.triton.gated import (
+        FP32_STATE_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
+
+    for batch in (1, 8, 64, 256):
+        for nodes in (3, 4, 5, 8):
+            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(FP32_STATE_LAUNCH,
+                                                                                  epilogue_in_mma_layout=True)
+        for nodes in (1, 2, 9, 16):
+            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == FP32_STATE_LAUNCH
+        for dtype in (torch.bfloat16, torch.float16):
+            for nodes in (3, 4):
+                assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(HALF_STATE_LAUNCH, block_k=64,
+                                                                            split_state_bf16=True)
+            for nodes in (2, 8):
+                assert launch_defaults(dtype, batch, 2, 128, nodes) == (
+                    dict(HALF_STATE_LAUNCH, block_k=64) if batch <= 8 else
+                    dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2))
+        assert launch_defaults(torch.bfloat16, batch, 1, 128, 8) == (
+            dict(HALF_STATE_LAUNCH, block_k=64) if batch <= 8 else dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4))
+        for dtype, nodes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2)):
+            assert launch_defaults(dtype, batch, 2, 8, nodes) == NARROW_HEAD_LAUNCH
+
+
+@pytest.mark.parametrize("state_dtype, tokens", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 8)])
+def test_default_launch_vs_reference(state_dtype, tokens):
+    """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM, K = 64: the defaults of 3-8 nodes
+    (fp32: 32/8/1 2xTF32 with the accumulator-layout epilogue, two key chunks; bf16: 64/8/1, one bf16 pass, one
+    chunk) resolve as measured, and a chain step, then a step committing its accepted nodes inside its verify, match
+    the fp64 reference: outputs, factor rows, the committed state."""
+    from vllm_treewy.kernels.triton import gated as gated_module
+
+    first = [DraftTree.from_widths([1] * n).parents for n in (tokens, tokens - 1)]
+    second = [DraftTree.from_widths([1] * n).parents for n in (tokens, 2)]
+    key_dim, value_dim, hv = 64, 32, 2
+    packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, key_dim, value_dim, 7, dtype=torch.bfloat16)
+    packed2, inputs2, _, _ = gated_inputs(second, 1, 2, key_dim, value_dim, 8, dtype=torch.bfloat16)
+    state = pool.to(state_dtype).to(DEVICE)
+    h0 = state.cpu().clone()
+    factors = slot_factor_page(state.shape[0], tokens, hv, key_dim, value_dim, 7)
+    before = factors.clone()
+    dev = [x.to(DEVICE) for x in inputs1]
+    _, _, kernel_kwargs, _ = gated_module._launch_arguments(
+        *dev, state, slots.to(DEVICE), packed1.parents.to(DEVICE), packed1.cu_nodes.to(DEVICE), factors, None, None,
+        num_key_heads=1, max_nodes=tokens, max_depth=None, chain=True, scale=None, norm_eps=1e-6, activation="silu",
+        ancestors=None, out=None, do_verify=True)
+    fp32 = state_dtype == torch.float32
+    assert kernel_kwargs["EPILOGUE_IN_MMA_LAYOUT"] == fp32 and kernel_kwargs["BK"] == (32 if fp32 else 64)
+    assert kernel_kwargs["STATE_PRODUCTS"] == ("2xtf32" if fp32 else "bf16") and kernel_kwargs["G"] == 1
+    assert kernel_kwargs["STATE_DOT"] and kernel_kwargs["num_warps"] == 8 and kernel_kwargs["PREFETCH"] == 1
+
+    tolerance, state_tolerance = TOLERANCE[state_dtype], STATE_TOLERANCE[state_dtype]
+    out_tolerance = max(tolerance, OUT_TOLERANCE_BF16)
+    out1 = run_step(packed1, inputs1, state, slots, 1, factors, chain=True)
+    check_step(packed1, inputs1, h0, slots, first, 1, out1, factors, before, tolerance, out_tolerance)
+    accepted = torch.tensor([tokens - 2, -1], dtype=torch.int32)
+    between = factors.clone()
+    out2 = run_step(packed2, inputs2, state, slots, 1, factors, chain=True, pending=accepted)
+    committed = state.cpu().clone()  # the verify only reads it
+    reference = reference_of(packed1, inputs1, h0, slots, first, 1, 0)
+    assert within(committed[int(slots[0])], reference.recurrence.state[tokens - 2], state_tolerance)
+    assert torch.equal(committed[int(slots[1])], h0[int(slots[1])])
+    check_step(packed2, inputs2, committed, slots, second, 1, out2, factors, between, tolerance, out_tolerance)

@@ -666,11 +666,26 @@ def _gated_step_kernel(
 # Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1. fp32 states with 5-8 nodes
 # (T=8 measured, `results/2026-12-01b/device/gated.json`) and many requests: two value heads per program at 16/8/1
 # (593.4 us at B=64 against 677.8 for one head at 32/8/1; at B=1 one head stays, 42.8 against 72.4).
+# Since 2026-12-01d (`bench/results/2026-12-01d/device/gated.json`, kernels.md, seventh session), for 3-8 nodes (T=4
+# tuned, T=2 and T=8 run with the T=4 choice; T=3 and T=5-7 not run, taken with their neighbours):
+# - fp32, 3-8 nodes: the same 32/8/1 2xTF32 with `epilogue_in_mma_layout` (FP32_STATE_EPILOGUE_LAUNCH), every batch.
+#   T=4: 133.85 / 11.50 us at B=64 / 1 against 145.75 / 12.69 without, same run; T=8: 302.2 / 24.3 us at B=64 / 1,
+#   against 558.9 for the two-heads 16/8/1 rule (gone) / 41.0 for one head without (2026-12-01c; vLLM's compiled
+#   349.8 / 22.5). At T=2 it measured 124.1 at B=64 against the old default's 113.2 (2026-12-01c, another run):
+#   T <= 2, and trees of more than 8 nodes (not measured), keep FP32_STATE_LAUNCH.
+# - 16-bit states, 3-4 nodes: 64/8/1 with `split_state_bf16` (HALF_STATE_BF16_LAUNCH), every batch: 127.3 / 10.55 us
+#   at B=64 / 1 against 147.2 (32/4/1 two heads, the old large-batch default) / 11.26 (64/8/1 one tf32 pass, the old
+#   small-batch default), same run. The bf16 pass needs a bf16 state and bf16 q/k (`_state_products_mode`); an fp16
+#   state (or fp32 q/k) runs the same 64/8/1 with its tf32 (tf32x3) pass, for which this run has 140.8 us at B=64
+#   against two heads' 147.2 (the sixth session had 148.3 against 129.7: not settled). Not at T=8 (515 us at B=64
+#   against the old default's 337, 2026-12-01c) nor at T=2 (81.1 against 77.0): the old rules there.
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False)
+FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
+HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True)
 SMALL_BATCH = 8
 
 
@@ -682,13 +697,16 @@ NARROW_HEAD_LAUNCH = dict(FP32_STATE_LAUNCH, block_k=8, num_warps=4, prefetch=2,
 def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_head: int, head_k_dim: int,
                     max_nodes: int = 4) -> dict:
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
-    static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape)."""
+    static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape).
+    Measured choices: the comments above FP32_STATE_LAUNCH (for 3-8 nodes, bench/results/2026-12-01d)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
-        if batch > SMALL_BATCH and 4 < max_nodes <= 8 and value_heads_per_key_head % 2 == 0:
-            return dict(FP32_STATE_LAUNCH, block_k=16, heads_per_program=2)
+        if 3 <= max_nodes <= 8:
+            return FP32_STATE_EPILOGUE_LAUNCH
         return FP32_STATE_LAUNCH
+    if 3 <= max_nodes <= 4:
+        return HALF_STATE_BF16_LAUNCH
     if batch <= SMALL_BATCH:
         return dict(HALF_STATE_LAUNCH, block_k=64)
     if value_heads_per_key_head % 2 == 0:
