@@ -44,7 +44,7 @@ def _layer(monkeypatch, prefix, seen):
         out.copy_(x[:, :1, None].expand(-1, HV, V) + 100.0)
 
     monkeypatch.setattr(gdn_layer.reconstruct, "step_triton", step_triton)
-    monkeypatch.setattr(gdn_layer.ReconstructGatedDeltaNetAttention, "_caches", lambda self: {})
+    monkeypatch.setattr(gdn_layer.ReconstructGatedDeltaNetAttention, "_caches", lambda self, metadata: {})
     monkeypatch.setattr(QwenGatedDeltaNetAttention, "_rms_norm_gated_cuda",
                         lambda self, x, gate, out: out.copy_(2 * x))
     layer = object.__new__(gdn_layer.ReconstructGatedDeltaNetAttention)

@@ -51,6 +51,13 @@ def _builder(full_graphs: bool, widths=None):
     return builder, counts.view(-1)
 
 
+def _build(builder, metadata):
+    """The wrapped build, then the step's count update, as the group's first GDN layer runs it in the forward."""
+    result = with_commit_nodes(builder, metadata)
+    result.update_counts("gdn.0")
+    return result
+
+
 def _spec_step(slots, nodes, accepted, padding_rows=0):
     """A batch of speculative decodes only (FULL-graph eligible), `padding_rows` trailing rows in the null slot 0."""
     rows = len(slots) + padding_rows
@@ -80,14 +87,14 @@ def _mixed_step(spec_slots, nodes, accepted, prefill_slots):
 
 def test_commit_nodes_follow_the_accepted_counts_of_slots_with_a_pending_verify():
     builder, counts = _builder(full_graphs=False)
-    first = with_commit_nodes(builder, _spec_step([3, 5], [4, 1], [1, 1]))
+    first = _build(builder, _spec_step([3, 5], [4, 1], [1, 1]))
     assert isinstance(first, ReconstructGDNAttentionMetadata)
     # the kernels index the slots flat: one per row, whatever vLLM's column stride (a broadcast 1 + k here)
     assert first.spec_slots.tolist() == [3, 5] and first.spec_slots.is_contiguous()
     assert first.commit_nodes.tolist() == [-1, -1]  # fresh slots: nothing verified before
     assert counts[[3, 5]].tolist() == [4, 1]
     _sampled(counts, [3, 5], [3, 1])
-    second = with_commit_nodes(builder, _spec_step([5, 3], [4, 4], [1, 3]))
+    second = _build(builder, _spec_step([5, 3], [4, 4], [1, 3]))
     assert second.commit_nodes.tolist() == [0, 2]  # accepted count - 1, in this step's row order
     assert counts[[3, 5]].tolist() == [4, 4]
 
@@ -96,33 +103,60 @@ def test_a_request_left_out_of_a_step_commits_its_recorded_node():
     """A running request that a step leaves unscheduled comes back with vLLM's accepted count reset to 1; the count
     recorded in its slot after its last sampling still says which node to commit."""
     builder, counts = _builder(full_graphs=False)
-    with_commit_nodes(builder, _spec_step([3, 5], [4, 4], [1, 1]))
+    _build(builder, _spec_step([3, 5], [4, 4], [1, 1]))
     _sampled(counts, [3, 5], [3, 2])
-    with_commit_nodes(builder, _spec_step([5], [4], [2]))  # slot 3's request is left out of this step
+    _build(builder, _spec_step([5], [4], [2]))  # slot 3's request is left out of this step
     _sampled(counts, [5], [4])
-    back = with_commit_nodes(builder, _spec_step([3, 5], [4, 4], [1, 4]))  # vLLM re-adds slot 3's row with 1
+    back = _build(builder, _spec_step([3, 5], [4, 4], [1, 4]))  # vLLM re-adds slot 3's row with 1
     assert back.commit_nodes.tolist() == [2, 3]
 
 
 def test_a_prefill_clears_the_slot_a_finished_request_left_pending():
     builder, counts = _builder(full_graphs=False)
-    with_commit_nodes(builder, _spec_step([3, 5], [4, 4], [1, 1]))
+    _build(builder, _spec_step([3, 5], [4, 4], [1, 1]))
     _sampled(counts, [3, 5], [2, 2])
     # The request in slot 5 finished; a new request prefills there beside slot 3's next verify.
-    mixed = with_commit_nodes(builder, _mixed_step([3], [4], [2], prefill_slots=[5]))
+    mixed = _build(builder, _mixed_step([3], [4], [2], prefill_slots=[5]))
     assert mixed.commit_nodes.tolist() == [1]
     assert counts[5] == 0
     _sampled(counts, [3], [4])
     # Its first speculative step commits nothing, though vLLM's accepted count for it is 1.
-    after = with_commit_nodes(builder, _spec_step([5, 3], [4, 4], [1, 4]))
+    after = _build(builder, _spec_step([5, 3], [4, 4], [1, 4]))
     assert after.commit_nodes.tolist() == [-1, 3]
+
+
+def test_a_speculative_batch_updates_its_counts_in_the_first_layers_forward_only():
+    """With speculative rows the builder only prepares the count update: the group's first GDN layer runs it at the
+    start of its forward (inside a FULL CUDA graph, a captured launch), once; the group's other layers read its commit
+    nodes. A batch without speculative rows runs no speculative step, so the builder clears its slots itself."""
+    builder, counts = _builder(full_graphs=True)
+    builder.layer_names = ["gdn.0", "gdn.4"]
+    _sampled(counts, [3], [3])
+    metadata = with_commit_nodes(builder, _spec_step([3], [4], [3], padding_rows=1))
+    assert counts[3] == 3 and metadata.counts_layer == "gdn.0"  # nothing ran yet
+    metadata.update_counts("gdn.4")
+    assert counts[3] == 3
+    metadata.update_counts("gdn.0")
+    assert counts[3] == 4 and metadata.commit_nodes.tolist() == [2, -1]
+    prefills = _mixed_step([], [], [], prefill_slots=[3])
+    prefills.num_spec_decodes, prefills.spec_state_indices_tensor = 0, None
+    assert with_commit_nodes(builder, prefills).count_update is None and counts[3] == 0
+
+
+def test_the_count_state_must_sit_in_the_layer_that_runs_first():
+    builder, _ = _builder(full_graphs=False)
+    builder.layer_names = ["model.layers.4.linear_attn", "model.layers.1.linear_attn"]
+    builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]] = \
+        builder.vllm_config.compilation_config.static_forward_context["gdn.0"]
+    with pytest.raises(RuntimeError, match="layers.1.linear_attn runs first"):
+        with_commit_nodes(builder, _spec_step([3], [4], [1]))
 
 
 def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
     builder, counts = _builder(full_graphs=True)
-    first = with_commit_nodes(builder, _spec_step([3], [4], [1], padding_rows=2))
+    first = _build(builder, _spec_step([3], [4], [1], padding_rows=2))
     _sampled(counts, [3], [3])
-    second = with_commit_nodes(builder, _spec_step([3], [4], [3], padding_rows=2))
+    second = _build(builder, _spec_step([3], [4], [3], padding_rows=2))
     assert first.commit_nodes.data_ptr() == second.commit_nodes.data_ptr() == builder.treewy_commit_nodes.data_ptr()
     assert first.spec_slots.data_ptr() == second.spec_slots.data_ptr() == builder.treewy_spec_slots.data_ptr()
     assert second.commit_nodes.tolist() == [2, -1, -1]  # padding rows (the null slot) commit nothing
@@ -135,7 +169,7 @@ def test_the_null_block_never_commits():
     write the one slot at once), however often captures repeat."""
     builder, counts = _builder(full_graphs=True)
     for _ in range(2):
-        capture = with_commit_nodes(builder, _spec_step([0, 0, 0], [4, 4, 4], [4, 4, 4]))
+        capture = _build(builder, _spec_step([0, 0, 0], [4, 4, 4], [4, 4, 4]))
         assert capture.commit_nodes.tolist() == [-1, -1, -1]
     assert counts[0] == 0
 
@@ -144,21 +178,21 @@ def test_every_non_speculative_row_clears_its_slot():
     """A new owner's first step may be a one-token row that vLLM counts as a decode (no prefill in the batch): its
     slot's count is cleared too, so its first speculative step commits nothing of the previous owner."""
     builder, counts = _builder(full_graphs=False)
-    with_commit_nodes(builder, _spec_step([3], [4], [1]))
+    _build(builder, _spec_step([3], [4], [1]))
     step = _spec_step([3], [4], [1])
     no_spec = GDNAttentionMetadata(
         num_prefills=0, num_prefill_tokens=0, num_decodes=1, num_decode_tokens=1, num_spec_decodes=0,
         num_spec_decode_tokens=0, num_actual_tokens=1, non_spec_state_indices_tensor=torch.tensor([3]),
     )
-    with_commit_nodes(builder, no_spec)
+    _build(builder, no_spec)
     assert counts[3] == 0
-    assert with_commit_nodes(builder, step).commit_nodes.tolist() == [-1]
+    assert _build(builder, step).commit_nodes.tolist() == [-1]
 
 
 def test_no_counts_before_the_kv_cache_is_bound():
     builder, _ = _builder(full_graphs=False)
     builder.vllm_config.compilation_config.static_forward_context["gdn.0"].kv_cache = (torch.empty(0),) * 2
-    assert with_commit_nodes(builder, _spec_step([3], [4], [2])).commit_nodes.tolist() == [-1]
+    assert _build(builder, _spec_step([3], [4], [2])).commit_nodes.tolist() == [-1]
 
 
 class _ScalarAssignments(TorchDispatchMode):
@@ -184,23 +218,23 @@ def test_the_builder_never_assigns_a_host_scalar():
     (vLLM's async scheduling): a host sync there idles the GPU for the rest of the step's preparation."""
     builder, counts = _builder(full_graphs=True)
     with _ScalarAssignments() as assignments:
-        with_commit_nodes(builder, _spec_step([0, 0, 0], [4, 4, 4], [4, 4, 4]))  # a capture: null-block rows
-        with_commit_nodes(builder, _spec_step([3], [4], [1], padding_rows=2))
-        with_commit_nodes(builder, _mixed_step([3], [4], [2], prefill_slots=[5]))
+        _build(builder, _spec_step([0, 0, 0], [4, 4, 4], [4, 4, 4]))  # a capture: null-block rows
+        _build(builder, _spec_step([3], [4], [1], padding_rows=2))
+        _build(builder, _mixed_step([3], [4], [2], prefill_slots=[5]))
     assert assignments.found == []
 
 
 def test_tree_steps_commit_the_leaf_the_sampler_recorded_and_carry_the_tree():
     """Trees: vLLM's accepted count does not say which branch; the slot's count, rewritten after acceptance, does."""
     builder, counts = _builder(full_graphs=False, widths=[2, 1])  # nodes 0, 1 at depth 1; 2 under 0; 3 under 1
-    first = with_commit_nodes(builder, _spec_step([3, 5], [5, 1], [1, 1]))  # slot 5: a decode without drafts
+    first = _build(builder, _spec_step([3, 5], [5, 1], [1, 1]))  # slot 5: a decode without drafts
     # block parents: root -1, nodes 0 and 1 under the root (block 0), node 2 under block 1, node 3 under block 2
     assert first.parents.tolist() == [-1, 0, 0, 1, 2, -1]
     assert first.ancestors[4].tolist() == [4, 2, 0] and first.tree_ancestors.shape == (5, 3)
     # Slot 3 accepted node 1 then node 3 (block index 4); slot 5 verified only its root.
     accepted = SimpleNamespace(last_accepted_node=torch.tensor([3]))
     record_accepted_leaves(counts, torch.tensor([3]), accepted)
-    second = with_commit_nodes(builder, _spec_step([3, 5], [5, 5], [3, 1]))
+    second = _build(builder, _spec_step([3, 5], [5, 5], [3, 1]))
     assert second.commit_nodes.tolist() == [4, 0]  # not vLLM's accepted count - 1 (2): the recorded leaf
 
 
@@ -210,7 +244,7 @@ def test_tree_tables_of_a_node_are_derived_in_the_forward_from_the_staged_batch(
     never built by the builder (outside the graph, into memory a replay would not see)."""
     builder, _ = _builder(full_graphs=True, widths=[2, 1])
     step = _spec_step([3, 5], [5, 5], [1, 1])
-    metadata = with_commit_nodes(builder, step)
+    metadata = _build(builder, step)
     assert "ancestors" not in metadata.__dict__ and "parents" not in metadata.__dict__
     assert "node_indices" not in metadata.__dict__
     # A replay's batch staged into the same buffer before the forward reads it: a root-only row, then a whole tree,
@@ -256,6 +290,7 @@ def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_p
     # a request's first speculative step
     metadata = builder.build(0, common, num_accepted_tokens=torch.tensor([2, 4, 1], dtype=torch.int32),
                              num_decode_draft_tokens_cpu=torch.tensor([k, k, k], dtype=torch.int32))
+    metadata.update_counts("gdn.0")  # the first GDN layer's forward
     assert metadata.spec_state_indices_tensor.stride(0) == 1 + k  # vLLM's staged buffer, strided column 0
     assert metadata.spec_slots.tolist() == [7, 2, 5] and metadata.spec_slots.is_contiguous()
     assert metadata.spec_slots.data_ptr() == builder.treewy_spec_slots.data_ptr()

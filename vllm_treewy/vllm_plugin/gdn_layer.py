@@ -124,14 +124,16 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         weight = self.conv1d.weight
         return weight.view(weight.size(0), weight.size(-1))
 
-    def _caches(self) -> dict:
+    def _caches(self, metadata: ReconstructGDNAttentionMetadata) -> dict:
+        """The layer's caches for a speculative step, after the step's count update where this layer runs it."""
+        metadata.update_counts(self.prefix)
         return dict(conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state(),
                     buffer=self.pseudo_value_buffer())
 
     # -- the speculative step ---------------------------------------------------------------------------------
     def speculative_step(self, metadata: ReconstructGDNAttentionMetadata, x, a, b) -> torch.Tensor:
         """CPU: core outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains `x`."""
-        return reconstruct.step_torch(self, metadata, x, a, b, **self._caches())
+        return reconstruct.step_torch(self, metadata, x, a, b, **self._caches(metadata))
 
     def _metadata(self) -> ReconstructGDNAttentionMetadata | None:
         if not self.reconstructs_state:
@@ -146,7 +148,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         metadata = self._metadata()
         if metadata is None:
             return super()._forward_core_fused_norm(mixed_qkv, b, a, output_gate, core_attn_out)
-        caches = self._caches()
+        caches = self._caches(metadata)
         if metadata.num_prefills == 0 and metadata.num_decodes == 0:
             n = metadata.num_actual_tokens
             reconstruct.step_triton(self, metadata, mixed_qkv[:n], a[:n], b[:n], output_gate[:n],

@@ -3,27 +3,33 @@
 Each step commits every speculative request's previous verify inside its own verify (one state read and write). The
 slot's count state (in the first GDN layer's pseudo-value buffer, on the device) says which node: 0 when nothing
 is pending, else 1 + the accepted node's index in the slot's last verified block, recorded right after that step's
-sampling (`accepted_counts` for chains, `tree_sampler` for draft trees). The builder turns it into each row's commit
-node, then records this step's counts: the speculative rows' node counts (until their sampling records the accepted
-ones), and 0 for every other row, so a slot that a finished, aborted or preempted request left behind with a pending
-commit is never committed into by its next owner.
+sampling (`accepted_counts` for chains, `tree_sampler` for draft trees). The step's count update turns it into each
+row's commit node, then records this step's counts: the speculative rows' node counts (until their sampling records
+the accepted ones), and 0 for every other row, so a slot that a finished, aborted or preempted request left behind
+with a pending commit is never committed into by its next owner.
+
+The count update runs where it costs no host time: in a batch with speculative rows, the group's first GDN layer
+launches it at the start of its forward (`update_counts`), before any layer of the group reads the commit nodes, so a
+FULL CUDA graph captures it and replays it for free; in a batch without any (prefills only), the builder runs it. One
+Triton launch on CUDA (`kernels.triton.slot_counts`), torch ops elsewhere; no host sync either way.
 
 Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
 block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
-the tree's one ancestor table. All of it is device work outside the forward (so outside any CUDA graph), with no
-host sync; in FULL-graph batches the nodes go to a persistent buffer, like vLLM's own GDN metadata. On CUDA the
-counts and commit nodes are one Triton launch per build (`kernels.triton.slot_counts`), the torch ops elsewhere.
+the tree's one ancestor table. In FULL-graph batches the slots and commit nodes go to persistent buffers, like vLLM's
+own GDN metadata.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from vllm_treewy.kernels.triton._tree import ancestor_table_torch
@@ -45,6 +51,16 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     # [1 + num_nodes, D] int32 ancestor table of the static tree's verified block (root, then the nodes), which every
     # slot's pending commit follows; None for chains. One per builder: a FULL CUDA graph keeps its address.
     tree_ancestors: torch.Tensor | None = None
+    # The step's count update (`commit_nodes_and_counts` on this metadata's tensors), left for `counts_layer`, the
+    # group's first GDN layer, to run in its forward; None where the builder ran it.
+    count_update: Callable[[], None] | None = None
+    counts_layer: str | None = None
+
+    def update_counts(self, layer_name: str) -> None:
+        """At the start of each reconstruct GDN layer's speculative step: the group's first layer runs the step's
+        count update (the commit nodes every layer of the group reads); the others find it done."""
+        if self.count_update is not None and layer_name == self.counts_layer:
+            self.count_update()
 
     # The per-node tensors below are derived on first use, in the GDN layer's forward: inside a CUDA graph's capture
     # they are captured ops on the builder's persistent spec_query_start_loc, so a replay recomputes them for its own
@@ -106,6 +122,19 @@ def verified_node_counts(builder) -> torch.Tensor | None:
     return builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]].verified_node_counts()
 
 
+def counts_layer(builder) -> str:
+    """The builder's first GDN layer, which holds the group's count state and runs the step's count update. vLLM
+    assigns a group the model's layers `i, i + n, i + 2n, ...` in order, so it runs first of the group's layers:
+    checked once per builder, since a layer that ran before it would read the previous step's commit nodes."""
+    name = builder.layer_names[0]
+    if not getattr(builder, "treewy_counts_layer_checked", False):
+        first = min(builder.layer_names, key=extract_layer_index)
+        if first != name:
+            raise RuntimeError(f"reconstruct: the GDN group's count state is in {name}, but {first} runs first")
+        builder.treewy_counts_layer_checked = True
+    return name
+
+
 def verified_tree_ancestors(tree: DraftTree, device) -> torch.Tensor:
     """`[1 + N, depth + 1]` int32 local ancestor table of the tree's verified block (root = row 0)."""
     block = tree.with_root()
@@ -147,10 +176,15 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
         # holds a verify to commit: else every row of a capture would commit into it at once; nor is a count ever
         # recorded for it. Every row outside the speculative path (prefills, and a first step that vLLM counts as
         # a decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's new owner
-        # commits nothing. One launch on CUDA (it runs every step, outside the graphs).
-        commit_nodes_and_counts(counts, batch_slots=batch_slots, spec_query_start_loc=metadata.spec_query_start_loc,
-                                slots=slots, commit_nodes=commit_nodes,
-                                non_spec_slots=metadata.non_spec_state_indices_tensor, null_block=NULL_BLOCK_ID)
+        # commits nothing. One launch on CUDA.
+        update = functools.partial(
+            commit_nodes_and_counts, counts, batch_slots=batch_slots, spec_query_start_loc=metadata.spec_query_start_loc,
+            slots=slots, commit_nodes=commit_nodes, non_spec_slots=metadata.non_spec_state_indices_tensor,
+            null_block=NULL_BLOCK_ID)
+        if metadata.num_spec_decodes > 0:
+            result.count_update, result.counts_layer = update, counts_layer(builder)
+        else:
+            update()  # no speculative step runs in this batch's forward
     return result
 
 

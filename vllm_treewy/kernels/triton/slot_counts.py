@@ -1,11 +1,13 @@
 """The per-step updates of the GDN slots' verified-node counts, one launch each on CUDA. `counts [S]` int32, any
 stride (the count state sits in each slot's KV-cache page): 0 when nothing is pending, else 1 + the node of the
-slot's last verified block that its next step commits. Both updates run every engine step outside the CUDA graphs,
-where each eager torch op is a kernel launch that costs the host several microseconds; the torch twins (a few ops
-per row group and update) are the path on CPU.
+slot's last verified block that its next step commits. Both updates run every engine step, where each eager torch
+op would be a kernel launch that costs the host several microseconds; the torch twins (a few ops per row group and
+update) are the path on CPU.
 
-- `commit_nodes_and_counts`, before the forward: each speculative row's commit node from its slot's count, then
-  the step's counts: the speculative rows' node counts, 0 in the null block and in every non-speculative row's slot.
+- `commit_nodes_and_counts`, at the start of the forward (the GDN group's first layer; captured in FULL CUDA graphs)
+  or, for a batch without speculative rows, in the metadata builder: each speculative row's commit node from its
+  slot's count, then the step's counts: the speculative rows' node counts, 0 in the null block and in every
+  non-speculative row's slot.
 - `record_accepted_counts_*`, after sampling: each speculative row's accepted count into its slot, for every
   KV-cache group of GDN layers at once (each group has its own counts and block table: `count_table`).
 
