@@ -224,16 +224,19 @@ def _cfg(block_k, num_warps, prefetch, max_registers=None, **variant):
     return dict(block_k=block_k, num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, **variant)
 
 
+# Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
+# pinned, so that a candidate is the same launch at every T and after the defaults change.
+PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1)
+
+
 def _dot(block_k, num_warps, prefetch, **variant):
-    return _cfg(block_k, num_warps, prefetch, state_dot=True, late_node_terms=True, **variant)
+    return _cfg(block_k, num_warps, prefetch, state_dot=True, late_node_terms=True, **{**PINNED, **variant})
 
 
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
 BF16_SPLIT = dict(split_state_bf16=True)  # bf16 pieces: 3xBF16 (fp32 states), one exact pass (bf16 states)
 TWO_HEADS = dict(heads_per_program=2)
 MMA_SPLIT = dict(split_in_mma_layout=True)  # one layout change per chunk, the pieces split in registers
-LAGGED = dict(lagged_products=True)  # the pieces carried one iteration, read by the tensor cores from shared memory
-TMA = dict(tma_state=True)  # state chunks as TMA copies into a shared-memory ring (Triton's pipeliner, mbarriers)
 EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles in the accumulator's layout
 
 # candidates, timed at the tuning batches and speculative lengths (first = the launch default at large batches, also
@@ -258,15 +261,17 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # (`results/2026-12-01b/device/gated.json`): CUDA-core products with [V, BK] partial sums, 16/8/1 and 32/8/1 (fp32
 # B=64: 292 / 245 vs 159.5 us; bf16 B=1: 16.9 / 13.3 vs 12.5); fp32 32/8/1 tf32x3 (164.2) and 16/8/1 2xTF32 (210.8),
 # second losses. After 2026-12-01c (`results/2026-12-01c/device/gated.json`, T=4): fp32 3xBF16 32/8/1 and 16/8/1
-# (160.2 / 371.2 us at B=64 vs 153.2; 15.2 / 23.3 at B=1 vs 13.8), making room for the three above.
+# (160.2 / 371.2 us at B=64 vs 153.2; 15.2 / 23.3 at B=1 vs 13.8), making room for the three above. After
+# 2026-12-01d (`results/2026-12-01d/device/gated.json`, T=4, B=64 / B=1 vs the epilogue's 133.9 / 11.5 us): fp32 TMA
+# at prefetch 1, 2, 3 (153.3 / 150.4 / 150.6; 14.4 / 14.1 / 14.2), 2xTF32 split in the accumulator layout (213.9 /
+# 13.3), lagged products (215.2 / 13.2); bf16 (vs 127.3 / 10.6) two heads with the bf16 pass (154.8 / 17.5), 64/4/1
+# (295.4 / 12.5). The T=8 rows keep their candidates: fp32 two heads 16/8/1, bf16 two heads 32/4/1.
+# The first of each is the launch default at T=4 (`launch_defaults`, since 2026-12-01d).
 CONFIGS = {
-    "fp32": [_dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **TMA), _dot(32, 8, 2, **SPLIT, **TMA),
-             _dot(32, 8, 3, **SPLIT, **TMA), _dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT, **MMA_SPLIT),
-             _dot(32, 8, 1, **SPLIT, **LAGGED), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
+    "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
              _dot(16, 8, 1, **SPLIT, **TWO_HEADS)],
-    "bf16": [_dot(32, 4, 1, **TWO_HEADS), _dot(32, 4, 1, **TWO_HEADS, **BF16_SPLIT), _dot(64, 8, 1, **BF16_SPLIT),
-             _dot(64, 8, 1), _dot(64, 4, 1), _dot(32, 8, 1), _dot(16, 8, 1),
-             _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE)],
+    "bf16": [_dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE), _dot(64, 8, 1),
+             _dot(32, 4, 1, **TWO_HEADS), _dot(32, 8, 1), _dot(16, 8, 1)],
 }
 
 

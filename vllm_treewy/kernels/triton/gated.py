@@ -26,12 +26,11 @@ half the programs (on the H200 the 16-bit-state default for large batches; slowe
   (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
 
-Measured on the H200 (bench/results/kernels.md, 2026-12-01): fp32 state, chain T=4, 1.21x / 1.28x vLLM's compiled
-kernel at B=64 / 256, 0.96x at B=1, T=8 0.52x; bf16 state 0.82x / 0.85x, 0.98x at B=1. ncu: DRAM at 30% of
-peak, shared memory at 79%: each state chunk goes through shared memory into the wgmma operand layout, per split
-piece. Latency-bound: in ncu's per-instruction stall samples (fp32 T=4 B=64) 21% of all sit on the pending commit's
-first multiply, waiting for the key rows loaded in the same iteration; they now travel PREFETCH chunks ahead like
-the state chunks (not yet timed).
+Measured on the H200 (bench/results/kernels.md, 2026-12-01d, the launch defaults): fp32 state, chain T=4, 1.44x /
+1.53x vLLM's compiled kernel at B=64 / 256, 1.20x at B=1, T=8 1.16x at B=64; bf16 state 0.83x / 0.85x, 1.15x at B=1.
+The fp32 step is at 2.1x the two-state HBM bound at B=64: latency-bound. The sixth session's ncu stall samples (fp32
+T=4 B=64, before the key-row prefetch and the accumulator-layout epilogue) put 53% in the state loop, waiting for
+loads issued in the same iteration, and 38% in the epilogue's cross-lane reductions and barriers.
 
 A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
 `verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
