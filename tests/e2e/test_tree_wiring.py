@@ -53,9 +53,12 @@ BUDGET_TOKENS = 48
 SIBLING_TRUE, SIBLING_PERTURBED = 0, 2
 
 
-def tree_spec(widths: list[int]) -> dict:
+STORE_ALL_WIDTHS = ([2, 2, 1], [3, 2, 2])  # the baseline: a GDN state block per verified node
+
+
+def tree_spec(widths: list[int], mamba_state_commit: str = "reconstruct") -> dict:
     return {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": len(widths),
-            "draft_tree_widths": list(widths), "mamba_state_commit": "reconstruct"}
+            "draft_tree_widths": list(widths), "mamba_state_commit": mamba_state_commit}
 
 
 def strong_attention_variant(model: str, out_dir) -> str:
@@ -168,6 +171,11 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     # A token budget that fits two whole [3, 2, 2] trees (22 tokens each) per step: the third request falls back.
     plan["budget-3x2x2"] = ("fixture", "short", [3, 2, 2], TRUE_BRANCH, None, None,
                             dict(max_num_batched_tokens=BUDGET_TOKENS))
+    for widths in STORE_ALL_WIDTHS:
+        plan[f"store_all-{_name(widths)}"] = ("fixture", "standard", widths, TRUE_BRANCH, None, None,
+                                              dict(mamba_state_commit="store_all"))
+    plan["store_all-last-branch-3x2x2"] = ("fixture", "single", [3, 2, 2], 3, None, None,
+                                           dict(mamba_state_commit="store_all"))
     plan["siblings"] = ("fixture", "single", SIBLING_WIDTHS, SIBLING_TRUE, None, None, {})
     plan["siblings-perturbed"] = ("fixture", "single", SIBLING_WIDTHS, SIBLING_TRUE, SIBLING_PERTURBED, None, {})
 
@@ -198,13 +206,15 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
 
 def _run_trees(results: TreeRuns, plan: dict, models: dict, workloads: dict, tmp) -> None:
     for name, (model, workload, widths, branch, perturbed, bug, kwargs) in plan.items():
+        kwargs = dict(kwargs)
+        commit = kwargs.pop("mamba_state_commit", "reconstruct")
         workload_prompts, max_tokens = workloads[workload]
         sequences = [p + r for p, r in zip(workload_prompts, results.reference[model, workload])]
         logits = results.tree_logits.setdefault(name, [])
         with (continuation_drafts(tmp / f"{name}.json", sequences, branch, perturbed), planted(bug),
               count_mixed_batches(results.mixed_batches.setdefault(name, {})), recording_tree_logits(logits)):
             results.runs[name] = run_greedy(models[model], workload_prompts, max_tokens, speculative_config=tree_spec(
-                widths), **{"max_num_seqs": MAX_NUM_SEQS, **kwargs})
+                widths, commit), **{"max_num_seqs": MAX_NUM_SEQS, **kwargs})
         results.tree_fallbacks[name] = _tree_fallbacks()
 
 
@@ -314,6 +324,30 @@ def test_gdn_state_is_one_block_per_request(tree_e2e, fixture_model, widths):
     assert layout.num_nodes == 1 + num_nodes
     per_layer = layout.num_nodes * (layout.factor_width * 4 + layout.conv_dim * 2) + 4  # fp32, bf16, count
     assert report.gdn_buffer_bytes_per_request == config.layer_types.count("linear_attention") * per_layer
+
+
+@pytest.mark.parametrize("widths", STORE_ALL_WIDTHS, ids=_name)
+def test_store_all_tree_keeps_a_state_block_per_node(tree_e2e, widths):
+    """The baseline: each verified node's GDN state from its parent's, in its own block (1 + N per request in vLLM's
+    report, against reconstruct's 1), the next step starting from the accepted node's; equivalent all the same."""
+    name, num_nodes = f"store_all-{_name(widths)}", DraftTree.from_widths(widths).num_nodes
+    verdict = tree_e2e.verdicts[name]
+    assert verdict.passed, verdict.summary()
+    store_all, reconstruct = tree_e2e.runs[name], tree_e2e.runs[f"tree-{_name(widths)}"]
+    assert set(store_all.kv_cache.gdn_blocks_per_request) == {1 + num_nodes}
+    assert set(reconstruct.kv_cache.gdn_blocks_per_request) == {1}
+    assert store_all.kv_cache.max_concurrency < reconstruct.kv_cache.max_concurrency
+    assert store_all.acceptance.accepted_per_position[len(widths) - 1] > 0
+
+
+def test_store_all_tree_starts_from_the_accepted_branch(tree_e2e):
+    """The true continuation on the last child of every level: only a step that starts from the accepted node's
+    block (not vLLM's accepted count, which says how deep, not which branch) stays equivalent and accepts it all."""
+    name, depth = "store_all-last-branch-3x2x2", 3
+    assert tree_e2e.verdicts[name].passed and not tree_e2e.verdicts[name].divergences
+    acceptance = tree_e2e.runs[name].acceptance
+    assert acceptance.num_drafts > 0
+    assert acceptance.accepted_per_position[:depth] == [acceptance.num_drafts] * depth
 
 
 def test_non_greedy_sampling_is_refused_with_trees(fixture_model, tmp_path):

@@ -25,7 +25,7 @@ def count_updates(request, monkeypatch):
 def _gdn_layer():
     # the count state inside each slot's KV-cache page, after the slot's other states: strided
     counts = torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2]
-    return SimpleNamespace(reconstructs_state=True, verified_node_counts=lambda: counts)
+    return SimpleNamespace(keeps_slot_counts=True, verified_node_counts=lambda: counts)
 
 
 def _runner(block_tables):

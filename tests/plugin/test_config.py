@@ -100,8 +100,6 @@ BAD_CONFIGS = [
     ("tree-mtp", mtp(draft_tree_widths=[2, 1, 1]), r"MTP tree drafting is part 2"),
     ("tree-mtp-reconstruct", mtp(draft_tree_widths=[1, 1, 3], mamba_state_commit="reconstruct"),
      r"MTP tree drafting is part 2"),
-    ("tree-store-all", {**TREE_DRAFTER, "draft_tree_widths": [2, 1, 1]},
-     r"draft trees .*not supported with mamba_state_commit='store_all'"),
     ("tree-ngram", {**NGRAM, "draft_tree_widths": [2, 1, 1]}, r"draft trees .*need method custom_class"),
     ("reconstruct-ngram", {**NGRAM, "mamba_state_commit": "reconstruct"},
      r"mamba_state_commit='reconstruct' supports method mtp or custom_class, got method='ngram'"),
@@ -208,6 +206,27 @@ def test_valid_config_builds(fixture_model, spec, commit, widths):
     assert spec_config.draft_tree_widths == widths
     assert spec_config.num_speculative_tokens == spec["num_speculative_tokens"]
     assert spec_config.reconstructs_mamba_state == (commit == "reconstruct")
+
+
+@pytest.mark.parametrize("commit", ["store_all", "reconstruct"])
+def test_a_tree_builds_with_either_strategy_on_cpu(fixture_model, commit):
+    """store_all is the default strategy, so a tree without one is the store_all baseline (CPU only)."""
+    spec = {**TREE_DRAFTER, "draft_tree_widths": [2, 1, 1]}
+    if commit == "reconstruct":
+        spec["mamba_state_commit"] = commit
+    spec_config = engine_config(fixture_model, spec).speculative_config
+    assert spec_config.mamba_state_commit == commit and spec_config.draft_tree_widths == [2, 1, 1]
+    assert spec_config.num_speculative_tokens == 6  # vLLM schedules all N nodes; the depth stays in the widths
+
+
+def test_a_store_all_tree_is_refused_off_cpu(fixture_model, monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    with pytest.raises(ValueError, match="(?s)store_all tree .*runs on vLLM's CPU backend only") as excinfo:
+        engine_config(fixture_model, {**TREE_DRAFTER, "draft_tree_widths": [2, 1, 1]})
+    assert_one_clear_error(excinfo)
 
 
 def test_no_speculation_is_untouched(fixture_model):

@@ -182,10 +182,18 @@ def test_buffer_round_trip_keeps_each_node_in_its_slot_row():
     assert buffer.factors[[1, 2, 3]].abs().sum() == 0 and buffer.factors[4, 2:].abs().sum() == 0
 
 
-def _layer_for_binding(reconstructs: bool):
+def _speculative_config(strategy: str, tree: bool = False):
+    widths = [2, 1] if tree else None
+    return SimpleNamespace(num_speculative_tokens=NUM_SPEC, mamba_state_commit=strategy, is_draft_tree=tree,
+                           draft_tree=DraftTree.from_widths(widths) if tree else None)
+
+
+def _layer_for_binding(strategy: str, tree: bool = False):
     layer = object.__new__(ReconstructGatedDeltaNetAttention)
     torch.nn.Module.__init__(layer)
-    layer.reconstructs_state = reconstructs
+    layer.speculative_config = _speculative_config(strategy, tree)
+    layer.reconstructs_state = strategy == "reconstruct"
+    layer.keeps_slot_counts = layer.reconstructs_state or tree
     layer.tp_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim = 1, H, HV, K, V
     layer.conv_kernel_size, layer.num_spec = WIDTH, NUM_SPEC
     layer.model_config = SimpleNamespace(dtype=torch.bfloat16)
@@ -194,7 +202,7 @@ def _layer_for_binding(reconstructs: bool):
 
 
 def test_buffer_views_follow_vllms_states_on_the_page():
-    layer = _layer_for_binding(reconstructs=True)
+    layer = _layer_for_binding("reconstruct")
     conv_shape, ssm_shape = layer.get_state_shape()
     layout = layer.buffer_layout()
     state_bytes = torch.Size(conv_shape).numel() * 2 + torch.Size(ssm_shape).numel() * 4
@@ -211,13 +219,29 @@ def test_buffer_views_follow_vllms_states_on_the_page():
     counts.fill_(3)
     assert conv.abs().sum() == 0 and ssm.abs().sum() == 0  # the buffer does not overlap vLLM's states
     assert int(raw[:, 0, 0, state_bytes + buffer_bytes:].abs().sum()) == 0  # nor the padding
-    plain = _layer_for_binding(reconstructs=False)
+    assert layer.verified_node_counts().tolist() == [3] * NUM_SLOTS
+    plain = _layer_for_binding("store_all")
     plain.bind_kv_cache(torch.zeros(NUM_SLOTS, 1, 1, page, dtype=torch.int8))
-    assert len(plain.kv_cache) == 2
+    assert len(plain.kv_cache) == 2 and plain.verified_node_counts() is None
 
 
-@pytest.mark.parametrize("strategy", ["store_all", "reconstruct"])
-def test_model_state_shapes_match_the_layers_page(strategy):
+def test_a_store_all_tree_page_holds_the_count_alone():
+    """The store_all tree baseline keeps no buffer (a state block per node instead), only each slot's count: the
+    block of the node it accepted."""
+    layer = _layer_for_binding("store_all", tree=True)
+    conv_shape, ssm_shape = layer.get_state_shape()
+    state_bytes = torch.Size(conv_shape).numel() * 2 + torch.Size(ssm_shape).numel() * 4
+    raw = torch.zeros(NUM_SLOTS, 1, 1, state_bytes + 4 + 64, dtype=torch.int8)
+    layer.bind_kv_cache(raw)
+    conv, ssm, counts = layer.kv_cache
+    assert counts.shape == (NUM_SLOTS, 1) and counts.dtype == torch.int32
+    layer.verified_node_counts().fill_(7)
+    assert conv.abs().sum() == 0 and ssm.abs().sum() == 0
+    assert int(raw[:, 0, 0, state_bytes + 4:].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("strategy,tree", [("store_all", False), ("reconstruct", False), ("store_all", True)])
+def test_model_state_shapes_match_the_layers_page(strategy, tree):
     """vLLM sizes the attention pages from the model's classmethods: they must hold the buffer too."""
     install()
     hf = SimpleNamespace(linear_num_key_heads=H, linear_num_value_heads=HV, linear_key_head_dim=K,
@@ -226,11 +250,12 @@ def test_model_state_shapes_match_the_layers_page(strategy):
         model_config=SimpleNamespace(hf_text_config=hf, dtype=torch.bfloat16),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         cache_config=SimpleNamespace(mamba_cache_dtype="auto", mamba_ssm_cache_dtype="float32"),
-        speculative_config=SimpleNamespace(num_speculative_tokens=NUM_SPEC, mamba_state_commit=strategy),
+        speculative_config=_speculative_config(strategy, tree),
     )
-    layer = _layer_for_binding(reconstructs=strategy == "reconstruct")
+    layer = _layer_for_binding(strategy, tree)
     base = MambaStateShapeCalculator.gated_delta_net_state_shape(1, H, HV, K, V, WIDTH, NUM_SPEC)
-    expected = (*base, *layer.buffer_layout().shapes()) if strategy == "reconstruct" else base
+    expected = (*base, *layer._extra_page_states()[0])
+    assert len(expected) == {"store_all": 2 + tree, "reconstruct": 5}[strategy]
     for model_cls in {point.resolve().__self__ for point in MODEL_STATE_SHAPES}:
         assert model_cls.get_mamba_state_shape_from_config(vllm_config) == expected
         dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)

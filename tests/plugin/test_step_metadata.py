@@ -30,6 +30,7 @@ class FakeGDNLayer:
     """A reconstruct GDN layer as the builder sees it: its KV-cache entries, read through the layer's own method."""
 
     verified_node_counts = ReconstructGatedDeltaNetAttention.verified_node_counts
+    keeps_slot_counts = True
 
     def __init__(self, kv_cache):
         self.kv_cache = kv_cache

@@ -20,7 +20,9 @@ The recurrence per node, from its parent's state (h0 for parent -1)::
 Batched versions over packed trees (``vllm_treewy.tree.pack_trees``: ``parents`` local per request,
 ``cu_nodes`` offsets) act on state pools with per-request slots; a negative slot marks a padding request:
 ``verify_packed``/``commit_packed`` (gated delta rule, ``closed_form``) and ``conv_verify_packed``/
-``conv_commit_packed`` (causal depthwise conv1d, ``conv``). The fp64 per-node ground truth is in ``reference``.
+``conv_commit_packed`` (causal depthwise conv1d, ``conv``). The fp64 per-node ground truth is in ``reference``;
+its batched fp32 twin, which keeps every node's state and conv window (the store_all tree baseline), in
+``serial_tree``.
 The Triton kernels live in ``vllm_treewy.kernels.triton`` (imported only when used).
 
 The whole decode step after the conv, from vLLM's raw inputs (mixed_qkv, a, b, A_log, dt_bias, output gate, norm

@@ -21,9 +21,10 @@ from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_sta
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 
 
-def _reconstruct_gdn_groups(runner):
-    """(group id, count state) per KV-cache group of reconstruct GDN layers: the count lives in the group's first
-    layer, the one its GDN metadata builder reads (`step_metadata.verified_node_counts`)."""
+def _counted_gdn_groups(runner):
+    """(group id, count state) per KV-cache group of GDN layers that keep slot counts (reconstruct, store_all draft
+    trees): the count lives in the group's first layer, the one its GDN metadata builder reads
+    (`step_metadata.verified_node_counts`)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     layers = runner.compilation_config.static_forward_context
@@ -31,16 +32,17 @@ def _reconstruct_gdn_groups(runner):
         if not isinstance(group.kv_cache_spec, MambaSpec):
             continue
         layer = layers[group.layer_names[0]]
-        counts = layer.verified_node_counts() if getattr(layer, "reconstructs_state", False) else None
+        counts = layer.verified_node_counts() if getattr(layer, "keeps_slot_counts", False) else None
         if counts is not None:
             yield group_id, counts
 
 
 def gdn_slot_counts(runner, rows: torch.Tensor):
-    """(count state, state slots of the batch `rows`) per KV-cache group of reconstruct GDN layers."""
+    """(count state, state slots of the batch `rows`) per KV-cache group of GDN layers that keep slot counts."""
     num_reqs = runner.input_batch.num_reqs
-    for group_id, counts in _reconstruct_gdn_groups(runner):
-        # One state block per request under reconstruct (no prefix caching): column 0 is the slot.
+    for group_id, counts in _counted_gdn_groups(runner):
+        # Column 0 is the slot that holds the count (no prefix caching): reconstruct's one block per request, a
+        # store_all tree's first of 1 + N.
         yield counts, runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[rows, 0]
 
 
@@ -48,7 +50,7 @@ def gdn_counts_and_block_tables(runner) -> list[tuple[torch.Tensor, torch.Tensor
     """(count state, the group's whole device block table) per KV-cache group of reconstruct GDN layers: column 0
     of a batch row is its slot."""
     return [(counts, runner.input_batch.block_table[group_id].block_table.gpu)
-            for group_id, counts in _reconstruct_gdn_groups(runner)]
+            for group_id, counts in _counted_gdn_groups(runner)]
 
 
 def record_chain_accepted_counts(runner, num_reqs: int) -> None:

@@ -3,7 +3,8 @@
 - `mamba_state_commit`: "store_all" (vLLM's behaviour: one GDN state snapshot per draft position) or
   "reconstruct" (verify every draft from the one committed state, rebuild only the accepted state on commit).
 - `draft_tree_widths`: children per node at each draft level; `[1] * num_speculative_tokens` is vLLM's chain.
-  A tree (a width > 1) has N = w1 + w1*w2 + ... draft nodes, all verified in one target pass: the user writes
+  A tree (a width > 1) has N = w1 + w1*w2 + ... draft nodes, all verified in one target pass (with store_all, the
+  baseline on CPU: a GDN state per node, each from its parent's, in 1 + N blocks per request): the user writes
   num_speculative_tokens = depth, and the config then holds N there, so that vLLM's scheduler and runner
   schedule, verify and account N draft tokens per request (`draft_tree_depth` keeps the depth).
 
@@ -76,14 +77,14 @@ class TreewySpeculativeConfig(SpeculativeConfig):
         if self.method not in TREE_METHODS:
             raise ValueError(f"draft_tree_widths={widths}: draft trees (a width > 1) need method "
                              f"{' or '.join(TREE_METHODS)}, got method={self.method!r}")
-        if self.mamba_state_commit != "reconstruct":
-            raise ValueError(f"draft_tree_widths={widths}: draft trees (a width > 1) are not supported with "
-                             f"mamba_state_commit={self.mamba_state_commit!r}; use 'reconstruct'")
         from vllm.platforms import current_platform
 
         if not (current_platform.is_cpu() or current_platform.is_cuda()):
             raise ValueError(f"draft_tree_widths={widths}: draft trees run on vLLM's CPU backend or on CUDA with "
                              "attention_backend='TRITON_ATTN' (tree attention reads those paged KV layouts)")
+        if self.mamba_state_commit == "store_all" and not current_platform.is_cpu():
+            raise ValueError(f"draft_tree_widths={widths}: the store_all tree (a GDN state per node, the baseline "
+                             "reconstruct is compared with) runs on vLLM's CPU backend only; use 'reconstruct'")
 
     def _validate_reconstruct(self) -> None:
         if self.method not in RECONSTRUCT_METHODS:
@@ -123,6 +124,13 @@ class TreewySpeculativeConfig(SpeculativeConfig):
 def reconstructs_mamba_state(speculative_config) -> bool:
     """True if this (possibly stock) speculative config asks for reconstruct-on-commit."""
     return getattr(speculative_config, "mamba_state_commit", "store_all") == "reconstruct"
+
+
+def keeps_slot_counts(speculative_config) -> bool:
+    """True if the GDN layers keep a per-slot count of the last verified block (`step_metadata`): reconstruct (the
+    node to commit), and a store_all draft tree (the block of the accepted node, where the next step starts: vLLM's
+    accepted count says how deep, not which branch)."""
+    return reconstructs_mamba_state(speculative_config) or draft_tree_of(speculative_config) is not None
 
 
 def draft_tree_of(speculative_config) -> DraftTree | None:

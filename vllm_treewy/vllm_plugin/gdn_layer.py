@@ -5,7 +5,8 @@ registration); with `mamba_state_commit="store_all"` it behaves exactly like its
 fused-norm GDN path (`_forward_core_fused_norm`, where vLLM would call its compiled MTP kernel) and takes the
 speculative tokens out of it; the prefills of the same batch stay with vLLM. FULL CUDA graphs capture decode
 batches: every step's inputs are tensors of the GDN metadata (`step_metadata`). On CPU the same happens through
-`gdn_cpu`.
+`gdn_cpu`, which also runs the store_all draft tree baseline (`store_all_tree`): vLLM's chain kernels cannot follow a
+tree's parents.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import get_dtype_size
 
-from vllm_treewy.vllm_plugin import reconstruct
-from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
+from vllm_treewy.vllm_plugin import reconstruct, store_all_tree
+from vllm_treewy.vllm_plugin.config import keeps_slot_counts, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import CPU_SSM_STATE_VIEW, CPU_UNPACKED_CONV_WEIGHT
-from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout, PseudoValueBuffer
+from vllm_treewy.vllm_plugin.pseudo_value_buffer import (
+    BufferLayout,
+    PseudoValueBuffer,
+    extra_page_dtypes,
+    extra_page_shapes,
+)
 from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata
 
 GATE_ACTIVATIONS = ("silu", "sigmoid")
@@ -37,10 +43,12 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reconstructs_state = reconstructs_mamba_state(self.speculative_config)
+        self.keeps_slot_counts = keeps_slot_counts(self.speculative_config)
         mamba_cache_mode = get_current_vllm_config().cache_config.mamba_cache_mode
-        if self.reconstructs_state and mamba_cache_mode != "none":
-            # Prefix caching moves a request's state between blocks as it grows; the pending commit lives in its slot.
-            raise ValueError("mamba_state_commit='reconstruct' requires --mamba-cache-mode none "
+        if self.keeps_slot_counts and mamba_cache_mode != "none":
+            # Prefix caching moves a request's state between blocks as it grows; the slot's count lives in its block.
+            what = "mamba_state_commit='reconstruct'" if self.reconstructs_state else "draft_tree_widths"
+            raise ValueError(f"{what} requires --mamba-cache-mode none "
                              f"(got {mamba_cache_mode!r}: no prefix caching of GDN states yet)")
         if self.reconstructs_state and current_platform.is_cuda_alike():
             self._check_cuda_support()
@@ -67,32 +75,38 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         return BufferLayout.of_model(self.tp_size, self.num_k_heads, self.num_v_heads, self.head_k_dim,
                                      self.head_v_dim, self.num_spec)
 
+    def _extra_page_states(self) -> tuple[tuple, tuple]:
+        """(shapes, dtypes) of the page's states after vLLM's conv and SSM states (`pseudo_value_buffer`)."""
+        return (extra_page_shapes(self.speculative_config, self.buffer_layout),
+                extra_page_dtypes(self.speculative_config, self.get_state_dtype()[0]))
+
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
-        if not self.reconstructs_state:
+        if not self.keeps_slot_counts:
             return spec
+        shapes, dtypes = self._extra_page_states()
+        spec = dataclasses.replace(spec, shapes=(*spec.shapes, *shapes), dtypes=(*spec.dtypes, *dtypes))
+        if not self.reconstructs_state:
+            return spec  # a store_all tree: vLLM's block per verified node stays
         # One state block per request: drafts are verified from the committed state, which the next step's commit
         # updates in place, so no block per draft position is needed; the page also holds the pseudo-value buffer.
-        layout = self.buffer_layout()
-        return dataclasses.replace(
-            spec, num_speculative_blocks=0, shapes=(*spec.shapes, *layout.shapes()),
-            dtypes=(*spec.dtypes, *layout.dtypes(spec.dtypes[0])),
-        )
+        return dataclasses.replace(spec, num_speculative_blocks=0)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """vLLM's conv and SSM states, then (under reconstruct) the pseudo-value buffer's three views of the page."""
+        """vLLM's conv and SSM states, then views of the page's extra states: under reconstruct the pseudo-value
+        buffer's three, with a store_all tree the count."""
         super().bind_kv_cache(kv_cache)
-        if not self.reconstructs_state:
+        if not self.keeps_slot_counts:
             return
         pages = kv_cache.squeeze(dim=(1, 2))
         offset = sum(prod(shape) * get_dtype_size(dtype)
                      for shape, dtype in zip(self.get_state_shape(), self.get_state_dtype()))
-        layout, views = self.buffer_layout(), []
-        for shape, dtype in zip(layout.shapes(), layout.dtypes(self.get_state_dtype()[0])):
+        views = []
+        for shape, dtype in zip(*self._extra_page_states()):
             nbytes = prod(shape) * get_dtype_size(dtype)
             views.append(pages[:, offset : offset + nbytes].view(dtype).view(-1, *shape))
             offset += nbytes
-        # In the tuple vLLM clears on teardown, so the buffer goes with the rest of the KV cache.
+        # In the tuple vLLM clears on teardown, so they go with the rest of the KV cache.
         self.kv_cache = (*self.kv_cache, *views)
 
     # -- cache views ------------------------------------------------------------------------------------------
@@ -111,11 +125,12 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.verified_node_counts(), self.buffer_layout())
 
     def verified_node_counts(self) -> torch.Tensor | None:
-        """`[S]` the buffer's count state alone: what the metadata builder and the runner update every step; None
-        before vLLM binds the KV cache (its profile run)."""
-        if len(self.kv_cache) != 5 or self.kv_cache[4].numel() == 0:
+        """`[S]` the count state (the page's last state) alone: what the metadata builder and the runner update every
+        step; None without one, or before vLLM binds the KV cache (its profile run)."""
+        if not self.keeps_slot_counts or len(self.kv_cache) <= 2:  # vLLM's two states alone: not bound yet
             return None
-        return self.kv_cache[4].view(-1)
+        counts = self.kv_cache[-1]
+        return None if counts.numel() == 0 else counts.view(-1)
 
     def conv_weight(self) -> torch.Tensor:
         """`(conv_dim, width)`; on CPU with AMX vLLM packs `conv1d.weight` in place and keeps a plain copy."""
@@ -127,13 +142,15 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def _caches(self, metadata: ReconstructGDNAttentionMetadata) -> dict:
         """The layer's caches for a speculative step, after the step's count update where this layer runs it."""
         metadata.update_counts(self.prefix)
-        return dict(conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state(),
-                    buffer=self.pseudo_value_buffer())
+        caches = dict(conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state())
+        return dict(caches, buffer=self.pseudo_value_buffer()) if self.reconstructs_state else caches
 
     # -- the speculative step ---------------------------------------------------------------------------------
     def speculative_step(self, metadata: ReconstructGDNAttentionMetadata, x, a, b) -> torch.Tensor:
-        """CPU: core outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains `x`."""
-        return reconstruct.step_torch(self, metadata, x, a, b, **self._caches(metadata))
+        """CPU: core outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains or trees `x`:
+        reconstruct's, or the store_all tree's (a state per node)."""
+        step = reconstruct.step_torch if self.reconstructs_state else store_all_tree.step_torch
+        return step(self, metadata, x, a, b, **self._caches(metadata))
 
     def _metadata(self) -> ReconstructGDNAttentionMetadata | None:
         if not self.reconstructs_state:

@@ -9,22 +9,25 @@ the GDN metadata builder keeps it per step (`step_metadata`).
 
 The buffer is three more states on the GDN layer's MambaSpec page, after vLLM's conv and SSM states: vLLM allocates
 it with the KV cache, counts it in its KV-cache report and max concurrency, and frees or reuses it with the slot.
-Nothing a step computes outlives the GDN op in a Python object, so a replayed CUDA graph keeps it all.
+Nothing a step computes outlives the GDN op in a Python object, so a replayed CUDA graph keeps it all. A store_all
+draft tree (the baseline) has no buffer but keeps the count state alone: the block of the node each slot accepted.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vllm_treewy.kernels.gated import slot_factor_width, split_slot_factors
-from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.config import keeps_slot_counts, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import MODEL_STATE_DTYPES, MODEL_STATE_SHAPES
 
 FACTORS_DTYPE = torch.float32
 COUNT_DTYPE = torch.int32
+COUNT_SHAPE = (1,)
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class BufferLayout:
         return slot_factor_width(self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int]]:
-        return (self.num_nodes, self.factor_width), (self.num_nodes, self.conv_dim), (1,)
+        return (self.num_nodes, self.factor_width), (self.num_nodes, self.conv_dim), COUNT_SHAPE
 
     @staticmethod
     def dtypes(conv_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -95,24 +98,39 @@ def _model_buffer_layout(vllm_config) -> BufferLayout:
     )
 
 
-def _appending_buffer_states(original, buffer_states):
+def extra_page_shapes(speculative_config, buffer_layout: Callable[[], BufferLayout]) -> tuple[tuple[int, ...], ...]:
+    """The states after vLLM's conv and SSM states on a GDN page: reconstruct's buffer (factors, conv inputs, count;
+    `buffer_layout()` says their sizes); a store_all draft tree's count alone; none otherwise."""
+    if reconstructs_mamba_state(speculative_config):
+        return buffer_layout().shapes()
+    return (COUNT_SHAPE,) if keeps_slot_counts(speculative_config) else ()
+
+
+def extra_page_dtypes(speculative_config, conv_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes of `extra_page_shapes`."""
+    if reconstructs_mamba_state(speculative_config):
+        return BufferLayout.dtypes(conv_dtype)
+    return (COUNT_DTYPE,) if keeps_slot_counts(speculative_config) else ()
+
+
+def _appending_page_states(original, extra_states):
     """Wraps a model's `get_mamba_state_{shape,dtype}_from_config` classmethod (`original`, as the class resolves
-    it) so that, under reconstruct, the buffer's states follow vLLM's conv and SSM states: vLLM sizes a hybrid's
-    pages from them."""
+    it) so that the extra page states follow vLLM's conv and SSM states: vLLM sizes a hybrid's pages from them."""
     function = original.__func__
 
     @functools.wraps(function)
-    def with_buffer(cls, vllm_config):
+    def with_extra_states(cls, vllm_config):
         states = function(cls, vllm_config)
-        if not reconstructs_mamba_state(vllm_config.speculative_config):
-            return states
-        return (*states, *buffer_states(vllm_config, states))
+        return (*states, *extra_states(vllm_config, states))
 
-    return classmethod(with_buffer)
+    return classmethod(with_extra_states)
 
 
 def install() -> None:
-    """The GDN models' state shapes and dtypes (`MODEL_STATE_SHAPES`, `MODEL_STATE_DTYPES`) include the buffer."""
+    """The GDN models' state shapes and dtypes (`MODEL_STATE_SHAPES`, `MODEL_STATE_DTYPES`) include the extra page
+    states."""
     for shape_point, dtype_point in zip(MODEL_STATE_SHAPES, MODEL_STATE_DTYPES, strict=True):
-        shape_point.wrap(_appending_buffer_states, lambda vllm_config, _: _model_buffer_layout(vllm_config).shapes())
-        dtype_point.wrap(_appending_buffer_states, lambda _, dtypes: BufferLayout.dtypes(dtypes[0]))
+        shape_point.wrap(_appending_page_states, lambda vllm_config, _: extra_page_shapes(
+            vllm_config.speculative_config, lambda: _model_buffer_layout(vllm_config)))
+        dtype_point.wrap(_appending_page_states, lambda vllm_config, dtypes: extra_page_dtypes(
+            vllm_config.speculative_config, dtypes[0]))

@@ -1,12 +1,13 @@
 """What the reconstruct GDN layers need per step, derived once per step by vLLM's GDN metadata builder.
 
 Each step commits every speculative request's previous verify inside its own verify (one state read and write). The
-slot's count state (in the first GDN layer's pseudo-value buffer, on the device) says which node: 0 when nothing
+slot's count state (in the group's first GDN layer's page, on the device) says which node: 0 when nothing
 is pending, else 1 + the accepted node's index in the slot's last verified block, recorded right after that step's
 sampling (`accepted_counts` for chains, `tree_sampler` for draft trees). The step's count update turns it into each
 row's commit node, then records this step's counts: the speculative rows' node counts (until their sampling records
 the accepted ones), and 0 for every other row, so a slot that a finished, aborted or preempted request left behind
-with a pending commit is never committed into by its next owner.
+with a pending commit is never committed into by its next owner. A store_all draft tree keeps the same count: its
+commit node is the block the next step starts from (`store_all_tree`).
 
 The count update runs where it costs no host time: in a batch with speculative rows, the group's first GDN layer
 launches it at the start of its forward (`update_counts`), before any layer of the group reads the commit nodes, so a
@@ -28,14 +29,14 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from vllm_treewy.kernels.triton._tree import ancestor_table_torch
 from vllm_treewy.kernels.triton.slot_counts import commit_nodes_and_counts
 from vllm_treewy.tree import DraftTree, chain_parents, node_requests
-from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD
 
 
@@ -200,7 +201,7 @@ def _building_commit_nodes(original):
     @functools.wraps(original)
     def build(self, *args, **kwargs):
         metadata = original(self, *args, **kwargs)
-        if not reconstructs_mamba_state(self.vllm_config.speculative_config):
+        if not keeps_slot_counts(self.vllm_config.speculative_config):
             return metadata
         return with_commit_nodes(self, metadata)
 
