@@ -119,26 +119,37 @@ def prompts_and_model():
     return model, fixture_prompts(AutoTokenizer.from_pretrained(model), 256)
 
 
-def timed_batches(llm, prompts, args) -> tuple[dict, dict]:
-    """Outputs (of the first timed pass) and tokens/s per batch size: the median of `--timing-repeats` passes, after
-    one warm-up pass over the same batch sizes. A pass at B = 1 lasts a fraction of a second, so one pass alone moved
-    by 1.4x between two calls (2026-12-01); the passes of all batch sizes alternate, so drift spreads over them."""
-    from vllm_treewy.vllm_plugin.equivalence import generate_greedy
+def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:
+    """Outputs (of the first timed pass), tokens/s per batch size and, for a speculative engine, the mean acceptance
+    length per batch size over its timed passes (1 + accepted drafts per verify, vLLM's "Mean acceptance length"; the
+    two strategies' texts part at ties, so a small batch's tokens/s compare like for like only where these agree).
+    Tokens/s: the median of `--timing-repeats` passes, after one warm-up pass over the same batch sizes. A pass at
+    B = 1 lasts a fraction of a second, so one pass alone moved by 1.4x between two calls (2026-12-01); the passes of
+    all batch sizes alternate, so drift spreads over them."""
+    from vllm_treewy.vllm_plugin.equivalence import generate_greedy, read_acceptance
 
     for b in args.batch_sizes:
         generate_greedy(llm, prompts[:b], [8] * b)
     outputs, samples = {}, {b: [] for b in args.batch_sizes}
+    verifies, accepted = dict.fromkeys(args.batch_sizes, 0.0), dict.fromkeys(args.batch_sizes, 0.0)
     for _ in range(args.timing_repeats):
         for b in args.batch_sizes:
+            before = read_acceptance(llm)
             start = time.perf_counter()
             out = generate_greedy(llm, prompts[:b], [args.max_tokens] * b)
             samples[b].append(b * args.max_tokens / (time.perf_counter() - start))
             outputs.setdefault(b, out)
+            if before is not None:
+                after = read_acceptance(llm)
+                verifies[b] += after.num_drafts - before.num_drafts
+                accepted[b] += after.num_accepted_tokens - before.num_accepted_tokens
     tokens_per_s = {b: statistics.median(v) for b, v in samples.items()}
+    acceptance_length = {b: 1 + accepted[b] / verifies[b] for b in args.batch_sizes if verifies[b]}
     for b, v in samples.items():
+        length = f", mean acceptance length {acceptance_length[b]:.3f}" if b in acceptance_length else ""
         print(f"  batch {b}: {tokens_per_s[b]:,.0f} tokens/s (median of {len(v)}: "
-              f"{', '.join(f'{x:,.0f}' for x in v)})", flush=True)
-    return outputs, tokens_per_s
+              f"{', '.join(f'{x:,.0f}' for x in v)}){length}", flush=True)
+    return outputs, tokens_per_s, acceptance_length
 
 
 def maybe_profile(llm, prompts, args, name: str) -> dict | None:
@@ -198,7 +209,7 @@ def run_spec(args) -> int:
     with engine(model, speculative_config=spec, **engine_kwargs(args, 1 + args.k), **extra) as llm:
         started = time.perf_counter() - start
         before = read_acceptance(llm)
-        outputs, tokens_per_s = timed_batches(llm, prompts, args)
+        outputs, tokens_per_s, acceptance_length = timed_batches(llm, prompts, args)
         after = read_acceptance(llm)
         kv = kv_cache_report(llm)
         profile = maybe_profile(llm, prompts, args, name)
@@ -210,7 +221,8 @@ def run_spec(args) -> int:
         "name": name, "strategy": args.strategy, "k": args.k, "engine_start_s": started,
         "outputs": {str(b): o for b, o in outputs.items()},
         "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
-        "acceptance_rate": accepted / max(drafted, 1), "kv_cache": asdict(kv),
+        "acceptance_rate": accepted / max(drafted, 1),
+        "acceptance_length": {str(b): n for b, n in acceptance_length.items()}, "kv_cache": asdict(kv),
         "teacher_forced_verdicts": self_check, "profile": profile,
     }
     Path(args.runs).mkdir(parents=True, exist_ok=True)
@@ -243,9 +255,13 @@ def beside_store_all(runs: dict) -> list[str]:
             continue
         for b, v in run["verdicts"].items():
             w = other["verdicts"][b]
+            ratio = run["tokens_per_s"][b] / other["tokens_per_s"][b]
+            lengths = [r.get("acceptance_length", {}).get(str(b)) for r in (run, other)]
+            per_verify = (f", acceptance length {lengths[0]:.3f} vs {lengths[1]:.3f} (tokens/s per verify "
+                          f"{ratio * lengths[1] / lengths[0]:.2f}x)") if None not in lengths else ""
             lines.append(f"{name} beside store_all at batch {b}: identical {v['identical']} vs {w['identical']}, "
                          f"ties {v['ties']} vs {w['ties']}, beyond one bf16 step {v['beyond_one_step']} vs "
-                         f"{w['beyond_one_step']}")
+                         f"{w['beyond_one_step']}; tokens/s {ratio:.2f}x{per_verify}")
     return lines
 
 
@@ -264,15 +280,15 @@ def run_reference(args) -> int:
     }
     exact_logits = ExactModel(model).next_token_logits  # fp64, on the CPU: consulted beyond a bf16 tie only
     with engine(model, logprobs_mode="raw_logits", **engine_kwargs(args, 1)) as reference:
-        outputs, tokens_per_s = timed_batches(reference, prompts, args)
+        outputs, tokens_per_s, _ = timed_batches(reference, prompts, args)
         report["runs"]["no-spec"] = {"tokens_per_s": tokens_per_s, "kv_cache": asdict(kv_cache_report(reference)),
                                      "profile": maybe_profile(reference, prompts, args, "no-spec")}
         report["no_spec_in_smaller_batches"] = {
             b: verdict_record(compare_tie_aware(reference, prompts[:b], outputs[b], out, exact_logits))
             for b, out in batch_shape_control(reference, prompts, args.batch_sizes, args.max_tokens).items()}
         for run in runs:
-            entry = {key: run.get(key) for key in ("strategy", "k", "engine_start_s", "acceptance_rate", "kv_cache",
-                                                   "profile")}
+            entry = {key: run.get(key) for key in ("strategy", "k", "engine_start_s", "acceptance_rate",
+                                                   "acceptance_length", "kv_cache", "profile")}
             entry["tokens_per_s"] = {int(b): t for b, t in run["tokens_per_s"].items()}
             entry["speedup_vs_no_spec"] = {b: t / tokens_per_s[b] for b, t in entry["tokens_per_s"].items()}
             entry["verdicts"] = {}
@@ -320,7 +336,7 @@ def run_continuations(args) -> int:
     with engine(model, **engine_kwargs(args, 1)) as llm:
         started = time.perf_counter() - start
         reference = generate_greedy(llm, batch, [args.max_tokens + LOOKAHEAD] * len(batch))
-        _, tokens_per_s = timed_batches(llm, prompts, args)
+        _, tokens_per_s, _ = timed_batches(llm, prompts, args)
     result = {"engine_start_s": started, "max_tokens": args.max_tokens, "lookahead": LOOKAHEAD,
               "sequences": [p + r for p, r in zip(batch, reference)],
               "reference_outputs": [r[: args.max_tokens] for r in reference],
@@ -355,7 +371,7 @@ def run_tree(args) -> int:
                 **engine_kwargs(args, 1 + tree.num_nodes)) as llm:
         started = time.perf_counter() - start
         before = read_acceptance(llm)
-        outputs, tokens_per_s = timed_batches(llm, prompts, args)
+        outputs, tokens_per_s, acceptance_length = timed_batches(llm, prompts, args)
         after = read_acceptance(llm)
         kv = kv_cache_report(llm)
         verdicts = {}
@@ -371,7 +387,8 @@ def run_tree(args) -> int:
         "mode": "eager (enforce_eager)" if args.eager else "default (torch.compile + CUDA graphs)",
         "concurrent": args.concurrent, "outputs": {str(b): o for b, o in outputs.items()},
         "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
-        "accepted_per_verify": accepted / max(drafts, 1), "accepted_per_position": [
+        "accepted_per_verify": accepted / max(drafts, 1),
+        "acceptance_length": {str(b): n for b, n in acceptance_length.items()}, "accepted_per_position": [
             a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position)],
         "kv_cache": asdict(kv), "verdicts": verdicts, "teacher_forced_verdicts": self_check,
     }

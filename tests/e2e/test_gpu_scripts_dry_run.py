@@ -33,10 +33,12 @@ def test_chain_script_writes_every_run_and_verdict(tmp_path):
         run = report["runs"][name]
         assert set(run["verdicts"]) == {"1", "2"} and run["kv_cache"]["gdn_blocks_per_request"]
         assert all(t > 0 for t in run["tokens_per_s"].values())
+        assert set(run["acceptance_length"]) == {"1", "2"} and all(n >= 1 for n in run["acceptance_length"].values())
     assert report["runs"]["reconstruct-k1"]["kv_cache"]["gdn_blocks_per_request"][0] == 1
     assert set(report["no_spec_in_smaller_batches"]) == {"2"}  # batch 2 again as two batches of 1
     assert [line.split(":")[0] for line in report["beside_store_all"]] == [
         "reconstruct-k1 beside store_all at batch 1", "reconstruct-k1 beside store_all at batch 2"]
+    assert all("tokens/s per verify" in line for line in report["beside_store_all"])
 
 
 def test_chain_script_skips_runs_that_would_leave_the_reference_no_time(tmp_path):
