@@ -657,14 +657,15 @@ def _gated_step_kernel(
             tl.store(f_g + g + f_row, g_own[g], mask=valid)
 
 
-# Launch defaults: the fastest candidates measured correct on the H200 at H=16, HV=32, K=V=128, chain T=4
-# (bench/results/2026-12-01/device/gated.json, tuned at B=1 and B=64). fp32 states: the tensor-core layout, block_k
+# Launch defaults: the fastest candidates measured correct on the H200 at H=16, HV=32, K=V=128, chain T=4. Until
+# 2026-12-01d (bench/results/2026-12-01/device/gated.json, tuned at B=1 and B=64; what T <= 2, trees of more than 8
+# nodes and 16-bit states outside 3-4 nodes still run): fp32 states: the tensor-core layout, block_k
 # 32, 8 warps, 2xTF32 (159.5 / 14.4 us at B=64 / 1, against tf32x3's 163.8 / 14.6). 16-bit states: the tensor-core
 # layout; few requests want 8 warps on one head's 64-column chunks (12.4 us at B=1; 32/4/1 with two heads: 20.2),
 # many want two value heads per program at 32/4/1 (128.5 us at B=64; one head 64/4/1: 141.0; 64/8/1: 189.4).
 # Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1. fp32 states with 5-8 nodes
-# (T=8 measured, `results/2026-12-01b/device/gated.json`) and many requests: two value heads per program at 16/8/1
-# (593.4 us at B=64 against 677.8 for one head at 32/8/1; at B=1 one head stays, 42.8 against 72.4).
+# (T=8 measured, `results/2026-12-01b/device/gated.json`) and many requests took two value heads per program at
+# 16/8/1 (593.4 us at B=64 against 677.8 for one head at 32/8/1; at B=1 one head stayed, 42.8 against 72.4).
 # Since 2026-12-01d (`bench/results/2026-12-01d/device/gated.json`, kernels.md, seventh session), for 3-8 nodes (T=4
 # tuned, T=2 and T=8 run with the T=4 choice; T=3 and T=5-7 not run, taken with their neighbours):
 # - fp32, 3-8 nodes: the same 32/8/1 2xTF32 with `epilogue_in_mma_layout` (FP32_STATE_EPILOGUE_LAUNCH), every batch.
