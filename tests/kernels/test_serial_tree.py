@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_treewy.kernels.reference import reference_tree_conv, reference_tree_recurrence
-from vllm_treewy.kernels.serial_tree import node_blocks, serial_tree_conv, serial_tree_states
+from vllm_treewy.kernels.serial_tree import serial_tree_conv, serial_tree_states
 
 from .tree_cases import GATE_RANGES, gdn_inputs, relative_error, trees
 
@@ -59,8 +59,3 @@ def test_serial_conv_matches_the_reference(batch, channels, width, extra_history
         assert relative_error(out[rows], expected.out) <= FP32
         assert relative_error(histories[rows], expected.history) <= FP32
 
-
-def test_each_node_writes_its_own_block():
-    blocks = torch.tensor([[7, 3, 9], [4, 1, 2]])
-    cu = torch.tensor([0, 3, 4], dtype=torch.int32)  # the second request verified its root alone
-    assert node_blocks(blocks, cu, 4).tolist() == [7, 3, 9, 4]

@@ -153,6 +153,14 @@ def test_the_count_state_must_sit_in_the_layer_that_runs_first():
         with_commit_nodes(builder, _spec_step([3], [4], [1]))
 
 
+def test_each_node_has_its_own_block():
+    """A store_all tree writes each verified node's state to its column of the request's blocks."""
+    builder, _ = _builder(full_graphs=False, widths=[2, 1])
+    step = _spec_step([3, 5], [3, 1], [1, 1])  # the second request verified its root alone
+    step.spec_state_indices_tensor = torch.tensor([[7, 3, 9, 6, 8], [4, 1, 2, 0, 0]])
+    assert _build(builder, step).node_blocks.tolist() == [7, 3, 9, 4]
+
+
 def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
     builder, counts = _builder(full_graphs=True)
     first = _build(builder, _spec_step([3], [4], [1], padding_rows=2))

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import node_requests
-
 
 def _local_steps(parents: torch.Tensor, cu_nodes: torch.Tensor, max_nodes: int):
     """Per local index i: (each request's packed node i, clamped; which requests have one; its parent's packed
@@ -72,10 +70,3 @@ def serial_tree_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         out[nodes[live]] = torch.einsum("bhvk,bhk->bhv", state, query)[live]
         states[nodes[live]] = state[live]
     return out, states
-
-
-def node_blocks(blocks: torch.Tensor, cu_nodes: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """`[N]` each packed node's own block: column (its local index) of its request's row of `blocks [B, 1 + n]`."""
-    requests = node_requests(cu_nodes, num_nodes)
-    local = torch.arange(num_nodes, device=cu_nodes.device) - cu_nodes.long()[requests]
-    return blocks.long()[requests, local]

@@ -40,6 +40,16 @@ def commit_pending_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, slo
     torch_kernels.commit_packed(ssm_state, slots, *flat, parents, cu, commit_nodes)
 
 
+def recurrence_inputs(layer, conv_out, a, b, layout):
+    """fp32 (query, raw keys, key inverse norms, values, log decays, write gates) of the conv outputs `[N, conv_dim]`:
+    q normalised and scaled, keys to be scaled by their inverse norms, the gates from vLLM's raw a and b."""
+    q, k, v = split_qkv(conv_out, layout.num_k_heads, layout.head_k_dim, layout.head_v_dim)
+    q, k, v = q.float(), k.float(), v.float()
+    g, beta = gates(a, b, layer.A_log, layer.dt_bias)
+    query = q * (inverse_norm(q) * layout.head_k_dim**-0.5)[..., None]
+    return query, k, inverse_norm(k), v, g, beta
+
+
 def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state, buffer) -> torch.Tensor:
     """Core attention outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains or trees `x`
     (pre-conv qkv `[N, conv_dim]`), after committing each slot's previous step."""
@@ -51,11 +61,7 @@ def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state
                                 buffer.conv_inputs, metadata.commit_nodes, pending_ancestors=pending_ancestors,
                                 activation=activation)
     layout = buffer.layout
-    q, k, v = split_qkv(conv_out, layout.num_k_heads, layout.head_k_dim, layout.head_v_dim)
-    q, k, v = q.float(), k.float(), v.float()
-    key_scales = inverse_norm(k)
-    g, beta = gates(a, b, layer.A_log, layer.dt_bias)
-    query = q * (inverse_norm(q) * layout.head_k_dim**-0.5)[..., None]
+    query, k, key_scales, v, g, beta = recurrence_inputs(layer, conv_out, a, b, layout)
     out, pseudo_values = torch_kernels.verify_packed(query, k * key_scales[..., None], v, g, beta, ssm_state, slots,
                                                      metadata.parents, cu_nodes, max_depth=layout.num_nodes)
     buffer.write_factors(metadata.node_slots, metadata.node_indices, k, key_scales, pseudo_values, g)

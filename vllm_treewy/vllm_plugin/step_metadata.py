@@ -98,6 +98,12 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
         return self.spec_slots.long()[self._node_requests]
 
     @cached_property
+    def node_blocks(self) -> torch.Tensor:
+        """`[N]` int64 each packed draft node's own state block (store_all: column `node_indices` of its request's
+        row of `spec_state_indices_tensor`)."""
+        return self.spec_state_indices_tensor.long()[self._node_requests, self.node_indices]
+
+    @cached_property
     def node_indices(self) -> torch.Tensor:
         """`[N]` int64 index of each packed draft node within its request (0 = the last sampled token)."""
         nodes = torch.arange(self.num_spec_decode_tokens, device=self.spec_query_start_loc.device)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_treewy.kernels.gated import gates, inverse_norm, split_qkv
-from vllm_treewy.kernels.serial_tree import node_blocks, serial_tree_conv, serial_tree_states
+from vllm_treewy.kernels.serial_tree import serial_tree_conv, serial_tree_states
+from vllm_treewy.vllm_plugin.reconstruct import recurrence_inputs
 
 
 def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state) -> torch.Tensor:
@@ -21,17 +21,14 @@ def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state
     # commit_nodes: the previous step's accepted node's block index, -1 for a slot without one (after a prefill,
     # which left the state in block 0)
     start = blocks.long().gather(1, metadata.commit_nodes.long().clamp(min=0)[:, None]).squeeze(1)
-    max_nodes, num_heads, head_k_dim = blocks.shape[1], layer.num_k_heads // layer.tp_size, layer.head_k_dim
+    max_nodes = blocks.shape[1]
     activation = "silu" if layer.activation == "silu" else None
     conv_out, windows = serial_tree_conv(x, conv_history[start], conv_weight, layer.conv1d.bias, metadata.parents,
                                          cu_nodes, max_nodes, activation)
-    q, k, v = split_qkv(conv_out, num_heads, head_k_dim, layer.head_v_dim)
-    q, k, v = q.float(), k.float(), v.float()
-    g, beta = gates(a, b, layer.A_log, layer.dt_bias)
-    query = q * (inverse_norm(q) * head_k_dim**-0.5)[..., None]
-    out, states = serial_tree_states(query, k * inverse_norm(k)[..., None], v, g, beta, ssm_state[start],
+    query, k, key_scales, v, g, beta = recurrence_inputs(layer, conv_out, a, b, layer.buffer_layout())
+    out, states = serial_tree_states(query, k * key_scales[..., None], v, g, beta, ssm_state[start],
                                      metadata.parents, cu_nodes, max_nodes)
-    own = node_blocks(blocks, cu_nodes, x.shape[0])
+    own = metadata.node_blocks
     conv_history[own] = windows.to(conv_history.dtype)
     ssm_state[own] = states.to(ssm_state.dtype)
     return out.to(x.dtype)
