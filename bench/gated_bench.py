@@ -266,12 +266,19 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # at prefetch 1, 2, 3 (153.3 / 150.4 / 150.6; 14.4 / 14.1 / 14.2), 2xTF32 split in the accumulator layout (213.9 /
 # 13.3), lagged products (215.2 / 13.2); bf16 (vs 127.3 / 10.6) two heads with the bf16 pass (154.8 / 17.5), 64/4/1
 # (295.4 / 12.5). The T=8 rows keep their candidates: fp32 two heads 16/8/1, bf16 two heads 32/4/1.
+# Eighth session (2026-12-01, offline sm_90 compile, fused T=4 unless said): two CTAs per SM where the defaults
+# have one. bf16 64/8/1 bf16 pass 166 registers (one CTA), with `max_registers=128` 125 and no spill (with the
+# epilogue too); bf16 32/8/1 bf16 pass with the epilogue 127. fp32 T=8 32/8/1 2xTF32 with the epilogue (the T=8
+# default) 200 (one CTA), capped at 128 it spills 96 bytes; 16/8/1 with the epilogue 174, capped at 128 no spill;
+# T=4 16/8/1 with the epilogue 121. Dropped for them: bf16 32/8/1 and 16/8/1 tf32 pass (157.4 / 153.1 us at B=64).
 # The first of each is the launch default at T=4 (`launch_defaults`, since 2026-12-01d).
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
-             _dot(16, 8, 1, **SPLIT, **TWO_HEADS)],
-    "bf16": [_dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE), _dot(64, 8, 1),
-             _dot(32, 4, 1, **TWO_HEADS), _dot(32, 8, 1), _dot(16, 8, 1)],
+             _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(16, 8, 1, **SPLIT, **EPILOGUE),
+             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE)],
+    "bf16": [_dot(64, 8, 1, **BF16_SPLIT), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE),
+             _dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT),
+             _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE), _dot(64, 8, 1), _dot(32, 4, 1, **TWO_HEADS)],
 }
 
 
