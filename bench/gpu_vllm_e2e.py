@@ -166,7 +166,11 @@ def verdict_record(verdict) -> dict:
     """An `EquivalenceVerdict` as this script's JSON records it."""
     return {"passed": verdict.passed, "summary": verdict.summary(),
             "identical": verdict.num_prompts - len(verdict.divergences),
-            "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures)}
+            "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures),
+            # every divergence, so the gaps of failures can be set beside the control's
+            "divergences": [dict(prompt=d.prompt_index, position=d.position, reference=d.reference_token,
+                                 got=d.candidate_token, logit_gap=d.logit_gap, bf16_step=d.bf16_step,
+                                 exact_gap=d.exact_gap, failure=d.is_failure) for d in verdict.divergences]}
 
 
 def batch_shape_control(reference, prompts, batch_sizes, max_tokens: int) -> dict:

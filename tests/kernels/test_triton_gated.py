@@ -468,12 +468,13 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 
 
 def test_launch_defaults_measured_choices():
-    """The H200 choices of bench/results/2026-12-01d (kernels.md, seventh session): fp32 states with 3-8 nodes take
-    the accumulator-layout epilogue at every batch (the two-heads 16/8/1 rule for 5-8 nodes is gone), 16-bit states
-    with 3-4 nodes 64/8/1 with the bf16 pass at every batch; 1-2 nodes, more than 8 (fp32) or 5+ (16-bit), and
-    narrow heads keep the earlier rules."""
+    """The H200 choices of bench/results/2026-12-01d and -e (kernels.md, seventh and eighth sessions): fp32 states
+    with 3-8 nodes take the accumulator-layout epilogue at every batch (the two-heads 16/8/1 rule for 5-8 nodes is
+    gone); 16-bit states with 3-4 nodes, and with 5-8 nodes at small batches, 64/8/1 with the bf16 pass capped at
+    128 registers with the epilogue; 5-8 nodes at large batches two heads with the epilogue; 1-2 nodes, more than 8,
+    and narrow heads keep the earlier rules."""
     from vllm_treewy.kernels.triton.gated import (
-        FP32_STATE_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
+        FP32_STATE_LAUNCH, HALF_STATE_BF16_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
     for batch in (1, 8, 64, 256):
         for nodes in (3, 4, 5, 8):
@@ -483,23 +484,28 @@ def test_launch_defaults_measured_choices():
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == FP32_STATE_LAUNCH
         for dtype in (torch.bfloat16, torch.float16):
             for nodes in (3, 4):
-                assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(HALF_STATE_LAUNCH, block_k=64,
-                                                                            split_state_bf16=True)
-            for nodes in (2, 8):
+                assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(
+                    HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128, epilogue_in_mma_layout=True)
+            for nodes in (5, 8):
+                assert launch_defaults(dtype, batch, 2, 128, nodes) == (
+                    HALF_STATE_BF16_LAUNCH if batch <= 8 else
+                    dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=True))
+            for nodes in (2, 16):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == (
                     dict(HALF_STATE_LAUNCH, block_k=64) if batch <= 8 else
-                    dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2))
+                    dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=False))
         assert launch_defaults(torch.bfloat16, batch, 1, 128, 8) == (
-            dict(HALF_STATE_LAUNCH, block_k=64) if batch <= 8 else dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4))
+            HALF_STATE_BF16_LAUNCH if batch <= 8 else dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4))
         for dtype, nodes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2)):
             assert launch_defaults(dtype, batch, 2, 8, nodes) == NARROW_HEAD_LAUNCH
 
 
-@pytest.mark.parametrize("state_dtype, tokens", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 8)])
+@pytest.mark.parametrize("state_dtype, tokens", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 8),
+                                                 (torch.bfloat16, 8)])
 def test_default_launch_vs_reference(state_dtype, tokens):
     """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM, K = 64: the defaults of 3-8 nodes
-    (fp32: 32/8/1 2xTF32 with the accumulator-layout epilogue, two key chunks; bf16: 64/8/1, one bf16 pass, one
-    chunk) resolve as measured, and a chain step, then a step committing its accepted nodes inside its verify, match
+    (fp32: 32/8/1 2xTF32, two key chunks; bf16: 64/8/1 capped at 128 registers, one bf16 pass, one chunk; both with
+    the accumulator-layout epilogue) resolve as measured, and a chain step, then a step committing its accepted nodes inside its verify, match
     the fp64 reference: outputs, factor rows, the committed state."""
     from vllm_treewy.kernels.triton import gated as gated_module
 
@@ -518,7 +524,7 @@ def test_default_launch_vs_reference(state_dtype, tokens):
         num_key_heads=1, max_nodes=tokens, max_depth=None, chain=True, scale=None, norm_eps=1e-6, activation="silu",
         ancestors=None, out=None, do_verify=True)
     fp32 = state_dtype == torch.float32
-    assert kernel_kwargs["EPILOGUE_IN_MMA_LAYOUT"] == fp32 and kernel_kwargs["BK"] == (32 if fp32 else 64)
+    assert kernel_kwargs["EPILOGUE_IN_MMA_LAYOUT"] and kernel_kwargs["BK"] == (32 if fp32 else 64)
     assert kernel_kwargs["STATE_PRODUCTS"] == ("2xtf32" if fp32 else "bf16") and kernel_kwargs["G"] == 1
     assert kernel_kwargs["STATE_DOT"] and kernel_kwargs["num_warps"] == 8 and kernel_kwargs["PREFETCH"] == 1
 

@@ -26,8 +26,9 @@ half the programs (on the H200 the 16-bit-state default for large batches; slowe
   (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
 
-Measured on the H200 (bench/results/kernels.md, 2026-12-01d, the launch defaults): fp32 state, chain T=4, 1.44x /
-1.53x vLLM's compiled kernel at B=64 / 256, 1.20x at B=1, T=8 1.16x at B=64; bf16 state 0.83x / 0.85x, 1.15x at B=1.
+Measured on the H200 (bench/results/kernels.md, 2026-12-01d/e, the launch defaults): fp32 state, chain T=4, 1.44x /
+1.53x vLLM's compiled kernel at B=64 / 256, 1.20x at B=1, T=8 1.16x at B=64 (0.91-1.01x in 2026-12-01e); bf16 state
+1.09x / 1.12x, 1.29x at B=1 (2026-12-01e, two CTAs per SM).
 The fp32 step is at 2.1x the two-state HBM bound at B=64: latency-bound. The sixth session's ncu stall samples (fp32
 T=4 B=64, before the key-row prefetch and the accumulator-layout epilogue) put 53% in the state loop, waiting for
 loads issued in the same iteration, and 38% in the epilogue's cross-lane reductions and barriers.
@@ -679,13 +680,22 @@ def _gated_step_kernel(
 #   state (or fp32 q/k) runs the same 64/8/1 with its tf32 (tf32x3) pass, for which this run has 140.8 us at B=64
 #   against two heads' 147.2 (the sixth session had 148.3 against 129.7: not settled). Not at T=8 (515 us at B=64
 #   against the old default's 337, 2026-12-01c) nor at T=2 (81.1 against 77.0): the old rules there.
+# Since 2026-12-01e (`bench/results/2026-12-01e/device/gated.json`, eighth session, T=4 and T=8 tuned at B=64 / 1):
+# two CTAs per SM for 16-bit states. 64/8/1 with the bf16 pass takes 166 registers (one CTA per SM); capped at 128
+# (`max_registers`, no spill in the offline sm_90 compile) and with the accumulator-layout epilogue it is
+# HALF_STATE_BF16_LAUNCH: T=4 98.8 / 9.44 us at B=64 / 1 against 162.2 / 10.59 uncapped without the epilogue, same
+# run (2026-12-01d had 127.3 for that one); vLLM's compiled 106.3 / 12.2. 5-8 nodes (T=8): few requests take the same
+# (23.9 us at B=1 against 39.6 for the old 64/8/1 tf32 pass; compiled 19.4), many take two heads 32/4/1 with the
+# epilogue (251.0 at B=64 against 369.5 for the old two heads without; compiled 198.7). T <= 2 keeps the old rules
+# (T=2 ran with T=4's choice: 88.7 us at B=64 against 77.0 for the old rule in 2026-12-01c, another run).
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
-HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True)
+HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
+                              epilogue_in_mma_layout=True)
 SMALL_BATCH = 8
 
 
@@ -705,12 +715,13 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
         if 3 <= max_nodes <= 8:
             return FP32_STATE_EPILOGUE_LAUNCH
         return FP32_STATE_LAUNCH
-    if 3 <= max_nodes <= 4:
+    if 3 <= max_nodes <= 4 or (4 < max_nodes <= 8 and batch <= SMALL_BATCH):
         return HALF_STATE_BF16_LAUNCH
     if batch <= SMALL_BATCH:
         return dict(HALF_STATE_LAUNCH, block_k=64)
     if value_heads_per_key_head % 2 == 0:
-        return dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2)
+        return dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2,
+                    epilogue_in_mma_layout=4 < max_nodes <= 8)
     return dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4)
 
 
