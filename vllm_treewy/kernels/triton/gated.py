@@ -691,7 +691,7 @@ def _gated_step_kernel(
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
-                         epilogue_in_mma_layout=False)
+                         epilogue_in_mma_layout=False, state_row_chunk=None)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -765,7 +765,12 @@ def _check_factors(factors, state, state_indices, pending_nodes, pending_ancesto
 
 def _launch(*args, **kwargs):
     grid, kernel_args, kernel_kwargs, out = _launch_arguments(*args, **kwargs)
-    _gated_step_kernel[grid](*kernel_args, **kernel_kwargs)
+    if "BV" in kernel_kwargs:  # `state_row_chunk`
+        from .gated_rows import _gated_rows_kernel
+
+        _gated_rows_kernel[grid](*kernel_args, **kernel_kwargs)
+    else:
+        _gated_step_kernel[grid](*kernel_args, **kernel_kwargs)
     return out
 
 
@@ -817,11 +822,27 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_desc, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
+    rows = launch["state_row_chunk"] if do_verify else None
+    if rows:
+        assert V % rows == 0 and rows >= 16 and heads == 1, "state_row_chunk: >= 16 rows dividing V, one head"
+        assert K % block_k == 0, "state_row_chunk: tiles of block_k columns dividing K"
+        assert not (launch["tma_state"] or launch["lagged_products"] or launch["split_in_mma_layout"]), \
+            "state_row_chunk: its own schedule"
+        bt = max(4, bt)  # node t in column t of the accumulator's [rows, 16] tile, as `epilogue_in_mma_layout`
     kernel_args = (
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         state_indices if pending_ancestors is None else pending_ancestors,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
         float(K**-0.5 if scale is None else scale), float(norm_eps))
+    state_products = _state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
+                                          launch["split_state_tf32"], launch["split_state_bf16"])
+    if rows:
+        kernel_kwargs = dict(
+            H=H, HV=HV, K=K, V=V, BT=bt, BV=rows, BK=block_k, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
+            HAS_PENDING=pending_nodes is not None,
+            PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
+            PENDING_IS_CHAIN=pending_ancestors is None, STATE_PRODUCTS=state_products, **options)
+        return (HV, batch), kernel_args, kernel_kwargs, out
     kernel_kwargs = dict(
         H=H, HV=HV, K=K, V=V, G=heads, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
         ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain,
@@ -832,8 +853,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         LAGGED_PRODUCTS=launch["lagged_products"] and launch["state_dot"] and do_verify,
         STATE_TMA=launch["tma_state"],
         EPILOGUE_IN_MMA_LAYOUT=launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify,
-        STATE_PRODUCTS=_state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
-                                            launch["split_state_tf32"], launch["split_state_bf16"]),
+        STATE_PRODUCTS=state_products,
         **options,
     )
     return (HV // heads, batch), kernel_args, kernel_kwargs, out
@@ -878,6 +898,7 @@ def gdn_step_triton(
     lagged_products: bool | None = None,
     tma_state: bool | None = None,
     epilogue_in_mma_layout: bool | None = None,
+    state_row_chunk: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -919,6 +940,11 @@ def gdn_step_triton(
     `epilogue_in_mma_layout` (with `state_dot`): the q/k columns interleaved (k_t, q_t side by side), so the
     epilogue takes each node's h k_t, h q_t as a column of the accumulator in place and works on [V, nodes] tiles,
     the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
+    `state_row_chunk` (rows, >= 16, dividing V; one head per program): the state streams in chunks of that many
+    value rows (tiles of block_k columns, one ahead), each chunk finished once its tiles are in (commit, products,
+    solve, core output) while the next tile is in flight; the per-node terms once before the first tile arrives
+    (`gated_rows`). Not with `tma_state`, `lagged_products` or `split_in_mma_layout`; prefetch and the epilogue
+    option do not apply.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -928,7 +954,7 @@ def gdn_step_triton(
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
                    split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
-                   epilogue_in_mma_layout=epilogue_in_mma_layout)
+                   epilogue_in_mma_layout=epilogue_in_mma_layout, state_row_chunk=state_row_chunk)
 
 
 def gdn_commit_triton(
