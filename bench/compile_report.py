@@ -68,13 +68,14 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_rows(state_dtype, tokens, num_warps, rows, block_k=32, products=None, pending=True, maxnreg=None):
+def compile_rows(state_dtype, tokens, num_warps, rows, block_k=32, prefetch=1, products=None, pending=True,
+                 maxnreg=None):
     """`gated_rows._gated_rows_kernel` (launch option `state_row_chunk=rows`, tiles of block_k columns), fused with a
     pending chain commit;
     products default as the launch defaults' (2xTF32 for fp32 states, the bf16 pass for bf16)."""
     names = _gated_rows_kernel.arg_names
     const = dict(H=16, HV=32, K=128, V=128, BT=max(4, triton.next_power_of_2(tokens)), BV=rows, BK=block_k,
-                 MAX_ANC=tokens - 1,
+                 PREFETCH=prefetch, MAX_ANC=tokens - 1,
                  IS_CHAIN=True, ACT="silu", HAS_PENDING=pending, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
                  STATE_PRODUCTS=products or ("bf16" if state_dtype == "bf16" else "2xtf32"))
     sig = {n: "constexpr" if n in const else "fp32" if n in FLOATS else "i64" if n.startswith("stride") else
@@ -182,15 +183,17 @@ def main():
     parser.add_argument("--row-chunks", type=int, nargs="*", default=None,
                         help="the row-chunk kernel (`state_row_chunk`) at these rows per chunk instead")
     parser.add_argument("--block-k", type=int, nargs="*", default=[32], help="the row-chunk kernel's tile columns")
+    parser.add_argument("--prefetch", type=int, nargs="*", default=[1], help="the row-chunk kernel's tiles ahead")
     args = parser.parse_args()
     if args.row_chunks:
         for state in args.states:
             for tokens in args.tokens:
                 for rows in args.row_chunks:
-                    for w, mr, bk in [(w, mr, bk) for w in args.warps for mr in args.maxnreg for bk in args.block_k]:
-                        c = compile_rows(state, tokens, w, rows, block_k=bk, maxnreg=mr)
+                    for w, mr, bk, pf in [(w, mr, bk, pf) for w in args.warps for mr in args.maxnreg
+                                          for bk in args.block_k for pf in args.prefetch]:
+                        c = compile_rows(state, tokens, w, rows, block_k=bk, prefetch=pf, maxnreg=mr)
                         print(json.dumps(dict(kernel="gated_rows", state=state, tokens=tokens, rows=rows, block_k=bk,
-                                              num_warps=w, maxnreg=mr, **analyse(c))), flush=True)
+                                              prefetch=pf, num_warps=w, maxnreg=mr, **analyse(c))), flush=True)
         return
     if args.conv_block_nodes:
         for block_nodes in args.conv_block_nodes:

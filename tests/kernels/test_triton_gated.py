@@ -477,7 +477,7 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
                                                    (torch.bfloat16, dict(split_state_bf16=True))])
 def test_state_row_chunks(state_dtype, products, first, second, seed, gate_scale, data):
     """`state_row_chunk` (the state in chunks of value rows, `gated_rows`): with V = K = 32 in one chunk of one tile
-    and in two chunks of two tiles each, a chain step against fp64 (outputs, factor rows), then a step of chains, trees or no nodes committing the first
+    and in two chunks of two tiles each, three tiles ahead (across the chunks' end), a chain step against fp64 (outputs, factor rows), then a step of chains, trees or no nodes committing the first
     step's accepted nodes: the committed state is the fp64 state after the accepted node, and outputs, factor rows
     and states agree with the key-chunk kernel's within its tolerances (another summation order)."""
     second = second[: len(first)]
@@ -489,7 +489,7 @@ def test_state_row_chunks(state_dtype, products, first, second, seed, gate_scale
     tolerance, state_tolerance = TOLERANCE[state_dtype], STATE_TOLERANCE[state_dtype]
     out_tolerance = max(tolerance, OUT_TOLERANCE_BF16)
     results = []
-    for launch in (dict(block_k=16), dict(state_row_chunk=32), dict(state_row_chunk=16, block_k=16)):
+    for launch in (dict(block_k=16), dict(state_row_chunk=32), dict(state_row_chunk=16, block_k=16, prefetch=3)):
         state = h0.clone().to(DEVICE)
         factors = slot_factor_page(state.shape[0], rows_per_slot, 2, 32, 32, seed)
         before = factors.clone()

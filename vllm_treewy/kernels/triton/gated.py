@@ -838,7 +838,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
                                           launch["split_state_tf32"], launch["split_state_bf16"])
     if rows:
         kernel_kwargs = dict(
-            H=H, HV=HV, K=K, V=V, BT=bt, BV=rows, BK=block_k, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
+            H=H, HV=HV, K=K, V=V, BT=bt, BV=rows, BK=block_k, PREFETCH=launch["prefetch"], MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
             HAS_PENDING=pending_nodes is not None,
             PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
             PENDING_IS_CHAIN=pending_ancestors is None, STATE_PRODUCTS=state_products, **options)
@@ -941,10 +941,10 @@ def gdn_step_triton(
     epilogue takes each node's h k_t, h q_t as a column of the accumulator in place and works on [V, nodes] tiles,
     the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
     `state_row_chunk` (rows, >= 16, dividing V; one head per program): the state streams in chunks of that many
-    value rows (tiles of block_k columns, one ahead), each chunk finished once its tiles are in (commit, products,
-    solve, core output) while the next tile is in flight; the per-node terms once before the first tile arrives
-    (`gated_rows`). Not with `tma_state`, `lagged_products` or `split_in_mma_layout`; prefetch and the epilogue
-    option do not apply.
+    value rows (tiles of block_k columns, `prefetch` tiles ahead), each chunk finished once its tiles are in (commit,
+    products, solve, core output) while the next tiles are in flight; the per-node terms once before the first tile
+    arrives (`gated_rows`). Not with `tma_state`, `lagged_products` or `split_in_mma_layout`; the epilogue option
+    does not apply.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,

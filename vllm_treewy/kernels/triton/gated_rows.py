@@ -33,7 +33,7 @@ def _gated_rows_kernel(
     stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
     scale, eps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr, PREFETCH: tl.constexpr,
     MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr, ACT: tl.constexpr, HAS_PENDING: tl.constexpr,
     PENDING_ROWS: tl.constexpr, PENDING_IS_CHAIN: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
 ):
@@ -47,10 +47,12 @@ def _gated_rows_kernel(
     o_r = tl.arange(0, BV)
     o_k = tl.arange(0, K)
     o_s = tl.arange(0, BK)
-    # tile (c, s): rows c * BV .. + BV, columns s * BK .. + BK; the tiles stream in the order c * NS + s
+    # tile i = c * NS + s: rows c * BV .. + BV, columns s * BK .. + BK, streamed in that order
     p_state = state + slot * stride_slot + i_hv * stride_head + o_r[:, None] * stride_v + o_s[None, :]
-    # the first tile in flight before anything else: everything up to the loop is independent of it
-    ahead = tl.load(p_state)
+    # the first PREFETCH tiles in flight before anything else: everything up to the loop is independent of them
+    ahead = ()
+    for j in tl.static_range(PREFETCH):
+        ahead = ahead + (tl.load(p_state + (j // NS) * BV * stride_v + (j % NS) * BK, mask=j < NC * NS, other=0.0),)
 
     # this program's columns of the slot's factor rows (`slot_factor_width`), as in `_gated_step_kernel`
     f_slot = factors + slot * stride_fslot
@@ -127,10 +129,13 @@ def _gated_rows_kernel(
         acc = tl.zeros([BV, NQ], dtype=tl.float32)
         # a loop, not unrolled: unrolled, the compiler hoists the small q/k and key-row loads of many tiles
         for s in tl.range(0, NS, num_stages=1):
-            h = ahead.to(tl.float32)
-            following = c * NS + s + 1  # the next tile, across the chunk's end
-            ahead = tl.load(p_state + (following // NS) * BV * stride_v + (following % NS) * BK,
-                            mask=following < NC * NS, other=0.0)
+            h = ahead[0].to(tl.float32)
+            following = c * NS + s + PREFETCH  # PREFETCH tiles on, across chunk ends
+            rest = ()
+            for j in tl.static_range(1, PREFETCH):
+                rest = rest + (ahead[j],)
+            ahead = rest + (tl.load(p_state + (following // NS) * BV * stride_v + (following % NS) * BK,
+                                    mask=following < NC * NS, other=0.0),)
             cols = s * BK + o_s
             kq = tl.load(kq_row[None, :] + cols[:, None], mask=kq_ok[None, :], other=0.0).to(tl.float32)
             if HAS_PENDING:
