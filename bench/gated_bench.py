@@ -272,8 +272,8 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # default) 200 (one CTA), capped at 128 it spills 96 bytes; 16/8/1 with the epilogue 174, capped at 128 no spill;
 # T=4 16/8/1 with the epilogue 121. Dropped for them: bf16 32/8/1 and 16/8/1 tf32 pass (157.4 / 153.1 us at B=64).
 # The state in chunks of value rows (`state_row_chunk`, `gated_rows`, NOT yet timed), offline sm_90, fused T=4, as
-# block_k (tile columns) / warps / prefetch (tiles ahead): fp32 2xTF32, 64 rows, 16/8/4 136 registers, capped at 128
-# no spill (two CTAs per SM, 16 KiB in flight each); 32 rows 16/4/4 146 (three CTAs of 4 warps, 8 KiB each); one
+# block_k (tile columns) / warps / prefetch (tiles ahead): fp32 2xTF32, 64 rows, 16/8/4 134 registers, capped at 128
+# no spill (two CTAs per SM, 16 KiB in flight each); 32 rows 16/4/4 166 (three CTAs of 4 warps, 8 KiB each); one
 # tile ahead 121 / 124 (4 KiB in flight: too few bytes). bf16 pass, 64 rows: 32/8/4 and 16/8/8 capped at 128 no
 # spill (16 KiB in flight). At T=8 every capped one spills (104-440 bytes).
 # The first of each is the launch default at T=4 (`launch_defaults`, since 2026-12-01d).

@@ -838,8 +838,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
                                           launch["split_state_tf32"], launch["split_state_bf16"])
     if rows:
         kernel_kwargs = dict(
-            H=H, HV=HV, K=K, V=V, BT=bt, BV=rows, BK=block_k, PREFETCH=launch["prefetch"], MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
-            HAS_PENDING=pending_nodes is not None,
+            H=H, HV=HV, K=K, V=V, BT=bt, BV=rows, BK=block_k, PREFETCH=launch["prefetch"], MAX_ANC=max_anc,
+            IS_CHAIN=chain, ACT=activation, HAS_PENDING=pending_nodes is not None,
             PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
             PENDING_IS_CHAIN=pending_ancestors is None, STATE_PRODUCTS=state_products, **options)
         return (HV, batch), kernel_args, kernel_kwargs, out

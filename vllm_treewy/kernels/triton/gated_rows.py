@@ -6,10 +6,11 @@ Why rows. With key-column chunks every product h k_t, h q_t is complete only aft
 loads its whole head and only then runs the epilogue (solve, output, norm, factor stores) with no load in flight: on
 the H200 two CTAs per SM are all the overlap there is (fp32 T=4 at 2.1x the two-state HBM bound, 2026-12-01e). A
 chunk of BV value rows holds whole rows of the state, and everything per row is row-local: the pending commit
-(h_v <- exp(c_a) h_v + sum_j w_j u_j[v] k_j), the products with the K-long q/k rows (one tensor-core dot per chunk,
-[BV, K] @ [K, 2T]), the solve (u = r T^T, T the per-head [BT, BT] inverse) and the core output. So each chunk is
-finished inside its iteration while the next chunk's load is in flight, and the per-head terms (gates, q/k norms,
-Gram matrices, the inverse) are computed once, before the first chunk arrives. Only the gated RMSNorm spans all V
+(h_v <- exp(c_a) h_v + sum_j w_j u_j[v] k_j), the products with the K-long q/k rows ([BV, K] @ [K, 2T] on the
+tensor cores, as tiles of BK columns), the solve (u = r T^T, T the per-head [BT, BT] inverse) and the core output.
+So each chunk is finished while the next tiles (PREFETCH ahead, across chunk ends) are in flight, and the per-head
+terms (gates, q/k norms, Gram matrices, the inverse) are computed once, while the first tiles arrive. A whole [K, 16]
+q/k operand would cost every warp 64 registers (it needs all of K for its outputs): the tiles keep it at BK x 16. Only the gated RMSNorm spans all V
 rows: the rounded core outputs of the chunks stay in registers ([V, BT] in all: a few per thread) and are normed
 after the last chunk. vLLM's compiled MTP kernel streams its state in row chunks too (32 rows through shared
 memory); this is the closed form's version of that order.
@@ -126,6 +127,11 @@ def _gated_rows_kernel(
             p_u = ()
             for d in tl.static_range(PENDING_ROWS):
                 p_u = p_u + (p_weight[d] * tl.load(f_u + p_row[d] + o_v, mask=p_on[d], other=0.0),)
+        # v and z of these rows, in flight with the chunk's tiles
+        b_v_raw = tl.load(qkv + node.to(tl.int64)[None, :] * stride_qkv + 2 * H * K + i_hv * V + o_v[:, None],
+                          mask=valid[None, :], other=0.0)
+        b_z_raw = tl.load(z + node[None, :] * stride_z + i_hv * stride_zh + o_v[:, None], mask=valid[None, :],
+                          other=0.0)
         acc = tl.zeros([BV, NQ], dtype=tl.float32)
         # a loop, not unrolled: unrolled, the compiler hoists the small q/k and key-row loads of many tiles
         for s in tl.range(0, NS, num_stages=1):
@@ -150,12 +156,8 @@ def _gated_rows_kernel(
             # every thread's reads of this chunk's pending u rows before any thread writes the chunk's new ones
             tl.debug_barrier()
         hk, hq = _node_columns(acc, BT)
-        # v and z of these rows in the accumulator's columns (v_t at 2t, z_t at 2t + 1), as in the other epilogue
-        b_vz = tl.reshape(tl.join(
-            tl.load(qkv + node.to(tl.int64)[None, :] * stride_qkv + 2 * H * K + i_hv * V + o_v[:, None],
-                    mask=valid[None, :], other=0.0).to(tl.float32),
-            tl.load(z + node[None, :] * stride_z + i_hv * stride_zh + o_v[:, None], mask=valid[None, :],
-                    other=0.0).to(tl.float32)), [BV, 2 * BT])
+        # v and z in the accumulator's columns (v_t at 2t, z_t at 2t + 1), as in `_epilogue_in_mma_layout`
+        b_vz = tl.reshape(tl.join(b_v_raw.to(tl.float32), b_z_raw.to(tl.float32)), [BV, 2 * BT])
         if 2 * BT < NQ:
             b_vz = tl.reshape(tl.permute(tl.join(b_vz, tl.zeros_like(b_vz)), (0, 2, 1)), [BV, NQ])
         b_v, b_z = _node_columns(_in_accumulator_layout(b_vz), BT)
@@ -181,10 +183,8 @@ def _gated_rows_kernel(
         y = outs[c] * rstd[None, :] * w[:, None] * gates[c]
         tl.store(out + node[None, :] * stride_out + i_hv * stride_outh + o_v[:, None], y.to(out.dtype.element_ty),
                  mask=valid[None, :])
-    # this step's key rows, inverse norms and log decays, after every thread's last read of the pending ones (the
-    # barrier of the last chunk's commit, or none read)
-    if HAS_PENDING:
-        tl.debug_barrier()
+    # this step's key rows, inverse norms and log decays: the last chunk's barrier orders every read of the pending
+    # ones (the prologue's, the tiles') before these stores
     k_raw = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     tl.store(f_k + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
     tl.store(f_kscale + f_row, k_inv, mask=valid)
