@@ -71,8 +71,8 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
 def compile_rows(state_dtype, tokens, num_warps, rows, block_k=32, prefetch=1, products=None, pending=True,
                  maxnreg=None):
     """`gated_rows._gated_rows_kernel` (launch option `state_row_chunk=rows`, tiles of block_k columns), fused with a
-    pending chain commit;
-    products default as the launch defaults' (2xTF32 for fp32 states, the bf16 pass for bf16)."""
+    pending chain commit; the products as the launch defaults choose them (2xTF32 for fp32 states, the bf16 pass
+    for bf16)."""
     names = _gated_rows_kernel.arg_names
     const = dict(H=16, HV=32, K=128, V=128, BT=max(4, triton.next_power_of_2(tokens)), BV=rows, BK=block_k,
                  PREFETCH=prefetch, MAX_ANC=tokens - 1,

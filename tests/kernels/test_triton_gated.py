@@ -479,9 +479,10 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
                                                    (torch.bfloat16, dict(split_state_bf16=True))])
 def test_state_row_chunks(state_dtype, products, first, second, seed, gate_scale, data):
     """`state_row_chunk` (the state in chunks of value rows, `gated_rows`): with V = K = 32 in one chunk of one tile
-    and in two chunks of two tiles each, three tiles ahead (across the chunks' end), a chain step against fp64 (outputs, factor rows), then a step of chains, trees or no nodes committing the first
-    step's accepted nodes: the committed state is the fp64 state after the accepted node, and outputs, factor rows
-    and states agree with the key-chunk kernel's within its tolerances (another summation order)."""
+    and in two chunks of two tiles each, three tiles ahead (across the chunks' end), a chain step against fp64
+    (outputs, factor rows), then a step of chains, trees or no nodes committing the first step's accepted nodes: the
+    committed state is the fp64 state after the accepted node, and outputs, factor rows and states agree with the
+    key-chunk kernel's within its tolerances (another summation order)."""
     second = second[: len(first)]
     accepted = torch.tensor([data.draw(st.integers(-1, len(c) - 1)) for c in first], dtype=torch.int32)
     packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
@@ -512,6 +513,7 @@ def test_state_row_chunks(state_dtype, products, first, second, seed, gate_scale
 
 
 def test_state_row_chunk_refuses_what_it_does_not_schedule():
+    """Chunks that do not divide V or are narrower than a tensor-core dot, two heads per program, TMA: refused."""
     packed, inputs, pool, slots = gated_inputs([DraftTree.from_widths([1] * 3).parents], 1, 2, 32, 32, 0,
                                                dtype=torch.bfloat16)
     factors = slot_factor_page(pool.shape[0], 3, 2, 32, 32, 0)
@@ -539,7 +541,8 @@ def test_launch_defaults_measured_choices():
         for dtype in (torch.bfloat16, torch.float16):
             for nodes in (3, 4):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(
-                    HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128, epilogue_in_mma_layout=True)
+                    HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
+                    epilogue_in_mma_layout=True)
             for nodes in (5, 8):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == (
                     HALF_STATE_BF16_LAUNCH if batch <= 8 else
@@ -559,8 +562,8 @@ def test_launch_defaults_measured_choices():
 def test_default_launch_vs_reference(state_dtype, tokens):
     """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM, K = 64: the defaults of 3-8 nodes
     (fp32: 32/8/1 2xTF32, two key chunks; bf16: 64/8/1 capped at 128 registers, one bf16 pass, one chunk; both with
-    the accumulator-layout epilogue) resolve as measured, and a chain step, then a step committing its accepted nodes inside its verify, match
-    the fp64 reference: outputs, factor rows, the committed state."""
+    the accumulator-layout epilogue) resolve as measured, and a chain step, then a step committing its accepted
+    nodes inside its verify, match the fp64 reference: outputs, factor rows, the committed state."""
     from vllm_treewy.kernels.triton import gated as gated_module
 
     first = [DraftTree.from_widths([1] * n).parents for n in (tokens, tokens - 1)]

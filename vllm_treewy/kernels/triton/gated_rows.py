@@ -10,10 +10,10 @@ chunk of BV value rows holds whole rows of the state, and everything per row is 
 tensor cores, as tiles of BK columns), the solve (u = r T^T, T the per-head [BT, BT] inverse) and the core output.
 So each chunk is finished while the next tiles (PREFETCH ahead, across chunk ends) are in flight, and the per-head
 terms (gates, q/k norms, Gram matrices, the inverse) are computed once, while the first tiles arrive. A whole [K, 16]
-q/k operand would cost every warp 64 registers (it needs all of K for its outputs): the tiles keep it at BK x 16. Only the gated RMSNorm spans all V
-rows: the rounded core outputs of the chunks stay in registers ([V, BT] in all: a few per thread) and are normed
-after the last chunk. vLLM's compiled MTP kernel streams its state in row chunks too (32 rows through shared
-memory); this is the closed form's version of that order.
+q/k operand would cost every warp 64 registers (it needs all of K for its outputs): the tiles keep it at BK x 16.
+Only the gated RMSNorm spans all V rows: the rounded core outputs of the chunks stay in registers ([V, BT] in all: a
+few per thread) and are normed after the last chunk. vLLM's compiled MTP kernel streams its state in row chunks
+too (32 rows through shared memory); this is the closed form's version of that order.
 
 Torch twin and fp64 reference: those of `gated` (`vllm_treewy.kernels.gated.gdn_step_packed`,
 `vllm_treewy.kernels.reference.reference_gated_tree`).
