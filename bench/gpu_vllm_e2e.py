@@ -167,6 +167,10 @@ def verdict_record(verdict) -> dict:
     return {"passed": verdict.passed, "summary": verdict.summary(),
             "identical": verdict.num_prompts - len(verdict.divergences),
             "ties": len(verdict.ties), "beyond_one_step": len(verdict.failures),
+            # how far the exact model separates the reference's token at the worst failure, in bf16 steps: bf16
+            # noise (batch shape, kernels) flips choices within a few steps; a wrong state flips them anywhere
+            "worst_failure_exact_steps": max((d.exact_gap / d.bf16_step for d in verdict.failures
+                                              if d.exact_gap is not None), default=None),
             # every divergence, so the gaps of failures can be set beside the control's
             "divergences": [dict(prompt=d.prompt_index, position=d.position, reference=d.reference_token,
                                  got=d.candidate_token, logit_gap=d.logit_gap, bf16_step=d.bf16_step,
@@ -263,9 +267,13 @@ def beside_store_all(runs: dict) -> list[str]:
             lengths = [r.get("acceptance_length", {}).get(str(b)) for r in (run, other)]
             per_verify = (f", acceptance length {lengths[0]:.3f} vs {lengths[1]:.3f} (tokens/s per verify "
                           f"{ratio * lengths[1] / lengths[0]:.2f}x)") if None not in lengths else ""
+            worst = [x.get("worst_failure_exact_steps") for x in (v, w)]
+            worst_text = "" if worst == [None, None] else (
+                ", worst failure's exact gap " + " vs ".join("-" if x is None else f"{x:.1f}" for x in worst)
+                + " bf16 steps")
             lines.append(f"{name} beside store_all at batch {b}: identical {v['identical']} vs {w['identical']}, "
                          f"ties {v['ties']} vs {w['ties']}, beyond one bf16 step {v['beyond_one_step']} vs "
-                         f"{w['beyond_one_step']}; tokens/s {ratio:.2f}x{per_verify}")
+                         f"{w['beyond_one_step']}{worst_text}; tokens/s {ratio:.2f}x{per_verify}")
     return lines
 
 
