@@ -270,6 +270,39 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
 
 
 @triton.jit
+def _pending_path(pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G: tl.constexpr,
+                  PENDING_ROWS: tl.constexpr, PENDING_IS_CHAIN: tl.constexpr):
+    """The previous step's path to request i_b's accepted node a (row d: a's d-th ancestor, d = 0..PENDING_ROWS-1;
+    a chain's is a - d, a tree's comes from the table) for G value heads (log decays at f_g + g; the key scale of
+    the first head serves all G: one key head's copies are equal): (a; per row d its offset into the factor rows and
+    whether it is on the path; per row d and head g, at d * G + g, the weight exp(c_a - c_j) / |k_j|; per head
+    exp(c_a), h0's weight). The decays are running sums of g up the path, never differences."""
+    accepted = tl.load(pending_nodes + i_b)
+    running = ()
+    for g in tl.static_range(G):
+        running = running + (tl.zeros([], dtype=tl.float32),)
+    offsets = ()
+    on_path = ()
+    weights = ()
+    for d in tl.static_range(PENDING_ROWS):
+        path_row = _ancestor(pending_ancestors, 0, accepted, d, PENDING_ROWS, PENDING_IS_CHAIN)
+        on = path_row >= 0
+        row = tl.maximum(path_row, 0).to(tl.int64) * stride_frow
+        k_scale = tl.load(f_kscale + row, mask=on, other=0.0)
+        summed = ()
+        for g in tl.static_range(G):
+            weights = weights + (tl.where(on, tl.exp(running[g]), 0.0) * k_scale,)
+            summed = summed + (running[g] + tl.load(f_g + g + row, mask=on, other=0.0),)
+        running = summed
+        offsets = offsets + (row,)
+        on_path = on_path + (on,)
+    roots = ()
+    for g in tl.static_range(G):
+        roots = roots + (tl.exp(running[g]),)
+    return accepted, offsets, on_path, weights, roots
+
+
+@triton.jit
 def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_beta, path_c, decay, q_inv, k_inv, kk,
                             qk, i_hv0, eps, stride_qkv, stride_z, stride_zh, stride_out, stride_outh, H: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, ACT: tl.constexpr):
@@ -372,30 +405,18 @@ def _gated_step_kernel(
                 ahead = ahead + (tl.load(p_state[g] + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
 
     if HAS_PENDING:
-        # the previous step's path to its accepted node a, row j = the d-th ancestor of a (d = 0..PENDING_ROWS-1;
-        # a chain's is a - d, a tree's comes from the table): the key row, and per head exp(c_a - c_j) u_j / |k_j|
-        # as a [V] vector (running sums of g up the path); exp(c_a) for h0. Every pending row is read before the
-        # epilogue overwrites the rows (barrier there).
-        accepted = tl.load(pending_nodes + i_b)
-        running = ()
-        for g in tl.static_range(G):
-            running = running + (tl.zeros([], dtype=tl.float32),)
+        # the previous step's path to its accepted node a (`_pending_path`): per row the key row, and per head
+        # exp(c_a - c_j) u_j / |k_j| as a [V] vector; exp(c_a) for h0. Every pending row is read before the epilogue
+        # overwrites the rows (barrier there).
+        accepted, p_rows, p_on, p_weight, p_root = _pending_path(
+            pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G, PENDING_ROWS, PENDING_IS_CHAIN)
         p_wu = ()
         p_krow = ()
-        p_on = ()
         for d in tl.static_range(PENDING_ROWS):
-            path_row = _ancestor(pending_ancestors, 0, accepted, d, PENDING_ROWS, PENDING_IS_CHAIN)
-            on = path_row >= 0
-            row = tl.maximum(path_row, 0).to(tl.int64) * stride_frow
-            k_scale = tl.load(f_kscale + row, mask=on, other=0.0)
-            summed = ()
             for g in tl.static_range(G):
-                weight = tl.where(on, tl.exp(running[g]), 0.0) * k_scale
-                p_wu = p_wu + (tl.load(f_u + g * V + row + o_v, mask=on, other=0.0) * weight,)
-                summed = summed + (running[g] + tl.load(f_g + g + row, mask=on, other=0.0),)
-            running = summed
-            p_krow = p_krow + (f_k + row,)
-            p_on = p_on + (on,)
+                p_wu = p_wu + (tl.load(f_u + g * V + p_rows[d] + o_v, mask=p_on[d], other=0.0)
+                               * p_weight[d * G + g],)
+            p_krow = p_krow + (f_k + p_rows[d],)
         # the key rows' first PREFETCH chunks in flight like the state's (chunk j's row d at j * PENDING_ROWS + d):
         # loaded in the iteration that used them, they were the loop's hottest stall (ncu, 2026-12-01). STATE_TMA:
         # the loop loads them, for the pipeliner
@@ -405,9 +426,6 @@ def _gated_step_kernel(
                 for d in tl.static_range(PENDING_ROWS):
                     ahead_pk = ahead_pk + (tl.load(p_krow[d] + j * BK + o_kc, mask=p_on[d] & (j * BK + o_kc < K),
                                                    other=0.0),)
-        p_root = ()
-        for g in tl.static_range(G):
-            p_root = p_root + (tl.exp(running[g]),)
         store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
 
     if DO_VERIFY:

@@ -22,11 +22,12 @@ Torch twin and fp64 reference: those of `gated` (`vllm_treewy.kernels.gated.gdn_
 import triton
 import triton.language as tl
 
-from ._tree import _ancestor
-from .gated import _in_accumulator_layout, _node_columns, _node_terms, _output_gate, _state_products
+from .gated import (_in_accumulator_layout, _node_columns, _node_terms, _output_gate, _pending_path,
+                    _state_products)
 
 
-@triton.jit
+# integer arrays unspecialised, strides specialised: as `_gated_step_kernel` (see there)
+@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes", "pending_nodes", "pending_ancestors"])
 def _gated_rows_kernel(
     qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_desc, state_indices, ancestors, cu_nodes, out, factors,
     pending_nodes, pending_ancestors,
@@ -62,24 +63,14 @@ def _gated_rows_kernel(
     f_u = f_slot + HV * (K + 1) + i_hv * V
     f_g = f_slot + HV * (K + 1 + V) + i_hv
     if HAS_PENDING:
-        # the previous step's path to its accepted node a (row d: a's d-th ancestor): per row its weight
-        # exp(c_a - c_j) / |k_j|; exp(c_a) for h0. The u rows come chunk by chunk, the key rows tile by tile
-        accepted = tl.load(pending_nodes + i_b)
-        running = tl.zeros([], dtype=tl.float32)
-        p_weight = ()
-        p_row = ()
-        p_on = ()
+        # the previous step's path to its accepted node a (`_pending_path`): per row its weight exp(c_a - c_j) /
+        # |k_j|; exp(c_a) for h0. The u rows come chunk by chunk, the key rows tile by tile
+        accepted, p_row, p_on, p_weight, p_root = _pending_path(
+            pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, 1, PENDING_ROWS, PENDING_IS_CHAIN)
+        p_root = p_root[0]
         p_key = ()
         for d in tl.static_range(PENDING_ROWS):
-            path_row = _ancestor(pending_ancestors, 0, accepted, d, PENDING_ROWS, PENDING_IS_CHAIN)
-            on = path_row >= 0
-            row = tl.maximum(path_row, 0).to(tl.int64) * stride_frow
-            p_weight = p_weight + (tl.where(on, tl.exp(running), 0.0) * tl.load(f_kscale + row, mask=on, other=0.0),)
-            running += tl.load(f_g + row, mask=on, other=0.0)
-            p_key = p_key + (f_k + row,)
-            p_row = p_row + (row,)
-            p_on = p_on + (on,)
-        p_root = tl.exp(running)
+            p_key = p_key + (f_k + p_row[d],)
         store_commit = (o_r[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
 
     # per node, once per program: gates, q/k norms, Gram matrices (`_node_terms`), and the solve's two [BT, BT]
