@@ -270,6 +270,15 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
 
 
 @triton.jit
+def _factor_columns(factors, slot, stride_fslot, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Pointers to value head i_hv's columns of the slot's factor rows (`slot_factor_width`): its key copy [K], key
+    inverse norm, u [V] and log decay (head i_hv + g's at + g * K, + g, + g * V, + g)."""
+    f_slot = factors + slot * stride_fslot
+    return (f_slot + i_hv * K, f_slot + HV * K + i_hv, f_slot + HV * (K + 1) + i_hv * V,
+            f_slot + HV * (K + 1 + V) + i_hv)
+
+
+@triton.jit
 def _pending_path(pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G: tl.constexpr,
                   PENDING_ROWS: tl.constexpr, PENDING_IS_CHAIN: tl.constexpr):
     """The previous step's path to request i_b's accepted node a (row d: a's d-th ancestor, d = 0..PENDING_ROWS-1;
@@ -391,11 +400,7 @@ def _gated_step_kernel(
     # this program's columns of the slot's factor rows (see `slot_factor_width`): only (slot, its heads) touches
     # them; head i_hv0 + g's at + g (k scale, g) or + g * K / + g * V (keys, u). The pending commit reads the key
     # and k scale copies of head i_hv0 for all G heads: one key head's copies are equal (the contract)
-    f_slot = factors + slot * stride_fslot
-    f_k = f_slot + i_hv0 * K
-    f_kscale = f_slot + HV * K + i_hv0
-    f_u = f_slot + HV * (K + 1) + i_hv0 * V
-    f_g = f_slot + HV * (K + 1 + V) + i_hv0
+    f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv0, HV, K, V)
     # the first PREFETCH state chunks in flight before anything else (everything below is independent of them);
     # STATE_TMA: Triton's pipeliner issues them (bulk copies into shared memory, see the loop)
     ahead = ()

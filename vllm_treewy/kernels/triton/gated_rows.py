@@ -22,8 +22,8 @@ Torch twin and fp64 reference: those of `gated` (`vllm_treewy.kernels.gated.gdn_
 import triton
 import triton.language as tl
 
-from .gated import (_in_accumulator_layout, _node_columns, _node_terms, _output_gate, _pending_path,
-                    _state_products)
+from .gated import (_factor_columns, _in_accumulator_layout, _node_columns, _node_terms, _output_gate,
+                    _pending_path, _state_products)
 
 
 # integer arrays unspecialised, strides specialised: as `_gated_step_kernel` (see there)
@@ -56,12 +56,7 @@ def _gated_rows_kernel(
     for j in tl.static_range(PREFETCH):
         ahead = ahead + (tl.load(p_state + (j // NS) * BV * stride_v + (j % NS) * BK, mask=j < NC * NS, other=0.0),)
 
-    # this program's columns of the slot's factor rows (`slot_factor_width`), as in `_gated_step_kernel`
-    f_slot = factors + slot * stride_fslot
-    f_k = f_slot + i_hv * K
-    f_kscale = f_slot + HV * K + i_hv
-    f_u = f_slot + HV * (K + 1) + i_hv * V
-    f_g = f_slot + HV * (K + 1 + V) + i_hv
+    f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
     if HAS_PENDING:
         # the previous step's path to its accepted node a (`_pending_path`): per row its weight exp(c_a - c_j) /
         # |k_j|; exp(c_a) for h0. The u rows come chunk by chunk, the key rows tile by tile
