@@ -584,6 +584,9 @@ def test_default_launch_vs_reference(state_dtype, tokens):
     assert kernel_kwargs["EPILOGUE_IN_MMA_LAYOUT"] and kernel_kwargs["BK"] == (32 if fp32 else 64)
     assert kernel_kwargs["STATE_PRODUCTS"] == ("2xtf32" if fp32 else "bf16") and kernel_kwargs["G"] == 1
     assert kernel_kwargs["STATE_DOT"] and kernel_kwargs["num_warps"] == 8 and kernel_kwargs["PREFETCH"] == 1
+    # the register cap reaches ptxas only on a GPU (the interpreter has no registers): as `launch_defaults` gives it
+    cap = gated_module.launch_defaults(state_dtype, 2, hv, key_dim, tokens)["max_registers"]
+    assert cap == (None if fp32 else 128)
 
     tolerance, state_tolerance = TOLERANCE[state_dtype], STATE_TOLERANCE[state_dtype]
     out_tolerance = max(tolerance, OUT_TOLERANCE_BF16)

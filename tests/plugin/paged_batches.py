@@ -94,8 +94,8 @@ def make_batch(tree, kinds, context_lens, prefill_lens, *, num_heads, num_kv_hea
                       keys, values, kv_cache, table)
 
 
-def reference_attention(batch: PagedBatch) -> torch.Tensor:
-    """fp64, request by request, with an explicit boolean mask over the request's positions."""
+def reference_attention(batch: PagedBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64, request by request, with an explicit boolean mask over the request's positions (`sinks`: per head)."""
     block = batch.tree.with_root()
     ancestor_or_self = block.ancestor_mask() | torch.eye(block.num_nodes, dtype=torch.bool)
     rows, start = [], 0
@@ -108,6 +108,6 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
             inside = torch.ones(query_len, query_len, dtype=torch.bool).tril()
         mask = torch.cat([committed, inside], dim=1)
         rows.append(masked_attention_fp64(batch.query[start : start + query_len], batch.keys[r], batch.values[r],
-                                          mask))
+                                          mask, sinks))
         start += query_len
     return torch.cat(rows)

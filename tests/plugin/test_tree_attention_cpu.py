@@ -439,3 +439,32 @@ def test_unsupported_features_are_refused():
     with pytest.raises(NotImplementedError, match="quantized"):
         fp8 = torch.zeros(2, 2, 32, 64, dtype=torch.uint8)
         tree_attention(batch.query, *split_kv_cache(fp8), isa="vec", **common)
+
+
+def test_the_cpu_layer_wrapper_refuses_what_tree_attention_leaves_out():
+    """vLLM's CPU layer holds soft cap, ALiBi and sinks itself: the tree rows' wrapper refuses them before its first
+    tree step instead of attending without them."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_treewy.vllm_plugin import tree_runner
+
+    def cpu_layer(**features):
+        config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16),
+                                 parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+        with set_current_vllm_config(config):
+            return CPUAttentionBackendImpl(num_heads=2, head_size=32, scale=1.0, num_kv_heads=1, sliding_window=None,
+                                           kv_cache_dtype="auto", **features)
+
+    impl = cpu_layer(alibi_slopes=[0.5, 0.25], logits_soft_cap=30.0, sinks=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="soft cap, ALiBi, attention sinks"):
+        tree_runner.check_cpu_tree_support(impl)
+    forward = tree_runner._attending_tree_rows(lambda self, layer, q, k, v, cache, metadata, output: output)
+    tree_step = SimpleNamespace(**{tree_runner.TREE_STEP: object()})
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        forward(impl, None, None, None, None, None, tree_step, None)
+    plain = cpu_layer(alibi_slopes=None)
+    tree_runner.check_cpu_tree_support(plain)
+    assert forward(plain, None, None, None, None, None, SimpleNamespace(), "untouched") == "untouched"

@@ -68,9 +68,14 @@ def interpreted_triton_attention():
         yield tree_runner._attending_tree_rows_triton(TRITON_ATTENTION_FORWARD.original())
 
 
-@fast(15)
-@given(shape=batch_shapes(with_prefills=False) | batch_shapes(with_prefills=True), sinks=st.booleans())
-def test_vllms_triton_forward_under_the_wrapper_is_tree_attention(interpreted_triton_attention, shape, sinks):
+# every (prefills, sinks) pair each run: the sinks reach both vLLM's launch and the tree rows' own (mixed batches)
+@pytest.mark.parametrize("sinks", [False, True], ids=["no sinks", "sinks"])
+@pytest.mark.parametrize("with_prefills", [False, True], ids=["trees and decodes", "with prefills"])
+@fast(5)
+@given(data=st.data())
+def test_vllms_triton_forward_under_the_wrapper_is_tree_attention(interpreted_triton_attention, with_prefills, sinks,
+                                                                  data):
+    shape = data.draw(batch_shapes(with_prefills=with_prefills))
     shape["dtype"] = torch.float32
     batch = make_batch(**shape)
     step = tree_step_of(batch)
@@ -87,11 +92,11 @@ def test_vllms_triton_forward_under_the_wrapper_is_tree_attention(interpreted_tr
     num_heads, num_kv_heads, head_size = shape["num_heads"], shape["num_kv_heads"], shape["head_size"]
     impl = TritonAttentionImpl(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5,
                                num_kv_heads=num_kv_heads, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
-                               sinks=torch.full((num_heads,), -1e4) if sinks else None)  # sinks far below: no weight
+                               sinks=torch.randn(num_heads) if sinks else None)  # weights comparable to a key's
     layer = SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0), _q_scale=torch.tensor(1.0))
     output = torch.full_like(batch.query, float("nan"))  # vLLM's Attention layer hands [T, heads, head_size]
     interpreted_triton_attention(impl, layer, batch.query, None, None, batch.kv_cache, metadata, output)
-    torch.testing.assert_close(output.double(), reference_attention(batch),
+    torch.testing.assert_close(output.double(), reference_attention(batch, impl.sinks),
                                **tolerance(torch.float32))
     assert tree_runner._active_qq_bias is None  # held only during the launch
 
@@ -167,7 +172,7 @@ def test_commit_accepted_path_compacts_recorded_triton_layers():
                            root_positions=torch.tensor([5]))
     commit_accepted_path(step, SimpleNamespace(accepted_nodes=torch.tensor([[1, 5]])))
     assert tokens[1, 6, 0, 0] == 7 and tokens[1, 7, 0, 0] == 11  # node 1 at 7 -> 6, node 5 at 11 -> 7
-    assert tree.num_nodes == 6
+    assert list(tree.parents)[5] == 1  # the accepted path 1 -> 5 is one of the tree's
 
 
 def test_vllms_triton_forward_launches_the_module_global_with_a_qq_bias_parameter():

@@ -195,6 +195,26 @@ def _handing_tree_step_to_attention(original):
     return build_attention_metadata
 
 
+def check_cpu_tree_support(impl) -> None:
+    """What the CPU tree rows' attention (`tree_attention_cpu.tree_attention`, fp32 from the unquantized cache, a
+    scaled softmax with a sliding window) leaves out of vLLM's CPU layer: refused, not dropped."""
+    from vllm.v1.attention.backend import AttentionType
+
+    reasons = []
+    if impl.is_fp8_kv_cache:
+        reasons.append(f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
+    if impl.logits_soft_cap:
+        reasons.append("a logits soft cap")
+    if impl.alibi_slopes is not None:
+        reasons.append("ALiBi")
+    if impl.sinks is not None:
+        reasons.append("attention sinks")
+    if impl.attn_type != AttentionType.DECODER:
+        reasons.append(f"attention type {impl.attn_type}")
+    if reasons:
+        raise NotImplementedError("draft_tree_widths on vLLM's CPU backend: not supported with " + ", ".join(reasons))
+
+
 def _attending_tree_rows(original):
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
@@ -202,6 +222,9 @@ def _attending_tree_rows(original):
         step: TreeStep | None = getattr(attn_metadata, TREE_STEP, None)
         if step is None:
             return output
+        if not getattr(self, "_treewy_tree_support_checked", False):  # the layer's settings: once per layer
+            check_cpu_tree_support(self)
+            self._treewy_tree_support_checked = True
         key_cache, value_cache = split_kv_cache(kv_cache)
         rows = step.request_indices
         block_table = attn_metadata.block_table[rows]

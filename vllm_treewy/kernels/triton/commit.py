@@ -144,6 +144,7 @@ def commit_layers_triton(
         assert pool_like is not None, "a pool table needs pool_like for dtype and strides"
         table = states
     else:
+        assert pool_like is None, "pool_like goes with a pool table; a list of pools brings its own"
         pool_like = states[0]
         table = state_pool_table(states)
     _launch(table, _TL_DTYPES[pool_like.dtype], state_indices, k, u, g, parents, cu_nodes, accepted, k.shape[0],

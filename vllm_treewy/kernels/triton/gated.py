@@ -11,8 +11,8 @@ norm, the closed-form verify, the gated RMSNorm with the output gate, and option
 One program per (value head, request) holds a whole head: the state [V, K] is streamed once through registers in
 key chunks of BK columns; with `heads_per_program=2` (tensor-core layout) one program holds both value heads of one
 key head (where HV = 2H), which share the q/k chunks, the key norms and Gram matrices and the pending key rows:
-half the programs (on the H200 the 16-bit-state default for large batches; slower than one head for fp32 states,
-2026-12-01). Two layouts (launch option `state_dot`):
+half the programs (on the H200 the 16-bit-state default for large batches of 5-8 nodes or of 1-2 and more than 8;
+slower than one head for fp32 states, 2026-12-01). Two layouts (launch option `state_dot`):
 - tensor cores (default): the chunk keeps its load's layout (a warp covers 4 rows x 128 bytes: whole line segments,
   loads and the commit's stores coalesced); the commit's rank-one updates are elementwise in that layout, and all
   products with the state come from one tensor-core dot per chunk, [h k_0 .. h k_{T-1}, h q_0 .. h q_{T-1}] =
@@ -21,9 +21,9 @@ half the programs (on the H200 the 16-bit-state default for large batches; slowe
   measured 1-2e-7 on u and the committed state at K=128 against fp64), or with `split_state_tf32` two tf32 passes
   (2xTF32: the state's hi and lo parts against the raw bf16 q/k, which are exact in tf32; the fp32 default since
   2026-12-01), or with `split_state_bf16` bf16 passes (an fp32 state in three bf16 pieces: 160.0 vs 2xTF32's 159.5
-  us at B=64, 2026-12-01; a bf16 state in one, exact, not yet timed); `_state_products`. The [BK, 16] q/k chunks are prefetched with the state chunks.
+  us at B=64, 2026-12-01; a bf16 state in one, exact: the 16-bit-state default for 3-4 nodes); `_state_products`. The [BK, 16] q/k chunks are prefetched with the state chunks.
 - one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
-  (16 bytes) per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
+  per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
 
 Measured on the H200 (bench/results/kernels.md, 2026-12-01d/e, the launch defaults): fp32 state, chain T=4, 1.44x /
@@ -35,7 +35,8 @@ loads issued in the same iteration, and 38% in the epilogue's cross-lane reducti
 
 A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
 `verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
-power of two): measured on the H200 are chains of up to 8 nodes; big trees stay with `verify_packed_triton`.
+power of two): measured on the H200 are chains of up to 8 nodes; `verify_packed_triton` (no gates, norm or commit
+fused) is the kernel family's tree verify on its own, for trees beyond what one program's registers hold.
 
 Factors for the commit live in the state slots' rows, `factors` [S, T, F] fp32 (`slot_factor_width`): per node
 the raw key rows PER VALUE HEAD (a copy of mixed_qkv's k slice), their inverse norms, the pseudo-values u and the
@@ -75,7 +76,6 @@ from ._tree import _ancestor
 from .verify import interpreting, max_ancestors, tree_ancestors
 
 ACTIVATIONS = ("silu", "sigmoid")
-L2NORM_EPS = 1e-6  # vLLM's in-kernel q/k L2 norm
 
 __all__ = ["gdn_commit_triton", "gdn_step_triton", "slot_factor_width", "split_slot_factors"]
 
@@ -188,7 +188,7 @@ def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
 
 @triton.jit
 def _output_gate(z, ACT: tl.constexpr):
-    """The gated RMSNorm's output gate of the layer's activation (`GATE_ACTIVATIONS`)."""
+    """The gated RMSNorm's output gate of the layer's activation (`ACTIVATIONS`)."""
     if ACT == "silu":
         return z * tl.sigmoid(z)
     return tl.sigmoid(z)
@@ -467,8 +467,8 @@ def _gated_step_kernel(
 
     # the state, BK key columns at a time; PREFETCH chunks (state, q/k and pending key rows) are in flight ahead of
     # the one in use, loaded before the commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of
-    # tensor-core products per head, the [BK, 16] q/k chunk shared by the G heads. Else (G = 1, BK = one 16-byte
-    # vector per value row) each thread owns whole value rows, and every product with the state accumulates
+    # tensor-core products per head, the [BK, 16] q/k chunk shared by the G heads. Else (G = 1, BK columns
+    # per value row) each thread owns whole value rows, and every product with the state accumulates
     # elementwise into per-node [V, BK] partial sums (no reduction, no shuffle, no layout change inside the loop)
     if DO_VERIFY:
         if STATE_DOT:
@@ -682,8 +682,8 @@ def _gated_step_kernel(
 
 
 # Launch defaults: the fastest candidates measured correct on the H200 at H=16, HV=32, K=V=128, chain T=4. Until
-# 2026-12-01d (bench/results/2026-12-01/device/gated.json, tuned at B=1 and B=64; what T <= 2, trees of more than 8
-# nodes and 16-bit states outside 3-4 nodes still run): fp32 states: the tensor-core layout, block_k
+# 2026-12-01d (bench/results/2026-12-01/device/gated.json, tuned at B=1 and B=64; what T <= 2 and trees of more than
+# 8 nodes still run, and 16-bit states of 5-8 nodes at B > 8 apart from the epilogue): fp32 states: the tensor-core layout, block_k
 # 32, 8 warps, 2xTF32 (159.5 / 14.4 us at B=64 / 1, against tf32x3's 163.8 / 14.6). 16-bit states: the tensor-core
 # layout; few requests want 8 warps on one head's 64-column chunks (12.4 us at B=1; 32/4/1 with two heads: 20.2),
 # many want two value heads per program at 32/4/1 (128.5 us at B=64; one head 64/4/1: 141.0; 64/8/1: 189.4).
@@ -731,7 +731,7 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
                     max_nodes: int = 4) -> dict:
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
     static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape).
-    Measured choices: the comments above FP32_STATE_LAUNCH (for 3-8 nodes, bench/results/2026-12-01d)."""
+    Measured choices: the comments above FP32_STATE_LAUNCH (for 3-8 nodes, bench/results/2026-12-01d and -01e)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
@@ -943,7 +943,7 @@ def gdn_step_triton(
     columns every step (2T registers instead of 2T x BK); `late_node_terms`: gates, decays and Gram matrices
     computed after the state loop, so their [BT, BT] tiles are not live in it. `state_dot`: the products with the
     state on the tensor cores, [h k_0 .. h q_{T-1}] = h [V, BK] @ [k; q]^T per chunk (the state tile stays in the
-    load's coalesced layout for the commit and its stores; block_k >= 16; T <= 8). `split_state_tf32`: with
+    load's coalesced layout for the commit and its stores; block_k >= 16). `split_state_tf32`: with
     `state_dot`, an fp32 state and bf16/fp16 q/k, two tf32 passes (the state split into tf32 hi and lo parts, q/k
     exact) instead of tf32x3's three; relative error of each product 2^-22 (`_state_products`). `split_state_bf16`:
     the same with bf16 q/k, three bf16 passes (2^-27); for a bf16 state, one bf16 pass (exact products).

@@ -1,6 +1,7 @@
 """Per-node serial baseline for draft trees (what SGLang does): each node's state is computed from its parent's
 state by one gated delta rule step and written to that node's own scratch slot, so the tree costs one state write
-per node. The fair kernel to hold the fused tree verify against; the torch twin is `vllm_treewy.kernels.reference`.
+per node. The fair kernel to hold the fused tree verify against; the torch twin is
+`vllm_treewy.kernels.serial_tree`, the fp64 ground truth `vllm_treewy.kernels.reference`.
 """
 
 import torch
