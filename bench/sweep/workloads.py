@@ -9,7 +9,8 @@
 | summarize_heavy | synthetic | `summarize_heavy.jsonl` | `custom` | concurrency |
 | bursty | BurstGPT | `bursty.burstgpt.csv` (BurstGPT columns) | `burstgpt` | arrival rate (gamma) |
 
-Each file has the real data set's format, so a real file drops in by path (`Grid.dataset_paths`, README). Lengths
+Each file has the real data set's format, so a real file drops in by path (`params/bench.json`'s `dataset_path`,
+bench/sweep/README.md). Lengths
 are drawn from the grid's `LengthProfile` (the model's context bounds them); prompt text is cut from a token
 stream and decoded with the model's tokenizer, so a prompt of n tokens re-tokenizes to about n tokens.
 """

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from vllm_treewy.vllm_plugin import patch_points, register
-from vllm_treewy.vllm_plugin.patch_points import PATCH_POINTS, PatchPoint
+from vllm_treewy.vllm_plugin.patch_points import INTERNAL_ATTRIBUTES, PATCH_POINTS, InternalAttributes, PatchPoint
 
 
 @pytest.mark.parametrize("installed", [False, True], ids=["before register", "after register"])
@@ -20,6 +20,26 @@ def test_vllm_still_has_the_patch_point(point, installed):
     if installed:
         register()
     point.check()
+
+
+@pytest.mark.parametrize("attributes", INTERNAL_ATTRIBUTES, ids=str)
+def test_vllm_still_has_the_attributes_the_adapter_uses(attributes):
+    attributes.check()
+
+
+def test_a_renamed_attribute_or_a_changed_return_type_fails_the_check():
+    runner = INTERNAL_ATTRIBUTES[0]
+    with pytest.raises(AttributeError, match="num_accepted_token"):
+        dataclasses.replace(runner, names=("input_batch", "num_accepted_token")).check()
+    # a dataclass field, a buffer registered by name, a module global: each found where vLLM keeps it, else missing
+    for owner, name in (("MambaSpec", "shapes"), ("Attention", "_k_scale"), ("", "op_registry_oot")):
+        found = next(a for a in INTERNAL_ATTRIBUTES if a.owner == owner)
+        assert name in found.names and not found.missing()
+        assert dataclasses.replace(found, names=(name + "_moved",)).missing() == [name + "_moved"]
+    with pytest.raises(TypeError, match="return type"):
+        dataclasses.replace(patch_points.RUNNER_PREPARE_INPUTS, returns="tuple[Tensor, int").check()
+    with pytest.raises(ModuleNotFoundError):
+        InternalAttributes("vllm.v1.worker.no_such_module", "X", ("y",), "reads", "").check()
 
 
 def test_a_moved_or_resigned_point_fails_the_check():

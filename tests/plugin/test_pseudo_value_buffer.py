@@ -39,9 +39,9 @@ def _gdn_layer_stand_in():
 
 
 def _empty_buffer(fill=float("nan"), layout=LAYOUT) -> PseudoValueBuffer:
-    factors_shape, conv_shape, count_shape = layout.shapes()
+    factors_shape, conv_shape, _ = layout.shapes()
     return PseudoValueBuffer(torch.full((NUM_SLOTS, *factors_shape), fill), torch.full((NUM_SLOTS, *conv_shape), fill),
-                             torch.zeros(NUM_SLOTS, dtype=torch.int32), layout)
+                             layout)
 
 
 def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):

@@ -47,8 +47,8 @@ def gdn_slot_counts(runner, rows: torch.Tensor):
 
 
 def gdn_counts_and_block_tables(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(count state, the group's whole device block table) per KV-cache group of reconstruct GDN layers: column 0
-    of a batch row is its slot."""
+    """(count state, the group's whole device block table) per KV-cache group of GDN layers that keep slot counts
+    (reconstruct, store_all draft trees): column 0 of a batch row is its slot."""
     return [(counts, runner.input_batch.block_table[group_id].block_table.gpu)
             for group_id, counts in _counted_gdn_groups(runner)]
 

@@ -122,7 +122,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         return self.kv_cache[1]
 
     def pseudo_value_buffer(self) -> PseudoValueBuffer:
-        return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.verified_node_counts(), self.buffer_layout())
+        return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.buffer_layout())
 
     def verified_node_counts(self) -> torch.Tensor | None:
         """`[S]` the count state (the page's last state) alone: what the metadata builder and the runner update every

@@ -1,14 +1,18 @@
 """Every place where the adapter reaches into vLLM 0.32 internals, in one list.
 
-A plugin cannot reach these through a public API, so the adapter rebinds or wraps them at import (`replace`) or
-calls them (`resolve`). Each point names the parameters the adapter relies on; `tests/plugin/test_patch_points.py`
-fails if vLLM moves, renames or re-signs one of them, which is the signal to revisit the adapter.
+A plugin cannot reach these through a public API, so the adapter rebinds, wraps or overrides functions and methods
+(`PATCH_POINTS`: at import, `replace`, or called, `resolve`), and reads or sets attributes of vLLM's objects
+(`INTERNAL_ATTRIBUTES`). Each point names the parameters (and, where the adapter unpacks it, the return type) it
+relies on, each attribute entry the names; `tests/plugin/test_patch_points.py` fails if vLLM moves, renames or
+re-signs one of them, which is the signal to revisit the adapter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 
 
@@ -20,6 +24,7 @@ class PatchPoint:
     why: str
     parameters: tuple[str, ...] | None = None  # leading parameter names the adapter relies on (None: a class)
     only_on: str | None = None  # "cpu" or "cuda": the adapter touches it on that platform only (None: everywhere)
+    returns: str | None = None  # how the annotated return type starts, module paths left out (the adapter unpacks it)
 
     def _owner_and_name(self):
         owner = importlib.import_module(self.module)
@@ -63,12 +68,65 @@ class PatchPoint:
             if not inspect.isclass(target):
                 raise TypeError(f"{self}: expected a class, found {target!r}")
             return
-        found = tuple(inspect.signature(target).parameters)[: len(self.parameters)]
+        signature = inspect.signature(target)
+        found = tuple(signature.parameters)[: len(self.parameters)]
         if found != self.parameters:
             raise TypeError(f"{self}: expected parameters {self.parameters}, vLLM has {found}")
+        if self.returns is not None:
+            annotation = signature.return_annotation
+            text = _unqualified(annotation if isinstance(annotation, str) else inspect.formatannotation(annotation))
+            if not text.startswith(self.returns):
+                raise TypeError(f"{self}: expected a return type starting {self.returns!r}, vLLM has {text!r}")
 
     def __str__(self) -> str:
         return f"{self.module}.{self.attribute}"
+
+
+def _unqualified(annotation: str) -> str:
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_])", "", annotation)
+
+
+@dataclass(frozen=True)
+class InternalAttributes:
+    """Attributes of one kind of vLLM object that the adapter reads or sets: fields of a dataclass, class attributes
+    (methods, properties), or attributes vLLM assigns (`.name =`, or a buffer registered as "name") in the owner's
+    module, its vLLM base classes or the module `assigned_in`."""
+
+    module: str
+    owner: str  # a class below the module ("": the module's globals)
+    names: tuple[str, ...]
+    how: str  # "reads", "sets", "reads and sets"
+    why: str
+    assigned_in: str | None = None  # a module that sets them on the owner's objects (e.g. a backend on a layer)
+
+    def _owner(self):
+        owner = importlib.import_module(self.module)
+        for part in filter(None, self.owner.split(".")):
+            owner = getattr(owner, part)
+        return owner
+
+    def missing(self) -> list[str]:
+        owner = self._owner()
+        fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
+        bases = owner.__mro__ if inspect.isclass(owner) else ()
+        sources = [inspect.getsource(c) for c in bases[1:] if c.__module__.startswith("vllm")]
+        for module in (self.module, self.assigned_in):
+            if module is not None:
+                sources.append(inspect.getsource(importlib.import_module(module)))
+        source = "\n".join(sources)
+
+        def assigned(name):
+            return re.search(rf"\.{name}\b\s*(:[^=\n]+)?=(?!=)|[\"']{name}[\"']", source) is not None
+
+        return [n for n in self.names if not (n in fields or hasattr(owner, n) or assigned(n))]
+
+    def check(self) -> None:
+        missing = self.missing()
+        if missing:
+            raise AttributeError(f"{self}: vLLM 0.32's {self.owner} no longer has {missing}")
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.owner}"
 
 
 _SPEC = "vllm.config.speculative"
@@ -106,6 +164,17 @@ GDN_RMS_NORM_GATED = PatchPoint(
     "the gated RMSNorm of a mixed batch's prefill tokens, as vLLM's fused-norm path applies it",
     ("self", "x", "output_gate", "out"),
 )
+_MAMBA_BASE = "vllm.model_executor.layers.mamba.abstract"
+MAMBA_KV_CACHE_SPEC = PatchPoint(
+    _MAMBA_BASE, "MambaBase.get_kv_cache_spec", "overrides",
+    "the GDN layer's page grows by the pseudo-value buffer (reconstruct: no block per draft position)",
+    ("self", "vllm_config"),
+)
+MAMBA_BIND_KV_CACHE = PatchPoint(
+    _MAMBA_BASE, "MambaBase.bind_kv_cache", "overrides",
+    "views of the page's extra states after vLLM's conv and SSM states, from the raw [B, 1, 1, C] page",
+    ("self", "kv_cache"),
+)
 GDN_FORWARD_CORE = PatchPoint(
     _GDN_LAYER, "QwenGatedDeltaNetAttention._forward_core", "overrides",
     "vLLM's unfused GDN op calls it: refuse speculative tokens there under reconstruct; the prefills of a mixed "
@@ -127,12 +196,13 @@ RUNNER_PREPARE_INPUTS = PatchPoint(
     _RUNNER, "GPUModelRunner._prepare_inputs", "wraps",
     "draft trees: find the tree rows from the step's draft counts (num_decode_draft_tokens, query_start_loc, "
     "num_computed_tokens) and give their tokens depth-based positions after vLLM's slot mapping",
-    ("self", "scheduler_output", "num_scheduled_tokens"),
+    ("self", "scheduler_output", "num_scheduled_tokens"), returns="tuple[Tensor, SpecDecodeMetadata | None",
 )
 RUNNER_BUILD_ATTENTION_METADATA = PatchPoint(
     _RUNNER, "GPUModelRunner._build_attention_metadata", "wraps",
     "draft trees: the step's tree rows ride on its CPU or TRITON_ATTN attention metadata (and the TRITON_ATTN "
     "layers' caches are recorded for the compaction)", ("self", "num_tokens", "num_reqs"),
+    returns="tuple[list[dict[str, AttentionMetadata]] | dict[str, AttentionMetadata], CommonAttentionMetadata | None]",
 )
 RUNNER_AFTER_SAMPLING = PatchPoint(
     _RUNNER, "GPUModelRunner._update_states_after_model_execute", "wraps",
@@ -155,7 +225,8 @@ RUNNER_DETERMINE_BATCH_EXECUTION = PatchPoint(
     "reconstruct: a batch that looks like a uniform decode (every request 1 + drafts tokens) but holds a prompt chunk "
     "is not replayed in a FULL CUDA graph (force_uniform_decode=False), whose GDN buffers hold the previous step's "
     "slots (and whose attention took a tree's bias at capture)",
-    ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"), only_on="cuda",
+    ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens", "use_cascade_attn",
+     "allow_microbatching", "force_eager", "force_uniform_decode"), only_on="cuda",
 )
 RUNNER_INITIALIZE_METADATA_BUILDERS = PatchPoint(
     _RUNNER, "GPUModelRunner.initialize_metadata_builders", "wraps",
@@ -209,6 +280,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     GDN_FORWARD_CORE_FUSED_NORM,
     GDN_RMS_NORM_GATED,
     GDN_FORWARD_CORE,
+    MAMBA_KV_CACHE_SPEC,
+    MAMBA_BIND_KV_CACHE,
     CPU_GDN_SPEC_FORWARD,
     CPU_SSM_STATE_VIEW,
     CPU_UNPACKED_CONV_WEIGHT,
@@ -224,4 +297,99 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
     *MODEL_STATE_SHAPES,
     *MODEL_STATE_DTYPES,
+)
+
+_ATTN_LAYER = "vllm.model_executor.layers.attention.attention"
+INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
+    InternalAttributes(
+        _RUNNER, "GPUModelRunner",
+        ("input_batch", "num_accepted_tokens", "num_decode_draft_tokens", "positions", "query_start_loc",
+         "kv_cache_config", "compilation_config", "speculative_config", "uniform_decode_query_len", "device"),
+        "reads; sets positions",
+        "the step's draft counts, accepted counts and positions (device and numpy buffers), the KV-cache groups and "
+        "the layers (accepted_counts, tree_runner, full_graph_batches)",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu_input_batch", "InputBatch",
+        ("block_table", "num_reqs", "num_computed_tokens_cpu", "sampling_metadata"), "reads",
+        "the GDN groups' slots (block table column 0), the tree rows' committed lengths, greedy sampling",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.block_table", "MultiGroupBlockTable", ("__getitem__",), "reads", "one block table per group",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.block_table", "BlockTable", ("block_table", "get_device_tensor"), "reads",
+        "a group's device block table, whole (captured graphs read it in place) or for the batch's rows",
+    ),
+    InternalAttributes(
+        "vllm.v1.utils", "CpuGpuBuffer", ("gpu", "np"), "reads", "the runner's buffers on either side",
+    ),
+    InternalAttributes(
+        _GDN_LAYER, "QwenGatedDeltaNetAttention",
+        ("kv_cache", "enable_fused_gdn_spec_decode", "prefix", "model_config", "speculative_config", "tp_size",
+         "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "gqa_interleaved_layout", "norm", "conv1d",
+         "A_log", "dt_bias", "activation", "layer_norm_epsilon", "get_state_shape", "get_state_dtype"),
+        "reads; sets enable_fused_gdn_spec_decode and kv_cache",
+        "the layer's shapes, weights and states for the fused step; enable_fused_gdn_spec_decode sends speculative "
+        "batches to the fused-norm path that reconstruct overrides (vLLM decides it in __init__)",
+    ),
+    InternalAttributes(
+        _GDN_BUILDER, "GDNAttentionMetadata",
+        ("num_prefills", "num_decodes", "num_spec_decodes", "num_spec_decode_tokens", "num_actual_tokens",
+         "spec_query_start_loc", "spec_state_indices_tensor", "non_spec_state_indices_tensor", "spec_sequence_masks",
+         "spec_sequence_masks_cpu", "spec_token_indx", "non_spec_token_indx", "num_accepted_tokens"),
+        "reads and sets (a copy without the speculative rows for a mixed batch's prefills)",
+        "the speculative rows' slots and tokens; the metadata of a mixed batch's rest (step_metadata.rest_metadata)",
+    ),
+    InternalAttributes(
+        _GDN_BUILDER, "GDNAttentionMetadataBuilder", ("num_accepted_tokens", "layer_names", "vllm_config"), "reads",
+        "the builder's accepted-count buffer (its shape for the commit nodes) and its group's first layer",
+    ),
+    InternalAttributes(
+        "vllm.v1.kv_cache_interface", "MambaSpec",
+        ("shapes", "dtypes", "num_speculative_blocks", "block_size", "max_memory_usage_bytes"), "reads and replaces",
+        "the GDN page's states (the buffer appended) and its blocks per request",
+    ),
+    InternalAttributes(
+        "vllm.v1.kv_cache_interface", "KVCacheConfig", ("kv_cache_groups", "num_blocks"), "reads",
+        "the GDN groups and the KV report",
+    ),
+    InternalAttributes(
+        "vllm.v1.kv_cache_interface", "KVCacheGroupSpec", ("layer_names", "kv_cache_spec"), "reads",
+        "which layers a GDN group holds",
+    ),
+    InternalAttributes(
+        "vllm.v1.core.sched.output", "SchedulerOutput",
+        ("num_scheduled_tokens", "scheduled_spec_decode_tokens", "total_num_scheduled_tokens"), "reads and sets",
+        "draft trees: a request whose whole tree does not fit the step's budget keeps no drafts (tree_budget)",
+    ),
+    InternalAttributes(
+        "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl",
+        ("scale", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks", "is_fp8_kv_cache", "kv_cache_dtype",
+         "attn_type"), "reads", "draft trees on CPU: the layer's attention settings, refused where tree rows lack them",
+    ),
+    InternalAttributes(
+        "vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata", ("seq_lens", "max_seq_len", "block_table"),
+        "reads", "draft trees on CPU: the tree rows' committed lengths and blocks",
+    ),
+    InternalAttributes(
+        _TRITON_ATTN, "TritonAttentionImpl",
+        ("scale", "head_size", "sliding_window", "chunk_lookback", "logits_soft_cap", "alibi_slopes", "sinks",
+         "kv_cache_dtype", "attn_type"), "reads",
+        "draft trees on CUDA: the settings the tree rows' launch passes on, refused where the tree bias is wrong",
+    ),
+    InternalAttributes(
+        _TRITON_ATTN, "TritonAttentionMetadata", ("seq_lens", "max_seq_len", "block_table"), "reads and sets",
+        "draft trees on CUDA: the tree rows' launch; the tree bias and step ride on it",
+    ),
+    InternalAttributes(
+        _ATTN_LAYER, "Attention", ("kv_cache", "_k_scale", "isa"), "reads",
+        "draft trees: the layer's paged cache, its KV descale (a buffer vLLM registers as \"_k_scale\") for the tree "
+        "rows' own launch, and the CPU cache packing (`isa`, which vLLM's CPU builder sets on the layer)",
+        assigned_in="vllm.v1.attention.backends.cpu_attn",
+    ),
+    InternalAttributes(
+        "vllm.model_executor.custom_op", "", ("op_registry_oot", "PluggableLayer"), "reads",
+        "the GDN layer class replaces vLLM's through PluggableLayer.register_oot, once (the registry says whether)",
+    ),
 )

@@ -4,8 +4,9 @@ Under reconstruct a step verifies each request's draft nodes from its one commit
 factors of the rank-one updates (raw key per value head, its inverse norm, pseudo-value, log decay; fp32, as the
 recurrence used them) and the node's pre-conv input (conv state dtype) into the request's state slot. The next step
 commits the accepted node from there before it verifies (`vllm_treewy.kernels.triton.gdn_step_triton`,
-`conv_step_triton`). A third, one-integer state counts the slot's verified, uncommitted nodes (0: nothing pending);
-the GDN metadata builder keeps it per step (`step_metadata`).
+`conv_step_triton`). A third, one-integer state is the slot's count: between a step's metadata build and its
+sampling, the verified, uncommitted nodes (0: nothing pending); after sampling, 1 + the accepted node's index, which
+the next step's commit reads (`step_metadata`, `accepted_counts`).
 
 The buffer is three more states on the GDN layer's MambaSpec page, after vLLM's conv and SSM states: vLLM allocates
 it with the KV cache, counts it in its KV-cache report and max concurrency, and frees or reuses it with the slot.
@@ -69,11 +70,11 @@ class BufferLayout:
 
 @dataclass(frozen=True)
 class PseudoValueBuffer:
-    """Views of one layer's buffer: factors `[S, T, F]`, conv inputs `[S, T, conv_dim]`, verified-node counts `[S]`."""
+    """Views of one layer's buffer: factors `[S, T, F]`, conv inputs `[S, T, conv_dim]` (the count state is read
+    through `verified_node_counts` of the layer)."""
 
     factors: torch.Tensor
     conv_inputs: torch.Tensor
-    verified_nodes: torch.Tensor
     layout: BufferLayout
 
     def write_factors(self, slots, nodes, keys, key_scales, pseudo_values, log_decays) -> None:

@@ -263,7 +263,7 @@ def check_triton_tree_support(impl) -> None:
     reasons = []
     if is_quantized_kv_cache(impl.kv_cache_dtype):
         reasons.append(f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
-    if tuple(impl.sliding_window) != (-1, -1) or getattr(impl, "chunk_lookback", -1) != -1:
+    if tuple(impl.sliding_window) != (-1, -1) or impl.chunk_lookback != -1:
         reasons.append("a sliding window or chunked attention")
     if impl.alibi_slopes is not None:
         reasons.append("ALiBi")
