@@ -5,8 +5,11 @@ vLLM's scheduler cuts a request's drafts to what the step's token budget (or max
 chain is a shorter chain. The tree runner verifies one static shape, so before the scheduler commits a step
 (`_update_after_schedule`, which advances num_computed_tokens by what the step schedules), every request scheduled
 with 0 < drafts < N keeps only its one decode token and no drafts. Each such fallback counts in the Prometheus
-counter `vllm:treewy_tree_fallbacks` (`LLM.get_metrics()` lists it once it counted one): since the engine started, as
-vLLM's own counters (vLLM unregisters every "vllm:" collector when an engine starts).
+counter `vllm:treewy_tree_fallbacks`, since the engine started, as vLLM's own counters (vLLM unregisters every
+"vllm:" collector when an engine starts). The counter lives in the scheduler's process: with the engine core in
+process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) `LLM.get_metrics()` lists it once it counted one; in vLLM's default
+multiprocess mode it stays in the engine-core process, which neither `get_metrics()` nor `vllm serve`'s `/metrics`
+reads (vLLM's own counters travel to the front end in its SchedulerStats, which have no field for it).
 """
 
 from __future__ import annotations
