@@ -388,6 +388,14 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         "rows' own launch, and the CPU cache packing (`isa`, which vLLM's CPU builder sets on the layer)",
         assigned_in="vllm.v1.attention.backends.cpu_attn",
     ),
+    # the equivalence harness's KV report (in-process engines): llm.llm_engine.engine_core.engine_core.scheduler
+    InternalAttributes("vllm.v1.engine.llm_engine", "LLMEngine", ("engine_core", "vllm_config"), "reads",
+                       "the KV report: the in-process engine core client"),
+    InternalAttributes("vllm.v1.engine.core_client", "InprocClient", ("engine_core",), "reads",
+                       "the KV report: the engine core in this process"),
+    InternalAttributes("vllm.v1.engine.core", "EngineCore", ("scheduler",), "reads", "the KV report: its scheduler"),
+    InternalAttributes("vllm.v1.core.sched.scheduler", "Scheduler", ("kv_cache_config", "vllm_config"), "reads",
+                       "the KV report's blocks and pages; draft trees: the speculative config in the schedule hook"),
     InternalAttributes(
         "vllm.model_executor.custom_op", "", ("op_registry_oot", "PluggableLayer"), "reads",
         "the GDN layer class replaces vLLM's through PluggableLayer.register_oot, once (the registry says whether)",
