@@ -459,7 +459,7 @@ def test_the_cpu_layer_wrapper_refuses_what_tree_attention_leaves_out():
                                            kv_cache_dtype="auto", **features)
 
     impl = cpu_layer(alibi_slopes=[0.5, 0.25], logits_soft_cap=30.0, sinks=torch.zeros(2))
-    with pytest.raises(NotImplementedError, match="soft cap, ALiBi, attention sinks"):
+    with pytest.raises(NotImplementedError, match="soft cap, attention sinks, ALiBi"):
         tree_runner.check_cpu_tree_support(impl)
     forward = tree_runner._attending_tree_rows(lambda self, layer, q, k, v, cache, metadata, output: output)
     tree_step = SimpleNamespace(**{tree_runner.TREE_STEP: object()})

@@ -365,8 +365,8 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     ),
     InternalAttributes(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl",
-        ("scale", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks", "is_fp8_kv_cache", "kv_cache_dtype",
-         "attn_type"), "reads", "draft trees on CPU: the layer's attention settings, refused where tree rows lack them",
+        ("scale", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks", "kv_cache_dtype", "attn_type"),
+        "reads", "draft trees on CPU: the layer's attention settings, refused where tree rows lack them",
     ),
     InternalAttributes(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata", ("seq_lens", "max_seq_len", "block_table"),

@@ -195,24 +195,29 @@ def _handing_tree_step_to_attention(original):
     return build_attention_metadata
 
 
-def check_cpu_tree_support(impl) -> None:
-    """What the CPU tree rows' attention (`tree_attention_cpu.tree_attention`, fp32 from the unquantized cache, a
-    scaled softmax with a sliding window) leaves out of vLLM's CPU layer: refused, not dropped."""
+def _refuse_unsupported(impl, backend: str, reasons: list[str]) -> None:
+    """Raises with the backend's own `reasons` and the ones both tree backends share: quantized KV caches (other
+    loads), ALiBi (positions, not depths), other than decoder attention."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
     from vllm.v1.attention.backend import AttentionType
 
-    reasons = []
-    if impl.is_fp8_kv_cache:
-        reasons.append(f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
-    if impl.logits_soft_cap:
-        reasons.append("a logits soft cap")
+    if is_quantized_kv_cache(impl.kv_cache_dtype):
+        reasons.insert(0, f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
     if impl.alibi_slopes is not None:
         reasons.append("ALiBi")
-    if impl.sinks is not None:
-        reasons.append("attention sinks")
     if impl.attn_type != AttentionType.DECODER:
         reasons.append(f"attention type {impl.attn_type}")
     if reasons:
-        raise NotImplementedError("draft_tree_widths on vLLM's CPU backend: not supported with " + ", ".join(reasons))
+        raise NotImplementedError(f"draft_tree_widths {backend}: not supported with " + ", ".join(reasons))
+
+
+def check_cpu_tree_support(impl) -> None:
+    """What the CPU tree rows' attention (`tree_attention_cpu.tree_attention`, fp32 from the unquantized cache, a
+    scaled softmax with a sliding window) leaves out of vLLM's CPU layer: refused, not dropped."""
+    reasons = ["a logits soft cap"] if impl.logits_soft_cap else []
+    if impl.sinks is not None:
+        reasons.append("attention sinks")
+    _refuse_unsupported(impl, "on vLLM's CPU backend", reasons)
 
 
 def _attending_tree_rows(original):
@@ -257,20 +262,8 @@ def _passing_qq_bias(original):
 def check_triton_tree_support(impl) -> None:
     """What the tree bias leaves right: positions enter vLLM's kernel only through sliding windows, ALiBi and
     chunked attention (block index there, not depth), and quantized caches take other loads; all refused."""
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-    from vllm.v1.attention.backend import AttentionType
-
-    reasons = []
-    if is_quantized_kv_cache(impl.kv_cache_dtype):
-        reasons.append(f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
-    if tuple(impl.sliding_window) != (-1, -1) or impl.chunk_lookback != -1:
-        reasons.append("a sliding window or chunked attention")
-    if impl.alibi_slopes is not None:
-        reasons.append("ALiBi")
-    if impl.attn_type != AttentionType.DECODER:
-        reasons.append(f"attention type {impl.attn_type}")
-    if reasons:
-        raise NotImplementedError("draft_tree_widths with TRITON_ATTN: not supported with " + ", ".join(reasons))
+    sliding = tuple(impl.sliding_window) != (-1, -1) or impl.chunk_lookback != -1
+    _refuse_unsupported(impl, "with TRITON_ATTN", ["a sliding window or chunked attention"] if sliding else [])
 
 
 def _attending_tree_rows_triton(original):
