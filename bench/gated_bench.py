@@ -30,9 +30,9 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from kernels import copy_bandwidth, device_facts, graph_time_us, measure_tree  # noqa: E402
+# as a package module, never a top-level `kernels` (tests import this file; tests/kernels is a package of that name)
+from bench.kernels import copy_bandwidth, device_facts, graph_time_us, measure_tree  # noqa: E402
 
 from vllm_treewy.kernels.reference import reference_gated_tree  # noqa: E402
 from vllm_treewy.kernels.triton import (  # noqa: E402

@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from kernels import STATE_DTYPES, Case, graph_time_us  # noqa: E402
+from bench.kernels import STATE_DTYPES, Case, graph_time_us  # noqa: E402
 
 from vllm_treewy.tree import DraftTree  # noqa: E402
 

@@ -1,5 +1,6 @@
 """`vllm serve` with reconstruct-on-commit: the OpenAI-compatible server answers completions and chat
-completions on the fixture model and exposes vLLM's spec-decode metrics; a bad config stops it at start-up.
+completions on the fixture model, its greedy completions are tie-aware equivalent to the no-speculation engine's,
+and it exposes vLLM's spec-decode metrics; a bad config stops it at start-up.
 
 The server is a real `vllm serve` subprocess (front end plus a separate engine core process, so the plugin is
 loaded and the config unpickled the way a deployment does it), on 127.0.0.1 only, in its own process group,
@@ -36,6 +37,9 @@ LOG_TAIL_CHARS = 6000
 COMPLETION_PROMPT = "Beautiful is better than ugly."
 CHAT_MESSAGE = "Simple is better than complex."
 RECONSTRUCT_K3 = {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"}
+# One completions request of this many fixture prompts (as token ids), judged against the no-speculation engine.
+SERVED_PROMPTS = 8
+SERVED_TOKENS = 24
 
 
 def free_port() -> int:
@@ -144,6 +148,11 @@ def metric_total(metrics_text: str, name: str) -> float | None:
 
 
 def test_serve_reconstruct_answers_and_reports_spec_decode(fixture_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from vllm_treewy.fixture import fixture_prompts
+
+    prompts = fixture_prompts(AutoTokenizer.from_pretrained(fixture_model), SERVED_PROMPTS)
     port = free_port()
     base_url = f"http://{HOST}:{port}"
     log_path = tmp_path / "vllm-serve.log"
@@ -172,6 +181,14 @@ def test_serve_reconstruct_answers_and_reports_spec_decode(fixture_model, tmp_pa
         assert chat["choices"][0]["message"]["content"], chat
         assert chat["usage"]["completion_tokens"] > 0, chat
 
+        # Several prompts in one request: the engine batches them, prefills beside speculative decodes.
+        batch = post(
+            "/v1/completions",
+            {"model": fixture_model, "prompt": prompts, "max_tokens": SERVED_TOKENS, "temperature": 0,
+             "ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        served = [choice["token_ids"] for choice in sorted(batch["choices"], key=lambda c: c["index"])]
+
         # The counters are updated as the engine core's stats reach the front end: poll briefly.
         deadline = time.monotonic() + METRICS_TIMEOUT_S
         while True:
@@ -188,6 +205,15 @@ def test_serve_reconstruct_answers_and_reports_spec_decode(fixture_model, tmp_pa
         # The fixture's MTP head drafts the target's bigram: most drafts are accepted.
         assert accepted > 0, f"no draft accepted:\n{spec_lines}"
         assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"
+
+    # After the server is gone: the in-process no-speculation engine re-scores any divergence (raw logits).
+    from vllm_treewy.fixture.exact import ExactModel
+    from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, generate_greedy
+
+    with engine(fixture_model, logprobs_mode="raw_logits") as reference:
+        expected = generate_greedy(reference, prompts, [SERVED_TOKENS] * len(prompts))
+        verdict = compare_tie_aware(reference, prompts, expected, served, ExactModel(fixture_model).next_token_logits)
+    assert verdict.num_tokens_compared == SERVED_PROMPTS * SERVED_TOKENS and verdict.passed, verdict.summary()
 
 
 def test_serve_bad_config_fails_at_startup(fixture_model, tmp_path):
