@@ -186,9 +186,9 @@ def main(argv=None) -> int:
           f"reconstruct at its bound) {report['ratio_ceiling']:.3f}; {report['target_ratio']}x needs reconstruct at "
           f"{100 * report['matrix_rate_share_for_target']:.0f}% of {args.matrix_flops_per_s / 1e12:.0f} TFLOP/s "
           "over its whole run")
-    print(f"reconstruct's GDN step ~{report['reconstruct_gdn_step_s_estimate']:.1f} s ({args.fused_step_over_bound}x its "
-          f"state bound); the ratio with that step at its bound {report['ratio_with_gdn_step_at_bound']:.3f}, "
-          f"with it free {report['ratio_with_gdn_step_free']:.3f}")
+    print(f"reconstruct's GDN step ~{report['reconstruct_gdn_step_s_estimate']:.1f} s "
+          f"({args.fused_step_over_bound}x its state bound); the ratio with that step at its bound "
+          f"{report['ratio_with_gdn_step_at_bound']:.3f}, with it free {report['ratio_with_gdn_step_free']:.3f}")
     print(f"matrices weight-bound below ~{report['weight_bound_below_requests']:.0f} running requests; max concurrency "
           + ", ".join(f"{s} {c:.0f}" for s, c in report["max_concurrency"].items()))
     return 0

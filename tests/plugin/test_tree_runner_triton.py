@@ -1,9 +1,10 @@
 """The runner wiring of draft trees for vLLM's TRITON_ATTN backend (`tree_runner`), on this CPU machine.
 
 vLLM's own `TritonAttentionImpl.forward` runs under our wrapper, with vLLM's kernel under the Triton interpreter
-standing in for the compiled one (`vllm_interpreted.interpreted_unified_attention`) behind the module global that forward launches: for a
-batch the step covers (tree rows and one-token decodes), the bias rides into vLLM's launch; for a mixed batch the
-tree rows are recomputed after it. Both against the fp64 reference of `test_tree_attention_triton`.
+standing in for the compiled one (`vllm_interpreted.interpreted_unified_attention`) behind the module global that
+forward launches: for a batch the step covers (tree rows and one-token decodes), the bias rides into vLLM's launch;
+for a mixed batch the tree rows are recomputed after it. Both against the fp64 reference of
+`test_tree_attention_triton`.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class InternalAttributes:
             raise AttributeError(f"{self}: vLLM 0.32's {self.owner} no longer has {missing}")
 
     def __str__(self) -> str:
-        return f"{self.module}.{self.owner}"
+        return f"{self.module}.{self.owner}" if self.owner else self.module
 
 
 _SPEC = "vllm.config.speculative"

@@ -21,7 +21,8 @@ slower than one head for fp32 states, 2026-12-01). Two layouts (launch option `s
   measured 1-2e-7 on u and the committed state at K=128 against fp64), or with `split_state_tf32` two tf32 passes
   (2xTF32: the state's hi and lo parts against the raw bf16 q/k, which are exact in tf32; the fp32 default since
   2026-12-01), or with `split_state_bf16` bf16 passes (an fp32 state in three bf16 pieces: 160.0 vs 2xTF32's 159.5
-  us at B=64, 2026-12-01; a bf16 state in one, exact: the 16-bit-state default for 3-4 nodes); `_state_products`. The [BK, 16] q/k chunks are prefetched with the state chunks.
+  us at B=64, 2026-12-01; a bf16 state in one, exact: the 16-bit-state default for 3-4 nodes); `_state_products`.
+  The [BK, 16] q/k chunks are prefetched with the state chunks.
 - one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
   per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
@@ -683,10 +684,11 @@ def _gated_step_kernel(
 
 # Launch defaults: the fastest candidates measured correct on the H200 at H=16, HV=32, K=V=128, chain T=4. Until
 # 2026-12-01d (bench/results/2026-12-01/device/gated.json, tuned at B=1 and B=64; what T <= 2 and trees of more than
-# 8 nodes still run, and 16-bit states of 5-8 nodes at B > 8 apart from the epilogue): fp32 states: the tensor-core layout, block_k
-# 32, 8 warps, 2xTF32 (159.5 / 14.4 us at B=64 / 1, against tf32x3's 163.8 / 14.6). 16-bit states: the tensor-core
-# layout; few requests want 8 warps on one head's 64-column chunks (12.4 us at B=1; 32/4/1 with two heads: 20.2),
-# many want two value heads per program at 32/4/1 (128.5 us at B=64; one head 64/4/1: 141.0; 64/8/1: 189.4).
+# 8 nodes still run, and 16-bit states of 5-8 nodes at B > 8 apart from the epilogue): fp32 states: the
+# tensor-core layout, block_k 32, 8 warps, 2xTF32 (159.5 / 14.4 us at B=64 / 1, against tf32x3's 163.8 / 14.6).
+# 16-bit states: the tensor-core layout; few requests want 8 warps on one head's 64-column chunks (12.4 us at B=1;
+# 32/4/1 with two heads: 20.2), many want two value heads per program at 32/4/1 (128.5 us at B=64; one head 64/4/1:
+# 141.0; 64/8/1: 189.4).
 # Between B=1 and B=64 the crossover is not measured; SMALL_BATCH puts B=8 with B=1. fp32 states with 5-8 nodes
 # (T=8 measured, `results/2026-12-01b/device/gated.json`) and many requests took two value heads per program at
 # 16/8/1 (593.4 us at B=64 against 677.8 for one head at 32/8/1; at B=1 one head stayed, 42.8 against 72.4).
