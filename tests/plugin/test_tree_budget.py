@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import prometheus_client
 
-from vllm_treewy.vllm_plugin.tree_budget import FALLBACK_METRIC, count_fallbacks, drop_partial_trees
+from vllm_treewy.vllm_plugin.tree_budget import FALLBACK_METRIC, count_fallbacks, drop_partial_trees, log_fallbacks
 
 
 def test_partial_trees_keep_only_their_decode_token():
@@ -23,3 +23,13 @@ def test_fallbacks_are_counted_in_the_registry():
     before = prometheus_client.REGISTRY.get_sample_value(f"{FALLBACK_METRIC}_total") or 0.0
     count_fallbacks(2)
     assert prometheus_client.REGISTRY.get_sample_value(f"{FALLBACK_METRIC}_total") == before + 2
+
+
+def test_fallbacks_are_logged_once_per_stats_interval(monkeypatch):
+    import vllm.envs as envs
+
+    monkeypatch.setattr(envs, "VLLM_LOG_STATS_INTERVAL", 10.0, raising=False)
+    scheduler = SimpleNamespace()
+    assert log_fallbacks(scheduler, 2, now=100.0)  # the first one logs at once
+    assert not log_fallbacks(scheduler, 3, now=105.0) and scheduler.treewy_unlogged_tree_fallbacks == 3
+    assert log_fallbacks(scheduler, 1, now=110.0) and scheduler.treewy_unlogged_tree_fallbacks == 0

@@ -9,12 +9,15 @@ counter `vllm:treewy_tree_fallbacks`, since the engine started, as vLLM's own co
 "vllm:" collector when an engine starts). The counter lives in the scheduler's process: with the engine core in
 process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) `LLM.get_metrics()` lists it once it counted one; in vLLM's default
 multiprocess mode it stays in the engine-core process, which neither `get_metrics()` nor `vllm serve`'s `/metrics`
-reads (vLLM's own counters travel to the front end in its SchedulerStats, which have no field for it).
+reads (vLLM's own counters travel to the front end in its SchedulerStats, which have no field for it). So the
+scheduler also logs the fallbacks, at most once per vLLM stats interval (`VLLM_LOG_STATS_INTERVAL`), in every mode.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import time
 
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import SCHEDULER_UPDATE_AFTER_SCHEDULE
@@ -33,6 +36,24 @@ def count_fallbacks(num_requests: int) -> None:
             FALLBACK_METRIC, "Requests whose whole draft tree did not fit a step's token budget, so that they decoded "
             "without speculation that step")
     _fallback_counter.inc(num_requests)
+
+
+def log_fallbacks(scheduler, num_requests: int, now: float | None = None) -> bool:
+    """Adds to the scheduler's fallbacks not yet logged; logs them when vLLM's stats interval has passed since the
+    last line (the scheduler object keeps both across steps). Returns whether it logged."""
+    import vllm.envs as envs
+    from vllm.logger import init_logger
+
+    now = time.monotonic() if now is None else now
+    pending = getattr(scheduler, "treewy_unlogged_tree_fallbacks", 0) + num_requests
+    logged = now - getattr(scheduler, "treewy_tree_fallbacks_logged_at", -math.inf) >= envs.VLLM_LOG_STATS_INTERVAL
+    if logged:
+        init_logger(__name__).info(
+            "Draft trees: %d request steps without speculation since the last report (the whole tree did not fit the "
+            "step's token budget; %s)", pending, FALLBACK_METRIC)
+        scheduler.treewy_tree_fallbacks_logged_at, pending = now, 0
+    scheduler.treewy_unlogged_tree_fallbacks = pending
+    return logged
 
 
 def drop_partial_trees(scheduler_output, num_nodes: int) -> list[str]:
@@ -54,6 +75,7 @@ def _whole_trees_only(original):
             fallbacks = drop_partial_trees(scheduler_output, tree.num_nodes)
             if fallbacks:
                 count_fallbacks(len(fallbacks))
+                log_fallbacks(self, len(fallbacks))
         return original(self, scheduler_output)
 
     return update_after_schedule
