@@ -19,8 +19,13 @@ import functools
 import math
 import time
 
+import vllm.envs as envs
+from vllm.logger import init_logger
+
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import SCHEDULER_UPDATE_AFTER_SCHEDULE
+
+logger = init_logger(__name__)
 
 FALLBACK_METRIC = "vllm:treewy_tree_fallbacks"
 _fallback_counter = None  # the counter registered now (a registry holds one collector per name)
@@ -41,14 +46,11 @@ def count_fallbacks(num_requests: int) -> None:
 def log_fallbacks(scheduler, num_requests: int, now: float | None = None) -> bool:
     """Adds to the scheduler's fallbacks not yet logged; logs them when vLLM's stats interval has passed since the
     last line (the scheduler object keeps both across steps). Returns whether it logged."""
-    import vllm.envs as envs
-    from vllm.logger import init_logger
-
     now = time.monotonic() if now is None else now
     pending = getattr(scheduler, "treewy_unlogged_tree_fallbacks", 0) + num_requests
     logged = now - getattr(scheduler, "treewy_tree_fallbacks_logged_at", -math.inf) >= envs.VLLM_LOG_STATS_INTERVAL
     if logged:
-        init_logger(__name__).info(
+        logger.info(
             "Draft trees: %d request steps without speculation since the last report (the whole tree did not fit the "
             "step's token budget; %s)", pending, FALLBACK_METRIC)
         scheduler.treewy_tree_fallbacks_logged_at, pending = now, 0
