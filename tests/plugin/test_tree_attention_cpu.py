@@ -305,13 +305,13 @@ def vllm_cpu_attention():
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-    def make(num_heads, head_size, num_kv_heads, sliding_window, dtype):
+    def make(num_heads, head_size, num_kv_heads, sliding_window, dtype, alibi_slopes=None, **features):
         # The impl reads the model dtype (zentorch dispatch) and the context-parallel size from the current config.
         config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype),
                                        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1))
         with set_current_vllm_config(config):
-            return CPUAttentionBackendImpl(num_heads, head_size, head_size**-0.5, num_kv_heads, None,
-                                           None if sliding_window < 0 else sliding_window, "auto")
+            return CPUAttentionBackendImpl(num_heads, head_size, head_size**-0.5, num_kv_heads, alibi_slopes,
+                                           None if sliding_window < 0 else sliding_window, "auto", **features)
 
     return make
 
@@ -441,30 +441,28 @@ def test_unsupported_features_are_refused():
         tree_attention(batch.query, *split_kv_cache(fp8), isa="vec", **common)
 
 
-def test_the_cpu_layer_wrapper_refuses_what_tree_attention_leaves_out():
-    """vLLM's CPU layer holds soft cap, ALiBi and sinks itself: the tree rows' wrapper refuses them before its first
-    tree step instead of attending without them."""
-    from types import SimpleNamespace
-
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
+def test_the_cpu_layer_wrapper_hands_the_layers_settings_to_tree_attention(vllm_cpu_attention):
+    """vLLM's CPU layer holds soft cap, ALiBi and sinks itself: the tree rows' wrapper passes them on, so the tree
+    rows' attention refuses them instead of attending without them; a plain layer gets the tree rows attended."""
     from vllm_treewy.vllm_plugin import tree_runner
 
-    def cpu_layer(**features):
-        config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16),
-                                 parallel_config=SimpleNamespace(decode_context_parallel_size=1))
-        with set_current_vllm_config(config):
-            return CPUAttentionBackendImpl(num_heads=2, head_size=32, scale=1.0, num_kv_heads=1, sliding_window=None,
-                                           kv_cache_dtype="auto", **features)
-
-    impl = cpu_layer(alibi_slopes=[0.5, 0.25], logits_soft_cap=30.0, sinks=torch.zeros(2))
-    with pytest.raises(NotImplementedError, match="soft cap, attention sinks, ALiBi"):
-        tree_runner.check_cpu_tree_support(impl)
+    batch = make_batch([DraftTree.from_widths([2, 1]).parents, (-1,)], [9, 20], num_heads=2, num_kv_heads=1,
+                       head_size=32, unwritten=0.0)
+    step = types.SimpleNamespace(request_indices=torch.arange(2), token_indices=torch.arange(batch.num_tree_rows),
+                                 query_start_loc=batch.query_start_loc, block_ancestors=batch.ancestors(),
+                                 block_len=max(batch.block_lens), attention_layers=[])
+    metadata = types.SimpleNamespace(**{tree_runner.TREE_STEP: step}, block_table=batch.block_table,
+                                     seq_lens=batch.seq_lens, max_seq_len=int(batch.seq_lens.max()))
+    layer = types.SimpleNamespace(isa=batch.isa)
     forward = tree_runner._attending_tree_rows(lambda self, layer, q, k, v, cache, metadata, output: output)
-    tree_step = SimpleNamespace(**{tree_runner.TREE_STEP: object()})
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        forward(impl, None, None, None, None, None, tree_step, None)
-    plain = cpu_layer(alibi_slopes=None)
-    tree_runner.check_cpu_tree_support(plain)
-    assert forward(plain, None, None, None, None, None, SimpleNamespace(), "untouched") == "untouched"
+
+    def run(**features):
+        impl = vllm_cpu_attention(2, 32, 1, -1, torch.float32, **features)
+        output = torch.zeros_like(batch.query)
+        return forward(impl, layer, batch.query, None, None, batch.kv_cache, metadata, output)
+
+    for features, refused in ((dict(logits_soft_cap=30.0), "soft cap"), (dict(alibi_slopes=[0.5, 0.25]), "ALiBi"),
+                              (dict(sinks=torch.zeros(2)), "attention sinks")):
+        with pytest.raises(NotImplementedError, match=refused):
+            run(**features)
+    torch.testing.assert_close(run(), batch.attend(), **tolerance(torch.float32))

@@ -365,8 +365,9 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     ),
     InternalAttributes(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl",
-        ("scale", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks", "kv_cache_dtype", "attn_type"),
-        "reads", "draft trees on CPU: the layer's attention settings, refused where tree rows lack them",
+        ("scale", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks"), "reads",
+        "draft trees on CPU: the layer's attention settings, into the tree rows' attention (which refuses what it "
+        "does not compute)",
     ),
     InternalAttributes(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata", ("seq_lens", "max_seq_len", "block_table"),

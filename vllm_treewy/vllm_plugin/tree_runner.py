@@ -195,31 +195,6 @@ def _handing_tree_step_to_attention(original):
     return build_attention_metadata
 
 
-def _refuse_unsupported(impl, backend: str, reasons: list[str]) -> None:
-    """Raises with the backend's own `reasons` and the ones both tree backends share: quantized KV caches (other
-    loads), ALiBi (positions, not depths), other than decoder attention."""
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-    from vllm.v1.attention.backend import AttentionType
-
-    if is_quantized_kv_cache(impl.kv_cache_dtype):
-        reasons.insert(0, f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
-    if impl.alibi_slopes is not None:
-        reasons.append("ALiBi")
-    if impl.attn_type != AttentionType.DECODER:
-        reasons.append(f"attention type {impl.attn_type}")
-    if reasons:
-        raise NotImplementedError(f"draft_tree_widths {backend}: not supported with " + ", ".join(reasons))
-
-
-def check_cpu_tree_support(impl) -> None:
-    """What the CPU tree rows' attention (`tree_attention_cpu.tree_attention`, fp32 from the unquantized cache, a
-    scaled softmax with a sliding window) leaves out of vLLM's CPU layer: refused, not dropped."""
-    reasons = ["a logits soft cap"] if impl.logits_soft_cap else []
-    if impl.sinks is not None:
-        reasons.append("attention sinks")
-    _refuse_unsupported(impl, "on vLLM's CPU backend", reasons)
-
-
 def _attending_tree_rows(original):
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
@@ -227,9 +202,6 @@ def _attending_tree_rows(original):
         step: TreeStep | None = getattr(attn_metadata, TREE_STEP, None)
         if step is None:
             return output
-        if not getattr(self, "_treewy_tree_support_checked", False):  # the layer's settings: once per layer
-            check_cpu_tree_support(self)
-            self._treewy_tree_support_checked = True
         key_cache, value_cache = split_kv_cache(kv_cache)
         rows = step.request_indices
         block_table = attn_metadata.block_table[rows]
@@ -237,7 +209,9 @@ def _attending_tree_rows(original):
             query[step.token_indices], key_cache, value_cache, query_start_loc=step.query_start_loc,
             seq_lens=attn_metadata.seq_lens[rows], block_table=block_table, block_ancestors=step.block_ancestors,
             max_query_len=step.block_len, max_seq_len=attn_metadata.max_seq_len, scale=self.scale, isa=layer.isa,
-            sliding_window=self.sliding_window,
+            # the layer's other settings too: tree_attention refuses what it does not compute
+            sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes,
+            sinks=self.sinks,
         )
         output.view(output.shape[0], -1)[step.token_indices] = tree_out.view(tree_out.shape[0], -1).to(output.dtype)
         step.attention_layers.append(AttentionLayerCaches(key_cache, value_cache, block_table, layer.isa))
@@ -262,8 +236,20 @@ def _passing_qq_bias(original):
 def check_triton_tree_support(impl) -> None:
     """What the tree bias leaves right: positions enter vLLM's kernel only through sliding windows, ALiBi and
     chunked attention (block index there, not depth), and quantized caches take other loads; all refused."""
-    sliding = tuple(impl.sliding_window) != (-1, -1) or impl.chunk_lookback != -1
-    _refuse_unsupported(impl, "with TRITON_ATTN", ["a sliding window or chunked attention"] if sliding else [])
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.attention.backend import AttentionType
+
+    reasons = []
+    if is_quantized_kv_cache(impl.kv_cache_dtype):
+        reasons.append(f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
+    if tuple(impl.sliding_window) != (-1, -1) or impl.chunk_lookback != -1:
+        reasons.append("a sliding window or chunked attention")
+    if impl.alibi_slopes is not None:
+        reasons.append("ALiBi")
+    if impl.attn_type != AttentionType.DECODER:
+        reasons.append(f"attention type {impl.attn_type}")
+    if reasons:
+        raise NotImplementedError("draft_tree_widths with TRITON_ATTN: not supported with " + ", ".join(reasons))
 
 
 def _attending_tree_rows_triton(original):
