@@ -4,7 +4,6 @@ the SASS instruction mix (FFMA, shuffles, shared-memory traffic, global load/sto
 
     python3 bench/compile_report.py [--dump DIR]
     python3 bench/compile_report.py --conv-block-nodes 16 4      # the conv step kernel instead, per node block
-    python3 bench/compile_report.py --row-chunks 32 64 --warps 4 8 --tokens 4   # the row-chunk step kernel
 """
 
 import argparse
@@ -25,7 +24,6 @@ sys.path.insert(0, str(ROOT))
 
 from vllm_treewy.kernels.triton.conv import _conv_step_kernel  # noqa: E402
 from vllm_treewy.kernels.triton.gated import _gated_step_kernel  # noqa: E402
-from vllm_treewy.kernels.triton.gated_rows import _gated_rows_kernel  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTR_TYPES = {"qkv": "*bf16", "a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "z": "*bf16",
@@ -65,25 +63,6 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n] != "constexpr" and n not in FLOATS and not sig[n].startswith("tensordesc")}
     return triton.compile(ASTSource(fn=_gated_step_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def compile_rows(state_dtype, tokens, num_warps, rows, block_k=32, prefetch=1, products=None, pending=True,
-                 maxnreg=None):
-    """`gated_rows._gated_rows_kernel` (launch option `state_row_chunk=rows`, tiles of block_k columns), fused with a
-    pending chain commit; the products as the launch defaults choose them (2xTF32 for fp32 states, the bf16 pass
-    for bf16)."""
-    names = _gated_rows_kernel.arg_names
-    const = dict(H=16, HV=32, K=128, V=128, BT=max(4, triton.next_power_of_2(tokens)), BV=rows, BK=block_k,
-                 PREFETCH=prefetch, MAX_ANC=tokens - 1,
-                 IS_CHAIN=True, ACT="silu", HAS_PENDING=pending, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
-                 STATE_PRODUCTS=products or ("bf16" if state_dtype == "bf16" else "2xtf32"))
-    sig = {n: "constexpr" if n in const else "fp32" if n in FLOATS else "i64" if n.startswith("stride") else
-           PTR_TYPES.get(n, "*fp32") for n in names}
-    sig["state"] = sig["state_desc"] = "*fp32" if state_dtype == "fp32" else "*bf16"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr" and n not in FLOATS}
-    options = dict(num_warps=num_warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return triton.compile(ASTSource(fn=_gated_rows_kernel, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -180,21 +159,7 @@ def main():
     parser.add_argument("--variant", type=json.loads, nargs="*", default=[dict(BK=8, PREFETCH=2)],
                         help='constexpr sets as JSON, e.g. \'{"BK": 8, "PREFETCH": 2, "ROW_SUMS": true}\'')
     parser.add_argument("--conv-block-nodes", type=int, nargs="*", default=None)
-    parser.add_argument("--row-chunks", type=int, nargs="*", default=None,
-                        help="the row-chunk kernel (`state_row_chunk`) at these rows per chunk instead")
-    parser.add_argument("--block-k", type=int, nargs="*", default=[32], help="the row-chunk kernel's tile columns")
-    parser.add_argument("--prefetch", type=int, nargs="*", default=[1], help="the row-chunk kernel's tiles ahead")
     args = parser.parse_args()
-    if args.row_chunks:
-        for state in args.states:
-            for tokens in args.tokens:
-                for rows in args.row_chunks:
-                    for w, mr, bk, pf in [(w, mr, bk, pf) for w in args.warps for mr in args.maxnreg
-                                          for bk in args.block_k for pf in args.prefetch]:
-                        c = compile_rows(state, tokens, w, rows, block_k=bk, prefetch=pf, maxnreg=mr)
-                        print(json.dumps(dict(kernel="gated_rows", state=state, tokens=tokens, rows=rows, block_k=bk,
-                                              prefetch=pf, num_warps=w, maxnreg=mr, **analyse(c))), flush=True)
-        return
     if args.conv_block_nodes:
         for block_nodes in args.conv_block_nodes:
             print(json.dumps(dict(kernel="conv_step", block_nodes=block_nodes, **analyse(compile_conv(block_nodes)))))

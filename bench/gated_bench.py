@@ -220,7 +220,7 @@ def time_case(step, op, fb, config, with_baselines=True, separate=True):
     return t
 
 
-def _cfg(block_k, num_warps, prefetch, max_registers=None, **variant):
+def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap (None would take the default's)
     return dict(block_k=block_k, num_warps=num_warps, prefetch=prefetch, max_registers=max_registers, **variant)
 
 
@@ -271,24 +271,19 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # epilogue too); bf16 32/8/1 bf16 pass with the epilogue 127. fp32 T=8 32/8/1 2xTF32 with the epilogue (the T=8
 # default) 200 (one CTA), capped at 128 it spills 96 bytes; 16/8/1 with the epilogue 174, capped at 128 no spill;
 # T=4 16/8/1 with the epilogue 121. Dropped for them: bf16 32/8/1 and 16/8/1 tf32 pass (157.4 / 153.1 us at B=64).
-# The state in chunks of value rows (`state_row_chunk`, `gated_rows`, NOT yet timed), offline sm_90, fused T=4, as
-# block_k (tile columns) / warps / prefetch (tiles ahead): fp32 2xTF32, 64 rows, 16/8/4 134 registers, capped at 128
-# no spill (two CTAs per SM, 16 KiB in flight each); 32 rows 16/4/4 166 (three CTAs of 4 warps, 8 KiB each); one
-# tile ahead 121 / 124 (4 KiB in flight: too few bytes). bf16 pass, 64 rows: 32/8/4 and 16/8/8 capped at 128 no
-# spill (16 KiB in flight). At T=8 every capped one spills (104-440 bytes).
+# After 2026-12-01f (`results/2026-12-01f/device/gated.json`, T=4, B=64 / B=1): the state in chunks of value rows
+# (the `state_row_chunk` kernel, since removed): fp32 64 rows 16/8/4 capped 248.2 / 24.3 us, 32 rows 16/4/4 232.2 /
+# 27.3 vs the default's 133.4 / 11.5; bf16 64 rows 32/8/4 and 16/8/8 capped 135.0 / 14.4 and 155.1 / 16.6 vs 98.9 /
+# 9.5.
 # The first of each is the launch default at T=4 (`launch_defaults`; bf16's since 2026-12-01e,
 # `test_first_candidate_is_the_launch_default`).
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
              _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(16, 8, 1, **SPLIT, **EPILOGUE),
-             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE),
-             _dot(16, 8, 4, max_registers=128, state_row_chunk=64, **SPLIT),
-             _dot(16, 4, 4, state_row_chunk=32, **SPLIT)],
+             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE)],
     "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT),
-             _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE), _dot(64, 8, 1), _dot(32, 4, 1, **TWO_HEADS),
-             _dot(32, 8, 4, max_registers=128, state_row_chunk=64, **BF16_SPLIT),
-             _dot(16, 8, 8, max_registers=128, state_row_chunk=64, **BF16_SPLIT)],
+             _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE), _dot(64, 8, 1), _dot(32, 4, 1, **TWO_HEADS)],
 }
 
 

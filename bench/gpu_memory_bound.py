@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="default: --requests. Under FULL decode graphs (reconstruct) vLLM refuses more than it "
+                             "has Mamba blocks for")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--k", type=int, default=3)
@@ -41,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="qwen35-27b", help="a shape of bench.sweep.models.SHAPES")
     parser.add_argument("--eager", action="store_true", help="enforce_eager (the CPU smoke test; not on the GPU)")
     args = parser.parse_args(argv)
+    max_num_seqs = args.max_num_seqs or args.requests
 
     import vllm_treewy.vllm_plugin as plugin
     from bench import gpu_site
@@ -55,7 +59,7 @@ def main(argv=None) -> int:
     cuda_only, spec_cuda_only = {}, {}
     if current_platform.is_cuda():
         # decode batches are padded to these (1 + k tokens per request); fewer sizes, a shorter start-up
-        sizes = [(1 + args.k) * b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.requests]
+        sizes = [(1 + args.k) * b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_num_seqs]
         cuda_only = dict(gpu_site.ENGINE, compilation_config={"cudagraph_capture_sizes": sizes})
         spec_cuda_only = gpu_site.SPECULATIVE
     model = prepare_qwen35_shape(Path(f"/tmp/{args.shape}"), args.shape).path
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
     try:
         with engine(str(model), load_format="dummy", skip_tokenizer_init=True, speculative_config=spec,
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager,
-                    max_model_len=args.prompt_len + args.max_tokens + 2 * args.k, max_num_seqs=args.requests,
+                    max_model_len=args.prompt_len + args.max_tokens + 2 * args.k, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype="float32",
                     **cuda_only) as llm:
             result["engine_start_s"] = time.perf_counter() - start

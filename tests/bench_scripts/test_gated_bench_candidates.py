@@ -1,5 +1,6 @@
-"""bench/gated_bench.py's first candidate per state is the launch default at T=4 (it alone is checked against
-vLLM's compiled kernel, and the tuning's verdict on a new default is read against it)."""
+"""bench/gated_bench.py's candidates: the first per state is the launch default at T=4 (it alone is checked against
+vLLM's compiled kernel, and the tuning's verdict on a new default is read against it), and each is the launch it
+names at every T and batch."""
 
 import pytest
 import torch
@@ -15,3 +16,12 @@ def test_first_candidate_is_the_launch_default(name, dtype, batch):
     default = launch_defaults(dtype, batch, 2, 128, max_nodes=4)
     assert {**default, **CONFIGS[name][0]} == default
     assert all({**default, **other} != default for other in CONFIGS[name][1:])
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_candidates_leave_no_option_to_the_defaults(name):
+    # `gdn_step_triton` fills an option given as None from `launch_defaults`: a candidate "without a register cap"
+    # written as max_registers=None ran capped at 128 wherever the default caps (2026-12-01f: bf16 two heads at
+    # T=4 spilled, 329.6 us against 147.4 uncapped in 2026-12-01e)
+    for config in CONFIGS[name]:
+        assert all(value is not None for value in config.values()), config

@@ -244,10 +244,6 @@ GATED_VARIANTS = {
                       split_state_tf32=True, **PINNED),
     "epilogue_in_mma_layout": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
                                    split_state_tf32=True, epilogue_in_mma_layout=True, split_state_bf16=False),
-    # the state in chunks of value rows (`gated_rows`), the state products as the defaults choose them (fp32:
-    # 2xTF32; bf16 with 3-8 nodes here: the bf16 pass, with 2 the tf32 pass)
-    "row_chunks": dict(block_k=16, num_warps=8, prefetch=4, max_registers=128, state_row_chunk=64),
-    "row_chunks_four_warps": dict(block_k=16, num_warps=4, prefetch=4, state_row_chunk=32),
 }
 
 

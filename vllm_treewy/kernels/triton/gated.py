@@ -11,8 +11,8 @@ norm, the closed-form verify, the gated RMSNorm with the output gate, and option
 One program per (value head, request) holds a whole head: the state [V, K] is streamed once through registers in
 key chunks of BK columns; with `heads_per_program=2` (tensor-core layout) one program holds both value heads of one
 key head (where HV = 2H), which share the q/k chunks, the key norms and Gram matrices and the pending key rows:
-half the programs (on the H200 the 16-bit-state default for large batches of 5-8 nodes or of 1-2 and more than 8;
-slower than one head for fp32 states, 2026-12-01). Two layouts (launch option `state_dot`):
+half the programs (on the H200 the 16-bit-state default for large batches of 5-8 nodes or of more than 8; slower
+than one head for fp32 states, 2026-12-01). Two layouts (launch option `state_dot`):
 - tensor cores (default): the chunk keeps its load's layout (a warp covers 4 rows x 128 bytes: whole line segments,
   loads and the commit's stores coalesced); the commit's rank-one updates are elementwise in that layout, and all
   products with the state come from one tensor-core dot per chunk, [h k_0 .. h k_{T-1}, h q_0 .. h q_{T-1}] =
@@ -21,7 +21,8 @@ slower than one head for fp32 states, 2026-12-01). Two layouts (launch option `s
   measured 1-2e-7 on u and the committed state at K=128 against fp64), or with `split_state_tf32` two tf32 passes
   (2xTF32: the state's hi and lo parts against the raw bf16 q/k, which are exact in tf32; the fp32 default since
   2026-12-01), or with `split_state_bf16` bf16 passes (an fp32 state in three bf16 pieces: 160.0 vs 2xTF32's 159.5
-  us at B=64, 2026-12-01; a bf16 state in one, exact: the 16-bit-state default for 3-4 nodes); `_state_products`.
+  us at B=64, 2026-12-01; a bf16 state in one, exact: the 16-bit-state default up to 4 nodes, and for 5-8 at small
+  batches); `_state_products`.
   The [BK, 16] q/k chunks are prefetched with the state chunks.
 - one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
   per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
@@ -711,12 +712,16 @@ def _gated_step_kernel(
 # HALF_STATE_BF16_LAUNCH: T=4 98.8 / 9.44 us at B=64 / 1 against 162.2 / 10.59 uncapped without the epilogue, same
 # run (2026-12-01d had 127.3 for that one); vLLM's compiled 106.3 / 12.2. 5-8 nodes (T=8): few requests take the same
 # (23.9 us at B=1 against 39.6 for the old 64/8/1 tf32 pass; compiled 19.4), many take two heads 32/4/1 with the
-# epilogue (251.0 at B=64 against 369.5 for the old two heads without; compiled 198.7). T <= 2 keeps the old rules
+# epilogue (251.0 at B=64 against 369.5 for the old two heads without; compiled 198.7). T <= 2 kept the old rules
 # (T=2 ran with T=4's choice: 88.7 us at B=64 against 77.0 for the old rule in 2026-12-01c, another run).
-FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=None, row_sums=False,
+# Since 2026-12-01f (`bench/results/2026-12-01f/device/gated.json`, tenth session): 16-bit states with 1-2 nodes at
+# B > 8 take HALF_STATE_BF16_LAUNCH too. The old rule (two heads 32/4/1) ran 116.7 / 497.9 us at T=2, B=64 / 256
+# there (77.0 at B=64 in 2026-12-01c; its commit part grew, kernels.md), against 88.7 / 325.1 for
+# HALF_STATE_BF16_LAUNCH at T=2 in 2026-12-01e, which holds between runs at T=4 (98.8 e, 98.9 f). Not yet one run.
+FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
-                         epilogue_in_mma_layout=False, state_row_chunk=None)
+                         epilogue_in_mma_layout=False)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -733,17 +738,17 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
                     max_nodes: int = 4) -> dict:
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
     static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape).
-    Measured choices: the comments above FP32_STATE_LAUNCH (for 3-8 nodes, bench/results/2026-12-01d and -01e)."""
+    Measured choices: the comments above FP32_STATE_LAUNCH (bench/results/2026-12-01d, -01e and -01f)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
         if 3 <= max_nodes <= 8:
             return FP32_STATE_EPILOGUE_LAUNCH
         return FP32_STATE_LAUNCH
-    if 3 <= max_nodes <= 4 or (4 < max_nodes <= 8 and batch <= SMALL_BATCH):
-        return HALF_STATE_BF16_LAUNCH
     if batch <= SMALL_BATCH:
-        return dict(HALF_STATE_LAUNCH, block_k=64)
+        return HALF_STATE_BF16_LAUNCH if 3 <= max_nodes <= 8 else dict(HALF_STATE_LAUNCH, block_k=64)
+    if max_nodes <= 4:
+        return HALF_STATE_BF16_LAUNCH
     if value_heads_per_key_head % 2 == 0:
         return dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2,
                     epilogue_in_mma_layout=4 < max_nodes <= 8)
@@ -790,12 +795,7 @@ def _check_factors(factors, state, state_indices, pending_nodes, pending_ancesto
 
 def _launch(*args, **kwargs):
     grid, kernel_args, kernel_kwargs, out = _launch_arguments(*args, **kwargs)
-    if "BV" in kernel_kwargs:  # `state_row_chunk`
-        from .gated_rows import _gated_rows_kernel
-
-        _gated_rows_kernel[grid](*kernel_args, **kernel_kwargs)
-    else:
-        _gated_step_kernel[grid](*kernel_args, **kernel_kwargs)
+    _gated_step_kernel[grid](*kernel_args, **kernel_kwargs)
     return out
 
 
@@ -847,13 +847,6 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_desc, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
-    rows = launch["state_row_chunk"] if do_verify else None
-    if rows:
-        assert V % rows == 0 and rows >= 16 and heads == 1, "state_row_chunk: >= 16 rows dividing V, one head"
-        assert K % block_k == 0, "state_row_chunk: tiles of block_k columns dividing K"
-        assert not (launch["tma_state"] or launch["lagged_products"] or launch["split_in_mma_layout"]), \
-            "state_row_chunk: its own schedule"
-        bt = max(4, bt)  # node t in column t of the accumulator's [rows, 16] tile, as `epilogue_in_mma_layout`
     kernel_args = (
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         state_indices if pending_ancestors is None else pending_ancestors,
@@ -861,13 +854,6 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         float(K**-0.5 if scale is None else scale), float(norm_eps))
     state_products = _state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
                                           launch["split_state_tf32"], launch["split_state_bf16"])
-    if rows:
-        kernel_kwargs = dict(
-            H=H, HV=HV, K=K, V=V, BT=bt, BV=rows, BK=block_k, PREFETCH=launch["prefetch"], MAX_ANC=max_anc,
-            IS_CHAIN=chain, ACT=activation, HAS_PENDING=pending_nodes is not None,
-            PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
-            PENDING_IS_CHAIN=pending_ancestors is None, STATE_PRODUCTS=state_products, **options)
-        return (HV, batch), kernel_args, kernel_kwargs, out
     kernel_kwargs = dict(
         H=H, HV=HV, K=K, V=V, G=heads, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
         ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain,
@@ -923,7 +909,6 @@ def gdn_step_triton(
     lagged_products: bool | None = None,
     tma_state: bool | None = None,
     epilogue_in_mma_layout: bool | None = None,
-    state_row_chunk: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -941,6 +926,8 @@ def gdn_step_triton(
     `vllm_treewy.kernels.triton._tree.ancestor_table`); None: a chain, a's path is 0..a. The verify then reads the
     committed state. One state read and (with a pending commit) one write per request.
     Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view; padding requests' rows untouched).
+    Launch options left None take `launch_defaults`' value for this state, batch and node count; `max_registers` is
+    ptxas's register cap (maxnreg), 0 for none (None keeps the default's cap, e.g. 128 for 16-bit states).
     `ancestors`: as in `verify_packed_triton`. `row_sums`: one per-node sum per row, summed over the thread's BK
     columns every step (2T registers instead of 2T x BK); `late_node_terms`: gates, decays and Gram matrices
     computed after the state loop, so their [BT, BT] tiles are not live in it. `state_dot`: the products with the
@@ -965,11 +952,6 @@ def gdn_step_triton(
     `epilogue_in_mma_layout` (with `state_dot`): the q/k columns interleaved (k_t, q_t side by side), so the
     epilogue takes each node's h k_t, h q_t as a column of the accumulator in place and works on [V, nodes] tiles,
     the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
-    `state_row_chunk` (rows, >= 16, dividing V; one head per program): the state streams in chunks of that many
-    value rows (tiles of block_k columns, `prefetch` tiles ahead), each chunk finished once its tiles are in (commit,
-    products, solve, core output) while the next tiles are in flight; the per-node terms once before the first tile
-    arrives (`gated_rows`). Not with `tma_state`, `lagged_products` or `split_in_mma_layout`; the epilogue option
-    does not apply.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -979,7 +961,7 @@ def gdn_step_triton(
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
                    split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
-                   epilogue_in_mma_layout=epilogue_in_mma_layout, state_row_chunk=state_row_chunk)
+                   epilogue_in_mma_layout=epilogue_in_mma_layout)
 
 
 def gdn_commit_triton(
