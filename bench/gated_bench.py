@@ -275,15 +275,24 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # (the `state_row_chunk` kernel, since removed): fp32 64 rows 16/8/4 capped 248.2 / 24.3 us, 32 rows 16/4/4 232.2 /
 # 27.3 vs the default's 133.4 / 11.5; bf16 64 rows 32/8/4 and 16/8/8 capped 135.0 / 14.4 and 155.1 / 16.6 vs 98.9 /
 # 9.5.
+# Dropped then as well: fp32 two heads 16/8/1 (282.1 / 21.3 at T=4; 619.8 at T=8 B=64 in 2026-12-01e, against
+# 385.9), bf16 32/8/1 bf16 pass with the epilogue uncapped and 64/8/1 tf32 pass uncapped (232.0 / 173.8 at B=64 in
+# e; f's figures for them ran capped, kernels.md).
+# More resident programs per SM (tenth session, offline sm_90, fused T=4 with the epilogue; the defaults hold two
+# CTAs of 8 warps): fp32 2xTF32 16/8/1 capped at 80 registers, 16 bytes of stack (three CTAs); 16/4/1 capped at 128,
+# 40 bytes (four CTAs of 4 warps). bf16 pass 32/8/1 capped at 80, 80 bytes (three CTAs); 16/4/1 capped at 128, no
+# spill (four CTAs of 4 warps).
 # The first of each is the launch default at T=4 (`launch_defaults`; bf16's since 2026-12-01e,
 # `test_first_candidate_is_the_launch_default`).
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
-             _dot(16, 8, 1, **SPLIT, **TWO_HEADS), _dot(16, 8, 1, **SPLIT, **EPILOGUE),
-             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE)],
+             _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE),
+             _dot(16, 8, 1, max_registers=80, **SPLIT, **EPILOGUE),
+             _dot(16, 4, 1, max_registers=128, **SPLIT, **EPILOGUE)],
     "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
-             _dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT),
-             _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE), _dot(64, 8, 1), _dot(32, 4, 1, **TWO_HEADS)],
+             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE),
+             _dot(32, 4, 1, **TWO_HEADS), _dot(32, 8, 1, max_registers=80, **BF16_SPLIT, **EPILOGUE),
+             _dot(16, 4, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE)],
 }
 
 
