@@ -28,9 +28,9 @@ than one head for fp32 states, 2026-12-01). Two layouts (launch option `state_do
   per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
 
-Measured on the H200 (bench/results/kernels.md, 2026-12-01d/e, the launch defaults): fp32 state, chain T=4, 1.44x /
-1.53x vLLM's compiled kernel at B=64 / 256, 1.20x at B=1, T=8 1.16x at B=64 (0.91-1.01x in 2026-12-01e); bf16 state
-1.09x / 1.12x, 1.29x at B=1 (2026-12-01e, two CTAs per SM).
+Measured on the H200 (bench/results/kernels.md, 2026-12-01f, the launch defaults): fp32 state, chain T=4, 1.44x /
+1.53x vLLM's compiled kernel at B=64 / 256, 1.20x at B=1; T=2 1.07x and T=8 0.87x at B=64; bf16 state T=4 1.07x /
+1.14x, 1.28x at B=1 (two CTAs per SM), T=8 0.79x at B=64.
 The fp32 step is at 2.1x the two-state HBM bound at B=64: latency-bound. The sixth session's ncu stall samples (fp32
 T=4 B=64, before the key-row prefetch and the accumulator-layout epilogue) put 53% in the state loop, waiting for
 loads issued in the same iteration, and 38% in the epilogue's cross-lane reductions and barriers.
@@ -426,9 +426,10 @@ def _gated_step_kernel(
             p_krow = p_krow + (f_k + p_rows[d],)
         # the key rows' first PREFETCH chunks in flight like the state's (chunk j's row d at j * PENDING_ROWS + d):
         # loaded in the iteration that used them, they were the loop's hottest stall (ncu, 2026-12-01). STATE_TMA:
-        # the loop loads them, for the pipeliner
+        # the loop loads them, for the pipeliner. Two heads too: there the prefetch coincided with a slower commit
+        # (kernels.md, 2026-12-01f) and more spill (offline sm_90, T=8 fused: 584 bytes of stack against 256)
         ahead_pk = ()
-        if not STATE_TMA:
+        if not STATE_TMA and G == 1:
             for j in tl.static_range(PREFETCH):
                 for d in tl.static_range(PENDING_ROWS):
                     ahead_pk = ahead_pk + (tl.load(p_krow[d] + j * BK + o_kc, mask=p_on[d] & (j * BK + o_kc < K),
@@ -467,11 +468,12 @@ def _gated_step_kernel(
             kq_ok = (q_node < n) & (o_q < 2 * BT)
             kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(is_key, H * K, 0) + i_h * K
 
-    # the state, BK key columns at a time; PREFETCH chunks (state, q/k and pending key rows) are in flight ahead of
-    # the one in use, loaded before the commit stores the current chunk. STATE_DOT: one [V, 16] accumulator of
-    # tensor-core products per head, the [BK, 16] q/k chunk shared by the G heads. Else (G = 1, BK columns
-    # per value row) each thread owns whole value rows, and every product with the state accumulates
-    # elementwise into per-node [V, BK] partial sums (no reduction, no shuffle, no layout change inside the loop)
+    # the state, BK key columns at a time; PREFETCH chunks (state, q/k and, one head a program, pending key rows)
+    # are in flight ahead of the one in use, loaded before the commit stores the current chunk. STATE_DOT: one
+    # [V, 16] accumulator of tensor-core products per head, the [BK, 16] q/k chunk shared by the G heads. Else
+    # (G = 1, BK columns per value row) each thread owns whole value rows, and every product with the state
+    # accumulates elementwise into per-node [V, BK] partial sums (no reduction, no shuffle, no layout change inside
+    # the loop)
     if DO_VERIFY:
         if STATE_DOT:
             acc_kq = ()
@@ -546,7 +548,7 @@ def _gated_step_kernel(
                                            mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             p_k = ()
-            if STATE_TMA:
+            if STATE_TMA or G > 1:
                 for d in tl.static_range(PENDING_ROWS):
                     p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d] & (cols < K), other=0.0),)
             else:
