@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_treewy.kernels.triton.conv import _conv_step_kernel  # noqa: E402
-from vllm_treewy.kernels.triton.gated import _gated_step_kernel  # noqa: E402
+from vllm_treewy.kernels.triton.gated import _gated_step_kernel, _nodes_block  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTR_TYPES = {"qkv": "*bf16", "a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "z": "*bf16",
@@ -37,11 +37,13 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
     per program, defaults to 1; STATE_PRODUCTS to "tf32" for bf16 states, "tf32x3" for fp32: `_state_products`)."""
     names = _gated_step_kernel.arg_names
     const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
-                 BT=max(2, triton.next_power_of_2(tokens)), MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
+                 MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
                  DO_VERIFY=verify, HAS_PENDING=pending,
                  G=1, SPLIT_IN_MMA_LAYOUT=False, LAGGED_PRODUCTS=False, STATE_TMA=False, EPILOGUE_IN_MMA_LAYOUT=False,
                  STATE_PRODUCTS="tf32" if state_dtype == "bf16" else "tf32x3")  # q/k/v are bf16 here
     const.update(variant)
+    # as the launcher pads it (`_nodes_block`), unless the variant names it
+    const.setdefault("BT", _nodes_block(tokens, const["EPILOGUE_IN_MMA_LAYOUT"] and const.get("STATE_DOT", False)))
     sig = {}
     for name in names:
         if name in const:

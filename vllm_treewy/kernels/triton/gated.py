@@ -428,8 +428,9 @@ def _gated_step_kernel(
         # loaded in the iteration that used them, they were the loop's hottest stall (ncu, 2026-12-01). STATE_TMA:
         # the loop loads them, for the pipeliner. Two heads too: there the prefetch coincided with a slower commit
         # (kernels.md, 2026-12-01f) and more spill (offline sm_90, T=8 fused: 584 bytes of stack against 256)
+        PREFETCH_PENDING_KEYS: tl.constexpr = not STATE_TMA and G == 1
         ahead_pk = ()
-        if not STATE_TMA and G == 1:
+        if PREFETCH_PENDING_KEYS:
             for j in tl.static_range(PREFETCH):
                 for d in tl.static_range(PENDING_ROWS):
                     ahead_pk = ahead_pk + (tl.load(p_krow[d] + j * BK + o_kc, mask=p_on[d] & (j * BK + o_kc < K),
@@ -548,7 +549,7 @@ def _gated_step_kernel(
                                            mask=kq_ok[None, :] & ((i_k + PREFETCH) * BK < K), other=0.0),)
         if HAS_PENDING:
             p_k = ()
-            if STATE_TMA or G > 1:
+            if not PREFETCH_PENDING_KEYS:
                 for d in tl.static_range(PENDING_ROWS):
                     p_k = p_k + (tl.load(p_krow[d] + cols, mask=p_on[d] & (cols < K), other=0.0),)
             else:
@@ -778,8 +779,10 @@ def _state_products_mode(state_dtype, qkv_dtype, split_state_tf32: bool, split_s
     return "tf32x3"
 
 
-def _nodes_block(max_nodes: int) -> int:
-    return max(2, triton.next_power_of_2(max_nodes))
+def _nodes_block(max_nodes: int, epilogue_in_mma_layout: bool = False) -> int:
+    """BT: the node count padded to a power of two, at least 2; the accumulator-layout epilogue puts a column per
+    node and 4 per lane quad, so at least 4 there."""
+    return max(4 if epilogue_in_mma_layout else 2, triton.next_power_of_2(max_nodes))
 
 
 def _check_factors(factors, state, state_indices, pending_nodes, pending_ancestors):
@@ -842,9 +845,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
                   ancestors, cu_nodes, out3)
         strides = (mixed_qkv.stride(0), a.stride(0), b.stride(0), output_gate.stride(0), output_gate.stride(1),
                    out3.stride(0), out3.stride(1))
-        bt = _nodes_block(max_nodes)
-        if launch["epilogue_in_mma_layout"] and launch["state_dot"]:  # a column per node: 4 columns per lane quad
-            bt = max(4, bt)
+        bt = _nodes_block(max_nodes, launch["epilogue_in_mma_layout"] and launch["state_dot"])
     else:  # commit alone: the verify's pointers are never dereferenced
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_desc, state_indices, state_indices, state_indices, factors)
