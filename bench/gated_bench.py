@@ -32,11 +32,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # as a package module, never a top-level `kernels` (tests import this file; tests/kernels is a package of that name)
-from bench.kernels import copy_bandwidth, device_facts, graph_time_us, measure_tree  # noqa: E402
+from bench.kernels import (  # noqa: E402
+    copy_bandwidth, device_facts, graph_time_us, measure_tree, serial_per_node_us, tree_case)
 
 from vllm_treewy.kernels.reference import reference_gated_tree  # noqa: E402
 from vllm_treewy.kernels.triton import (  # noqa: E402
-    gdn_commit_triton, gdn_step_triton, slot_factor_width, split_slot_factors)
+    ancestor_table, gdn_commit_triton, gdn_step_triton, slot_factor_width, split_slot_factors)
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
@@ -89,15 +90,27 @@ class Step:
 
     DT_BIAS_DTYPE = torch.bfloat16
 
-    def __init__(self, tokens, batch, state_dtype, seed=0, sets=None):
+    def __init__(self, tokens, batch, state_dtype, seed=0, sets=None, widths=None):
+        """A chain of `tokens` nodes, or with `widths` the draft tree of those widths with its root node (what
+        vLLM verifies: root + N nodes, `tokens` ignored); the pending commit follows the tree's last node, a leaf
+        at full depth."""
         gen = torch.Generator(device="cuda").manual_seed(seed)
+        tree = DraftTree.from_widths(widths).with_root() if widths else DraftTree.from_widths([1] * tokens)
+        tokens = tree.num_nodes
+        self.chain, self.tree_parents = not widths, list(tree.parents)
         self.T, self.B, self.dtype = tokens, batch, state_dtype
         self.state_bytes = HV * V * K * torch.tensor([], dtype=state_dtype).element_size()
         self.sets = sets or max(1, min(MAX_SLOT_SETS, math.ceil(CYCLED_STATE_BYTES / (batch * self.state_bytes))))
         n = tokens * batch
         self.n = n
-        packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
+        packed = pack_trees([tree] * batch, device="cuda")
         self.parents, self.cu_nodes, self.max_nodes = packed.parents, packed.cu_nodes, packed.max_nodes
+        # a tree's ancestor tables, built once per step for all layers in vLLM: this batch's, and the previous
+        # step's (one tree, shared by every slot) for the pending commit
+        self.max_depth = None if self.chain else packed.max_depth
+        self.ancestors = None if self.chain else ancestor_table(self.parents, self.cu_nodes, packed.max_depth)
+        one = pack_trees([tree], device="cuda")
+        self.pending_ancestors = None if self.chain else ancestor_table(one.parents, one.cu_nodes, one.max_depth)
         self.mixed_qkv = torch.randn(n, 2 * H * K + HV * V, device="cuda", generator=gen).bfloat16()
         self.a = torch.randn(n, HV, device="cuda", generator=gen).bfloat16()
         self.b = torch.randn(n, HV, device="cuda", generator=gen).bfloat16()
@@ -132,14 +145,15 @@ class Step:
         pending = self.accepted if fused else None
         return lambda: gdn_step_triton(
             *self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes, num_key_heads=H,
-            max_nodes=self.max_nodes, chain=True, norm_eps=EPS, pending_nodes=pending, out=self.out,
-            factors=self.factors, **config)
+            max_nodes=self.max_nodes, max_depth=self.max_depth, chain=self.chain, ancestors=self.ancestors,
+            norm_eps=EPS, pending_nodes=pending, pending_ancestors=self.pending_ancestors if fused else None,
+            out=self.out, factors=self.factors, **config)
 
     def commit(self, s, config):
         launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program")
                   if k in config}
         return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], self.factors, self.accepted,
-                                         num_key_heads=H, **launch)
+                                         num_key_heads=H, pending_ancestors=self.pending_ancestors, **launch)
 
     def u_rows(self, slot):
         return split_slot_factors(self.factors[slot], HV, K, V)[2]
@@ -179,7 +193,7 @@ def check(step, op, config, records):
         r = slice(b * step.T, (b + 1) * step.T)
         ref = reference_gated_tree(step.mixed_qkv[r].cpu(), step.a[r].cpu(), step.b[r].cpu(), step.A_log.cpu(),
                                    step.dt_bias.cpu(), step.z[r].cpu(), step.norm_weight.cpu(),
-                                   before[int(slots[b])].cpu(), list(range(-1, step.T - 1)), H, eps=EPS)
+                                   before[int(slots[b])].cpu(), step.tree_parents, H, eps=EPS)
         worst["out"] = max(worst["out"], relative_error(out_plain[r].cpu(), ref.out))
         worst["u"] = max(worst["u"], relative_error(step.u_rows(int(slots[b])).cpu(), ref.recurrence.u))
         if b == 0:
@@ -218,6 +232,28 @@ def time_case(step, op, fb, config, with_baselines=True, separate=True):
         except Exception as error:  # noqa: BLE001
             print("fallback failed:", repr(error)[:300], flush=True)
     return t
+
+
+def measure_gated_tree(widths, batch, name, records, hbm):
+    """The fused step on a batch of draft trees (root + N nodes each, the previous step's deepest leaf committed),
+    launch defaults, checked against fp64; and the per-node serial baseline on the same tree and batch."""
+    step = Step(None, batch, STATE_DTYPES[name], widths=widths)
+    err = check(step, None, {}, records)
+    ok = err["out"] < 2e-2 and err["out_written"] and err["commit"] < (2e-5 if name == "fp32" else 1e-2)
+    t = time_case(step, None, None, {}, with_baselines=False, separate=True)
+    nodes = step.T
+    del step
+    torch.cuda.empty_cache()
+    case = tree_case(widths, batch, name)
+    serial = serial_per_node_us(case)
+    bound = 2 * batch * case.state_bytes / hbm * 1e6
+    del case
+    rec = dict(gated_tree=str(widths), nodes_per_request=nodes, B=batch, state=name,
+               ok=ok, times_us={k: round(v, 2) for k, v in t.items()}, serial_per_node_us=round(serial, 2),
+               serial_over_fused=round(serial / t["ours fused"], 3), two_state_bound_us=round(bound, 2),
+               fused_x_bound=round(t["ours fused"] / bound, 3))
+    records.append(rec)
+    print(json.dumps(rec), flush=True)
 
 
 def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap (None would take the default's)
@@ -282,17 +318,17 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # CTAs of 8 warps): fp32 2xTF32 16/8/1 capped at 80 registers, 16 bytes of stack (three CTAs); 16/4/1 capped at 128,
 # 40 bytes (four CTAs of 4 warps). bf16 pass 32/8/1 capped at 80, 80 bytes (three CTAs); 16/4/1 capped at 128, no
 # spill (four CTAs of 4 warps).
+# They lost at T=2 and T=4, B=64 and B=1 (`results/2026-12-02/device/gated.json`): fp32 16/8/1 capped 80 314.0 / 312.3
+# us at T=2 / T=4, B=64, 16/4/1 capped 128 326.7 / 159.3, against 107.8 / 134.3 for the defaults; bf16 32/8/1 capped 80
+# 273.8 / 307.9, 16/4/1 capped 128 230.1 / 231.9, against 69.8 / 98.5. Dropped.
 # The first of each is the launch default at T=4 (`launch_defaults`; bf16's since 2026-12-01e,
 # `test_first_candidate_is_the_launch_default`).
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
-             _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE),
-             _dot(16, 8, 1, max_registers=80, **SPLIT, **EPILOGUE),
-             _dot(16, 4, 1, max_registers=128, **SPLIT, **EPILOGUE)],
+             _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE)],
     "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE),
-             _dot(32, 4, 1, **TWO_HEADS), _dot(32, 8, 1, max_registers=80, **BF16_SPLIT, **EPILOGUE),
-             _dot(16, 4, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE)],
+             _dot(32, 4, 1, **TWO_HEADS)],
 }
 
 
@@ -311,6 +347,10 @@ def main():
     parser.add_argument("--tune-tokens", type=int, nargs="*", default=[4, 8])
     parser.add_argument("--tune-batches", type=int, nargs="*", default=[64, 1])
     parser.add_argument("--trees", type=int, nargs="*", default=[64])  # [4,2,2] tree batches
+    parser.add_argument("--gated-trees", nargs="*", default=[],
+                        help="draft trees as widths (e.g. 2,2,1) for the fused step at its launch defaults, what "
+                             "vLLM's CUDA tree step runs, against the per-node serial baseline")
+    parser.add_argument("--gated-tree-batches", type=int, nargs="*", default=[64])
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--short-batches", type=int, nargs="*", default=[1, 64, 256],
                         help="batches for the T != 4 rows")
@@ -386,6 +426,15 @@ def main():
             del step
             torch.cuda.empty_cache()
             save()
+        for widths in args.gated_trees:
+            for B in args.gated_tree_batches:
+                for name in args.states:
+                    try:
+                        measure_gated_tree([int(w) for w in widths.split(",")], B, name, records, hbm)
+                    except Exception:  # noqa: BLE001
+                        traceback.print_exc()
+                    torch.cuda.empty_cache()
+                    save()
         trees = []
         for B in args.trees:
             for name in args.states:
@@ -400,12 +449,16 @@ def main():
     print("\n| state | T | B | compiled | fallback | ours fused | ours verify+commit | compiled/fused | x 2-state "
           "bound | config |")
     for r in records:
-        if "times_us" in r:
+        if "times_us" in r and "T" in r:
             t = r["times_us"]
             sep = t.get("ours verify", 0) + t.get("ours commit", 0)
             print(f"| {r['state']} | {r['T']} | {r['B']} | {t.get('compiled store_all', '')} | "
                   f"{t.get('triton fallback store_all', '')} | {t['ours fused']} | {sep:.2f} | "
                   f"{r.get('compiled_over_fused', '')} | {r['fused_x_bound']} | {r['config']} |")
+    for r in records:
+        if "gated_tree" in r:
+            print(f"gated tree {r['gated_tree']} B={r['B']} {r['state']}: fused {r['times_us']['ours fused']} us, "
+                  f"per-node serial {r['serial_per_node_us']} us, serial/fused {r['serial_over_fused']}")
     for r in trees:
         if r["op"] in ("verify", "serial per-node"):
             print(f"tree [4,2,2] B={r['batch']} {r['state']} {r['op']}: {r['us']} us serial/ours "

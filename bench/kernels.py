@@ -255,23 +255,30 @@ def measure_chain(tokens, batch, dtype_name, records, hbm):
     del case
 
 
+def serial_per_node_us(case):
+    """The per-node serial baseline of a tree case: every node's state from its parent's, written (store_all's way
+    for a tree)."""
+    node_states = torch.empty(case.nodes, HV, V, K, dtype=case.pool.dtype, device="cuda")
+    return graph_time_us([
+        lambda: serial_tree_triton(case.q, case.k, case.v, case.g, case.beta, case.pool, case.slot_sets[0],
+                                   case.parents, case.cu_nodes, node_states=node_states, o=case.o)], min_calls=8)
+
+
+def tree_case(widths, batch, dtype_name):
+    """The tree [widths] with its root node (vLLM verifies root + N), `batch` copies."""
+    return Case(DraftTree.from_widths(list(widths)).with_root().parents, False, batch, STATE_DTYPES[dtype_name])
+
+
 def measure_tree(widths, batch, dtype_name, records, hbm):
-    dtype = STATE_DTYPES[dtype_name]
-    parents = DraftTree.from_widths(list(widths)).with_root().parents
-    case = Case(parents, False, batch, dtype)
+    case = tree_case(widths, batch, dtype_name)
     sb = case.state_bytes
     times, moved, configs = time_ours(case, dtype_name)
     io = input_bytes(case)
     times["ancestor table (once per step, all layers)"] = graph_time_us([case.ancestor_table])
     moved["ancestor table (once per step, all layers)"] = case.nodes * case.max_depth * 4
     if case.nodes * sb <= SERIAL_NODE_STATE_LIMIT:
-        node_states = torch.empty(case.nodes, HV, V, K, dtype=dtype, device="cuda")
-        times["serial per-node"] = graph_time_us([
-            lambda: serial_tree_triton(case.q, case.k, case.v, case.g, case.beta, case.pool, case.slot_sets[0],
-                                       case.parents, case.cu_nodes, node_states=node_states, o=case.o)],
-            min_calls=8)
+        times["serial per-node"] = serial_per_node_us(case)
         moved["serial per-node"] = 2 * case.nodes * sb + io
-        del node_states
     emit(records, "tree", str(list(widths)), case.nodes, batch, dtype_name, times, moved, hbm, case, None,
          times.get("serial per-node"), configs)
     del case

@@ -27,8 +27,13 @@ SPARE_SLOTS = 2
 # 3xBF16), the products one iteration late (2xTF32, 3xBF16 with two heads), the state chunks through TMA (2xTF32;
 # lagged with two heads and two chunks ahead), the epilogue in the accumulator's layout (2xTF32; two heads); options
 # left out come from `launch_defaults` (fp32 states with 3-8 nodes: that epilogue; 16-bit states with 3-4: the bf16
-# pass), so the last entry pins the earlier epilogue and the tf32 pass there
-VARIANTS = [dict(block_k=16, state_dot=True, late_node_terms=True),
+# pass), so the last entry pins the earlier epilogue and the tf32 pass there; that epilogue's solve by tensor-core
+# products (trees; one head and two)
+SOLVE_BY_DOTS = [dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True,
+                      epilogue_in_mma_layout=True, solve_by_dots=True),
+                 dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2,
+                      epilogue_in_mma_layout=True, solve_by_dots=True)]
+VARIANTS = SOLVE_BY_DOTS + [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
             dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
@@ -206,6 +211,23 @@ def test_two_steps_with_pending_commit(steps, key_heads, ratio, dims, state_dtyp
     (1) fused == commit alone then step; (2) kernel == twin == fp64 (the committed state is the reference's state
     after the accepted node); (3) rows, slots and padding requests outside the batch untouched; (4) step 2's
     outputs and factors match the fp64 recurrence continued from that state."""
+    check_two_steps(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant, input_dtype)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    steps=two_step_batches(),
+    **dict(STEP_SHAPES, variant=st.sampled_from(SOLVE_BY_DOTS)),
+    input_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_two_steps_solved_by_dots(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant,
+                                  input_dtype):
+    """`test_two_steps_with_pending_commit` with the solve by tensor-core products every time (the general test draws
+    it among all variants)."""
+    check_two_steps(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant, input_dtype)
+
+
+def check_two_steps(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant, input_dtype):
     assume(ratio % variant.get("heads_per_program", 1) == 0)
     first, first_tree, second, accepted, padding = steps
     if first_tree is None:
@@ -470,9 +492,10 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 def test_launch_defaults_measured_choices():
     """The H200 choices of bench/results/2026-12-01d and -e (kernels.md, seventh and eighth sessions): fp32 states
     with 3-8 nodes take the accumulator-layout epilogue at every batch (the two-heads 16/8/1 rule for 5-8 nodes is
-    gone); 16-bit states with 3-4 nodes, with 5-8 nodes at small batches and (2026-12-01f) with 1-2 at large ones,
-    64/8/1 with the bf16 pass capped at 128 registers with the epilogue; 5-8 nodes at large batches two heads with the
-    epilogue; 1-2 nodes at small batches, more than 8, and narrow heads keep the earlier rules."""
+    gone); 16-bit states with 3-4 nodes and with 5-8 nodes at small batches 64/8/1 with the bf16 pass capped at 128
+    registers with the epilogue; 5-8 nodes at large batches two heads with the epilogue; (2026-12-02) 1-2 nodes
+    64/8/1 with the bf16 pass, uncapped, without the epilogue, at every batch; more than 8 nodes and narrow heads keep
+    the earlier rules."""
     from vllm_treewy.kernels.triton.gated import (
         FP32_STATE_LAUNCH, HALF_STATE_BF16_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
@@ -492,8 +515,9 @@ def test_launch_defaults_measured_choices():
                     HALF_STATE_BF16_LAUNCH if batch <= 8 else
                     dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=True))
             for nodes in (1, 2):
-                assert launch_defaults(dtype, batch, 2, 128, nodes) == (
-                    dict(HALF_STATE_LAUNCH, block_k=64) if batch <= 8 else HALF_STATE_BF16_LAUNCH)
+                assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(
+                    HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
+                    epilogue_in_mma_layout=False)
             assert launch_defaults(dtype, batch, 2, 128, 16) == (
                 dict(HALF_STATE_LAUNCH, block_k=64) if batch <= 8 else
                 dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=False))

@@ -237,9 +237,11 @@ def _gate_terms(a, b, A_log, dt_bias, ancestors, bos, n, i_hv, stride_a, stride_
 
 @triton.jit
 def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b,
-                K: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+                K: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
+                GRAM_BY_DOTS: tl.constexpr):
     """Everything per node that does not touch the state: the key head's q/k inverse norms and Gram matrices (once
-    for the program's G value heads), and per value head i_hv0 + g the gates (`_gate_terms`, tuples over g)."""
+    for the program's G value heads), and per value head i_hv0 + g the gates (`_gate_terms`, tuples over g).
+    GRAM_BY_DOTS (BT >= 16): the Gram matrices as tensor-core products, tf32x3 (exact products for 16-bit rows)."""
     rows = tl.arange(0, BT)
     valid = rows < n
     g_own = ()
@@ -259,13 +261,16 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
     k_full = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     q_inv = tl.rsqrt(tl.sum(q_full * q_full, 1) + 1e-6) * scale
     k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
-    # one column j at a time: [BT, K] tiles, not [BT, BT, K] products (registers at T=8)
-    kk = tl.zeros([BT, BT], dtype=tl.float32)
-    qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for j in tl.static_range(BT):
-        k_j = tl.sum(tl.where(rows[:, None] == j, k_full, 0.0), 0)
-        kk = tl.where(rows[None, :] == j, tl.sum(k_full * k_j[None, :], 1)[:, None], kk)
-        qk = tl.where(rows[None, :] == j, tl.sum(q_full * k_j[None, :], 1)[:, None], qk)
+    if GRAM_BY_DOTS:
+        kk = tl.dot(k_full, tl.trans(k_full), input_precision="tf32x3")
+        qk = tl.dot(q_full, tl.trans(k_full), input_precision="tf32x3")
+    else:  # one column j at a time: [BT, K] tiles, not [BT, BT, K] products (registers at T=8)
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
+        qk = tl.zeros([BT, BT], dtype=tl.float32)
+        for j in tl.static_range(BT):
+            k_j = tl.sum(tl.where(rows[:, None] == j, k_full, 0.0), 0)
+            kk = tl.where(rows[None, :] == j, tl.sum(k_full * k_j[None, :], 1)[:, None], kk)
+            qk = tl.where(rows[None, :] == j, tl.sum(q_full * k_j[None, :], 1)[:, None], qk)
     kk = kk * (k_inv[:, None] * k_inv[None, :])
     qk = qk * (q_inv[:, None] * k_inv[None, :])
     return g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk
@@ -316,7 +321,8 @@ def _pending_path(pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_f
 @triton.jit
 def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_beta, path_c, decay, q_inv, k_inv, kk,
                             qk, i_hv0, eps, stride_qkv, stride_z, stride_zh, stride_out, stride_outh, H: tl.constexpr,
-                            K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, ACT: tl.constexpr):
+                            K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, ACT: tl.constexpr,
+                            MAX_ANC: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The verify's epilogue with node t in column t of [V, BT] tiles in the accumulator's layout
     (EPILOGUE_IN_MMA_LAYOUT; interleaved q/k columns, `_node_columns`): stores the normed, gated outputs and returns
     per head u [V, BT].
@@ -325,7 +331,11 @@ def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_bet
     matrix beta_i exp(c_i - c_j) k_i.k_j, so u = r T^T with T = (I + L)^-1 (unit lower triangular, forward
     substitution on the [BT, BT] matrix), and o = exp(c) q_inv h q + u P^T = exp(c) q_inv h q + r (P T)^T with
     P = exp(c_i - c_j) q_i.k_j. Each of u's and o's columns sums r's columns: one column of r at a time (a sum over
-    the 4 lanes that share a row), no per-node rows to gather."""
+    the 4 lanes that share a row), no per-node rows to gather.
+    SOLVE_BY_DOTS (trees, BT >= 16): BT column passes and the [BT, BT, BT] product P T cost too much there; instead
+    u = r - u L^T, MAX_ANC times (L is nilpotent: its powers past the deepest path vanish, so this is the Neumann
+    series to its last term, in Horner form), and o = exp(c) q_inv h q + u P^T, products of [V, BT] by [BT, BT] on
+    the tensor cores (DOT_PRECISION: tf32x3 for an fp32 state)."""
     o_v = tl.arange(0, V)
     rows = tl.arange(0, BT)
     NQ: tl.constexpr = acc_kq[0].shape[1]
@@ -347,17 +357,24 @@ def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_bet
         exp_c = tl.exp(path_c[g])
         b_r = b_beta[g][None, :] * (b_v - (exp_c * k_inv)[None, :] * hk)
         lower = tl.where(rows[None, :] != rows[:, None], b_beta[g][:, None] * decay[g] * kk, 0.0)
-        inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-        for i in tl.static_range(1, BT):  # rows above i are final when row i is solved
-            l_row = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), 0)
-            inverse = tl.where(rows[:, None] == i, inverse - tl.sum(l_row[:, None] * inverse, 0)[None, :], inverse)
-        p_inverse = tl.sum((decay[g] * qk)[:, :, None] * inverse[None, :, :], 1)
-        b_u = tl.zeros([V, BT], dtype=tl.float32)
-        b_o = (exp_c * q_inv)[None, :] * hq
-        for j in tl.static_range(BT):  # r's column j: a sum over the 4 lanes of a quad
-            r_j = tl.sum(tl.where(rows[None, :] == j, b_r, 0.0), 1)
-            b_u += r_j[:, None] * tl.sum(tl.where(rows[None, :] == j, inverse, 0.0), 1)[None, :]
-            b_o += r_j[:, None] * tl.sum(tl.where(rows[None, :] == j, p_inverse, 0.0), 1)[None, :]
+        if SOLVE_BY_DOTS:
+            b_u = b_r
+            for _ in tl.static_range(MAX_ANC):
+                b_u = b_r - tl.dot(b_u, tl.trans(lower), input_precision=DOT_PRECISION)
+            b_o = (exp_c * q_inv)[None, :] * hq + tl.dot(b_u, tl.trans(decay[g] * qk), input_precision=DOT_PRECISION)
+        else:
+            inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+            for i in tl.static_range(1, BT):  # rows above i are final when row i is solved
+                l_row = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), 0)
+                inverse = tl.where(rows[:, None] == i, inverse - tl.sum(l_row[:, None] * inverse, 0)[None, :],
+                                   inverse)
+            p_inverse = tl.sum((decay[g] * qk)[:, :, None] * inverse[None, :, :], 1)
+            b_u = tl.zeros([V, BT], dtype=tl.float32)
+            b_o = (exp_c * q_inv)[None, :] * hq
+            for j in tl.static_range(BT):  # r's column j: a sum over the 4 lanes of a quad
+                r_j = tl.sum(tl.where(rows[None, :] == j, b_r, 0.0), 1)
+                b_u += r_j[:, None] * tl.sum(tl.where(rows[None, :] == j, inverse, 0.0), 1)[None, :]
+                b_o += r_j[:, None] * tl.sum(tl.where(rows[None, :] == j, p_inverse, 0.0), 1)[None, :]
         b_us = b_us + (b_u,)
         # gated RMSNorm over V (the rows), the core output rounded to the output dtype first, as in the other layout
         b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
@@ -385,7 +402,7 @@ def _gated_step_kernel(
     ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
     SPLIT_IN_MMA_LAYOUT: tl.constexpr, LAGGED_PRODUCTS: tl.constexpr, STATE_TMA: tl.constexpr,
-    EPILOGUE_IN_MMA_LAYOUT: tl.constexpr,
+    EPILOGUE_IN_MMA_LAYOUT: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
     # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
@@ -448,7 +465,7 @@ def _gated_step_kernel(
         if not LATE_NODE_TERMS:
             g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
                 a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G,
-                MAX_ANC, IS_CHAIN)
+                MAX_ANC, IS_CHAIN, SOLVE_BY_DOTS)
         if not STATE_DOT:  # the row layout's per-node q/k row offsets
             row_off = ()
             row_ok = ()
@@ -611,11 +628,11 @@ def _gated_step_kernel(
         if LATE_NODE_TERMS:
             g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
                 a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G,
-                MAX_ANC, IS_CHAIN)
+                MAX_ANC, IS_CHAIN, SOLVE_BY_DOTS)
         if EPILOGUE_IN_MMA_LAYOUT:
             b_us = _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_beta, path_c, decay, q_inv,
                                            k_inv, kk, qk, i_hv0, eps, stride_qkv, stride_z, stride_zh, stride_out,
-                                           stride_outh, H, K, V, G, BT, ACT)
+                                           stride_outh, H, K, V, G, BT, ACT, MAX_ANC, SOLVE_BY_DOTS, DOT_PRECISION)
         else:
             # per head: h k_t, h q_t as [BT, V] tiles, r = beta (v - exp(c) h k), the solve's off-diagonal matrix
             # beta_i exp(c_i - c_j) k_i.k_j; the norm's inputs (z, weight) in flight before the solve's loop
@@ -721,14 +738,19 @@ def _gated_step_kernel(
 # B > 8 take HALF_STATE_BF16_LAUNCH too. The old rule (two heads 32/4/1) ran 116.7 / 497.9 us at T=2, B=64 / 256
 # there (77.0 at B=64 in 2026-12-01c; its commit part grew, kernels.md), against 88.7 / 325.1 for
 # HALF_STATE_BF16_LAUNCH at T=2 in 2026-12-01e, which holds between runs at T=4 (98.8 e, 98.9 f). Not yet one run.
+# Since 2026-12-02 (`bench/results/2026-12-02/device/gated.json`, T=2 tuned at B=64 / 1): 16-bit states with 1-2
+# nodes take HALF_STATE_FEW_NODES_LAUNCH at every batch, 64/8/1 with the bf16 pass, uncapped, without the epilogue:
+# 69.8 / 7.0 us at B=64 / 1 against 89.3 / 8.7 for HALF_STATE_BF16_LAUNCH and 76.9 / 13.4 for two heads 32/4/1, same
+# run (the small-batch rule's tf32 pass, 64/8/1, measured 7.75 at B=1 in 2026-12-01f, another run).
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
-                         epilogue_in_mma_layout=False)
+                         epilogue_in_mma_layout=False, solve_by_dots=False)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
                               epilogue_in_mma_layout=True)
+HALF_STATE_FEW_NODES_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True)
 SMALL_BATCH = 8
 
 
@@ -741,15 +763,17 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
                     max_nodes: int = 4) -> dict:
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
     static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape).
-    Measured choices: the comments above FP32_STATE_LAUNCH (bench/results/2026-12-01d, -01e and -01f)."""
+    Measured choices: the comments above FP32_STATE_LAUNCH (bench/results/2026-12-01d, -01e, -01f and 2026-12-02)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
         if 3 <= max_nodes <= 8:
             return FP32_STATE_EPILOGUE_LAUNCH
         return FP32_STATE_LAUNCH
+    if max_nodes <= 2:
+        return HALF_STATE_FEW_NODES_LAUNCH
     if batch <= SMALL_BATCH:
-        return HALF_STATE_BF16_LAUNCH if 3 <= max_nodes <= 8 else dict(HALF_STATE_LAUNCH, block_k=64)
+        return HALF_STATE_BF16_LAUNCH if max_nodes <= 8 else dict(HALF_STATE_LAUNCH, block_k=64)
     if max_nodes <= 4:
         return HALF_STATE_BF16_LAUNCH
     if value_heads_per_key_head % 2 == 0:
@@ -779,10 +803,11 @@ def _state_products_mode(state_dtype, qkv_dtype, split_state_tf32: bool, split_s
     return "tf32x3"
 
 
-def _nodes_block(max_nodes: int, epilogue_in_mma_layout: bool = False) -> int:
+def _nodes_block(max_nodes: int, epilogue_in_mma_layout: bool = False, solve_by_dots: bool = False) -> int:
     """BT: the node count padded to a power of two, at least 2; the accumulator-layout epilogue puts a column per
-    node and 4 per lane quad, so at least 4 there."""
-    return max(4 if epilogue_in_mma_layout else 2, triton.next_power_of_2(max_nodes))
+    node and 4 per lane quad, so at least 4 there; its solve by tensor-core products needs 16 (a dot's least
+    inner and outer size)."""
+    return max(16 if solve_by_dots else 4 if epilogue_in_mma_layout else 2, triton.next_power_of_2(max_nodes))
 
 
 def _check_factors(factors, state, state_indices, pending_nodes, pending_ancestors):
@@ -823,6 +848,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
+    solve_by_dots = launch["solve_by_dots"] and launch["state_dot"] and do_verify
+    assert not solve_by_dots or launch["epilogue_in_mma_layout"], "the solve by dots is the accumulator epilogue's"
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
     # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
@@ -845,7 +872,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
                   ancestors, cu_nodes, out3)
         strides = (mixed_qkv.stride(0), a.stride(0), b.stride(0), output_gate.stride(0), output_gate.stride(1),
                    out3.stride(0), out3.stride(1))
-        bt = _nodes_block(max_nodes, launch["epilogue_in_mma_layout"] and launch["state_dot"])
+        bt = _nodes_block(max_nodes, launch["epilogue_in_mma_layout"] and launch["state_dot"], solve_by_dots)
     else:  # commit alone: the verify's pointers are never dereferenced
         max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_desc, state_indices, state_indices, state_indices, factors)
@@ -867,6 +894,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         LAGGED_PRODUCTS=launch["lagged_products"] and launch["state_dot"] and do_verify,
         STATE_TMA=launch["tma_state"],
         EPILOGUE_IN_MMA_LAYOUT=launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify,
+        SOLVE_BY_DOTS=solve_by_dots, DOT_PRECISION="tf32x3" if state.dtype == torch.float32 else "tf32",
         STATE_PRODUCTS=state_products,
         **options,
     )
@@ -912,6 +940,7 @@ def gdn_step_triton(
     lagged_products: bool | None = None,
     tma_state: bool | None = None,
     epilogue_in_mma_layout: bool | None = None,
+    solve_by_dots: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -955,6 +984,8 @@ def gdn_step_triton(
     `epilogue_in_mma_layout` (with `state_dot`): the q/k columns interleaved (k_t, q_t side by side), so the
     epilogue takes each node's h k_t, h q_t as a column of the accumulator in place and works on [V, nodes] tiles,
     the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
+    `solve_by_dots` (with `epilogue_in_mma_layout`; for trees): the Gram matrices, the solve and o's solve term as
+    tensor-core products of the node tiles (a Neumann series as long as the deepest path); nodes padded to 16.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -964,7 +995,7 @@ def gdn_step_triton(
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
                    split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
-                   epilogue_in_mma_layout=epilogue_in_mma_layout)
+                   epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots)
 
 
 def gdn_commit_triton(
