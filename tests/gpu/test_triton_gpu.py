@@ -244,6 +244,9 @@ GATED_VARIANTS = {
                       split_state_tf32=True, **PINNED),
     "epilogue_in_mma_layout": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
                                    split_state_tf32=True, epilogue_in_mma_layout=True, split_state_bf16=False),
+    "solve_by_dots": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
+                          split_state_tf32=True, epilogue_in_mma_layout=True, solve_by_dots=True,
+                          split_state_bf16=False),
 }
 
 
@@ -282,6 +285,53 @@ def test_gated_step_vs_reference(state_dtype, tokens, variant):
     accepted[1] = -1
     fresh, _, _ = gated_batch(tokens, batch, state_dtype, seed=tokens + 100)
     gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending_nodes=accepted, **kw)
+    state_tolerance = 2e-5 if state_dtype == torch.float32 else 1e-2
+    for b in range(batch):
+        if b == 1:
+            assert torch.equal(pool[int(slots[b])], before[int(slots[b])])
+        else:
+            assert relative_error(pool[int(slots[b])], states[b]) <= state_tolerance
+
+
+@pytest.mark.parametrize("variant", ["default", "solve_by_dots"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths", [(2, 2, 1), (4, 2), (3, 2, 2), (4, 2, 2)])
+def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
+    """gdn_step_triton on draft trees as vLLM verifies them (root + N nodes) at H=16, HV=32, K=V=128 vs fp64:
+    outputs and u, then the next step's commit of the deepest leaf (one request with nothing pending) along the
+    tree's ancestor table."""
+    from vllm_treewy.kernels.reference import reference_gated_tree
+    from vllm_treewy.kernels.triton import gdn_step_triton, split_slot_factors
+
+    tree = DraftTree.from_widths(list(widths)).with_root()
+    nodes, batch = tree.num_nodes, 3
+    inputs, pool, slots = gated_batch(nodes, batch, state_dtype, seed=nodes)
+    packed = pack_trees([tree] * batch, device="cuda")
+    before = pool.clone()
+    factors = slot_factors(pool.shape[0], nodes)
+    ancestors = ancestor_table(packed.parents, packed.cu_nodes, packed.max_depth)
+    kw = dict(num_key_heads=H, max_nodes=nodes, max_depth=packed.max_depth, ancestors=ancestors, factors=factors,
+              **GATED_VARIANTS[variant])
+    out = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
+    assert torch.equal(pool, before)
+    _, _, u, _ = split_slot_factors(factors, HV, K, V)
+    tolerance = 2e-5 if state_dtype == torch.float32 else 2e-2
+    leaf = nodes - 1
+    states = []
+    for b in range(batch):
+        rows = slice(b * nodes, (b + 1) * nodes)
+        ref = reference_gated_tree(*(x[rows].cpu() for x in inputs[:3]), inputs[3].cpu(), inputs[4].cpu(),
+                                   inputs[5][rows].cpu(), inputs[6].cpu(), before[int(slots[b])].cpu(),
+                                   list(tree.parents), H)
+        assert relative_error(out[rows], ref.out) <= 1e-2  # stored in bf16
+        assert relative_error(u[int(slots[b])], ref.recurrence.u) <= tolerance
+        states.append(ref.recurrence.state[leaf])
+    accepted = torch.full((batch,), leaf, dtype=torch.int32, device="cuda")
+    accepted[1] = -1
+    one = pack_trees([tree], device="cuda")
+    fresh, _, _ = gated_batch(nodes, batch, state_dtype, seed=nodes + 100)
+    gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending_nodes=accepted,
+                    pending_ancestors=ancestor_table(one.parents, one.cu_nodes, one.max_depth), **kw)
     state_tolerance = 2e-5 if state_dtype == torch.float32 else 1e-2
     for b in range(batch):
         if b == 1:

@@ -490,21 +490,26 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 
 
 def test_launch_defaults_measured_choices():
-    """The H200 choices of bench/results/2026-12-01d and -e (kernels.md, seventh and eighth sessions): fp32 states
-    with 3-8 nodes take the accumulator-layout epilogue at every batch (the two-heads 16/8/1 rule for 5-8 nodes is
-    gone); 16-bit states with 3-4 nodes and with 5-8 nodes at small batches 64/8/1 with the bf16 pass capped at 128
-    registers with the epilogue; 5-8 nodes at large batches two heads with the epilogue; (2026-12-02) 1-2 nodes
-    64/8/1 with the bf16 pass, uncapped, without the epilogue, at every batch; more than 8 nodes and narrow heads keep
-    the earlier rules."""
+    """The H200 choices of bench/results/2026-12-01d, -e, -f and 2026-12-02 (kernels.md): fp32 states with 3-8 nodes
+    take the accumulator-layout epilogue at every batch; 16-bit states with 3-4 nodes and with 5-8 nodes at small
+    batches 64/8/1 with the bf16 pass capped at 128 registers with the epilogue, 5-8 nodes at large batches two heads
+    with the epilogue, 1-2 nodes 64/8/1 with the bf16 pass, uncapped, without the epilogue; more than 8 nodes
+    (trees) the epilogue with its solve by tensor-core products (fp32: 32/8/1 2xTF32; 16-bit: 64/8/1, the bf16 pass,
+    uncapped); narrow heads one value row per thread."""
     from vllm_treewy.kernels.triton.gated import (
         FP32_STATE_LAUNCH, HALF_STATE_BF16_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
+    few_nodes = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
+                     epilogue_in_mma_layout=False)
     for batch in (1, 8, 64, 256):
         for nodes in (3, 4, 5, 8):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(FP32_STATE_LAUNCH,
                                                                                   epilogue_in_mma_layout=True)
-        for nodes in (1, 2, 9, 16):
+        for nodes in (1, 2):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == FP32_STATE_LAUNCH
+        for nodes in (9, 16, 32):
+            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
+                FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
         for dtype in (torch.bfloat16, torch.float16):
             for nodes in (3, 4):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(
@@ -515,15 +520,13 @@ def test_launch_defaults_measured_choices():
                     HALF_STATE_BF16_LAUNCH if batch <= 8 else
                     dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=True))
             for nodes in (1, 2):
+                assert launch_defaults(dtype, batch, 2, 128, nodes) == few_nodes
+            for nodes in (9, 16, 32):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(
-                    HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
-                    epilogue_in_mma_layout=False)
-            assert launch_defaults(dtype, batch, 2, 128, 16) == (
-                dict(HALF_STATE_LAUNCH, block_k=64) if batch <= 8 else
-                dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=False))
+                    few_nodes, epilogue_in_mma_layout=True, solve_by_dots=True)
         assert launch_defaults(torch.bfloat16, batch, 1, 128, 8) == (
             HALF_STATE_BF16_LAUNCH if batch <= 8 else dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4))
-        for dtype, nodes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2)):
+        for dtype, nodes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2), (torch.float32, 16)):
             assert launch_defaults(dtype, batch, 2, 8, nodes) == NARROW_HEAD_LAUNCH
 
 

@@ -751,6 +751,9 @@ HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
                               epilogue_in_mma_layout=True)
 HALF_STATE_FEW_NODES_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True)
+# more than 8 nodes (trees): the accumulator-layout epilogue with its solve by tensor-core products
+FP32_STATE_TREE_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, solve_by_dots=True)
+HALF_STATE_TREE_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
 SMALL_BATCH = 8
 
 
@@ -766,19 +769,18 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
     Measured choices: the comments above FP32_STATE_LAUNCH (bench/results/2026-12-01d, -01e, -01f and 2026-12-02)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
+    if max_nodes > 8:
+        return FP32_STATE_TREE_LAUNCH if state_dtype == torch.float32 else HALF_STATE_TREE_LAUNCH
     if state_dtype == torch.float32:
         if 3 <= max_nodes <= 8:
             return FP32_STATE_EPILOGUE_LAUNCH
         return FP32_STATE_LAUNCH
     if max_nodes <= 2:
         return HALF_STATE_FEW_NODES_LAUNCH
-    if batch <= SMALL_BATCH:
-        return HALF_STATE_BF16_LAUNCH if max_nodes <= 8 else dict(HALF_STATE_LAUNCH, block_k=64)
-    if max_nodes <= 4:
+    if batch <= SMALL_BATCH or max_nodes <= 4:
         return HALF_STATE_BF16_LAUNCH
     if value_heads_per_key_head % 2 == 0:
-        return dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2,
-                    epilogue_in_mma_layout=4 < max_nodes <= 8)
+        return dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=True)
     return dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4)
 
 
@@ -848,8 +850,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
-    solve_by_dots = launch["solve_by_dots"] and launch["state_dot"] and do_verify
-    assert not solve_by_dots or launch["epilogue_in_mma_layout"], "the solve by dots is the accumulator epilogue's"
+    # a refinement of the accumulator-layout epilogue: without it (e.g. pinned off over a tree default) it is off
+    solve_by_dots = launch["solve_by_dots"] and launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
     # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
