@@ -40,10 +40,12 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
                  MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
                  DO_VERIFY=verify, HAS_PENDING=pending,
                  G=1, SPLIT_IN_MMA_LAYOUT=False, LAGGED_PRODUCTS=False, STATE_TMA=False, EPILOGUE_IN_MMA_LAYOUT=False,
+                 SOLVE_BY_DOTS=False, DOT_PRECISION="tf32" if state_dtype == "bf16" else "tf32x3",
                  STATE_PRODUCTS="tf32" if state_dtype == "bf16" else "tf32x3")  # q/k/v are bf16 here
     const.update(variant)
     # as the launcher pads it (`_nodes_block`), unless the variant names it
-    const.setdefault("BT", _nodes_block(tokens, const["EPILOGUE_IN_MMA_LAYOUT"] and const.get("STATE_DOT", False)))
+    epilogue = const["EPILOGUE_IN_MMA_LAYOUT"] and const.get("STATE_DOT", False)
+    const.setdefault("BT", _nodes_block(tokens, epilogue, epilogue and const["SOLVE_BY_DOTS"]))
     sig = {}
     for name in names:
         if name in const:

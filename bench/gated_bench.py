@@ -335,7 +335,8 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # `test_first_candidate_is_the_launch_default`).
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
-             _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE)],
+             _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE),
+             _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
     "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE),
              _dot(32, 4, 1, **TWO_HEADS)],

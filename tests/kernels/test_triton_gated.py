@@ -490,24 +490,25 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 
 
 def test_launch_defaults_measured_choices():
-    """The H200 choices of bench/results/2026-12-01d, -e, -f and 2026-12-02 (kernels.md): fp32 states with 3-8 nodes
-    take the accumulator-layout epilogue at every batch; 16-bit states with 3-4 nodes and with 5-8 nodes at small
+    """The H200 choices of bench/results/2026-12-01d, -e, -f and 2026-12-02 (kernels.md): fp32 states with 3-4 nodes
+    take the accumulator-layout epilogue at every batch, with 5 or more its solve by tensor-core products; 16-bit
+    states with 3-4 nodes and with 5-8 nodes at small
     batches 64/8/1 with the bf16 pass capped at 128 registers with the epilogue, 5-8 nodes at large batches two heads
     with the epilogue, 1-2 nodes 64/8/1 with the bf16 pass, uncapped, without the epilogue; more than 8 nodes
-    (trees) the epilogue with its solve by tensor-core products (fp32: 32/8/1 2xTF32; 16-bit: 64/8/1, the bf16 pass,
-    uncapped); narrow heads one value row per thread."""
+    (trees) the epilogue with its solve by tensor-core products (16-bit: 64/8/1, the bf16 pass, uncapped); narrow
+    heads one value row per thread."""
     from vllm_treewy.kernels.triton.gated import (
         FP32_STATE_LAUNCH, HALF_STATE_BF16_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
     few_nodes = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
                      epilogue_in_mma_layout=False)
     for batch in (1, 8, 64, 256):
-        for nodes in (3, 4, 5, 8):
+        for nodes in (3, 4):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(FP32_STATE_LAUNCH,
                                                                                   epilogue_in_mma_layout=True)
         for nodes in (1, 2):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == FP32_STATE_LAUNCH
-        for nodes in (9, 16, 32):
+        for nodes in (5, 8, 9, 16, 32):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
                 FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
         for dtype in (torch.bfloat16, torch.float16):
@@ -534,8 +535,8 @@ def test_launch_defaults_measured_choices():
                                                  (torch.bfloat16, 8)])
 def test_default_launch_vs_reference(state_dtype, tokens):
     """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM, K = 64: the defaults of 3-8 nodes
-    (fp32: 32/8/1 2xTF32, two key chunks; bf16: 64/8/1 capped at 128 registers, one bf16 pass, one chunk; both with
-    the accumulator-layout epilogue) resolve as measured, and a chain step, then a step committing its accepted
+    (fp32: 32/8/1 2xTF32, two key chunks, for 5-8 nodes the solve by tensor-core products; bf16: 64/8/1 capped at 128
+    registers, one bf16 pass, one chunk; both with the accumulator-layout epilogue) resolve as measured, and a chain step, then a step committing its accepted
     nodes inside its verify, match the fp64 reference: outputs, factor rows, the committed state."""
     from vllm_treewy.kernels.triton import gated as gated_module
 
@@ -555,6 +556,7 @@ def test_default_launch_vs_reference(state_dtype, tokens):
         ancestors=None, out=None, do_verify=True)
     fp32 = state_dtype == torch.float32
     assert kernel_kwargs["EPILOGUE_IN_MMA_LAYOUT"] and kernel_kwargs["BK"] == (32 if fp32 else 64)
+    assert kernel_kwargs["SOLVE_BY_DOTS"] == (fp32 and tokens > 4)
     assert kernel_kwargs["STATE_PRODUCTS"] == ("2xtf32" if fp32 else "bf16") and kernel_kwargs["G"] == 1
     assert kernel_kwargs["STATE_DOT"] and kernel_kwargs["num_warps"] == 8 and kernel_kwargs["PREFETCH"] == 1
     # the register cap reaches ptxas only on a GPU (the interpreter has no registers): as `launch_defaults` gives it

@@ -742,6 +742,17 @@ def _gated_step_kernel(
 # nodes take HALF_STATE_FEW_NODES_LAUNCH at every batch, 64/8/1 with the bf16 pass, uncapped, without the epilogue:
 # 69.8 / 7.0 us at B=64 / 1 against 89.3 / 8.7 for HALF_STATE_BF16_LAUNCH and 76.9 / 13.4 for two heads 32/4/1, same
 # run (the small-batch rule's tf32 pass, 64/8/1, measured 7.75 at B=1 in 2026-12-01f, another run).
+# Also since 2026-12-02, the epilogue's solve by tensor-core products (`solve_by_dots`, nodes padded to 16):
+# - more than 8 nodes (trees), every state (`results/2026-12-02/trees_solve_by_dots/`, B=64, root + N nodes, the
+#   previous step's deepest leaf committed): fp32 32/8/1 2xTF32 (FP32_STATE_SOLVE_BY_DOTS_LAUNCH) [2,2,1] 278.7 /
+#   [4,2,2] 723.6 us against 1082.4 / 2486.2 for the rule before (FP32_STATE_LAUNCH; `results/2026-12-02/trees/`,
+#   another run), 16/8/1 436.5 / 903.6; 16-bit states 64/8/1 with the bf16 pass uncapped
+#   (HALF_STATE_SOLVE_BY_DOTS_LAUNCH) 212.5 / 626.3 against 595.3 / 1596.6 (two heads 32/4/1), 32/8/1 304.0 / 804.3,
+#   64/8/1 capped at 128 registers 489.8 / 1476.0.
+# - fp32 states with 5-8 nodes, every batch (`results/2026-12-02/t8_solve_by_dots/`, chain T=8 tuned at B=64 / 1):
+#   317.6 / 19.9 us against the epilogue's 401.8 / 24.5 and 16/8/1 capped 387.1 / 25.5, same run (vLLM's compiled
+#   349.7 / 22.4). T=5-7 not run, taken with T=8. 16-bit states with 5-8 nodes keep their rules: a chain of 8 nodes
+#   as a tree, B=64, 247.7 us by dots against 223.3 for two heads (`trees_solve_by_dots/`).
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
@@ -751,9 +762,8 @@ HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
                               epilogue_in_mma_layout=True)
 HALF_STATE_FEW_NODES_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True)
-# more than 8 nodes (trees): the accumulator-layout epilogue with its solve by tensor-core products
-FP32_STATE_TREE_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, solve_by_dots=True)
-HALF_STATE_TREE_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
+FP32_STATE_SOLVE_BY_DOTS_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, solve_by_dots=True)
+HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
 SMALL_BATCH = 8
 
 
@@ -769,12 +779,12 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
     Measured choices: the comments above FP32_STATE_LAUNCH (bench/results/2026-12-01d, -01e, -01f and 2026-12-02)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
-    if max_nodes > 8:
-        return FP32_STATE_TREE_LAUNCH if state_dtype == torch.float32 else HALF_STATE_TREE_LAUNCH
     if state_dtype == torch.float32:
-        if 3 <= max_nodes <= 8:
-            return FP32_STATE_EPILOGUE_LAUNCH
-        return FP32_STATE_LAUNCH
+        if max_nodes > 4:
+            return FP32_STATE_SOLVE_BY_DOTS_LAUNCH
+        return FP32_STATE_EPILOGUE_LAUNCH if max_nodes >= 3 else FP32_STATE_LAUNCH
+    if max_nodes > 8:
+        return HALF_STATE_SOLVE_BY_DOTS_LAUNCH
     if max_nodes <= 2:
         return HALF_STATE_FEW_NODES_LAUNCH
     if batch <= SMALL_BATCH or max_nodes <= 4:
