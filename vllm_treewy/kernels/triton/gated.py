@@ -28,17 +28,19 @@ than one head for fp32 states, 2026-12-01). Two layouts (launch option `state_do
   per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
 
-Measured on the H200 (bench/results/kernels.md, 2026-12-01f, the launch defaults): fp32 state, chain T=4, 1.44x /
-1.53x vLLM's compiled kernel at B=64 / 256, 1.20x at B=1; T=2 1.07x and T=8 0.87x at B=64; bf16 state T=4 1.07x /
-1.14x, 1.28x at B=1 (two CTAs per SM), T=8 0.79x at B=64.
+Measured on the H200 (bench/results/kernels.md, 2026-12-01f and 2026-12-02, the launch defaults): fp32 state, chain
+T=4, 1.44x / 1.53x vLLM's compiled kernel at B=64 / 256, 1.20x at B=1; T=2 1.07x and T=8 1.10x at B=64 (the solve
+by dots); bf16 state T=4 1.07x / 1.14x, 1.28x at B=1 (two CTAs per SM), T=2 0.92x and T=8 0.79x at B=64.
 The fp32 step is at 2.1x the two-state HBM bound at B=64: latency-bound. The sixth session's ncu stall samples (fp32
 T=4 B=64, before the key-row prefetch and the accumulator-layout epilogue) put 53% in the state loop, waiting for
 loads issued in the same iteration, and 38% in the epilogue's cross-lane reductions and barriers.
 
-A whole head per program is what the gated RMSNorm needs (it normalises over V). Trees work (ancestor table, as in
-`verify_packed_triton`; tested in the interpreter up to 12 nodes), but registers grow with the node count (BT = next
-power of two): measured on the H200 are chains of up to 8 nodes; `verify_packed_triton` (no gates, norm or commit
-fused) is the kernel family's tree verify on its own, for trees beyond what one program's registers hold.
+A whole head per program is what the gated RMSNorm needs (it normalises over V); splitting a head's value rows over
+programs measured slower (kernels.md, 2026-12-02). Trees work (ancestor table, as in `verify_packed_triton`;
+tested in the interpreter up to 12 nodes, on the H200 up to 29): beyond 8 nodes the epilogue solves by tensor-core
+products (`solve_by_dots`), 2.1-2.3x (fp32) and 1.7x (bf16) the per-node serial baseline at B=64 for [2,2,1] and
+[4,2,2], where registers spill; `verify_packed_triton` (no gates, norm or commit fused, value tiles of 64) is the
+kernel family's tree verify on its own, 11x serial in bf16 on [4,2,2].
 
 Factors for the commit live in the state slots' rows, `factors` [S, T, F] fp32 (`slot_factor_width`): per node
 the raw key rows PER VALUE HEAD (a copy of mixed_qkv's k slice), their inverse norms, the pseudo-values u and the
