@@ -256,62 +256,40 @@ GATED_VARIANTS = {
     if not (variant in ("split", "split_in_mma_layout", "lagged_products") and dtype == torch.bfloat16)])
 @pytest.mark.parametrize("tokens", [2, 4, 8])
 def test_gated_step_vs_reference(state_dtype, tokens, variant):
-    """gdn_step_triton at H=16, HV=32, K=V=128 vs the fp64 reference: outputs, u in the slot rows, and the state the
-    pending commit inside the next step writes (the previous step's whole chain accepted; one request padding-free
-    but with nothing pending), with the tuned launch defaults."""
-    from vllm_treewy.kernels.reference import reference_gated_tree
-    from vllm_treewy.kernels.triton import gdn_step_triton, split_slot_factors
-
-    batch = 3
-    inputs, pool, slots = gated_batch(tokens, batch, state_dtype, seed=tokens)
-    packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
-    before = pool.clone()
-    factors = slot_factors(pool.shape[0], tokens)
-    kw = dict(num_key_heads=H, max_nodes=tokens, chain=True, factors=factors, **GATED_VARIANTS[variant])
-    out = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
-    assert torch.equal(pool, before)
-    _, _, u, _ = split_slot_factors(factors, HV, K, V)
-    tolerance = 2e-5 if state_dtype == torch.float32 else 2e-2
-    chain = list(range(-1, tokens - 1))
-    states = []
-    for b in range(batch):
-        rows = slice(b * tokens, (b + 1) * tokens)
-        ref = reference_gated_tree(*(x[rows].cpu() for x in inputs[:3]), inputs[3].cpu(), inputs[4].cpu(),
-                                   inputs[5][rows].cpu(), inputs[6].cpu(), before[int(slots[b])].cpu(), chain, H)
-        assert relative_error(out[rows], ref.out) <= 1e-2  # stored in bf16
-        assert relative_error(u[int(slots[b])], ref.recurrence.u) <= tolerance
-        states.append(ref.recurrence.state[-1])
-    accepted = torch.full((batch,), tokens - 1, dtype=torch.int32, device="cuda")
-    accepted[1] = -1
-    fresh, _, _ = gated_batch(tokens, batch, state_dtype, seed=tokens + 100)
-    gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending_nodes=accepted, **kw)
-    state_tolerance = 2e-5 if state_dtype == torch.float32 else 1e-2
-    for b in range(batch):
-        if b == 1:
-            assert torch.equal(pool[int(slots[b])], before[int(slots[b])])
-        else:
-            assert relative_error(pool[int(slots[b])], states[b]) <= state_tolerance
+    """A chain step with the tuned launch defaults and each layout (`check_gated_two_steps`)."""
+    check_gated_two_steps(DraftTree.from_widths([1] * tokens), True, state_dtype, GATED_VARIANTS[variant])
 
 
 @pytest.mark.parametrize("variant", ["default", "solve_by_dots"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2, 1), (4, 2), (3, 2, 2), (4, 2, 2)])
 def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
-    """gdn_step_triton on draft trees as vLLM verifies them (root + N nodes) at H=16, HV=32, K=V=128 vs fp64:
-    outputs and u, then the next step's commit of the deepest leaf (one request with nothing pending) along the
-    tree's ancestor table."""
+    """Draft trees as vLLM verifies them (root + N nodes), the commit along the tree's ancestor table
+    (`check_gated_two_steps`)."""
+    check_gated_two_steps(DraftTree.from_widths(list(widths)).with_root(), False, state_dtype,
+                          GATED_VARIANTS[variant])
+
+
+def check_gated_two_steps(tree, chain, state_dtype, launch):
+    """gdn_step_triton at H=16, HV=32, K=V=128 on three requests of `tree` vs the fp64 reference: outputs, u in the
+    slot rows, and the state the pending commit inside the next step writes (the tree's last node, a leaf at full
+    depth, accepted; one request with nothing pending)."""
     from vllm_treewy.kernels.reference import reference_gated_tree
     from vllm_treewy.kernels.triton import gdn_step_triton, split_slot_factors
 
-    tree = DraftTree.from_widths(list(widths)).with_root()
     nodes, batch = tree.num_nodes, 3
     inputs, pool, slots = gated_batch(nodes, batch, state_dtype, seed=nodes)
     packed = pack_trees([tree] * batch, device="cuda")
     before = pool.clone()
     factors = slot_factors(pool.shape[0], nodes)
-    ancestors = ancestor_table(packed.parents, packed.cu_nodes, packed.max_depth)
-    kw = dict(num_key_heads=H, max_nodes=nodes, max_depth=packed.max_depth, ancestors=ancestors, factors=factors,
-              **GATED_VARIANTS[variant])
+    if chain:
+        ancestors = pending_ancestors = None
+    else:
+        one = pack_trees([tree], device="cuda")
+        ancestors = ancestor_table(packed.parents, packed.cu_nodes, packed.max_depth)
+        pending_ancestors = ancestor_table(one.parents, one.cu_nodes, one.max_depth)
+    kw = dict(num_key_heads=H, max_nodes=nodes, max_depth=None if chain else packed.max_depth, chain=chain,
+              ancestors=ancestors, factors=factors, **launch)
     out = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
     assert torch.equal(pool, before)
     _, _, u, _ = split_slot_factors(factors, HV, K, V)
@@ -328,10 +306,9 @@ def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
         states.append(ref.recurrence.state[leaf])
     accepted = torch.full((batch,), leaf, dtype=torch.int32, device="cuda")
     accepted[1] = -1
-    one = pack_trees([tree], device="cuda")
     fresh, _, _ = gated_batch(nodes, batch, state_dtype, seed=nodes + 100)
     gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending_nodes=accepted,
-                    pending_ancestors=ancestor_table(one.parents, one.cu_nodes, one.max_depth), **kw)
+                    pending_ancestors=pending_ancestors, **kw)
     state_tolerance = 2e-5 if state_dtype == torch.float32 else 1e-2
     for b in range(batch):
         if b == 1:
