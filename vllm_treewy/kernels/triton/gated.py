@@ -243,7 +243,8 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
                 GRAM_BY_DOTS: tl.constexpr):
     """Everything per node that does not touch the state: the key head's q/k inverse norms and Gram matrices (once
     for the program's G value heads), and per value head i_hv0 + g the gates (`_gate_terms`, tuples over g).
-    GRAM_BY_DOTS (BT >= 16): the Gram matrices as tensor-core products, tf32x3 (exact products for 16-bit rows)."""
+    GRAM_BY_DOTS (BT >= 16): the Gram matrices as tensor-core products, of the 16-bit rows as they are (exact
+    products), tf32x3 for fp32 rows."""
     rows = tl.arange(0, BT)
     valid = rows < n
     g_own = ()
@@ -259,13 +260,18 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
         decay = decay + (head_terms[3],)
     # q/k norms and the small Gram matrices, from the whole rows (K elements; cached after the first touch)
     o_k = tl.arange(0, K)
-    q_full = tl.load(q_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    k_full = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    q_raw = tl.load(q_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+    k_raw = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+    q_full = q_raw.to(tl.float32)
+    k_full = k_raw.to(tl.float32)
     q_inv = tl.rsqrt(tl.sum(q_full * q_full, 1) + 1e-6) * scale
     k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
-    if GRAM_BY_DOTS:
+    if GRAM_BY_DOTS and q_raw.dtype == tl.float32:
         kk = tl.dot(k_full, tl.trans(k_full), input_precision="tf32x3")
         qk = tl.dot(q_full, tl.trans(k_full), input_precision="tf32x3")
+    elif GRAM_BY_DOTS:  # 16-bit rows as they are: exact products, fp32 sums (tf32x3's split spilled at BT >= 16)
+        kk = tl.dot(k_raw, tl.trans(k_raw))
+        qk = tl.dot(q_raw, tl.trans(k_raw))
     else:  # one column j at a time: [BT, K] tiles, not [BT, BT, K] products (registers at T=8)
         kk = tl.zeros([BT, BT], dtype=tl.float32)
         qk = tl.zeros([BT, BT], dtype=tl.float32)
