@@ -331,6 +331,8 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # They lost at T=2 and T=4, B=64 and B=1 (`results/2026-12-02/device/gated.json`): fp32 16/8/1 capped 80 314.0 / 312.3
 # us at T=2 / T=4, B=64, 16/4/1 capped 128 326.7 / 159.3, against 107.8 / 134.3 for the defaults; bf16 32/8/1 capped 80
 # 273.8 / 307.9, 16/4/1 capped 128 230.1 / 231.9, against 69.8 / 98.5. Dropped.
+# The solve by tensor-core products (2026-12-02): the fp32 default for 5-8 nodes; for bf16 a candidate (it spilled when
+# it lost at 8 nodes, 247.7 against 223.3 us, `trees_solve_by_dots/`; no spill since its Gram matrices' bf16 products).
 # The first of each is the launch default at T=4 (`launch_defaults`; bf16's since 2026-12-01e,
 # `test_first_candidate_is_the_launch_default`).
 CONFIGS = {
@@ -339,7 +341,7 @@ CONFIGS = {
              _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
     "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE),
-             _dot(32, 4, 1, **TWO_HEADS)],
+             _dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
 }
 
 
