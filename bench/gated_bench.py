@@ -108,9 +108,11 @@ class Step:
         # a tree's ancestor tables, built once per step for all layers in vLLM: this batch's, and the previous
         # step's (one tree, shared by every slot) for the pending commit
         self.max_depth = None if self.chain else packed.max_depth
-        self.ancestors = None if self.chain else ancestor_table(self.parents, self.cu_nodes, packed.max_depth)
-        one = pack_trees([tree], device="cuda")
-        self.pending_ancestors = None if self.chain else ancestor_table(one.parents, one.cu_nodes, one.max_depth)
+        self.ancestors = self.pending_ancestors = None
+        if not self.chain:
+            one = pack_trees([tree], device="cuda")
+            self.ancestors = ancestor_table(self.parents, self.cu_nodes, packed.max_depth)
+            self.pending_ancestors = ancestor_table(one.parents, one.cu_nodes, one.max_depth)
         self.mixed_qkv = torch.randn(n, 2 * H * K + HV * V, device="cuda", generator=gen).bfloat16()
         self.a = torch.randn(n, HV, device="cuda", generator=gen).bfloat16()
         self.b = torch.randn(n, HV, device="cuda", generator=gen).bfloat16()
@@ -345,14 +347,13 @@ CONFIGS = {
 }
 
 
-# draft trees (`--gated-trees`), beside the launch default: the solve by tensor-core products, whose node tiles
-# hold 16-32 columns (registers)
+# draft trees (`--gated-trees`), beside the launch default (the solve by tensor-core products, 2026-12-02): other
+# tiles for it, and the rules before it (fp32 32/8/1 2xTF32 without the epilogue; bf16 two heads 32/4/1)
 TREE_CONFIGS = {
-    "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(16, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
-    "bf16": [_dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
+    "fp32": [_dot(16, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT)],
+    "bf16": [_dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
+             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
+             _dot(32, 4, 1, **TWO_HEADS)],
 }
 
 
@@ -372,8 +373,8 @@ def main():
     parser.add_argument("--tune-batches", type=int, nargs="*", default=[64, 1])
     parser.add_argument("--trees", type=int, nargs="*", default=[64])  # [4,2,2] tree batches
     parser.add_argument("--gated-trees", nargs="*", default=[],
-                        help="draft trees as widths (e.g. 2,2,1) for the fused step at its launch defaults, what "
-                             "vLLM's CUDA tree step runs, against the per-node serial baseline")
+                        help="draft trees as widths (e.g. 2,2,1) for the fused step at its launch defaults (what "
+                             "vLLM's CUDA tree step runs) and TREE_CONFIGS, against the per-node serial baseline")
     parser.add_argument("--gated-tree-batches", type=int, nargs="*", default=[64])
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--short-batches", type=int, nargs="*", default=[1, 64, 256],
