@@ -492,11 +492,10 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 def test_launch_defaults_measured_choices():
     """The H200 choices of bench/results/2026-12-01d, -e, -f and 2026-12-02 (kernels.md): fp32 states with 3-4 nodes
     take the accumulator-layout epilogue at every batch, with 5 or more its solve by tensor-core products; 16-bit
-    states with 3-4 nodes and with 5-8 nodes at small
-    batches 64/8/1 with the bf16 pass capped at 128 registers with the epilogue, 5-8 nodes at large batches two heads
-    with the epilogue, 1-2 nodes 64/8/1 with the bf16 pass, uncapped, without the epilogue; more than 8 nodes
-    (trees) the epilogue with its solve by tensor-core products (16-bit: 64/8/1, the bf16 pass, uncapped); narrow
-    heads one value row per thread."""
+    states with 3-4 nodes and with 5-8 nodes at small batches 64/8/1 with the bf16 pass capped at 128 registers with
+    the epilogue, 5-8 nodes at large batches two heads with the epilogue, 1-2 nodes 64/8/1 with the bf16 pass,
+    uncapped, without the epilogue; more than 8 nodes (trees) the epilogue with its solve by tensor-core products
+    (16-bit: 64/8/1, the bf16 pass, uncapped); narrow heads one value row per thread."""
     from vllm_treewy.kernels.triton.gated import (
         FP32_STATE_LAUNCH, HALF_STATE_BF16_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
@@ -536,8 +535,9 @@ def test_launch_defaults_measured_choices():
 def test_default_launch_vs_reference(state_dtype, tokens):
     """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM, K = 64: the defaults of 3-8 nodes
     (fp32: 32/8/1 2xTF32, two key chunks, for 5-8 nodes the solve by tensor-core products; bf16: 64/8/1 capped at 128
-    registers, one bf16 pass, one chunk; both with the accumulator-layout epilogue) resolve as measured, and a chain step, then a step committing its accepted
-    nodes inside its verify, match the fp64 reference: outputs, factor rows, the committed state."""
+    registers, one bf16 pass, one chunk; both with the accumulator-layout epilogue) resolve as measured, and a chain
+    step, then a step committing its accepted nodes inside its verify, match the fp64 reference: outputs, factor
+    rows, the committed state."""
     from vllm_treewy.kernels.triton import gated as gated_module
 
     first = [DraftTree.from_widths([1] * n).parents for n in (tokens, tokens - 1)]

@@ -54,7 +54,7 @@ LAYOUTS = [(torch.float32, "vec"), (torch.bfloat16, "vec"), (torch.float16, "vec
 # the layout test lists the AMX packing either way: skipped, with the reason, where vLLM does not write it
 EVERY_LAYOUT = LAYOUTS if WRITES_AMX else LAYOUTS + [pytest.param(
     *AMX_LAYOUT, marks=pytest.mark.skip(reason="vLLM's CPU build writes no AMX cache on this CPU (AVX2 only)"))]
-# The kernels vLLM's forward can run here (AMX SIGILLs on this machine, see the module docstring).
+# The kernels vLLM's forward can run on every machine (AMX SIGILLs on some, see the module docstring).
 RUNNABLE_LAYOUTS = [(torch.float32, "vec"), (torch.bfloat16, "vec"), (torch.bfloat16, "vec16")]
 
 

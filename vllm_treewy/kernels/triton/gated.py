@@ -39,8 +39,8 @@ A whole head per program is what the gated RMSNorm needs (it normalises over V);
 programs measured slower (kernels.md, 2026-12-02). Trees work (ancestor table, as in `verify_packed_triton`;
 tested in the interpreter up to 12 nodes, on the H200 up to 29): beyond 8 nodes the epilogue solves by tensor-core
 products (`solve_by_dots`), 2.1-2.3x (fp32) and 1.7x (bf16) the per-node serial baseline at B=64 for [2,2,1] and
-[4,2,2] as timed, when the Gram matrices' tf32x3 products still spilled; `verify_packed_triton` (no gates, norm or commit fused, value tiles of 64) is the
-kernel family's tree verify on its own, 11x serial in bf16 on [4,2,2].
+[4,2,2] as timed, when the Gram matrices' tf32x3 products still spilled; `verify_packed_triton` (no gates, norm or
+commit fused, value tiles of 64) is the kernel family's tree verify on its own, 11x serial in bf16 on [4,2,2].
 
 Factors for the commit live in the state slots' rows, `factors` [S, T, F] fp32 (`slot_factor_width`): per node
 the raw key rows PER VALUE HEAD (a copy of mixed_qkv's k slice), their inverse norms, the pseudo-values u and the
