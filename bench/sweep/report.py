@@ -194,6 +194,8 @@ def write_ratios(rows: list[dict], points: list[dict], record: dict, fails: list
         f"# Serving sweep `{grid['name']}`: reconstruct (R) vs store_all (S)",
         "",
         f"{grid['description']}. Command: `{record['command']}` ({record['date_utc']}).",
+        *(f"Earlier call into the same output: `{call['command']}` ({call['date_utc']})."
+          for call in record.get("earlier_calls", ())),
         *(f"Setting: {label}." for label in grid.get("labels", ())),
         f"Machine: {record['machine'].get('processor') or record['machine']['platform']}, "
         f"{record['machine']['cpu_count']} CPUs, load average (1/5/15 min) at start "

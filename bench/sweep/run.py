@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.gpu_site import plugin_metadata_dir
 from bench.sweep.grids import GRIDS, Grid
 from bench.sweep.models import prepare_model
 from bench.sweep.workloads import write_workloads
@@ -118,8 +119,11 @@ def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, 
         sweep_cmd.append("--dry-run")
 
     env = dict(os.environ, **grid.env)
-    # The benchmark and reset commands import bench.sweep: the repository root must be importable.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    # The benchmark and reset commands import bench.sweep: the repository root must be importable. A server needs
+    # the plugin's entry point, which a source tree on PYTHONPATH (the H200 site) lacks.
+    plugin_metadata = plugin_metadata_dir(out / "plugin-metadata")
+    env["PYTHONPATH"] = os.pathsep.join(
+        str(p) for p in (REPO_ROOT, plugin_metadata, env.get("PYTHONPATH", "")) if p)
     # A server runs its engine core in its own process, as deployed (the in-process engine is for tests).
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -248,7 +252,13 @@ def write_command_record(plan: SweepPlan, argv: list[str]) -> None:
                     "load_average_1_5_15min_at_start": os.getloadavg()},  # fmt: skip
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    (plan.out / "command.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    # A grid split over calls (--only, --resume) keeps the command and date of every call that added to it.
+    path = plan.out / "command.json"
+    earlier = json.loads(path.read_text()) if path.exists() else None
+    if earlier:
+        record["earlier_calls"] = [*earlier.pop("earlier_calls", []),
+                                   {"command": earlier["command"], "date_utc": earlier["date_utc"]}]  # fmt: skip
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
 def _interrupt(signum, frame):
