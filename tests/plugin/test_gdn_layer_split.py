@@ -13,6 +13,7 @@ import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
 from vllm_treewy.vllm_plugin import gdn_layer
+from vllm_treewy.vllm_plugin.patch_points import ENCODE_LAYER_NAME
 from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata
 
 HV, V, CONV_DIM = 2, 3, 5
@@ -109,3 +110,31 @@ def test_unfused_path_refuses_speculative_tokens_under_reconstruct(monkeypatch):
     layer = _layer(monkeypatch, "l", {})
     with pytest.raises(RuntimeError, match="fused-norm"):
         layer._forward_core(torch.zeros(10, CONV_DIM), torch.zeros(10, HV), torch.zeros(10, HV), torch.zeros(10, HV, V))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reconstruct_takes_the_fused_norm_op_at_any_activation_dtype(monkeypatch, dtype):
+    """vLLM's forward_cuda takes the fused-norm op for bf16 activations only; under reconstruct an fp32 model takes it
+    too (its unfused op would verify from a state per draft position). The projections are stand-ins here."""
+    taken = []
+    monkeypatch.setattr(QwenGatedDeltaNetAttention, "forward_cuda",
+                        lambda self, hidden_states: taken.append("vllm") or hidden_states)
+
+    def fused_norm_op(mixed_qkvz, ba, core_attn_out, layer_name):
+        taken.append(("op", mixed_qkvz.dtype, ba.shape, core_attn_out.shape, layer_name))
+        core_attn_out.fill_(3.0)
+
+    monkeypatch.setattr(torch.ops.vllm, "qwen_gdn_attention_core_fused_norm_packed", fused_norm_op)
+    layer = object.__new__(gdn_layer.ReconstructGatedDeltaNetAttention)
+    layer.prefix, layer.reconstructs_state, layer.tp_size, layer.num_v_heads, layer.head_v_dim = "l", True, 1, HV, V
+    layer.in_proj_qkvz = lambda h: (h.repeat(1, 2), None)
+    layer.in_proj_ba = lambda h: (h[:, : 2 * HV], None)
+    layer.out_proj = lambda x: (x.sum(-1, keepdim=True), None)
+    hidden = torch.ones(4, 8, dtype=dtype)
+    output = gdn_layer.ReconstructGatedDeltaNetAttention.forward_cuda(layer, hidden)
+    if dtype == torch.bfloat16:
+        assert taken == ["vllm"]  # vLLM's own forward_cuda, which takes the op itself
+        return
+    # vLLM's encoding of the name (a LayerName where torch lifts it as a graph input)
+    assert taken == [("op", torch.float32, (4, 2 * HV), (4, HV, V), ENCODE_LAYER_NAME.resolve()("l"))]
+    torch.testing.assert_close(output, torch.full((4, 1), 3.0 * HV * V))

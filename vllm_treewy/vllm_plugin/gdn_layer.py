@@ -2,8 +2,8 @@
 
 `ReconstructGatedDeltaNetAttention` replaces vLLM's `QwenGatedDeltaNetAttention` (out-of-tree layer
 registration); with `mamba_state_commit="store_all"` it behaves exactly like its parent. On CUDA it runs vLLM's
-fused-norm GDN path (`_forward_core_fused_norm`, where vLLM would call its compiled MTP kernel) and takes the
-speculative tokens out of it; the prefills of the same batch stay with vLLM. FULL CUDA graphs capture decode
+fused-norm GDN path (`_forward_core_fused_norm`, where vLLM would call its compiled MTP kernel; bf16 and fp32 models)
+and takes the speculative tokens out of it; the prefills of the same batch stay with vLLM. FULL CUDA graphs capture decode
 batches: every step's inputs are tensors of the GDN metadata (`step_metadata`). On CPU the same happens through
 `gdn_cpu`, which also runs the store_all draft tree baseline (`store_all_tree`): vLLM's chain kernels cannot follow a
 tree's parents.
@@ -25,7 +25,12 @@ from vllm.utils.torch_utils import get_dtype_size
 
 from vllm_treewy.vllm_plugin import reconstruct, store_all_tree
 from vllm_treewy.vllm_plugin.config import keeps_slot_counts, reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.patch_points import CPU_SSM_STATE_VIEW, CPU_UNPACKED_CONV_WEIGHT
+from vllm_treewy.vllm_plugin.patch_points import (
+    CPU_SSM_STATE_VIEW,
+    CPU_UNPACKED_CONV_WEIGHT,
+    ENCODE_LAYER_NAME,
+    GDN_FUSED_NORM_OP,
+)
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import (
     BufferLayout,
     PseudoValueBuffer,
@@ -58,8 +63,8 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def _check_cuda_support(self) -> None:
         reasons = []
-        if self.model_config.dtype != torch.bfloat16:
-            reasons.append(f"a bfloat16 model (got {self.model_config.dtype})")
+        if self.model_config.dtype not in (torch.bfloat16, torch.float32):
+            reasons.append(f"a bfloat16 or float32 model (got {self.model_config.dtype})")
         if self.gqa_interleaved_layout:
             reasons.append("the Qwen3.5 (non-interleaved) q/k/v/z layout")
         if self.norm.activation not in GATE_ACTIVATIONS:
@@ -70,6 +75,21 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if reasons:
             raise ValueError("mamba_state_commit='reconstruct' on CUDA runs the fused GDN step, which needs "
                              + ", ".join(reasons) + "; use mamba_state_commit='store_all' for this model")
+
+    def forward_cuda(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.reconstructs_state or hidden_states.dtype == torch.bfloat16:
+            return super().forward_cuda(hidden_states)
+        # vLLM takes its fused-norm path (where reconstruct verifies drafts) for bf16 activations only; its unfused
+        # path would verify from a state per draft position. An fp32 model takes the fused-norm path too.
+        mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
+        ba, _ = self.in_proj_ba(hidden_states)
+        core_attn_out = torch.zeros((hidden_states.size(0), self.num_v_heads // self.tp_size, self.head_v_dim),
+                                    dtype=hidden_states.dtype, device=hidden_states.device)
+        # the registered op (a split point of vLLM's piecewise graphs), not the Python function behind it
+        getattr(torch.ops.vllm, GDN_FUSED_NORM_OP.attribute)(mixed_qkvz, ba, core_attn_out,
+                                                              layer_name=ENCODE_LAYER_NAME.resolve()(self.prefix))
+        output, _ = self.out_proj(core_attn_out.flatten(-2))
+        return output
 
     def buffer_layout(self) -> BufferLayout:
         return BufferLayout.of_model(self.tp_size, self.num_k_heads, self.num_v_heads, self.head_k_dim,
@@ -192,7 +212,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if self._metadata() is not None:
             # vLLM's own speculative kernels would read a state per draft position, which reconstruct does not keep.
             raise RuntimeError("mamba_state_commit='reconstruct' on CUDA verifies drafts on the fused-norm GDN path "
-                               "only; this batch took the unfused path (a non-bfloat16 activation?)")
+                               "only; this batch took the unfused path")
         return super()._forward_core(mixed_qkv, b, a, core_attn_out)
 
 

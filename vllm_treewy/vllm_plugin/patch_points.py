@@ -159,6 +159,20 @@ GDN_FORWARD_CORE_FUSED_NORM = PatchPoint(
     "enable_fused_gdn_spec_decode is set, which the layer does): the speculative tokens go to reconstruct there",
     ("self", "mixed_qkv", "b", "a", "output_gate", "core_attn_out"),
 )
+GDN_FORWARD_CUDA = PatchPoint(
+    _GDN_LAYER, "QwenGatedDeltaNetAttention.forward_cuda", "overrides",
+    "vLLM takes the fused-norm path for bf16 activations only: under reconstruct an fp32 model takes it too",
+    ("self", "hidden_states"),
+)
+GDN_FUSED_NORM_OP = PatchPoint(
+    _GDN_LAYER, "qwen_gdn_attention_core_fused_norm_packed", "calls",
+    "the fused-norm GDN op forward_cuda calls for bf16 (registered as torch.ops.vllm.*, a CUDA graph split point)",
+    ("mixed_qkvz", "ba", "core_attn_out", "layer_name"),
+)
+ENCODE_LAYER_NAME = PatchPoint(
+    "vllm.utils.torch_utils", "_encode_layer_name", "calls", "the layer name as vLLM's GDN ops take it",
+    ("layer_name",),
+)
 GDN_RMS_NORM_GATED = PatchPoint(
     _GDN_LAYER, "QwenGatedDeltaNetAttention._rms_norm_gated_cuda", "calls",
     "the gated RMSNorm of a mixed batch's prefill tokens, as vLLM's fused-norm path applies it",
@@ -278,6 +292,9 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     GDN_METADATA_BUILD,
     GDN_STAGES_SPEC_DECODE,
     GDN_FORWARD_CORE_FUSED_NORM,
+    GDN_FORWARD_CUDA,
+    GDN_FUSED_NORM_OP,
+    ENCODE_LAYER_NAME,
     GDN_RMS_NORM_GATED,
     GDN_FORWARD_CORE,
     MAMBA_KV_CACHE_SPEC,
