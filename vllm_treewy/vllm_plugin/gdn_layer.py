@@ -40,6 +40,7 @@ from vllm_treewy.vllm_plugin.pseudo_value_buffer import (
 from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata
 
 GATE_ACTIVATIONS = ("silu", "sigmoid")
+encode_layer_name = ENCODE_LAYER_NAME.resolve()  # at import: torch.compile traces forward_cuda, not importlib
 
 
 class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
@@ -87,7 +88,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                                     dtype=hidden_states.dtype, device=hidden_states.device)
         # the registered op (a split point of vLLM's piecewise graphs), not the Python function behind it
         getattr(torch.ops.vllm, GDN_FUSED_NORM_OP.attribute)(mixed_qkvz, ba, core_attn_out,
-                                                              layer_name=ENCODE_LAYER_NAME.resolve()(self.prefix))
+                                                              layer_name=encode_layer_name(self.prefix))
         output, _ = self.out_proj(core_attn_out.flatten(-2))
         return output
 
