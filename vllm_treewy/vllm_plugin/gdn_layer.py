@@ -64,8 +64,8 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def _check_cuda_support(self) -> None:
         reasons = []
-        if self.model_config.dtype not in (torch.bfloat16, torch.float32):
-            reasons.append(f"a bfloat16 or float32 model (got {self.model_config.dtype})")
+        if self.model_config.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            reasons.append(f"a bfloat16, float16 or float32 model (got {self.model_config.dtype})")
         if self.gqa_interleaved_layout:
             reasons.append("the Qwen3.5 (non-interleaved) q/k/v/z layout")
         if self.norm.activation not in GATE_ACTIVATIONS:
