@@ -112,9 +112,9 @@ def test_unfused_path_refuses_speculative_tokens_under_reconstruct(monkeypatch):
         layer._forward_core(torch.zeros(10, CONV_DIM), torch.zeros(10, HV), torch.zeros(10, HV), torch.zeros(10, HV, V))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reconstruct_takes_the_fused_norm_op_at_any_activation_dtype(monkeypatch, dtype):
-    """vLLM's forward_cuda takes the fused-norm op for bf16 activations only; under reconstruct an fp32 model takes it
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reconstruct_takes_the_fused_norm_op_in_fp16_too(monkeypatch, dtype):
+    """vLLM's forward_cuda takes the fused-norm op for bf16 activations only; under reconstruct an fp16 model takes it
     too (its unfused op would verify from a state per draft position). The projections are stand-ins here."""
     taken = []
     monkeypatch.setattr(QwenGatedDeltaNetAttention, "forward_cuda",
@@ -136,5 +136,5 @@ def test_reconstruct_takes_the_fused_norm_op_at_any_activation_dtype(monkeypatch
         assert taken == ["vllm"]  # vLLM's own forward_cuda, which takes the op itself
         return
     # vLLM's encoding of the name (a LayerName where torch lifts it as a graph input)
-    assert taken == [("op", torch.float32, (4, 2 * HV), (4, HV, V), ENCODE_LAYER_NAME.resolve()("l"))]
-    torch.testing.assert_close(output, torch.full((4, 1), 3.0 * HV * V))
+    assert taken == [("op", torch.float16, (4, 2 * HV), (4, HV, V), ENCODE_LAYER_NAME.resolve()("l"))]
+    torch.testing.assert_close(output, torch.full((4, 1), 3.0 * HV * V, dtype=dtype))

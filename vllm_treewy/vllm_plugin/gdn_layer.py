@@ -2,7 +2,7 @@
 
 `ReconstructGatedDeltaNetAttention` replaces vLLM's `QwenGatedDeltaNetAttention` (out-of-tree layer
 registration); with `mamba_state_commit="store_all"` it behaves exactly like its parent. On CUDA it runs vLLM's
-fused-norm GDN path (`_forward_core_fused_norm`, where vLLM would call its compiled MTP kernel; bf16 and fp32 models)
+fused-norm GDN path (`_forward_core_fused_norm`, where vLLM would call its compiled MTP kernel; bf16 and fp16 models)
 and takes the speculative tokens out of it; the prefills of the same batch stay with vLLM. FULL CUDA graphs capture decode
 batches: every step's inputs are tensors of the GDN metadata (`step_metadata`). On CPU the same happens through
 `gdn_cpu`, which also runs the store_all draft tree baseline (`store_all_tree`): vLLM's chain kernels cannot follow a
@@ -64,8 +64,9 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def _check_cuda_support(self) -> None:
         reasons = []
-        if self.model_config.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            reasons.append(f"a bfloat16, float16 or float32 model (got {self.model_config.dtype})")
+        # (vLLM's own GDN prefill refuses float32 activations)
+        if self.model_config.dtype not in (torch.bfloat16, torch.float16):
+            reasons.append(f"a bfloat16 or float16 model (got {self.model_config.dtype})")
         if self.gqa_interleaved_layout:
             reasons.append("the Qwen3.5 (non-interleaved) q/k/v/z layout")
         if self.norm.activation not in GATE_ACTIVATIONS:
@@ -81,7 +82,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if not self.reconstructs_state or hidden_states.dtype == torch.bfloat16:
             return super().forward_cuda(hidden_states)
         # vLLM takes its fused-norm path (where reconstruct verifies drafts) for bf16 activations only; its unfused
-        # path would verify from a state per draft position. An fp32 model takes the fused-norm path too.
+        # path would verify from a state per draft position. An fp16 model takes the fused-norm path too.
         mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
         ba, _ = self.in_proj_ba(hidden_states)
         core_attn_out = torch.zeros((hidden_states.size(0), self.num_v_heads // self.tp_size, self.head_v_dim),

@@ -161,7 +161,7 @@ GDN_FORWARD_CORE_FUSED_NORM = PatchPoint(
 )
 GDN_FORWARD_CUDA = PatchPoint(
     _GDN_LAYER, "QwenGatedDeltaNetAttention.forward_cuda", "overrides",
-    "vLLM takes the fused-norm path for bf16 activations only: under reconstruct an fp32 model takes it too",
+    "vLLM takes the fused-norm path for bf16 activations only: under reconstruct an fp16 model takes it too",
     ("self", "hidden_states"),
 )
 GDN_FUSED_NORM_OP = PatchPoint(
