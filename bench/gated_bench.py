@@ -366,13 +366,14 @@ CONFIGS = {
 }
 
 
-# draft trees (`--gated-trees`), beside the launch default (the solve by tensor-core products, 2026-12-02): other
-# tiles for it, and the rules before it (fp32 32/8/1 2xTF32 without the epilogue; bf16 two heads 32/4/1). Offline
+# draft trees (`--gated-trees`), beside the launch default (the solve by tensor-core products, 2026-12-02; fp32 capped
+# at 128 registers since 2026-12-02b): other tiles for it, and the rules before it (fp32 32/8/1 2xTF32 uncapped, and
+# without the epilogue; bf16 two heads 32/4/1). Offline
 # sm_90 (fused, pending tree commit, since the Gram matrices' native products), 11 / 29 nodes: the defaults 171 / 255
 # registers (fp32) and 176 / 255 (bf16), no spill: one CTA per SM; capped at 128 (two CTAs), fp32 32/8/1 spills 0 /
 # 328 bytes, 16/8/1 0 / 296, bf16 32/8/1 0 / 392, 64/8/1 32 / 376.
 TREE_CONFIGS = {
-    "fp32": [_dot(32, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True),
+    "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT)],
     "bf16": [_dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(32, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),

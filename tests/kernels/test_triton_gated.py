@@ -490,12 +490,13 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 
 
 def test_launch_defaults_measured_choices():
-    """The H200 choices of bench/results/2026-12-01d, -e, -f and 2026-12-02 (kernels.md): fp32 states with 3-4 nodes
-    take the accumulator-layout epilogue at every batch, with 5 or more its solve by tensor-core products; 16-bit
-    states with 3-4 nodes and with 5-8 nodes at small batches 64/8/1 with the bf16 pass capped at 128 registers with
-    the epilogue, 5-8 nodes at large batches two heads with the epilogue, 1-2 nodes 64/8/1 with the bf16 pass,
-    uncapped, without the epilogue; more than 8 nodes (trees) the epilogue with its solve by tensor-core products
-    (16-bit: 64/8/1, the bf16 pass, uncapped); narrow heads one value row per thread."""
+    """The H200 choices of bench/results/2026-12-01d, -e, -f, 2026-12-02 and -02b (kernels.md): fp32 states with 3-4
+    nodes take the accumulator-layout epilogue at every batch, with 5-8 its solve by tensor-core products, with more
+    (trees) the same capped at 128 registers; 16-bit states with 3-4 nodes and with 5-8 nodes at small batches 64/8/1
+    with the bf16 pass capped at 128 registers with the epilogue, 5-8 nodes at large batches two heads with the
+    epilogue, 1-2 nodes 64/8/1 with the bf16 pass, uncapped, without the epilogue; more than 8 nodes (trees) the
+    epilogue with its solve by tensor-core products (64/8/1, the bf16 pass, uncapped); narrow heads one value row per
+    thread."""
     from vllm_treewy.kernels.triton.gated import (
         FP32_STATE_LAUNCH, HALF_STATE_BF16_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
@@ -507,9 +508,12 @@ def test_launch_defaults_measured_choices():
                                                                                   epilogue_in_mma_layout=True)
         for nodes in (1, 2):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == FP32_STATE_LAUNCH
-        for nodes in (5, 8, 9, 16, 32):
+        for nodes in (5, 8):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
                 FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
+        for nodes in (9, 16, 32):
+            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
+                FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True, max_registers=128)
         for dtype in (torch.bfloat16, torch.float16):
             for nodes in (3, 4):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(

@@ -854,6 +854,11 @@ def _step_item(
 #   317.6 / 19.9 us against the epilogue's 401.8 / 24.5 and 16/8/1 capped 387.1 / 25.5, same run (vLLM's compiled
 #   349.7 / 22.4). T=5-7 not run, taken with T=8. 16-bit states with 5-8 nodes keep their rules: a chain of 8 nodes
 #   as a tree, B=64, 247.7 us by dots against 223.3 for two heads (`trees_solve_by_dots/`).
+# Since 2026-12-02b (`results/2026-12-02b/kernels/trees.json`, thirteenth session, B=64): fp32 states with more than
+# 8 nodes (trees) cap the by-dots launch at 128 registers (two CTAs per SM; FP32_STATE_TREE_LAUNCH): [2,2,1] 161.0 /
+# [4,2,2] 263.8 us against 224.1 / 306.6 uncapped, same run (per-node serial 573.7 / 1696.4). 16-bit trees keep the
+# uncapped launch: capped won on bf16 [2,2,1] (113.6 against 163.0) but [4,2,2] was not timed, and capped lost there
+# by 2.4x before the Gram matrices stopped spilling (2026-12-02).
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
@@ -864,6 +869,7 @@ HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=Tr
                               epilogue_in_mma_layout=True)
 HALF_STATE_FEW_NODES_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True)
 FP32_STATE_SOLVE_BY_DOTS_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, solve_by_dots=True)
+FP32_STATE_TREE_LAUNCH = dict(FP32_STATE_SOLVE_BY_DOTS_LAUNCH, max_registers=128)
 HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
 SMALL_BATCH = 8
 
@@ -881,6 +887,8 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
+        if max_nodes > 8:
+            return FP32_STATE_TREE_LAUNCH
         if max_nodes > 4:
             return FP32_STATE_SOLVE_BY_DOTS_LAUNCH
         return FP32_STATE_EPILOGUE_LAUNCH if max_nodes >= 3 else FP32_STATE_LAUNCH
