@@ -4,9 +4,9 @@
 registration); with `mamba_state_commit="store_all"` it behaves exactly like its parent. On CUDA it runs vLLM's
 fused-norm GDN path (`_forward_core_fused_norm`, where vLLM would call its compiled MTP kernel; bf16 and fp16
 models) and takes the speculative tokens out of it; the prefills of the same batch stay with vLLM. FULL CUDA graphs
-capture decode batches: every step's inputs are tensors of the GDN metadata (`step_metadata`). On CPU the same happens through
-`gdn_cpu`, which also runs the store_all draft tree baseline (`store_all_tree`): vLLM's chain kernels cannot follow a
-tree's parents.
+capture decode batches: every step's inputs are tensors of the GDN metadata (`step_metadata`). On CPU the same
+happens through `gdn_cpu`, which also runs the store_all draft tree baseline (`store_all_tree`): vLLM's chain kernels
+cannot follow a tree's parents.
 """
 
 from __future__ import annotations
