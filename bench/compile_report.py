@@ -40,7 +40,7 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
                  MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
                  DO_VERIFY=verify, HAS_PENDING=pending,
                  G=1, SPLIT_IN_MMA_LAYOUT=False, LAGGED_PRODUCTS=False, STATE_TMA=False, EPILOGUE_IN_MMA_LAYOUT=False,
-                 SOLVE_BY_DOTS=False, PERSISTENT=False, DOT_PRECISION="tf32" if state_dtype == "bf16" else "tf32x3",
+                 SOLVE_BY_DOTS=False, DOT_PRECISION="tf32" if state_dtype == "bf16" else "tf32x3",
                  STATE_PRODUCTS="tf32" if state_dtype == "bf16" else "tf32x3")  # q/k/v are bf16 here
     const.update(variant)
     # as the launcher pads it (`_nodes_block`), unless the variant names it
@@ -52,8 +52,6 @@ def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, m
             sig[name] = "constexpr"
         elif name in FLOATS:
             sig[name] = "fp32"
-        elif name == "num_items":
-            sig[name] = "i32"
         elif name.startswith("stride"):
             sig[name] = "i64"
         else:

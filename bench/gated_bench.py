@@ -274,8 +274,7 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
-PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
-              persistent_programs=0)
+PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
@@ -287,14 +286,6 @@ BF16_SPLIT = dict(split_state_bf16=True)  # bf16 pieces: 3xBF16 (fp32 states), o
 TWO_HEADS = dict(heads_per_program=2)
 MMA_SPLIT = dict(split_in_mma_layout=True)  # one layout change per chunk, the pieces split in registers
 EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles in the accumulator's layout
-H200_SMS = 132
-
-
-def persistent(ctas_per_sm):
-    """`persistent_programs`: that many programs per SM of the H200, each looping over items and loading its next
-    item's first state chunks during the current item's epilogue."""
-    return dict(persistent_programs=H200_SMS * ctas_per_sm)
-
 
 # candidates, timed at the tuning batches and speculative lengths (first = the launch default at large batches, also
 # checked against the compiled kernel); the fastest correct one per (state, T, small/large batch) serves the rows.
@@ -344,25 +335,15 @@ def persistent(ctas_per_sm):
 # 273.8 / 307.9, 16/4/1 capped 128 230.1 / 231.9, against 69.8 / 98.5. Dropped.
 # The solve by tensor-core products (2026-12-02): the fp32 default for 5-8 nodes; for bf16 a candidate (it spilled when
 # it lost at 8 nodes, 247.7 against 223.3 us, `trees_solve_by_dots/`; no spill since its Gram matrices' bf16 products).
-# Persistent programs (2026-12-02, not timed yet; offline sm_90, fused T=4, the defaults' options, against their 128
-# and 125 registers without spill): fp32 32/8/1 2xTF32 with the epilogue 210 registers uncapped (one CTA per SM: 132
-# programs), capped at 128 96 bytes of stack (two CTAs: 264, and 396 queued behind them); bf16 64/8/1 bf16 pass with
-# the epilogue 171 uncapped, capped at 128 (its default) 88 bytes. The next item's chunks live through the epilogue.
 # The first of each is the launch default at T=4 (`launch_defaults`; bf16's since 2026-12-01e,
 # `test_first_candidate_is_the_launch_default`).
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
              _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE),
-             _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(32, 8, 1, **SPLIT, **EPILOGUE, **persistent(1)),
-             _dot(32, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, **persistent(2)),
-             _dot(32, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, **persistent(3))],
+             _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
     "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE),
-             _dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, **persistent(1)),
-             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, **persistent(2)),
-             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, **persistent(3))],
+             _dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
 }
 
 

@@ -27,8 +27,6 @@ than one head for fp32 states, 2026-12-01). Two layouts (launch option `state_do
 - one value row per thread (`state_dot=False`): broadcast multiplies and fp32 sums on the CUDA cores, BK columns
   per row per step. Its partial-line stores stream at ~0.6 TB/s (2026-11-30); kept as the reference
   layout (no tf32 at all) and for block_k < 16.
-With `persistent_programs` (opt-in, not timed yet) at most that many programs loop over the (value heads, request)
-items and load the next item's first state chunks before the current item's epilogue (`_gated_step_kernel`).
 
 Measured on the H200 (bench/results/kernels.md, 2026-12-01f and 2026-12-02, the launch defaults): fp32 state, chain
 T=4, 1.44x / 1.53x vLLM's compiled kernel at B=64 / 256, 1.20x at B=1; T=2 1.07x and T=8 1.10x at B=64 (the solve
@@ -395,41 +393,17 @@ def _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_bet
     return b_us
 
 
-@triton.jit
-def _head_rows(state, slot, i_hv0, stride_slot, stride_head, stride_v, V: tl.constexpr, G: tl.constexpr):
-    """Per value head i_hv0 + g of the slot, pointers to its state's rows [V, 1] (a tuple indexed by g)."""
-    o_v = tl.arange(0, V)
-    p_state = ()
-    for g in tl.static_range(G):
-        p_state = p_state + (state + slot * stride_slot + (i_hv0 + g) * stride_head + o_v[:, None] * stride_v,)
-    return p_state
-
-
-@triton.jit
-def _first_chunks(p_state, ok, K: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr):
-    """The first PREFETCH state chunks [V, BK] of the heads at p_state (`_head_rows`), chunk j's head g at j * G + g;
-    nothing loaded (zeros) where ok is false."""
-    o_kc = tl.arange(0, BK)
-    ahead = ()
-    for j in tl.static_range(PREFETCH):
-        for g in tl.static_range(G):
-            ahead = ahead + (tl.load(p_state[g] + (j * BK + o_kc)[None, :], mask=ok & (j * BK < K), other=0.0),)
-    return ahead
-
-
 # the integer-array pointers are read as scalars or gathers: their alignment buys nothing, and without the alignment
 # key a caller's offset view cannot compile a second variant. The int arguments (strides) are model constants in vLLM
 # (views of the projections, the pools and pages) and stay specialised: their divisibility by 16 vectorises the
-# q/k/v/z loads (tests/kernels/test_jit_variants.py counts one variant across batch sizes); num_items (the batch
-# times the head groups) is not, for the same count
-@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes", "pending_nodes", "pending_ancestors",
-                               "num_items"])
+# q/k/v/z loads (tests/kernels/test_jit_variants.py counts one variant across batch sizes)
+@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes", "pending_nodes", "pending_ancestors"])
 def _gated_step_kernel(
     qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_desc, state_indices, ancestors, cu_nodes, out, factors,
     pending_nodes, pending_ancestors,
     stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
     stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
-    scale, eps, num_items,
+    scale, eps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
     LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
@@ -437,92 +411,30 @@ def _gated_step_kernel(
     PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
     SPLIT_IN_MMA_LAYOUT: tl.constexpr, LAGGED_PRODUCTS: tl.constexpr, STATE_TMA: tl.constexpr,
     EPILOGUE_IN_MMA_LAYOUT: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
-    # an item: value heads i_hv0 .. i_hv0 + G - 1 of request i_b (`_step_item`). One item per program (grid
-    # (HV // G, batch)), or PERSISTENT: a grid of P programs, program p taking items p, p + P, ... of the
-    # num_items = HV // G * batch in the one-item grid's launch order (head groups fastest), each starting its next
-    # item's first state chunks before the current item's epilogue: the epilogue, which has no loads of its own in
-    # flight, overlaps the next head's state stream (not with STATE_TMA: the pipeliner owns those loads)
-    if not PERSISTENT:
-        i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
-        slot = tl.load(state_indices + i_b).to(tl.int64)
-        if slot < 0:
-            return
-        # the first PREFETCH state chunks in flight before anything else (everything in `_step_item` before its loop
-        # is independent of them); STATE_TMA: Triton's pipeliner issues them (bulk copies into shared memory)
-        ahead = ()
-        if not STATE_TMA:
-            ahead = _first_chunks(_head_rows(state, slot, i_hv0, stride_slot, stride_head, stride_v, V, G), True,
-                                  K, BK, G, PREFETCH)
-        _step_item(qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_desc, ancestors, cu_nodes, out, factors,
-                   pending_nodes, pending_ancestors, stride_qkv, stride_a, stride_b, stride_z, stride_zh,
-                   stride_out, stride_outh, stride_slot, stride_head, stride_v, stride_fslot, stride_frow, scale,
-                   eps, i_hv0, i_b, slot, ahead, -1, 0, H, HV, K, V, G, BT, BK, PREFETCH, ROW_SUMS,
-                   LATE_NODE_TERMS, MAX_ANC, IS_CHAIN, ACT, DO_VERIFY, HAS_PENDING, PENDING_ROWS, PENDING_IS_CHAIN,
-                   STATE_DOT, STATE_PRODUCTS, SPLIT_IN_MMA_LAYOUT, LAGGED_PRODUCTS, STATE_TMA,
-                   EPILOGUE_IN_MMA_LAYOUT, SOLVE_BY_DOTS, DOT_PRECISION, PERSISTENT)
-    else:
-        # a padding request's item (slot < 0) only passes its successor's first chunks on; no return in the loop
-        HEAD_GROUPS: tl.constexpr = HV // G
-        programs = tl.num_programs(0)
-        first = tl.program_id(0)
-        first_slot = tl.load(state_indices + first // HEAD_GROUPS).to(tl.int64)
-        ahead = _first_chunks(_head_rows(state, first_slot, first % HEAD_GROUPS * G, stride_slot, stride_head,
-                                         stride_v, V, G), first_slot >= 0, K, BK, G, PREFETCH)
-        # nothing hoisted out of the loop: its invariants (per-thread index arithmetic of every layout) would stay
-        # live through every item (offline sm_90, fp32 T=4 capped at 128 registers: 248 bytes of stack, 96 without)
-        for item in tl.range(first, num_items, programs, disable_licm=True):
-            i_b = item // HEAD_GROUPS
-            slot = tl.load(state_indices + i_b).to(tl.int64)
-            next_item = item + programs
-            next_slot = tl.load(state_indices + next_item // HEAD_GROUPS, mask=next_item < num_items,
-                                other=-1).to(tl.int64)
-            next_hv0 = next_item % HEAD_GROUPS * G
-            if slot >= 0:
-                ahead = _step_item(qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_desc, ancestors, cu_nodes,
-                                   out, factors, pending_nodes, pending_ancestors, stride_qkv, stride_a, stride_b,
-                                   stride_z, stride_zh, stride_out, stride_outh, stride_slot, stride_head, stride_v,
-                                   stride_fslot, stride_frow, scale, eps, item % HEAD_GROUPS * G, i_b, slot, ahead,
-                                   next_slot, next_hv0, H, HV, K, V, G, BT, BK, PREFETCH, ROW_SUMS,
-                                   LATE_NODE_TERMS, MAX_ANC, IS_CHAIN, ACT, DO_VERIFY, HAS_PENDING, PENDING_ROWS,
-                                   PENDING_IS_CHAIN, STATE_DOT, STATE_PRODUCTS, SPLIT_IN_MMA_LAYOUT,
-                                   LAGGED_PRODUCTS, STATE_TMA, EPILOGUE_IN_MMA_LAYOUT, SOLVE_BY_DOTS, DOT_PRECISION,
-                                   PERSISTENT)
-            else:
-                ahead = _first_chunks(_head_rows(state, next_slot, next_hv0, stride_slot, stride_head, stride_v, V,
-                                                 G), next_slot >= 0, K, BK, G, PREFETCH)
-
-
-@triton.jit
-def _step_item(
-    qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_desc, ancestors, cu_nodes, out, factors,
-    pending_nodes, pending_ancestors,
-    stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
-    stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
-    scale, eps, i_hv0, i_b, slot, ahead, next_slot, next_hv0,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, ROW_SUMS: tl.constexpr,
-    LATE_NODE_TERMS: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
-    ACT: tl.constexpr, DO_VERIFY: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
-    PENDING_IS_CHAIN: tl.constexpr, STATE_DOT: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
-    SPLIT_IN_MMA_LAYOUT: tl.constexpr, LAGGED_PRODUCTS: tl.constexpr, STATE_TMA: tl.constexpr,
-    EPILOGUE_IN_MMA_LAYOUT: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):
-    """One item of `_gated_step_kernel`: value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G
-    divides HV // H), in the slot (>= 0), its first PREFETCH state chunks `ahead` in flight (`_first_chunks`).
-    PERSISTENT: returns the next item's (value heads next_hv0.., slot next_slot; nothing loaded where < 0), issued
-    after the state loop; else the spent tuple (unused). Per-head values are tuples indexed by g (and by j * G + g for
-    the prefetched chunks, d * G + g for the pending rows)."""
+    # value heads i_hv0 .. i_hv0 + G - 1 of request i_b, all of key head i_h (G divides HV // H); per-head values
+    # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
+    i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
     i_h = i_hv0 // (HV // H)
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    if slot < 0:
+        return
     o_v = tl.arange(0, V)
     o_kc = tl.arange(0, BK)
-    p_state = _head_rows(state, slot, i_hv0, stride_slot, stride_head, stride_v, V, G)
+    p_state = ()
+    for g in tl.static_range(G):
+        p_state = p_state + (state + slot * stride_slot + (i_hv0 + g) * stride_head + o_v[:, None] * stride_v,)
     # this program's columns of the slot's factor rows (see `slot_factor_width`): only (slot, its heads) touches
     # them; head i_hv0 + g's at + g (k scale, g) or + g * K / + g * V (keys, u). The pending commit reads the key
     # and k scale copies of head i_hv0 for all G heads: one key head's copies are equal (the contract)
     f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv0, HV, K, V)
+    # the first PREFETCH state chunks in flight before anything else (everything below is independent of them);
+    # STATE_TMA: Triton's pipeliner issues them (bulk copies into shared memory, see the loop)
+    ahead = ()
+    if not STATE_TMA:
+        for j in tl.static_range(PREFETCH):
+            for g in tl.static_range(G):
+                ahead = ahead + (tl.load(p_state[g] + (j * BK + o_kc)[None, :], mask=j * BK < K, other=0.0),)
 
     if HAS_PENDING:
         # the previous step's path to its accepted node a (`_pending_path`): per row the key row, and per head
@@ -717,10 +629,6 @@ def _step_item(
                     new_q = new_q + (acc_q[t] + h * qc[None, :],)
             acc_k = new_k
             acc_q = new_q
-    # the next item's first chunks in flight through this one's epilogue (the loop's last loads were masked off)
-    if PERSISTENT:
-        ahead = _first_chunks(_head_rows(state, next_slot, next_hv0, stride_slot, stride_head, stride_v, V, G),
-                              next_slot >= 0, K, BK, G, PREFETCH)
 
     if DO_VERIFY:
         # LATE_NODE_TERMS: nothing of this is needed in the loop; late, its [BT, BT] tiles stay out of the loop's
@@ -801,7 +709,6 @@ def _step_item(
             else:
                 tl.store(f_u + g * V + f_row[:, None] + o_v[None, :], b_us[g], mask=valid[:, None])
             tl.store(f_g + g + f_row, g_own[g], mask=valid)
-    return ahead
 
 
 # Launch defaults: the fastest candidates measured correct on the H200 at H=16, HV=32, K=V=128, chain T=4. Until
@@ -862,7 +769,7 @@ def _step_item(
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
-                         epilogue_in_mma_layout=False, solve_by_dots=False, persistent_programs=0)
+                         epilogue_in_mma_layout=False, solve_by_dots=False)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -969,11 +876,6 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
-    programs = launch["persistent_programs"]
-    assert programs >= 0, "persistent_programs: 0 (off) or the most programs to launch"
-    if programs and launch["tma_state"]:
-        raise ValueError("persistent_programs prefetches the next item's state chunks into registers; tma_state's "
-                         "come from Triton's pipeliner within one item: use one or the other")
     # a refinement of the accumulator-layout epilogue: without it (e.g. pinned off over a tree default) it is off
     solve_by_dots = launch["solve_by_dots"] and launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify
     options = dict(num_warps=launch["num_warps"], num_stages=1)
@@ -1007,7 +909,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
         state_indices if pending_ancestors is None else pending_ancestors,
         *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
-        float(K**-0.5 if scale is None else scale), float(norm_eps), HV // heads * batch)
+        float(K**-0.5 if scale is None else scale), float(norm_eps))
     state_products = _state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
                                           launch["split_state_tf32"], launch["split_state_bf16"])
     kernel_kwargs = dict(
@@ -1021,12 +923,10 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         STATE_TMA=launch["tma_state"],
         EPILOGUE_IN_MMA_LAYOUT=launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify,
         SOLVE_BY_DOTS=solve_by_dots, DOT_PRECISION="tf32x3" if state.dtype == torch.float32 else "tf32",
-        STATE_PRODUCTS=state_products, PERSISTENT=programs > 0,
+        STATE_PRODUCTS=state_products,
         **options,
     )
-    # persistent: at most `programs`, a static function of the batch (CUDA graphs)
-    grid = (min(programs, HV // heads * batch),) if programs else (HV // heads, batch)
-    return grid, kernel_args, kernel_kwargs, out
+    return (HV // heads, batch), kernel_args, kernel_kwargs, out
 
 
 def gdn_step_triton(
@@ -1069,7 +969,6 @@ def gdn_step_triton(
     tma_state: bool | None = None,
     epilogue_in_mma_layout: bool | None = None,
     solve_by_dots: bool | None = None,
-    persistent_programs: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -1115,9 +1014,6 @@ def gdn_step_triton(
     the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
     `solve_by_dots` (with `epilogue_in_mma_layout`; for trees): the Gram matrices, the solve and o's solve term as
     tensor-core products of the node tiles (a Neumann series as long as the deepest path); nodes padded to 16.
-    `persistent_programs` (0: off): at most that many programs (e.g. the resident CTAs), each looping over items
-    (value heads of one request) in a fixed order and loading its next item's first state chunks before the current
-    item's epilogue, so that the state stream goes on through epilogues; not with `tma_state` (ValueError).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -1127,8 +1023,7 @@ def gdn_step_triton(
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
                    split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
-                   epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots,
-                   persistent_programs=persistent_programs)
+                   epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots)
 
 
 def gdn_commit_triton(
