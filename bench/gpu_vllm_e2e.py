@@ -365,6 +365,123 @@ def run_continuations(args) -> int:
     return 0
 
 
+# Preemption, as the CPU e2e test (tests/e2e/test_tree_wiring.py): 8 prompts that end 26-33 tokens before an
+# attention block boundary, 30 greedy tokens each, in a KV cache of 9 blocks (two requests' blocks: one per GDN group
+# and one attention block each), so a request that crosses its boundary preempts another.
+PREEMPTION_PROMPTS, PREEMPTION_OFFSET, PREEMPTION_NUM_BLOCKS, PREEMPTION_MAX_TOKENS = 8, 31, 9, 30
+# With an fp32 SSM state the fixture's attention blocks hold 5,584-6,992 tokens (vLLM grows them until a page holds
+# a GDN page), past the fixture's 4,096 positions: the preemption engines (reference and trees alike) run a copy of
+# the fixture that declares 16,384 (a random model: no length it was trained for).
+LONG_CONTEXT_POSITIONS = 16384
+
+
+def long_context_model(model: str) -> str:
+    import shutil
+
+    long_dir = Path(f"{model}-long")
+    shutil.copytree(model, long_dir, dirs_exist_ok=True)
+    config = json.loads((long_dir / "config.json").read_text())
+    config["max_position_embeddings"] = LONG_CONTEXT_POSITIONS
+    (long_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return str(long_dir)
+
+
+def attention_block_sizes(sources: list[str]) -> dict[str, int]:
+    """Tree name -> the attention block size vLLM gave that tree's engine, from earlier runs' KV reports: run folders
+    (`runs/tree-*.json`) or tree reports (`gpu_tree_e2e.json`); the first source that has the tree wins. The block
+    size is only known once an engine has built its layers, and the preemption prompts (hence the reference outputs
+    the drafter needs at start-up) depend on it."""
+    sizes = {}
+    for source in map(Path, sources):
+        if source.is_file():
+            runs = json.loads(source.read_text())["runs"].values()
+        else:
+            runs = [json.loads(path.read_text()) for path in sorted(source.glob("tree-*.json"))]
+        for run in runs:
+            sizes.setdefault(run["name"], run["kv_cache"]["attention_block_size"])
+    return sizes
+
+
+def run_preemption_continuations(args) -> int:
+    """No speculation, on the long-context fixture: for each tree shape, prompts that cross that shape's attention
+    block boundary while decoding, and their greedy continuations (LOOKAHEAD longer: the drafter's truth). Writes
+    `preemption.json` into `--out-dir`."""
+    from vllm_treewy.fixture import prompts_before_a_block_boundary
+    from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
+
+    model, prompts = prompts_and_model()
+    tokens = [t for p in prompts for t in p]
+    sizes = attention_block_sizes(args.block_sizes_from)
+    names = [tree_name(map(int, shape.split(","))) for shape in args.tree_shapes]
+    missing = [name for name in names if name not in sizes]
+    if missing:
+        raise SystemExit(f"no attention block size for {missing} in {args.block_sizes_from}: run those trees first")
+    sets = {name: prompts_before_a_block_boundary(tokens, sizes[name], PREEMPTION_PROMPTS, PREEMPTION_OFFSET)
+            for name in names}
+    batch = [p for name in names for p in sets[name]]
+    args.batch_sizes = [PREEMPTION_PROMPTS]
+    with engine(long_context_model(model), **engine_kwargs(args, 1), max_model_len=LONG_CONTEXT_POSITIONS) as llm:
+        reference = generate_greedy(llm, batch, [PREEMPTION_MAX_TOKENS + LOOKAHEAD] * len(batch))
+    result = {}
+    for i, name in enumerate(names):
+        ref = reference[i * PREEMPTION_PROMPTS : (i + 1) * PREEMPTION_PROMPTS]
+        result[name] = {"attention_block_size": sizes[name], "prompts": sets[name],
+                        "sequences": [p + r for p, r in zip(sets[name], ref)],
+                        "reference_outputs": [r[:PREEMPTION_MAX_TOKENS] for r in ref]}
+    (Path(args.out_dir) / "preemption.json").write_text(json.dumps(result))
+    print("preemption continuations done:", {name: sizes[name] for name in names}, flush=True)
+    return 0
+
+
+def tree_spec(widths: list[int]) -> dict:
+    return {"method": "custom_class", "model": TREE_DRAFTER, "num_speculative_tokens": len(widths),
+            "draft_tree_widths": widths, "mamba_state_commit": "reconstruct"}
+
+
+def run_preempted_tree(args) -> int:
+    """One draft-tree engine on its preemption prompts (`preemption.json`) in a KV cache of PREEMPTION_NUM_BLOCKS
+    blocks: passes when the scheduler preempted and the outputs are tie-aware equal to the reference's. Fails at once
+    if vLLM chose another attention block size than the prompts were cut for (they would not cross it)."""
+    import vllm_treewy.vllm_plugin as plugin
+    from vllm_treewy.tree import DraftTree
+    from vllm_treewy.vllm_plugin.continuation_drafter import DRAFTS_ENV, write_drafts_file
+    from vllm_treewy.vllm_plugin.equivalence import (compare_tie_aware, engine, generate_greedy, kv_cache_report,
+                                                     read_acceptance, read_preemptions)
+
+    plugin.register()
+    out = Path(args.out_dir)
+    widths = list(args.tree_widths)
+    name = tree_name(widths)
+    known = json.loads((out / "preemption.json").read_text())[name]
+    os.environ[DRAFTS_ENV] = write_drafts_file(out / f"preempted-{name}-drafts.json", known["sequences"], TRUE_BRANCH)
+    model = long_context_model(prompts_and_model()[0])
+    prompts = known["prompts"]
+    args.batch_sizes = [PREEMPTION_PROMPTS]
+    kwargs = engine_kwargs(args, 1 + DraftTree.from_widths(widths).num_nodes)
+    kwargs.update(num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=PREEMPTION_PROMPTS,
+                  max_model_len=LONG_CONTEXT_POSITIONS)
+    with engine(model, speculative_config=tree_spec(widths), logprobs_mode="raw_logits", **kwargs) as llm:
+        kv = kv_cache_report(llm)
+        if kv.attention_block_size != known["attention_block_size"]:
+            raise SystemExit(f"{name}: attention blocks of {kv.attention_block_size} tokens, the prompts were cut for "
+                             f"{known['attention_block_size']}")
+        outputs = generate_greedy(llm, prompts, [PREEMPTION_MAX_TOKENS] * len(prompts))
+        acceptance, preemptions = read_acceptance(llm), read_preemptions(llm)
+        verdict = compare_tie_aware(llm, prompts, known["reference_outputs"], outputs,
+                                    ExactModel(model).next_token_logits)
+    record = verdict_record(verdict)
+    record["passed"] = verdict.passed and preemptions > 0
+    record["summary"] = f"{preemptions} preemptions; {verdict.summary()}"
+    result = {"name": f"preempted-{name}", "widths": widths, "concurrent": args.concurrent,
+              "num_preemptions": preemptions, "kv_cache": asdict(kv),
+              "accepted_per_verify": acceptance.num_accepted_tokens / max(acceptance.num_drafts, 1),
+              "verdicts": {str(PREEMPTION_PROMPTS): record}}
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "runs" / f"preempted-{name}.json").write_text(json.dumps(result))
+    print(result["name"], "done:", record["summary"], flush=True)
+    return 0 if record["passed"] else 1
+
+
 def run_tree(args) -> int:
     """One draft-tree engine (reconstruct, the continuation drafter): outputs, tokens/s, acceptance, and its own
     tie-aware verdict against the reference outputs at every batch size."""
@@ -381,11 +498,9 @@ def run_tree(args) -> int:
     os.environ[DRAFTS_ENV] = write_drafts_file(out / f"{name}-drafts.json", known["sequences"], TRUE_BRANCH)
     model, prompts = prompts_and_model()
     tree = DraftTree.from_widths(widths)
-    spec = {"method": "custom_class", "model": TREE_DRAFTER, "num_speculative_tokens": len(widths),
-            "draft_tree_widths": widths, "mamba_state_commit": "reconstruct"}
     exact_logits = ExactModel(model).next_token_logits
     start = time.perf_counter()
-    with engine(model, speculative_config=spec, logprobs_mode="raw_logits",
+    with engine(model, speculative_config=tree_spec(widths), logprobs_mode="raw_logits",
                 **engine_kwargs(args, 1 + tree.num_nodes)) as llm:
         started = time.perf_counter() - start
         before = read_acceptance(llm)
@@ -418,26 +533,33 @@ def run_tree(args) -> int:
 
 
 def run_tree_report(args) -> int:
-    """No engine: the tree runs under `--out-dir`/runs against the no-speculation timings; PASS when every tree run
-    passed at every batch size."""
+    """No engine: the tree runs under `--out-dir`/runs (and the preempted ones) against the no-speculation timings;
+    PASS when every run passed at every batch size."""
     out = Path(args.out_dir)
-    known = json.loads((out / "continuations.json").read_text())
+    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*tree-*.json"))]
+    if (out / "continuations.json").exists():
+        known = json.loads((out / "continuations.json").read_text())
+    else:  # preemption runs only: their block sizes came from earlier tree runs
+        known = {**device_facts(), "max_tokens": None, "tokens_per_s": {}, "engine_start_s": None}
     no_spec = {int(b): t for b, t in known["tokens_per_s"].items()}
     report = {"command": args.command, **{k: known[k] for k in ("device", "torch", "vllm", "max_tokens")},
               "no_spec_tokens_per_s": no_spec, "no_spec_engine_start_s": known["engine_start_s"], "runs": {}}
-    for path in sorted((out / "runs").glob("tree-*.json")):
-        run = json.loads(path.read_text())
+    for run in runs:
         entry = {k: v for k, v in run.items() if k != "outputs"}
-        entry["speedup_vs_no_spec"] = {b: t / no_spec[int(b)] for b, t in run["tokens_per_s"].items()
+        entry["speedup_vs_no_spec"] = {b: t / no_spec[int(b)] for b, t in run.get("tokens_per_s", {}).items()
                                        if int(b) in no_spec}
         report["runs"][run["name"]] = entry
-        print(run["name"], json.dumps({k: entry[k] for k in ("accepted_per_verify", "speedup_vs_no_spec",
-                                                             "concurrent", "engine_start_s")}), flush=True)
+        print(run["name"], json.dumps({k: entry.get(k) for k in ("accepted_per_verify", "speedup_vs_no_spec",
+                                                                 "concurrent", "engine_start_s", "num_preemptions")}),
+              flush=True)
         for b, v in run["verdicts"].items():
             print(f"  batch {b}: {v['summary']}", flush=True)
+    missing = sorted(set(args.expected_runs) - set(report["runs"]))
+    report["missing_runs"] = missing
     (out / "gpu_tree_e2e.json").write_text(json.dumps(report, indent=2) + "\n")
-    ok = bool(report["runs"]) and all(v["passed"] for e in report["runs"].values() for v in e["verdicts"].values())
-    print("TREES PASS AT EVERY BATCH" if ok else "TREES FAIL (or no tree run)", flush=True)
+    ok = bool(report["runs"]) and not missing and all(
+        v["passed"] for e in report["runs"].values() for v in e["verdicts"].values())
+    print("TREES PASS AT EVERY BATCH" if ok else f"TREES FAIL (runs missing: {missing or 'none'})", flush=True)
     return 0 if ok else 1
 
 
@@ -464,12 +586,23 @@ def main(argv=None) -> int:
     tree.add_argument("--tree-widths", type=int, nargs="+", required=True)
     tree.add_argument("--self-check", action="store_true", help="also the teacher-forced check against itself")
     tree.add_argument("--concurrent", action="store_true", help="recorded: other engines share the GPU meanwhile")
+    tree.add_argument("--preemption", action="store_true",
+                      help="the preemption prompts (preemption-continuations) in a KV cache that preempts")
+    preempt = sub.add_parser("preemption-continuations",
+                             help="no speculation: prompts crossing each tree's attention block, their continuations")
+    add_common_args(preempt, runs=False)
+    preempt.add_argument("--out-dir", required=True)
+    preempt.add_argument("--tree-shapes", nargs="+", required=True, help="e.g. 2,2,1 4,2")
+    preempt.add_argument("--block-sizes-from", nargs="+", required=True,
+                         help="earlier tree runs' folders (runs/) or reports (gpu_tree_e2e.json): their block sizes")
     report = sub.add_parser("tree-report", help="no engine: the tree runs' table and verdict")
     report.add_argument("--out-dir", required=True)
     report.add_argument("--command", default=None)
+    report.add_argument("--expected-runs", nargs="*", default=[], help="run names that must be there to PASS")
     args = parser.parse_args(argv)
-    roles = {"spec": run_spec, "reference": run_reference, "continuations": run_continuations, "tree": run_tree,
-             "tree-report": run_tree_report}
+    roles = {"spec": run_spec, "reference": run_reference, "continuations": run_continuations,
+             "tree": run_preempted_tree if getattr(args, "preemption", False) else run_tree,
+             "preemption-continuations": run_preemption_continuations, "tree-report": run_tree_report}
     gpu_site.seed_model_info_cache()
     return roles[args.role](args)
 

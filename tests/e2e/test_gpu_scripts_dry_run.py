@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--batch-sizes", "1", "2", "--max-tokens", "4", "--timing-repeats", "1"]
 
 
-def run_script(*command: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_script(*command: str, timeout: int = 900, **env_vars: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", TREE_GPU_TESTS="0", PYTHONUNBUFFERED="1",
-               CALL_LIMIT_S="100000")  # a loaded CPU must not skip runs: the flow is what is tested
+               CALL_LIMIT_S="100000", **env_vars)  # a loaded CPU must not skip runs: the flow is what is tested
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -61,11 +61,15 @@ def test_chain_script_skips_runs_that_would_leave_the_reference_no_time(tmp_path
 
 @pytest.mark.parametrize("widths", ["2,1"])
 def test_tree_script_writes_its_report(tmp_path, widths):
-    done = run_script("bash", "bench/run_gpu_tree_e2e.sh", str(tmp_path), widths, *SMALL)
+    # the tree run first, then the preemption run cut for the block size the tree run reported
+    done = run_script("bash", "bench/run_gpu_tree_e2e.sh", str(tmp_path), widths, *SMALL, PREEMPTION_SHAPES=widths)
     report_file = tmp_path / "gpu_tree_e2e.json"
     log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else done.stdout + done.stderr
     assert report_file.exists(), log[-4000:]
     report = json.loads(report_file.read_text())
     name = "tree-" + widths.replace(",", "x")
-    assert list(report["runs"]) == [name], log[-4000:]
+    assert sorted(report["runs"]) == [f"preempted-{name}", name], log[-4000:]
     assert set(report["runs"][name]["verdicts"]) == {"1", "2"}
+    preempted = report["runs"][f"preempted-{name}"]
+    assert preempted["num_preemptions"] > 0 and set(preempted["verdicts"]) == {"8"}, log[-4000:]
+    assert report["missing_runs"] == []

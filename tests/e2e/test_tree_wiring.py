@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from tests.e2e.conftest import count_mixed_batches
-from vllm_treewy.fixture import fixture_prompts
+from vllm_treewy.fixture import fixture_prompts, prompts_before_a_block_boundary
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import tree_runner, tree_sampler
@@ -144,12 +144,6 @@ def _name(widths) -> str:
 LONG_PROMPT_OFFSET = 31
 
 
-def long_prompts(tokens: list[int], block_size: int) -> list[list[int]]:
-    """Prompts that end 26 to 33 tokens before an attention block boundary: they cross it while decoding."""
-    start = LONG_PROMPT_OFFSET
-    return [tokens[start + i * 97 : start + i * 97 + block_size - 26 + i] for i in range(NUM_LONG_PROMPTS)]
-
-
 @pytest.fixture(scope="module")
 def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     tmp = tmp_path_factory.mktemp("tree-wiring")
@@ -190,7 +184,8 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     for widths in WIDTHS:
         block_size = results.runs[f"tree-{_name(widths)}"].kv_cache.attention_block_size
         workload = f"long-{block_size}"
-        workloads[workload] = (long_prompts(tokens, block_size), [30] * NUM_LONG_PROMPTS)
+        long_prompts = prompts_before_a_block_boundary(tokens, block_size, NUM_LONG_PROMPTS, LONG_PROMPT_OFFSET)
+        workloads[workload] = (long_prompts, [30] * NUM_LONG_PROMPTS)
         preemption_plan[f"preempted-{_name(widths)}"] = ("fixture", workload, widths, TRUE_BRANCH, None, None, dict(
             num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=NUM_LONG_PROMPTS))
     long_workloads = {w: workloads[w] for w in {run[1] for run in preemption_plan.values()}}

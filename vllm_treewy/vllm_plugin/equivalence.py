@@ -115,10 +115,13 @@ def run_greedy(model: str, prompt_ids: list[list[int]], max_tokens: list[int], *
     """Starts an engine, generates greedily, reads its counters and KV-cache report, tears it down."""
     with engine(model, **engine_kwargs) as llm:
         outputs = generate_greedy(llm, prompt_ids, max_tokens)
-        preemptions = {m.name: m for m in llm.get_metrics()}.get("vllm:num_preemptions")
-        return GenerationRun(
-            outputs, read_acceptance(llm), kv_cache_report(llm), int(preemptions.value) if preemptions else 0
-        )
+        return GenerationRun(outputs, read_acceptance(llm), kv_cache_report(llm), read_preemptions(llm))
+
+
+def read_preemptions(llm: LLM) -> int:
+    """How many times the engine's scheduler preempted a running request so far."""
+    preemptions = {m.name: m for m in llm.get_metrics()}.get("vllm:num_preemptions")
+    return int(preemptions.value) if preemptions else 0
 
 
 def bf16_step(x: float) -> float:
