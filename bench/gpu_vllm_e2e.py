@@ -388,11 +388,17 @@ def long_context_model(model: str) -> str:
 
 def attention_block_sizes(sources: list[str]) -> dict[str, int]:
     """Tree name -> the attention block size vLLM gave that tree's engine, from earlier runs' KV reports: run folders
-    (`runs/tree-*.json`) or tree reports (`gpu_tree_e2e.json`); the first source that has the tree wins. The block
-    size is only known once an engine has built its layers, and the preemption prompts (hence the reference outputs
-    the drafter needs at start-up) depend on it."""
+    (`runs/tree-*.json`), tree reports (`gpu_tree_e2e.json`) or `NAME=TOKENS` as an engine's log stated it ("Setting
+    attention block size to ..."); the first source that has the tree wins. The block size is only known once an
+    engine has built its layers, and the preemption prompts (hence the reference outputs the drafter needs at
+    start-up) depend on it; the preempted run checks it against its engine's."""
     sizes = {}
-    for source in map(Path, sources):
+    for text in sources:
+        if "=" in text:
+            name, tokens = text.split("=")
+            sizes.setdefault(name, int(tokens))
+            continue
+        source = Path(text)
         if source.is_file():
             runs = json.loads(source.read_text())["runs"].values()
         else:
@@ -594,7 +600,7 @@ def main(argv=None) -> int:
     preempt.add_argument("--out-dir", required=True)
     preempt.add_argument("--tree-shapes", nargs="+", required=True, help="e.g. 2,2,1 4,2")
     preempt.add_argument("--block-sizes-from", nargs="+", required=True,
-                         help="earlier tree runs' folders (runs/) or reports (gpu_tree_e2e.json): their block sizes")
+                         help="earlier tree runs' folders (runs/), reports (gpu_tree_e2e.json) or NAME=TOKENS")
     report = sub.add_parser("tree-report", help="no engine: the tree runs' table and verdict")
     report.add_argument("--out-dir", required=True)
     report.add_argument("--command", default=None)
