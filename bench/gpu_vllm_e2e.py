@@ -31,6 +31,10 @@ custom_class) as in the CPU e2e tests; `bench/run_gpu_tree_e2e.sh` runs them:
     python3 bench/gpu_vllm_e2e.py tree --tree-widths 2 2 1 --out-dir $OUT   # one engine per tree shape
     python3 bench/gpu_vllm_e2e.py tree-report --out-dir $OUT          # no engine: the table and the verdict
 
+Preemption (`PREEMPTION_SHAPES` in the script): `preemption-continuations` cuts, per tree shape, prompts that cross
+its attention block while decoding (the block sizes earlier tree runs reported) and generates their references
+without speculation; `tree --preemption` runs each shape on them in a KV cache of 9 blocks, as the CPU e2e test.
+
 The tree engine judges itself (no reference engine after it): each divergence from the reference outputs is
 re-scored with its own prompt logits (vLLM's prefill path, which never speculates: what the reference engine's
 re-scoring reads), tie-aware as above, fp64 beyond a tie; `--self-check` adds the teacher-forced check. Tree
@@ -369,7 +373,7 @@ def run_continuations(args) -> int:
 # attention block boundary, 30 greedy tokens each, in a KV cache of 9 blocks (two requests' blocks: one per GDN group
 # and one attention block each), so a request that crosses its boundary preempts another.
 PREEMPTION_PROMPTS, PREEMPTION_OFFSET, PREEMPTION_NUM_BLOCKS, PREEMPTION_MAX_TOKENS = 8, 31, 9, 30
-# With an fp32 SSM state the fixture's attention blocks hold 5,584-6,992 tokens (vLLM grows them until a page holds
+# With an fp32 SSM state the fixture's attention blocks hold 5,072-6,992 tokens (vLLM grows them until a page holds
 # a GDN page), past the fixture's 4,096 positions: the preemption engines (reference and trees alike) run a copy of
 # the fixture that declares 16,384 (a random model: no length it was trained for).
 LONG_CONTEXT_POSITIONS = 16384
