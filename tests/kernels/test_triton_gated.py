@@ -5,7 +5,7 @@ CPU)."""
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from vllm_treewy.kernels.gated import gdn_commit_packed, gdn_step_packed, slot_factor_width, split_slot_factors
@@ -60,6 +60,14 @@ OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 def within(actual, expected, tolerance):
     """relative_error <= tolerance; an empty batch (all requests without nodes) is trivially within."""
     return actual.numel() == 0 or relative_error(actual, expected) <= tolerance
+
+
+def within_one_bf16_step(actual, expected):
+    """Elementwise at most one bf16 spacing (8 significant bits) apart: fp32 results that differ in their last bits
+    round to neighbouring bf16 values where they straddle a rounding boundary."""
+    a, e = actual.double(), expected.double()
+    step = torch.ldexp(torch.ones_like(e), torch.frexp(torch.maximum(a.abs(), e.abs()))[1] - 8)
+    return bool(((a - e).abs() <= step).all())
 
 
 def gated_inputs(batch, key_heads, ratio, key_dim, value_dim, seed, gate_scale=1.0, padding=(), dtype=torch.float32):
@@ -365,11 +373,14 @@ def test_split_state(split, operands, batch, seed, gate_scale):
 @settings(max_examples=4, deadline=None)
 @given(batch=st.lists(st.one_of(chains(max_nodes=6), trees(max_nodes=8, max_depth=4)), min_size=1, max_size=3),
        seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
+@example(batch=[(-1, 0, 1)], seed=0, gate_scale=3.0)  # an output a bf16 step from the tf32 pass's (a random draw)
 @pytest.mark.parametrize("operands", [{}, dict(split_in_mma_layout=True), dict(lagged_products=True),
                                       dict(epilogue_in_mma_layout=True)])
 def test_bf16_state_one_bf16_pass(operands, batch, seed, gate_scale):
     """A bf16 state with bf16 q/k and `split_state_bf16`: one bf16 pass, exact products as the one tf32 pass (the
-    interpreter runs both dots in fp32): outputs and factor rows as the tf32 pass's, and vs the fp64 reference."""
+    interpreter runs both dots in fp32) summed in another order: factor rows within 1e-6 of the tf32 pass's (measured
+    2e-8), the bf16 outputs within one bf16 step of them (one of 384 a step apart at seed 0, gate scale 3, chain of
+    three), and both vs the fp64 reference."""
     packed, inputs, pool, slots = gated_inputs(batch, 2, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
     state = pool.to(torch.bfloat16).to(DEVICE)
     factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
@@ -384,7 +395,7 @@ def test_bf16_state_one_bf16_pass(operands, batch, seed, gate_scale):
     epilogue = operands.get("epilogue_in_mma_layout", False)
     tf32_out = run_step(packed, inputs, state, slots, 2, tf32_factors, split_state_bf16=False,
                         epilogue_in_mma_layout=epilogue, **launch)
-    assert within(out.cpu(), tf32_out.cpu().double(), 1e-6)
+    assert within_one_bf16_step(out.cpu(), tf32_out.cpu())
     assert within(factors.cpu(), tf32_factors.cpu().double(), 1e-6)
 
 
