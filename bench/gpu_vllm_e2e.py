@@ -426,15 +426,15 @@ def run_preemption_continuations(args) -> int:
     missing = [name for name in names if name not in sizes]
     if missing:
         raise SystemExit(f"no attention block size for {missing} in {args.block_sizes_from}: run those trees first")
-    sets = {name: prompts_before_a_block_boundary(tokens, sizes[name], PREEMPTION_PROMPTS, PREEMPTION_OFFSET)
-            for name in names}
+    n = args.num_prompts
+    sets = {name: prompts_before_a_block_boundary(tokens, sizes[name], n, PREEMPTION_OFFSET) for name in names}
     batch = [p for name in names for p in sets[name]]
-    args.batch_sizes = [PREEMPTION_PROMPTS]
+    args.batch_sizes = [n]
     with engine(long_context_model(model), **engine_kwargs(args, 1), max_model_len=LONG_CONTEXT_POSITIONS) as llm:
         reference = generate_greedy(llm, batch, [PREEMPTION_MAX_TOKENS + LOOKAHEAD] * len(batch))
     result = {}
     for i, name in enumerate(names):
-        ref = reference[i * PREEMPTION_PROMPTS : (i + 1) * PREEMPTION_PROMPTS]
+        ref = reference[i * n : (i + 1) * n]
         result[name] = {"attention_block_size": sizes[name], "prompts": sets[name],
                         "sequences": [p + r for p, r in zip(sets[name], ref)],
                         "reference_outputs": [r[:PREEMPTION_MAX_TOKENS] for r in ref]}
@@ -466,9 +466,9 @@ def run_preempted_tree(args) -> int:
     os.environ[DRAFTS_ENV] = write_drafts_file(out / f"preempted-{name}-drafts.json", known["sequences"], TRUE_BRANCH)
     model = long_context_model(prompts_and_model()[0])
     prompts = known["prompts"]
-    args.batch_sizes = [PREEMPTION_PROMPTS]
+    args.batch_sizes = [len(prompts)]
     kwargs = engine_kwargs(args, 1 + DraftTree.from_widths(widths).num_nodes)
-    kwargs.update(num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=PREEMPTION_PROMPTS,
+    kwargs.update(num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=len(prompts),
                   max_model_len=LONG_CONTEXT_POSITIONS)
     with engine(model, speculative_config=tree_spec(widths), logprobs_mode="raw_logits", **kwargs) as llm:
         kv = kv_cache_report(llm)
@@ -485,7 +485,7 @@ def run_preempted_tree(args) -> int:
     result = {"name": f"preempted-{name}", "widths": widths, "concurrent": args.concurrent,
               "num_preemptions": preemptions, "kv_cache": asdict(kv),
               "accepted_per_verify": acceptance.num_accepted_tokens / max(acceptance.num_drafts, 1),
-              "verdicts": {str(PREEMPTION_PROMPTS): record}}
+              "verdicts": {str(len(prompts)): record}}
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "runs" / f"preempted-{name}.json").write_text(json.dumps(result))
     print(result["name"], "done:", record["summary"], flush=True)
@@ -603,6 +603,8 @@ def main(argv=None) -> int:
     add_common_args(preempt, runs=False)
     preempt.add_argument("--out-dir", required=True)
     preempt.add_argument("--tree-shapes", nargs="+", required=True, help="e.g. 2,2,1 4,2")
+    preempt.add_argument("--num-prompts", type=int, default=PREEMPTION_PROMPTS,
+                         help="per tree; 3 still preempt (two requests' blocks), in a third of the time")
     preempt.add_argument("--block-sizes-from", nargs="+", required=True,
                          help="earlier tree runs' folders (runs/), reports (gpu_tree_e2e.json) or NAME=TOKENS")
     report = sub.add_parser("tree-report", help="no engine: the tree runs' table and verdict")

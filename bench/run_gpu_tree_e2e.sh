@@ -11,8 +11,8 @@
 # start-up memory profile asserts that no other process frees GPU memory meanwhile (it failed so on 2026-12-01).
 # PREEMPTION_SHAPES="2,2,1 ...": then, for those shapes, prompts that cross their attention block while decoding in a
 # KV cache that preempts (`gpu_vllm_e2e.py preemption-continuations`, `tree --preemption`); their block sizes come
-# from this call's tree runs or from the run folders or reports in BLOCK_SIZES_FROM. WIDTHS may then be ""
-# (no standard runs).
+# from this call's tree runs or from the run folders or reports in BLOCK_SIZES_FROM; PREEMPTION_PROMPTS per tree
+# (default 8). WIDTHS may then be "" (no standard runs).
 set -u
 out=$1; shapes=$2; shift 2
 concurrent=0
@@ -57,7 +57,8 @@ fi
 if [ -n "${PREEMPTION_SHAPES:-}" ]; then
   echo "=== preemption continuations at $(( $(date +%s) - start )) s" >>"$log"
   python3 bench/gpu_vllm_e2e.py preemption-continuations --out-dir "$out" --tree-shapes $PREEMPTION_SHAPES \
-    --block-sizes-from "$out/runs" ${BLOCK_SIZES_FROM:-} "$@" >>"$log" 2>&1
+    --block-sizes-from "$out/runs" ${BLOCK_SIZES_FROM:-} ${PREEMPTION_PROMPTS:+--num-prompts $PREEMPTION_PROMPTS} \
+    "$@" >>"$log" 2>&1
   echo "=== rc=$? at $(( $(date +%s) - start )) s" >>"$log"
   run_trees preempted- "$PREEMPTION_SHAPES" --preemption "$@"
 fi
