@@ -604,7 +604,7 @@ def main(argv=None) -> int:
     preempt.add_argument("--out-dir", required=True)
     preempt.add_argument("--tree-shapes", nargs="+", required=True, help="e.g. 2,2,1 4,2")
     preempt.add_argument("--num-prompts", type=int, default=PREEMPTION_PROMPTS,
-                         help="per tree; 3 still preempt (two requests' blocks), in a third of the time")
+                         help="per tree (3 still preempt: more than the KV cache's two requests)")
     preempt.add_argument("--block-sizes-from", nargs="+", required=True,
                          help="earlier tree runs' folders (runs/), reports (gpu_tree_e2e.json) or NAME=TOKENS")
     report = sub.add_parser("tree-report", help="no engine: the tree runs' table and verdict")
