@@ -56,6 +56,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import gpu_site
+from vllm_treewy.fixture import (PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, PREEMPTION_PROMPTS,
+                                 prompts_before_a_block_boundary)
 from vllm_treewy.fixture.exact import ExactModel
 
 FIXTURE_DIR = "/tmp/fixture-qwen35"
@@ -369,10 +371,7 @@ def run_continuations(args) -> int:
     return 0
 
 
-# Preemption, as the CPU e2e test (tests/e2e/test_tree_wiring.py): 8 prompts that end 26-33 tokens before an
-# attention block boundary, 30 greedy tokens each, in a KV cache of 9 blocks (two requests' blocks: one per GDN group
-# and one attention block each), so a request that crosses its boundary preempts another.
-PREEMPTION_PROMPTS, PREEMPTION_OFFSET, PREEMPTION_NUM_BLOCKS, PREEMPTION_MAX_TOKENS = 8, 31, 9, 30
+# Preemption: the fixture's preemption workload, as in the CPU e2e test (tests/e2e/test_tree_wiring.py).
 # With an fp32 SSM state the fixture's attention blocks hold 5,072-6,992 tokens (vLLM grows them until a page holds
 # a GDN page), past the fixture's 4,096 positions: the preemption engines (reference and trees alike) run a copy of
 # the fixture that declares 16,384 (a random model: no length it was trained for).
@@ -380,13 +379,15 @@ LONG_CONTEXT_POSITIONS = 16384
 
 
 def long_context_model(model: str) -> str:
+    """The copy, made once: `preemption-continuations` makes it before the tree engines, which start at once."""
     import shutil
 
     long_dir = Path(f"{model}-long")
-    shutil.copytree(model, long_dir, dirs_exist_ok=True)
-    config = json.loads((long_dir / "config.json").read_text())
-    config["max_position_embeddings"] = LONG_CONTEXT_POSITIONS
-    (long_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if not (long_dir / "config.json").exists():
+        shutil.copytree(model, long_dir)
+        config = json.loads((long_dir / "config.json").read_text())
+        config["max_position_embeddings"] = LONG_CONTEXT_POSITIONS
+        (long_dir / "config.json").write_text(json.dumps(config, indent=2))
     return str(long_dir)
 
 
@@ -416,7 +417,6 @@ def run_preemption_continuations(args) -> int:
     """No speculation, on the long-context fixture: for each tree shape, prompts that cross that shape's attention
     block boundary while decoding, and their greedy continuations (LOOKAHEAD longer: the drafter's truth). Writes
     `preemption.json` into `--out-dir`."""
-    from vllm_treewy.fixture import prompts_before_a_block_boundary
     from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
 
     model, prompts = prompts_and_model()
@@ -427,7 +427,7 @@ def run_preemption_continuations(args) -> int:
     if missing:
         raise SystemExit(f"no attention block size for {missing} in {args.block_sizes_from}: run those trees first")
     n = args.num_prompts
-    sets = {name: prompts_before_a_block_boundary(tokens, sizes[name], n, PREEMPTION_OFFSET) for name in names}
+    sets = {name: prompts_before_a_block_boundary(tokens, sizes[name], n) for name in names}
     batch = [p for name in names for p in sets[name]]
     args.batch_sizes = [n]
     with engine(long_context_model(model), **engine_kwargs(args, 1), max_model_len=LONG_CONTEXT_POSITIONS) as llm:

@@ -13,7 +13,7 @@ import torch
 import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as cpu_gdn
 
 from tests.e2e.planted_bugs import planted_state_commit_bug
-from vllm_treewy.fixture import build_fixture, fixture_prompts
+from vllm_treewy.fixture import build_fixture, fixture_prompts, prompts_before_a_block_boundary
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.equivalence import (
@@ -33,9 +33,10 @@ PLANTED_BUGS = ("off_by_one", "no_rollback")
 TEACHER_FORCED_RUNS = ("reconstruct-k3", "store_all-k3", *PLANTED_BUGS)
 # Few concurrent sequences: prompts queue up and prefill while earlier ones are in speculative decode.
 MAX_NUM_SEQS = 6
-# Preemption workload: prompts of ~230-240 tokens that cross a 256-token attention block while decoding, in
+# Preemption workload: prompts of 230-237 tokens that cross the chains' 256-token attention block while decoding, in
 # a KV cache of 12 blocks (3 requests' worth at max_model_len), so running requests get preempted.
 NUM_LONG_PROMPTS = 8
+ATTENTION_BLOCK_SIZE = 256
 PREEMPTION_NUM_BLOCKS = 12
 
 
@@ -124,7 +125,7 @@ def workloads(fixture_model) -> dict:
 
     prompts = fixture_prompts(AutoTokenizer.from_pretrained(fixture_model), NUM_PROMPTS)
     tokens = [t for p in prompts for t in p]
-    long_prompts = [tokens[i * 97 : i * 97 + 230 + i] for i in range(NUM_LONG_PROMPTS)]
+    long_prompts = prompts_before_a_block_boundary(tokens, ATTENTION_BLOCK_SIZE, NUM_LONG_PROMPTS, offset=0)
     # Different lengths make requests finish at different steps, so later prompts prefill beside decodes.
     return {
         "standard": (prompts, [20 + (i * 7) % 17 for i in range(NUM_PROMPTS)]),

@@ -22,7 +22,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from tests.e2e.conftest import count_mixed_batches
-from vllm_treewy.fixture import fixture_prompts, prompts_before_a_block_boundary
+from vllm_treewy.fixture import (PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, PREEMPTION_PROMPTS, fixture_prompts,
+                                 prompts_before_a_block_boundary)
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import tree_runner, tree_sampler
@@ -41,10 +42,6 @@ MAX_NUM_SEQS = 4  # prompts queue up and prefill beside speculative decodes
 # for every step (a full depth of it even at the last step).
 LOOKAHEAD = 4
 TRUE_BRANCH = 1  # a non-first child where the width allows: acceptance must follow it
-NUM_LONG_PROMPTS = 8
-# 2 requests' blocks (each: one per GDN group and one attention block), so a request that crosses an attention block
-# boundary while decoding preempts another.
-PREEMPTION_NUM_BLOCKS = 9
 NUM_CORPUS_PROMPTS = 32  # the long prompts are cut from all of them, as in tests/e2e/conftest.py
 STRONG_ATTENTION = 20.0
 PLANTED_BUGS = ("no_depth_positions", "no_kv_compaction")
@@ -138,12 +135,6 @@ def _name(widths) -> str:
     return "x".join(map(str, widths))
 
 
-# Where the long prompts start in the corpus. Not 0: there, prompt 4's 10th token sits at a near-tie (the exact model
-# prefers the reference's token by 0.0334, one bf16 step is 0.0312) that reconstruct with a plain chain of the same
-# drafter (widths [1, 1, 1], no tree code) resolves the other way too, as the trees do (measured 2026-11-30).
-LONG_PROMPT_OFFSET = 31
-
-
 @pytest.fixture(scope="module")
 def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     tmp = tmp_path_factory.mktemp("tree-wiring")
@@ -184,10 +175,10 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
     for widths in WIDTHS:
         block_size = results.runs[f"tree-{_name(widths)}"].kv_cache.attention_block_size
         workload = f"long-{block_size}"
-        long_prompts = prompts_before_a_block_boundary(tokens, block_size, NUM_LONG_PROMPTS, LONG_PROMPT_OFFSET)
-        workloads[workload] = (long_prompts, [30] * NUM_LONG_PROMPTS)
+        workloads[workload] = (prompts_before_a_block_boundary(tokens, block_size),
+                               [PREEMPTION_MAX_TOKENS] * PREEMPTION_PROMPTS)
         preemption_plan[f"preempted-{_name(widths)}"] = ("fixture", workload, widths, TRUE_BRANCH, None, None, dict(
-            num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=NUM_LONG_PROMPTS))
+            num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=PREEMPTION_PROMPTS))
     long_workloads = {w: workloads[w] for w in {run[1] for run in preemption_plan.values()}}
     _generate_references(results, "fixture", fixture_model, long_workloads)
     _run_trees(results, preemption_plan, models, workloads, tmp)
