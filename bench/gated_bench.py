@@ -152,8 +152,8 @@ class Step:
             out=self.out, factors=self.factors, **config)
 
     def commit(self, s, config):
-        launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program")
-                  if k in config}
+        launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program",
+                                         "state_pass_rows", "state_pass_block_k", "state_pass_warps") if k in config}
         return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], self.factors, self.accepted,
                                          num_key_heads=H, pending_ancestors=self.pending_ancestors, **launch)
 
@@ -274,11 +274,19 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
-PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False)
+PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
+              state_pass_rows=0)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
     return _cfg(block_k, num_warps, prefetch, state_dot=True, late_node_terms=True, **{**PINNED, **variant})
+
+
+def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
+    """The state pass (`rows` value rows a program, key chunks of `block_k`, `warps` warps) and the accumulator-layout
+    epilogue in its own launch (`epilogue_warps` warps; uncapped unless `max_registers` is given)."""
+    return _dot(32, epilogue_warps, 1, **{**EPILOGUE, **variant}, state_pass_rows=rows, state_pass_block_k=block_k,
+                state_pass_warps=warps)
 
 
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
@@ -340,10 +348,17 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
              _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE),
-             _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
+             _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
+             _two_pass(32, 128, 4, 4, **SPLIT), _two_pass(64, 128, 4, 4, **SPLIT), _two_pass(16, 128, 2, 4, **SPLIT),
+             _two_pass(32, 64, 4, 4, **SPLIT), _two_pass(64, 128, 8, 8, **SPLIT), _two_pass(32, 128, 4, 8, **SPLIT),
+             _two_pass(32, 128, 4, 4, **BF16_SPLIT)],
     "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE),
-             _dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
+             _dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
+             _two_pass(32, 128, 4, 4, **BF16_SPLIT), _two_pass(64, 128, 4, 4, **BF16_SPLIT),
+             _two_pass(16, 128, 2, 4, **BF16_SPLIT), _two_pass(128, 128, 8, 4, **BF16_SPLIT),
+             _two_pass(32, 128, 4, 8, **BF16_SPLIT), _two_pass(64, 64, 4, 4, **BF16_SPLIT),
+             _two_pass(32, 128, 4, 4, **BF16_SPLIT, **TWO_HEADS)],
 }
 
 
@@ -355,11 +370,14 @@ CONFIGS = {
 # 328 bytes, 16/8/1 0 / 296, bf16 32/8/1 0 / 392, 64/8/1 32 / 376.
 TREE_CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT)],
+             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT),
+             _two_pass(32, 128, 4, 8, **SPLIT, solve_by_dots=True), _two_pass(32, 128, 4, 4, **SPLIT, solve_by_dots=True)],
     "bf16": [_dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(32, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(32, 4, 1, **TWO_HEADS)],
+             _dot(32, 4, 1, **TWO_HEADS),
+             _two_pass(32, 128, 4, 8, **BF16_SPLIT, solve_by_dots=True),
+             _two_pass(32, 128, 4, 4, **BF16_SPLIT, solve_by_dots=True)],
 }
 
 
@@ -419,8 +437,12 @@ def main():
                 except Exception:  # noqa: BLE001
                     traceback.print_exc()
                     continue
-                records.append(dict(tune=True, T=T, B=tune_batch, state=name, config=config, us=us, ok=ok))
-                print(f"tune {name} T={T} B={tune_batch}: {config} fused {us:.2f} us ok={ok}", flush=True)
+                record = dict(tune=True, T=T, B=tune_batch, state=name, config=config, us=us, ok=ok)
+                if config.get("state_pass_rows"):  # the state pass alone, without products (the commit)
+                    record["state_pass_commit_us"] = graph_time_us([step.commit(s, config) for s in range(step.sets)])
+                records.append(record)
+                print(f"tune {name} T={T} B={tune_batch}: {config} fused {us:.2f} us ok={ok} "
+                      f"{record.get('state_pass_commit_us', '')}", flush=True)
                 if ok and (best is None or us < best[0]):
                     best = (us, config)
             tuned[tuned_key(name, T, tune_batch)] = best[1] if best else CONFIGS[name][0]

@@ -247,6 +247,18 @@ GATED_VARIANTS = {
     "solve_by_dots": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
                           split_state_tf32=True, epilogue_in_mma_layout=True, solve_by_dots=True,
                           split_state_bf16=False),
+    # the state pass and the epilogue in two launches (2xTF32 / the bf16 pass; wgmma at 64 rows, mma.sync at 32)
+    "two_pass": dict(block_k=32, num_warps=4, prefetch=1, state_dot=True, late_node_terms=True,
+                     split_state_tf32=True, split_state_bf16=True, epilogue_in_mma_layout=True, state_pass_rows=32,
+                     state_pass_block_k=128, state_pass_warps=4),
+    "two_pass_two_heads": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
+                               heads_per_program=2, split_state_tf32=True, split_state_bf16=False,
+                               epilogue_in_mma_layout=True, state_pass_rows=64, state_pass_block_k=64,
+                               state_pass_warps=4),
+    "two_pass_solve_by_dots": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
+                                   split_state_tf32=True, split_state_bf16=True, epilogue_in_mma_layout=True,
+                                   solve_by_dots=True, state_pass_rows=32, state_pass_block_k=128,
+                                   state_pass_warps=4),
 }
 
 
@@ -260,7 +272,7 @@ def test_gated_step_vs_reference(state_dtype, tokens, variant):
     check_gated_two_steps(DraftTree.from_widths([1] * tokens), True, state_dtype, GATED_VARIANTS[variant])
 
 
-@pytest.mark.parametrize("variant", ["default", "solve_by_dots"])
+@pytest.mark.parametrize("variant", ["default", "solve_by_dots", "two_pass_solve_by_dots"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2, 1), (4, 2), (3, 2, 2), (4, 2, 2)])
 def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
@@ -317,8 +329,11 @@ def check_gated_two_steps(tree, chain, state_dtype, launch):
             assert relative_error(pool[int(slots[b])], states[b]) <= state_tolerance
 
 
-def test_gated_step_graph_capture():
+@pytest.mark.parametrize("variant", ["default", "two_pass"])
+def test_gated_step_graph_capture(variant):
     from vllm_treewy.kernels.triton import gdn_step_triton
+
+    launch = GATED_VARIANTS[variant]
 
     inputs, pool, slots = gated_batch(4, 2, torch.float32, seed=5)
     packed = pack_trees([DraftTree.from_widths([1] * 4)] * 2, device="cuda")
@@ -328,10 +343,10 @@ def test_gated_step_graph_capture():
 
     def step():
         return gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
-                               chain=True, out=out, factors=factors, pending_nodes=pending)
+                               chain=True, out=out, factors=factors, pending_nodes=pending, **launch)
 
     gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
-                    chain=True, out=out, factors=factors)  # rows to commit
+                    chain=True, out=out, factors=factors, **launch)  # rows to commit
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -32,8 +32,17 @@ SPARE_SLOTS = 2
 SOLVE_BY_DOTS = [dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True,
                       epilogue_in_mma_layout=True, solve_by_dots=True),
                  dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2,
-                      epilogue_in_mma_layout=True, solve_by_dots=True)]
-VARIANTS = SOLVE_BY_DOTS + [dict(block_k=16, state_dot=True, late_node_terms=True),
+                      epilogue_in_mma_layout=True, solve_by_dots=True),
+                 dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True,
+                      solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16)]
+# the state pass and the epilogue in two launches: 2xTF32 (16 value rows and 16 key columns a chunk: two programs
+# and two chunks where V or K is 32); two heads an epilogue program with the bf16 pieces (3xBF16 for fp32 states),
+# a whole head's rows a program
+TWO_PASS = [dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True, state_pass_rows=16,
+                 state_pass_block_k=16),
+            dict(block_k=16, state_dot=True, heads_per_program=2, split_state_bf16=True, epilogue_in_mma_layout=True,
+                 state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2)]
+VARIANTS = SOLVE_BY_DOTS + TWO_PASS + [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
             dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
@@ -266,7 +275,9 @@ def check_two_steps(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed
     separate, separate_factors = state.clone(), factors.clone()
     gdn_commit_triton(separate, slots.to(DEVICE), separate_factors, pending.to(DEVICE), num_key_heads=key_heads,
                       pending_ancestors=on_device(pending_ancestors), block_k=variant["block_k"],
-                      heads_per_program=variant.get("heads_per_program"))
+                      heads_per_program=variant.get("heads_per_program"),
+                      state_pass_rows=variant.get("state_pass_rows"),
+                      state_pass_block_k=variant.get("state_pass_block_k"))
     assert torch.equal(separate_factors, factors)  # the commit writes no factors
     committed = separate.cpu().clone()
     out_separate = torch.full((packed2.num_nodes, hv, value_dim), float("nan"), device=DEVICE)
@@ -565,7 +576,7 @@ def test_default_launch_vs_reference(state_dtype, tokens):
     factors = slot_factor_page(state.shape[0], tokens, hv, key_dim, value_dim, 7)
     before = factors.clone()
     dev = [x.to(DEVICE) for x in inputs1]
-    _, _, kernel_kwargs, _ = gated_module._launch_arguments(
+    [(_, _, _, kernel_kwargs)], _ = gated_module._launch_arguments(
         *dev, state, slots.to(DEVICE), packed1.parents.to(DEVICE), packed1.cu_nodes.to(DEVICE), factors, None, None,
         num_key_heads=1, max_nodes=tokens, max_depth=None, chain=True, scale=None, norm_eps=1e-6, activation="silu",
         ancestors=None, out=None, do_verify=True)
@@ -590,3 +601,40 @@ def test_default_launch_vs_reference(state_dtype, tokens):
     assert within(committed[int(slots[0])], reference.recurrence.state[tokens - 2], state_tolerance)
     assert torch.equal(committed[int(slots[1])], h0[int(slots[1])])
     check_step(packed2, inputs2, committed, slots, second, 1, out2, factors, between, tolerance, out_tolerance)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    steps=two_step_batches(),
+    **dict(STEP_SHAPES, variant=st.sampled_from(TWO_PASS)),
+    input_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_two_steps_in_two_passes(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant, input_dtype):
+    """`test_two_steps_with_pending_commit` with the state pass and the epilogue in two launches every time (the
+    commit alone: the state pass without products)."""
+    check_two_steps(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant, input_dtype)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", TWO_PASS)
+def test_two_passes_commit_as_one_kernel(state_dtype, variant):
+    """From the same factor rows, the state pass commits with the one-kernel step's sums in its order: the same
+    committed state bit for bit; outputs and factor rows within fp32 rounding of its (the products' sums are
+    chunked differently)."""
+    first = [DraftTree.from_widths([1] * n).parents for n in (4, 3, 2)]
+    second = [DraftTree.from_widths(w).parents for w in ([2, 1], [1, 1, 1], [1])]
+    packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, 32, 32, 3, dtype=torch.bfloat16)
+    packed2, inputs2, _, _ = gated_inputs(second, 1, 2, 32, 32, 4, dtype=torch.bfloat16)
+    accepted = torch.tensor([3, -1, 0], dtype=torch.int32)
+    one_kernel = {k: v for k, v in variant.items() if not k.startswith("state_pass")}
+    results = []
+    for launch in (variant, one_kernel):
+        state = pool.to(state_dtype).to(DEVICE)
+        factors = slot_factor_page(state.shape[0], 4, 2, 32, 32, 3)
+        run_step(packed1, inputs1, state, slots, 1, factors, chain=True, **one_kernel)
+        out = run_step(packed2, inputs2, state, slots, 1, factors, pending=accepted, **launch)
+        results.append((state.cpu(), out.cpu(), factors.cpu()))
+    (state, out, factors), (state_one, out_one, factors_one) = results
+    assert torch.equal(state, state_one)
+    assert within(out, out_one.double(), 1e-5 if state_dtype == torch.float32 else OUT_TOLERANCE_BF16)
+    assert within(factors, factors_one.double(), 1e-5)

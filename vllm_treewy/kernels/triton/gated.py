@@ -77,6 +77,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..gated import slot_factor_width, split_slot_factors
 from ._tree import _ancestor
+from . import state_pass
+from .state_ops import _factor_columns, _operand_pieces, _pending_path, _piece_products, _state_products
 from .verify import interpreting, max_ancestors, tree_ancestors
 
 ACTIVATIONS = ("silu", "sigmoid")
@@ -95,14 +97,6 @@ def _log_decay(a_raw, dt_bias, neg_exp_a_log):
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
     return neg_exp_a_log * tl.where(x <= 20.0, log1p, x)
 
-
-@triton.jit
-def _round_tf32(x):
-    """x rounded to the nearest tf32 (1 + 10 mantissa bits, ties away from zero: PTX's cvt.rna.tf32.f32) by bit
-    arithmetic, which the interpreter runs too: half of the last kept bit added to the fp32 pattern, the 13 low
-    bits cleared. Finite x (a carry out of the largest finite floats would give inf)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -133,61 +127,7 @@ def _tf32_operand_columns(c):
     return 8 * (c // 8) + 2 * (c % 4) + (c // 4) % 2
 
 
-@triton.jit
-def _state_products(h, kq, acc, STATE_PRODUCTS: tl.constexpr):
-    """acc + h @ kq on the tensor cores, h [V, BK] a state chunk in fp32, kq [BK, NQ] raw q/k columns in fp32.
 
-    "tf32": one tf32 pass; exact products (fp32 sums) where both operands are exact in tf32 (bf16 or fp16 values: at
-    most 11 significant bits, exponents within tf32's).
-    "2xtf32" (an fp32 state with bf16/fp16 q/k): h = h_hi + h_lo + e, h_hi = rna_tf32(h), h_lo = rna_tf32(h - h_hi)
-    (h - h_hi is exact in fp32); |h - h_hi| <= 2^-11 |h| and |e| <= 2^-11 |h - h_hi| <= 2^-22 |h|. Each product
-    h_hi k and h_lo k is exact in fp32 (11 + 8 significant bits for bf16, 11 + 11 for fp16, both <= 24), so the two
-    passes give sum_i h_i k_i within 2^-22 sum_i |h_i k_i| (2.4e-7 relative; fp32 products: 2^-24) plus the fp32
-    accumulation's rounding, which every fp32 dot has: ~80x inside the fp32 tolerance (2e-5) of the fp64-reference
-    tests. tf32x3 computes these same two products and a third, h_hi (k - rna_tf32(k)), exactly zero for such k:
-    2xTF32 drops only that pass.
-    "3xbf16" (an fp32 state with bf16 q/k): h = h_1 + h_2 + h_3 + e, each piece the bf16 rounding of what the
-    pieces before it left (exact differences in fp32), |e| <= 2^-9 |h - h_1 - h_2| <= 2^-27 |h|; each product
-    h_j k is exact in fp32 (8 + 8 significant bits): within 2^-27 of the exact products, below fp32's own 2^-24.
-    Three bf16 passes (half the bytes of a tf32 operand in shared memory, twice the tensor-core rate of tf32).
-    "bf16" (a bf16 state with bf16 q/k): "3xbf16"'s one piece, as exact as "tf32" at half its operand bytes.
-    "tf32x3": q/k in fp32, not exact in tf32.
-    `_operand_pieces` splits, `_piece_products` multiplies."""
-    pieces, kq_operand = _operand_pieces(h, kq, STATE_PRODUCTS)
-    return _piece_products(pieces, kq_operand, acc, STATE_PRODUCTS)
-
-
-@triton.jit
-def _operand_pieces(h, kq, STATE_PRODUCTS: tl.constexpr):
-    """(the state chunk's operand pieces, the small parts first; the q/k operand) of `_state_products`."""
-    if STATE_PRODUCTS == "2xtf32":
-        h_hi = _round_tf32(h)
-        pieces = (_round_tf32(h - h_hi), h_hi)
-    elif STATE_PRODUCTS == "bf16":
-        kq = kq.to(tl.bfloat16)  # exact: the raw bf16 values
-        pieces = (h.to(tl.bfloat16),)  # exact: a bf16 state's values
-    elif STATE_PRODUCTS == "3xbf16":
-        kq = kq.to(tl.bfloat16)  # exact: the raw bf16 values
-        h_1 = h.to(tl.bfloat16)
-        rest = h - h_1.to(tl.float32)
-        h_2 = rest.to(tl.bfloat16)
-        pieces = ((rest - h_2.to(tl.float32)).to(tl.bfloat16), h_2, h_1)
-    else:
-        pieces = (h,)
-    return pieces, kq
-
-
-@triton.jit
-def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
-    """acc + sum over the pieces of piece @ kq (`_operand_pieces`)."""
-    for i in tl.static_range(len(pieces)):
-        if STATE_PRODUCTS == "3xbf16" or STATE_PRODUCTS == "bf16":
-            acc = tl.dot(pieces[i], kq, acc)
-        elif STATE_PRODUCTS == "tf32x3":
-            acc = tl.dot(pieces[i], kq, acc, input_precision="tf32x3")
-        else:
-            acc = tl.dot(pieces[i], kq, acc, input_precision="tf32")
-    return acc
 
 
 @triton.jit
@@ -284,46 +224,6 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
     return g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk
 
 
-@triton.jit
-def _factor_columns(factors, slot, stride_fslot, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Pointers to value head i_hv's columns of the slot's factor rows (`slot_factor_width`): its key copy [K], key
-    inverse norm, u [V] and log decay (head i_hv + g's at + g * K, + g, + g * V, + g)."""
-    f_slot = factors + slot * stride_fslot
-    return (f_slot + i_hv * K, f_slot + HV * K + i_hv, f_slot + HV * (K + 1) + i_hv * V,
-            f_slot + HV * (K + 1 + V) + i_hv)
-
-
-@triton.jit
-def _pending_path(pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G: tl.constexpr,
-                  PENDING_ROWS: tl.constexpr, PENDING_IS_CHAIN: tl.constexpr):
-    """The previous step's path to request i_b's accepted node a (row d: a's d-th ancestor, d = 0..PENDING_ROWS-1;
-    a chain's is a - d, a tree's comes from the table) for G value heads (log decays at f_g + g; the key scale of
-    the first head serves all G: one key head's copies are equal): (a; per row d its offset into the factor rows and
-    whether it is on the path; per row d and head g, at d * G + g, the weight exp(c_a - c_j) / |k_j|; per head
-    exp(c_a), h0's weight). The decays are running sums of g up the path, never differences."""
-    accepted = tl.load(pending_nodes + i_b)
-    running = ()
-    for g in tl.static_range(G):
-        running = running + (tl.zeros([], dtype=tl.float32),)
-    offsets = ()
-    on_path = ()
-    weights = ()
-    for d in tl.static_range(PENDING_ROWS):
-        path_row = _ancestor(pending_ancestors, 0, accepted, d, PENDING_ROWS, PENDING_IS_CHAIN)
-        on = path_row >= 0
-        row = tl.maximum(path_row, 0).to(tl.int64) * stride_frow
-        k_scale = tl.load(f_kscale + row, mask=on, other=0.0)
-        summed = ()
-        for g in tl.static_range(G):
-            weights = weights + (tl.where(on, tl.exp(running[g]), 0.0) * k_scale,)
-            summed = summed + (running[g] + tl.load(f_g + g + row, mask=on, other=0.0),)
-        running = summed
-        offsets = offsets + (row,)
-        on_path = on_path + (on,)
-    roots = ()
-    for g in tl.static_range(G):
-        roots = roots + (tl.exp(running[g]),)
-    return accepted, offsets, on_path, weights, roots
 
 
 @triton.jit
@@ -695,20 +595,69 @@ def _gated_step_kernel(
                 y = b_o * rstd[:, None] * w[None, :] * _output_gate(b_zs[g], ACT)
                 tl.store(out + node[:, None] * stride_out + (i_hv0 + g) * stride_outh + o_v[None, :],
                          y.to(out.dtype.element_ty), mask=valid[:, None])
-        # this step's factors into the slot's rows, after every thread's last read of the pending rows; the raw
-        # keys reloaded here rather than kept live through the state loop, one copy per value head
+        # this step's factors into the slot's rows, after every thread's last read of the pending rows
         tl.debug_barrier()
-        f_row = rows.to(tl.int64) * stride_frow
-        o_k = tl.arange(0, K)
-        k_raw = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        for g in tl.static_range(G):
-            tl.store(f_k + g * K + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
-            tl.store(f_kscale + g + f_row, k_inv, mask=valid)
-            if EPILOGUE_IN_MMA_LAYOUT:
-                tl.store(f_u + g * V + f_row[None, :] + o_v[:, None], b_us[g], mask=valid[None, :])
-            else:
-                tl.store(f_u + g * V + f_row[:, None] + o_v[None, :], b_us[g], mask=valid[:, None])
-            tl.store(f_g + g + f_row, g_own[g], mask=valid)
+        _store_factors(k_row, f_k, f_kscale, f_u, f_g, valid, k_inv, b_us, g_own, stride_frow, K, V, G, BT,
+                       EPILOGUE_IN_MMA_LAYOUT)
+
+
+@triton.jit
+def _store_factors(k_row, f_k, f_kscale, f_u, f_g, valid, k_inv, b_us, g_own, stride_frow, K: tl.constexpr,
+                   V: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, U_IN_COLUMNS: tl.constexpr):
+    """This step's factors into the slot's rows (`_factor_columns`), one copy per value head: the raw keys (reloaded
+    here rather than kept live through the state loop), their inverse norms, u (U_IN_COLUMNS: [V, BT] tiles, else
+    [BT, V]) and the log decays."""
+    f_row = tl.arange(0, BT).to(tl.int64) * stride_frow
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    k_raw = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    for g in tl.static_range(G):
+        tl.store(f_k + g * K + f_row[:, None] + o_k[None, :], k_raw, mask=valid[:, None])
+        tl.store(f_kscale + g + f_row, k_inv, mask=valid)
+        if U_IN_COLUMNS:
+            tl.store(f_u + g * V + f_row[None, :] + o_v[:, None], b_us[g], mask=valid[None, :])
+        else:
+            tl.store(f_u + g * V + f_row[:, None] + o_v[None, :], b_us[g], mask=valid[:, None])
+        tl.store(f_g + g + f_row, g_own[g], mask=valid)
+
+
+@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes"])
+def _epilogue_kernel(
+    qkv, a, b, A_log, dt_bias, z, norm_weight, state_indices, ancestors, cu_nodes, out, factors, products,
+    stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh, stride_fslot, stride_frow,
+    scale, eps,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
+    MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr, ACT: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The fused step after its state loop, on the products the state pass left (`state_pass`): what
+    `_gated_step_kernel` does with EPILOGUE_IN_MMA_LAYOUT once its accumulators are complete, for G value heads of
+    one request a program."""
+    i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    if slot < 0:
+        return
+    bos = tl.load(cu_nodes + i_b)
+    n = tl.load(cu_nodes + i_b + 1) - bos
+    valid = tl.arange(0, BT) < n
+    node = bos + tl.arange(0, BT)
+    q_row = qkv + node.to(tl.int64) * stride_qkv + i_hv0 // (HV // H) * K
+    k_row = q_row + H * K
+    g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
+        a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G, MAX_ANC,
+        IS_CHAIN, SOLVE_BY_DOTS)
+    NQ: tl.constexpr = max(16, 2 * BT)
+    o_q = tl.arange(0, NQ)
+    o_v = tl.arange(0, V)
+    acc_kq = ()
+    for g in tl.static_range(G):
+        p_head = products + ((i_b * HV + i_hv0 + g) * V + o_v[:, None]).to(tl.int64) * (2 * BT) + o_q[None, :]
+        acc_kq = acc_kq + (_in_accumulator_layout(tl.load(p_head, mask=(o_q < 2 * BT)[None, :], other=0.0)),)
+    b_us = _epilogue_in_mma_layout(acc_kq, qkv, z, out, norm_weight, node, valid, b_beta, path_c, decay, q_inv, k_inv,
+                                   kk, qk, i_hv0, eps, stride_qkv, stride_z, stride_zh, stride_out, stride_outh, H, K,
+                                   V, G, BT, ACT, MAX_ANC, SOLVE_BY_DOTS, DOT_PRECISION)
+    f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv0, HV, K, V)
+    _store_factors(k_row, f_k, f_kscale, f_u, f_g, valid, k_inv, b_us, g_own, stride_frow, K, V, G, BT, True)
 
 
 # Launch defaults: the fastest candidates measured correct on the H200 at H=16, HV=32, K=V=128, chain T=4. Until
@@ -769,7 +718,8 @@ def _gated_step_kernel(
 FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, row_sums=False,
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
-                         epilogue_in_mma_layout=False, solve_by_dots=False)
+                         epilogue_in_mma_layout=False, solve_by_dots=False, state_pass_rows=0,
+                         state_pass_block_k=128, state_pass_warps=4)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -852,16 +802,19 @@ def _check_factors(factors, state, state_indices, pending_nodes, pending_ancesto
 
 
 def _launch(*args, **kwargs):
-    grid, kernel_args, kernel_kwargs, out = _launch_arguments(*args, **kwargs)
-    _gated_step_kernel[grid](*kernel_args, **kernel_kwargs)
+    launches, out = _launch_arguments(*args, **kwargs)
+    for kernel, grid, kernel_args, kernel_kwargs in launches:
+        kernel[grid](*kernel_args, **kernel_kwargs)
     return out
 
 
 def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                       cu_nodes, factors, pending_nodes, pending_ancestors, *, num_key_heads, max_nodes, max_depth,
                       chain, scale, norm_eps, activation, ancestors, out, do_verify, **launch):
-    """(grid, positional and keyword arguments of `_gated_step_kernel`, out): checks and launch options resolved,
-    nothing launched (the JIT-variant test binds them without compiling)."""
+    """([(kernel, grid, positional arguments, keyword arguments)] in launch order, out): checks and launch options
+    resolved, nothing launched (the JIT-variant test binds them without compiling). One launch of
+    `_gated_step_kernel`, or with `state_pass_rows` the state pass (`state_pass`) and, for a verify, the
+    `_epilogue_kernel` on its products."""
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
@@ -871,20 +824,20 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     launch = {**launch_defaults(state.dtype, batch, HV // H, K, max_nodes),
               **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
-    assert not (launch["state_dot"] and do_verify) or block_k >= 16, "tl.dot needs block_k >= 16"
     heads = launch["heads_per_program"]
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
+    two_pass = launch["state_pass_rows"] > 0
+    assert not (two_pass and do_verify) or (launch["epilogue_in_mma_layout"] and launch["state_dot"]), \
+        "the state pass feeds the accumulator-layout epilogue (state_dot, epilogue_in_mma_layout)"
+    assert not (launch["state_dot"] and do_verify) or block_k >= 16 or two_pass, "tl.dot needs block_k >= 16"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
     # a refinement of the accumulator-layout epilogue: without it (e.g. pinned off over a tree default) it is off
     solve_by_dots = launch["solve_by_dots"] and launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify
     options = dict(num_warps=launch["num_warps"], num_stages=1)
-    # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
-    # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
-    state_desc = (TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, V, block_k])
-                  if launch["tma_state"] else state)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
+    max_anc, bt = 0, 2
     if do_verify:
         n_nodes = mixed_qkv.shape[0]
         assert mixed_qkv.shape[1] == 2 * H * K + HV * V
@@ -896,37 +849,60 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         if out is None:
             out = torch.empty(n_nodes, HV, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         out3 = out.view(n_nodes, HV, V)
-        v_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_desc, state_indices,
-                  ancestors, cu_nodes, out3)
         strides = (mixed_qkv.stride(0), a.stride(0), b.stride(0), output_gate.stride(0), output_gate.stride(1),
                    out3.stride(0), out3.stride(1))
         bt = _nodes_block(max_nodes, launch["epilogue_in_mma_layout"] and launch["state_dot"], solve_by_dots)
+    state_products = _state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
+                                          launch["split_state_tf32"], launch["split_state_bf16"])
+    pending = dict(HAS_PENDING=pending_nodes is not None,
+                   PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
+                   PENDING_IS_CHAIN=pending_ancestors is None)
+    # absent arrays stand in as pointers that are never dereferenced
+    pending_arrays = (state_indices if pending_nodes is None else pending_nodes,
+                      state_indices if pending_ancestors is None else pending_ancestors)
+    scalars = (float(K**-0.5 if scale is None else scale), float(norm_eps))
+    if two_pass:
+        rows = min(launch["state_pass_rows"], V)
+        products = torch.empty(batch, HV, V, 2 * bt if do_verify else 0, device=state.device)
+        launches = [(state_pass._state_pass_kernel, (V // rows, HV, batch), (
+            mixed_qkv if do_verify else factors, state, state_indices, cu_nodes if do_verify else state_indices,
+            factors, *pending_arrays, products, mixed_qkv.stride(0) if do_verify else 0, state.stride(0),
+            state.stride(1), state.stride(2), factors.stride(0), factors.stride(1)), dict(
+            H=H, HV=HV, K=K, V=V, BV=rows, BK=min(launch["state_pass_block_k"], K), BT=bt, DO_PRODUCTS=do_verify,
+            STATE_PRODUCTS=state_products, num_warps=launch["state_pass_warps"], num_stages=1, **pending))]
+        if do_verify:
+            launches.append((_epilogue_kernel, (HV // heads, batch), (
+                mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
+                factors, products, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
+                H=H, HV=HV, K=K, V=V, G=heads, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
+                SOLVE_BY_DOTS=solve_by_dots, DOT_PRECISION="tf32x3" if state.dtype == torch.float32 else "tf32",
+                **options)))
+        return launches, out
+    # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
+    # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
+    state_desc = (TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, V, block_k])
+                  if launch["tma_state"] else state)
+    if do_verify:
+        v_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_desc, state_indices,
+                  ancestors, cu_nodes, out3)
     else:  # commit alone: the verify's pointers are never dereferenced
-        max_anc, bt = 0, 2
         v_args = (factors,) * 7 + (state, state_desc, state_indices, state_indices, state_indices, factors)
         strides = (0,) * 7
     kernel_args = (
-        *v_args, factors, state_indices if pending_nodes is None else pending_nodes,
-        state_indices if pending_ancestors is None else pending_ancestors,
-        *strides, state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1),
-        float(K**-0.5 if scale is None else scale), float(norm_eps))
-    state_products = _state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
-                                          launch["split_state_tf32"], launch["split_state_bf16"])
+        *v_args, factors, *pending_arrays, *strides, state.stride(0), state.stride(1), state.stride(2),
+        factors.stride(0), factors.stride(1), *scalars)
     kernel_kwargs = dict(
         H=H, HV=HV, K=K, V=V, G=heads, BT=bt, BK=block_k, PREFETCH=launch["prefetch"],
         ROW_SUMS=launch["row_sums"], LATE_NODE_TERMS=launch["late_node_terms"], MAX_ANC=max_anc, IS_CHAIN=chain,
-        ACT=activation, DO_VERIFY=do_verify, HAS_PENDING=pending_nodes is not None,
-        PENDING_ROWS=factors.shape[1] if pending_ancestors is None else pending_ancestors.shape[1],
-        PENDING_IS_CHAIN=pending_ancestors is None, STATE_DOT=launch["state_dot"] and do_verify,
+        ACT=activation, DO_VERIFY=do_verify, STATE_DOT=launch["state_dot"] and do_verify,
         SPLIT_IN_MMA_LAYOUT=launch["split_in_mma_layout"] and launch["state_dot"] and do_verify,
         LAGGED_PRODUCTS=launch["lagged_products"] and launch["state_dot"] and do_verify,
         STATE_TMA=launch["tma_state"],
         EPILOGUE_IN_MMA_LAYOUT=launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify,
         SOLVE_BY_DOTS=solve_by_dots, DOT_PRECISION="tf32x3" if state.dtype == torch.float32 else "tf32",
-        STATE_PRODUCTS=state_products,
-        **options,
+        STATE_PRODUCTS=state_products, **pending, **options,
     )
-    return (HV // heads, batch), kernel_args, kernel_kwargs, out
+    return [(_gated_step_kernel, (HV // heads, batch), kernel_args, kernel_kwargs)], out
 
 
 def gdn_step_triton(
@@ -969,6 +945,9 @@ def gdn_step_triton(
     tma_state: bool | None = None,
     epilogue_in_mma_layout: bool | None = None,
     solve_by_dots: bool | None = None,
+    state_pass_rows: int | None = None,
+    state_pass_block_k: int | None = None,
+    state_pass_warps: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -1014,6 +993,10 @@ def gdn_step_triton(
     the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
     `solve_by_dots` (with `epilogue_in_mma_layout`; for trees): the Gram matrices, the solve and o's solve term as
     tensor-core products of the node tiles (a Neumann series as long as the deepest path); nodes padded to 16.
+    `state_pass_rows` (0: one kernel; with `epilogue_in_mma_layout`): two launches, the state pass (the pending
+    commit and the state products, `state_pass`: one program per that many value rows of a head, key chunks of
+    `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, V, 2 * nodes padded], then the
+    rest of the step (`_epilogue_kernel`, with `num_warps`, `max_registers` and `heads_per_program`).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -1023,7 +1006,9 @@ def gdn_step_triton(
                    late_node_terms=late_node_terms, state_dot=state_dot, split_state_tf32=split_state_tf32,
                    split_state_bf16=split_state_bf16, heads_per_program=heads_per_program,
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
-                   epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots)
+                   epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots,
+                   state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k,
+                   state_pass_warps=state_pass_warps)
 
 
 def gdn_commit_triton(
@@ -1039,6 +1024,9 @@ def gdn_commit_triton(
     prefetch: int | None = None,
     max_registers: int | None = None,
     heads_per_program: int | None = None,
+    state_pass_rows: int | None = None,
+    state_pass_block_k: int | None = None,
+    state_pass_warps: int | None = None,
 ) -> None:
     """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
     s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a, whose
@@ -1048,4 +1036,5 @@ def gdn_commit_triton(
             pending_ancestors,
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
             activation="silu", ancestors=None, out=None, do_verify=False, block_k=block_k, num_warps=num_warps,
-            prefetch=prefetch, max_registers=max_registers, heads_per_program=heads_per_program)
+            prefetch=prefetch, max_registers=max_registers, heads_per_program=heads_per_program,
+            state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k, state_pass_warps=state_pass_warps)
