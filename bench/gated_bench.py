@@ -36,6 +36,7 @@ from bench.kernels import (  # noqa: E402
     copy_bandwidth, device_facts, graph_time_us, measure_tree, serial_per_node_us, tree_case)
 
 from vllm_treewy.kernels.reference import reference_gated_tree  # noqa: E402
+from vllm_treewy.kernels.triton import gated as gated_module  # noqa: E402
 from vllm_treewy.kernels.triton import (  # noqa: E402
     ancestor_table, gdn_commit_triton, gdn_step_triton, slot_factor_width, split_slot_factors)
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
@@ -150,6 +151,17 @@ class Step:
             max_nodes=self.max_nodes, max_depth=self.max_depth, chain=self.chain, ancestors=self.ancestors,
             norm_eps=EPS, pending_nodes=pending, pending_ancestors=self.pending_ancestors if fused else None,
             out=self.out, factors=self.factors, **config)
+
+    def launches(self, s, config):
+        """The fused step's kernel launches one by one (the state pass and the epilogue of a two-pass launch), each
+        as a call: what `ours(s, config)` runs, launch by launch."""
+        launches, _ = gated_module._launch_arguments(
+            *self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes, self.factors, self.accepted,
+            self.pending_ancestors, num_key_heads=H, max_nodes=self.max_nodes, max_depth=self.max_depth,
+            chain=self.chain, scale=None, norm_eps=EPS, activation="silu", ancestors=self.ancestors, out=self.out,
+            do_verify=True, **config)
+        return [lambda kernel=kernel, grid=grid, args=args, kwargs=kwargs: kernel[grid](*args, **kwargs)
+                for kernel, grid, args, kwargs in launches]
 
     def commit(self, s, config):
         launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program",
@@ -286,7 +298,14 @@ def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
     """The state pass (`rows` value rows a program, key chunks of `block_k`, `warps` warps) and the accumulator-layout
     epilogue in its own launch (`epilogue_warps` warps; uncapped unless `max_registers` is given)."""
     return _dot(32, epilogue_warps, 1, **{**EPILOGUE, **variant}, state_pass_rows=rows, state_pass_block_k=block_k,
-                state_pass_warps=warps)
+                state_pass_warps=warps, state_pass_launches=2)
+
+
+def _one_launch(rows, block_k, warps, **variant):
+    """The state pass and the epilogue in one launch: `rows` value rows a program, key chunks of `block_k`, `warps`
+    warps, the last of a head's programs to arrive runs its epilogue."""
+    return _dot(32, warps, 1, **{**EPILOGUE, **variant}, state_pass_rows=rows, state_pass_block_k=block_k,
+                state_pass_warps=warps, state_pass_launches=1)
 
 
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
@@ -349,16 +368,17 @@ CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
              _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE),
              _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _two_pass(32, 128, 4, 4, **SPLIT), _two_pass(64, 128, 4, 4, **SPLIT), _two_pass(16, 128, 2, 4, **SPLIT),
-             _two_pass(32, 64, 4, 4, **SPLIT), _two_pass(64, 128, 8, 8, **SPLIT), _two_pass(32, 128, 4, 8, **SPLIT),
-             _two_pass(32, 128, 4, 4, **BF16_SPLIT)],
+             _two_pass(32, 64, 4, 1, **SPLIT), _two_pass(32, 64, 4, 1, **BF16_SPLIT),
+             _one_launch(32, 64, 4, **BF16_SPLIT), _one_launch(32, 64, 4, **SPLIT), _one_launch(32, 128, 4, **BF16_SPLIT),
+             _one_launch(16, 128, 2, **BF16_SPLIT), _one_launch(64, 64, 4, **BF16_SPLIT),
+             _one_launch(32, 64, 2, **BF16_SPLIT)],
     "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE),
              _dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _two_pass(32, 128, 4, 4, **BF16_SPLIT), _two_pass(64, 128, 4, 4, **BF16_SPLIT),
-             _two_pass(16, 128, 2, 4, **BF16_SPLIT), _two_pass(128, 128, 8, 4, **BF16_SPLIT),
-             _two_pass(32, 128, 4, 8, **BF16_SPLIT), _two_pass(64, 64, 4, 4, **BF16_SPLIT),
-             _two_pass(32, 128, 4, 4, **BF16_SPLIT, **TWO_HEADS)],
+             _two_pass(128, 128, 8, 2, **BF16_SPLIT), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
+             _one_launch(32, 128, 4, **BF16_SPLIT), _one_launch(64, 128, 4, **BF16_SPLIT),
+             _one_launch(64, 128, 8, **BF16_SPLIT), _one_launch(32, 128, 2, **BF16_SPLIT),
+             _one_launch(16, 128, 2, **BF16_SPLIT)],
 }
 
 
@@ -371,13 +391,14 @@ CONFIGS = {
 TREE_CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT),
-             _two_pass(32, 128, 4, 8, **SPLIT, solve_by_dots=True), _two_pass(32, 128, 4, 4, **SPLIT, solve_by_dots=True)],
+             _two_pass(32, 64, 4, 2, **BF16_SPLIT, solve_by_dots=True),
+             _one_launch(32, 64, 4, **BF16_SPLIT, solve_by_dots=True)],
     "bf16": [_dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(32, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(32, 4, 1, **TWO_HEADS),
-             _two_pass(32, 128, 4, 8, **BF16_SPLIT, solve_by_dots=True),
-             _two_pass(32, 128, 4, 4, **BF16_SPLIT, solve_by_dots=True)],
+             _two_pass(128, 128, 8, 2, **BF16_SPLIT, solve_by_dots=True),
+             _one_launch(32, 128, 4, **BF16_SPLIT, solve_by_dots=True)],
 }
 
 
@@ -438,11 +459,15 @@ def main():
                     traceback.print_exc()
                     continue
                 record = dict(tune=True, T=T, B=tune_batch, state=name, config=config, us=us, ok=ok)
-                if config.get("state_pass_rows"):  # the state pass alone, without products (the commit)
+                if config.get("state_pass_launches") == 2:  # the state pass with and without products, the epilogue
                     record["state_pass_commit_us"] = graph_time_us([step.commit(s, config) for s in range(step.sets)])
+                    launches = [step.launches(s, config) for s in range(step.sets)]
+                    record["state_pass_us"], record["epilogue_us"] = (
+                        graph_time_us([calls[i] for calls in launches]) for i in range(2))
                 records.append(record)
                 print(f"tune {name} T={T} B={tune_batch}: {config} fused {us:.2f} us ok={ok} "
-                      f"{record.get('state_pass_commit_us', '')}", flush=True)
+                      f"{record.get('state_pass_commit_us', '')} {record.get('state_pass_us', '')} "
+                      f"{record.get('epilogue_us', '')}", flush=True)
                 if ok and (best is None or us < best[0]):
                     best = (us, config)
             tuned[tuned_key(name, T, tune_batch)] = best[1] if best else CONFIGS[name][0]

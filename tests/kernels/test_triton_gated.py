@@ -34,14 +34,21 @@ SOLVE_BY_DOTS = [dict(block_k=16, state_dot=True, late_node_terms=True, split_st
                  dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2,
                       epilogue_in_mma_layout=True, solve_by_dots=True),
                  dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True,
-                      solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16)]
+                      solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16),
+                 dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True,
+                      solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16, state_pass_launches=1)]
 # the state pass and the epilogue in two launches: 2xTF32 (16 value rows and 16 key columns a chunk: two programs
 # and two chunks where V or K is 32); two heads an epilogue program with the bf16 pieces (3xBF16 for fp32 states),
-# a whole head's rows a program
+# a whole head's rows a program. In one launch (the last of a head's programs runs its epilogue): 2xTF32 with the
+# head's rows over two programs where V is 32, the bf16 pieces with 8 rows a program (two or four)
 TWO_PASS = [dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True, state_pass_rows=16,
                  state_pass_block_k=16),
             dict(block_k=16, state_dot=True, heads_per_program=2, split_state_bf16=True, epilogue_in_mma_layout=True,
-                 state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2)]
+                 state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2),
+            dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True, state_pass_rows=16,
+                 state_pass_block_k=16, state_pass_launches=1),
+            dict(block_k=16, state_dot=True, split_state_bf16=True, epilogue_in_mma_layout=True, state_pass_rows=8,
+                 state_pass_block_k=32, state_pass_launches=1)]
 VARIANTS = SOLVE_BY_DOTS + TWO_PASS + [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
