@@ -298,14 +298,7 @@ def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
     """The state pass (`rows` value rows a program, key chunks of `block_k`, `warps` warps) and the accumulator-layout
     epilogue in its own launch (`epilogue_warps` warps; uncapped unless `max_registers` is given)."""
     return _dot(32, epilogue_warps, 1, **{**EPILOGUE, **variant}, state_pass_rows=rows, state_pass_block_k=block_k,
-                state_pass_warps=warps, state_pass_launches=2)
-
-
-def _one_launch(rows, block_k, warps, **variant):
-    """The state pass and the epilogue in one launch: `rows` value rows a program, key chunks of `block_k`, `warps`
-    warps, the last of a head's programs to arrive runs its epilogue."""
-    return _dot(32, warps, 1, **{**EPILOGUE, **variant}, state_pass_rows=rows, state_pass_block_k=block_k,
-                state_pass_warps=warps, state_pass_launches=1)
+                state_pass_warps=warps)
 
 
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
@@ -364,21 +357,24 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # it lost at 8 nodes, 247.7 against 223.3 us, `trees_solve_by_dots/`; no spill since its Gram matrices' bf16 products).
 # The first of each is the launch default at T=4 (`launch_defaults`; bf16's since 2026-12-01e,
 # `test_first_candidate_is_the_launch_default`).
+# Fifteenth session (2026-12-02c, `results/2026-12-02c/kernels/`, T=4, B=64 / B=1): two launches, the state pass and
+# the epilogue kernel (`_two_pass`). Epilogue warps 4 / 2 / 1: fp32 151-154 / 133.7 / 126.0 us (the epilogue alone
+# 42.1 / 24.3 / 16.0), bf16 93.3 / 75.7 / 68.3; 3xBF16 products in the fp32 state pass (88.9 us with them, 72.7
+# without) against 2xTF32 (109.6): 106.4 us, the large-batch default since; bf16 128 rows / 8 warps 68.1, the
+# default. One launch with the last of a head's programs running its epilogue (an acq_rel arrival counter; built,
+# removed): fp32 132.8-154.9, bf16 93.5-142.1 at B=64; [4,2,2] fp32 379.4 against the default's 262.4. Dropped then:
+# fp32 2xTF32 32/8/1 without the epilogue (146.5 / 12.6), 3xBF16 in the accumulator layout (145.5 / 13.1), 16/8/1 with
+# the epilogue uncapped and capped (326.9 / 323.6), the solve by dots at T=4 (205.0); bf16 64/8/1 without the epilogue,
+# uncapped and capped (162.4 / 113.2), two heads 32/4/1 with and without the epilogue (100.4 / 129.0), the solve by
+# dots at T=4 (148.0); two launches with 2- and 4-warp epilogues.
+# The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
+# default`); the second the default at B <= 8.
 CONFIGS = {
-    "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE), _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **BF16_SPLIT, **MMA_SPLIT),
-             _dot(16, 8, 1, **SPLIT, **EPILOGUE), _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE),
-             _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _two_pass(32, 64, 4, 1, **SPLIT), _two_pass(32, 64, 4, 1, **BF16_SPLIT),
-             _one_launch(32, 64, 4, **BF16_SPLIT), _one_launch(32, 64, 4, **SPLIT), _one_launch(32, 128, 4, **BF16_SPLIT),
-             _one_launch(16, 128, 2, **BF16_SPLIT), _one_launch(64, 64, 4, **BF16_SPLIT),
-             _one_launch(32, 64, 2, **BF16_SPLIT)],
-    "bf16": [_dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _dot(64, 8, 1, **BF16_SPLIT),
-             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT), _dot(32, 4, 1, **TWO_HEADS, **EPILOGUE),
-             _dot(32, 4, 1, **TWO_HEADS), _dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _two_pass(128, 128, 8, 2, **BF16_SPLIT), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
-             _one_launch(32, 128, 4, **BF16_SPLIT), _one_launch(64, 128, 4, **BF16_SPLIT),
-             _one_launch(64, 128, 8, **BF16_SPLIT), _one_launch(32, 128, 2, **BF16_SPLIT),
-             _one_launch(16, 128, 2, **BF16_SPLIT)],
+    "fp32": [_two_pass(32, 64, 4, 1, **BF16_SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT),
+             _two_pass(32, 64, 4, 1, **SPLIT)],
+    "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE),
+             _two_pass(64, 128, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT)],
 }
 
 
@@ -388,17 +384,16 @@ CONFIGS = {
 # sm_90 (fused, pending tree commit, since the Gram matrices' native products), 11 / 29 nodes: the defaults 171 / 255
 # registers (fp32) and 176 / 255 (bf16), no spill: one CTA per SM; capped at 128 (two CTAs), fp32 32/8/1 spills 0 /
 # 328 bytes, 16/8/1 0 / 296, bf16 32/8/1 0 / 392, 64/8/1 32 / 376.
+# Dropped after 2026-12-02c (B=64, `results/2026-12-02c/kernels/t4c.json`): bf16 two heads 32/4/1 (596.7 us on
+# [2,2,1]); two launches with the solve by dots (fp32 32 rows, 2-warp epilogue: 174.1 / 615.2 on [2,2,1] / [4,2,2]
+# against the default's 161.0 / 262.4; bf16 128 rows: 139.0 on [2,2,1] against 165.5, capped 64/8/1 114.2); one
+# launch (fp32 262.6 / 379.4, bf16 212.6).
 TREE_CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT),
-             _two_pass(32, 64, 4, 2, **BF16_SPLIT, solve_by_dots=True),
-             _one_launch(32, 64, 4, **BF16_SPLIT, solve_by_dots=True)],
+             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT)],
     "bf16": [_dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(32, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(32, 4, 1, **TWO_HEADS),
-             _two_pass(128, 128, 8, 2, **BF16_SPLIT, solve_by_dots=True),
-             _one_launch(32, 128, 4, **BF16_SPLIT, solve_by_dots=True)],
+             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
 }
 
 
@@ -459,7 +454,7 @@ def main():
                     traceback.print_exc()
                     continue
                 record = dict(tune=True, T=T, B=tune_batch, state=name, config=config, us=us, ok=ok)
-                if config.get("state_pass_launches") == 2:  # the state pass with and without products, the epilogue
+                if config.get("state_pass_rows"):  # the state pass with and without products, the epilogue
                     record["state_pass_commit_us"] = graph_time_us([step.commit(s, config) for s in range(step.sets)])
                     launches = [step.launches(s, config) for s in range(step.sets)]
                     record["state_pass_us"], record["epilogue_us"] = (

@@ -255,14 +255,6 @@ GATED_VARIANTS = {
                                heads_per_program=2, split_state_tf32=True, split_state_bf16=False,
                                epilogue_in_mma_layout=True, state_pass_rows=64, state_pass_block_k=64,
                                state_pass_warps=4),
-    # in one launch, the last of a head's programs running its epilogue (3xBF16 / the bf16 pass)
-    "one_launch": dict(block_k=32, num_warps=4, prefetch=1, state_dot=True, late_node_terms=True,
-                       split_state_tf32=True, split_state_bf16=True, epilogue_in_mma_layout=True, state_pass_rows=32,
-                       state_pass_block_k=64, state_pass_warps=4, state_pass_launches=1),
-    "one_launch_solve_by_dots": dict(block_k=32, num_warps=4, prefetch=1, state_dot=True, late_node_terms=True,
-                                     split_state_tf32=True, split_state_bf16=False, epilogue_in_mma_layout=True,
-                                     solve_by_dots=True, state_pass_rows=32, state_pass_block_k=64,
-                                     state_pass_warps=4, state_pass_launches=1),
     "two_pass_solve_by_dots": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
                                    split_state_tf32=True, split_state_bf16=True, epilogue_in_mma_layout=True,
                                    solve_by_dots=True, state_pass_rows=32, state_pass_block_k=128,
@@ -280,8 +272,7 @@ def test_gated_step_vs_reference(state_dtype, tokens, variant):
     check_gated_two_steps(DraftTree.from_widths([1] * tokens), True, state_dtype, GATED_VARIANTS[variant])
 
 
-@pytest.mark.parametrize("variant", ["default", "solve_by_dots", "two_pass_solve_by_dots",
-                                     "one_launch_solve_by_dots"])
+@pytest.mark.parametrize("variant", ["default", "solve_by_dots", "two_pass_solve_by_dots"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2, 1), (4, 2), (3, 2, 2), (4, 2, 2)])
 def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
@@ -338,7 +329,7 @@ def check_gated_two_steps(tree, chain, state_dtype, launch):
             assert relative_error(pool[int(slots[b])], states[b]) <= state_tolerance
 
 
-@pytest.mark.parametrize("variant", ["default", "two_pass", "one_launch"])
+@pytest.mark.parametrize("variant", ["default", "two_pass"])
 def test_gated_step_graph_capture(variant):
     from vllm_treewy.kernels.triton import gdn_step_triton
 

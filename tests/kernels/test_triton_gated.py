@@ -34,21 +34,16 @@ SOLVE_BY_DOTS = [dict(block_k=16, state_dot=True, late_node_terms=True, split_st
                  dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2,
                       epilogue_in_mma_layout=True, solve_by_dots=True),
                  dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True,
-                      solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16),
-                 dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True,
-                      solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16, state_pass_launches=1)]
+                      solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16)]
 # the state pass and the epilogue in two launches: 2xTF32 (16 value rows and 16 key columns a chunk: two programs
 # and two chunks where V or K is 32); two heads an epilogue program with the bf16 pieces (3xBF16 for fp32 states),
-# a whole head's rows a program. In one launch (the last of a head's programs runs its epilogue): 2xTF32 with the
-# head's rows over two programs where V is 32, the bf16 pieces with 8 rows a program (two or four)
+# a whole head's rows a program; the bf16 pieces (3xBF16 for fp32 states) with 8 rows a program (two or four)
 TWO_PASS = [dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True, state_pass_rows=16,
                  state_pass_block_k=16),
             dict(block_k=16, state_dot=True, heads_per_program=2, split_state_bf16=True, epilogue_in_mma_layout=True,
                  state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2),
-            dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True, state_pass_rows=16,
-                 state_pass_block_k=16, state_pass_launches=1),
             dict(block_k=16, state_dot=True, split_state_bf16=True, epilogue_in_mma_layout=True, state_pass_rows=8,
-                 state_pass_block_k=32, state_pass_launches=1)]
+                 state_pass_block_k=32, num_warps=1)]
 VARIANTS = SOLVE_BY_DOTS + TWO_PASS + [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
@@ -519,8 +514,10 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 
 
 def test_launch_defaults_measured_choices():
-    """The H200 choices of bench/results/2026-12-01d, -e, -f, 2026-12-02 and -02b (kernels.md): fp32 states with 3-4
-    nodes take the accumulator-layout epilogue at every batch, with 5-8 its solve by tensor-core products, with more
+    """The H200 choices of bench/results/2026-12-01d, -e, -f, 2026-12-02, -02b and -02c (kernels.md): states with 3-4
+    nodes and more than 8 requests take two launches (the state pass, then a one-warp epilogue kernel: fp32 32 rows
+    with 3xBF16 products, 16-bit 128 rows with the bf16 pass); fp32 states with 3-4 nodes and at most 8 requests
+    take the accumulator-layout epilogue in one kernel, with 5-8 its solve by tensor-core products, with more
     (trees) the same capped at 128 registers; 16-bit states with 3-4 nodes and with 5-8 nodes at small batches 64/8/1
     with the bf16 pass capped at 128 registers with the epilogue, 5-8 nodes at large batches two heads with the
     epilogue, 1-2 nodes 64/8/1 with the bf16 pass, uncapped, without the epilogue; more than 8 nodes (trees) the
@@ -532,9 +529,12 @@ def test_launch_defaults_measured_choices():
     few_nodes = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
                      epilogue_in_mma_layout=False)
     for batch in (1, 8, 64, 256):
+        two_launches = dict(state_pass_block_k=64 if batch > 8 else 128, state_pass_warps=4 if batch > 8 else 4,
+                            state_pass_rows=32 if batch > 8 else 0, num_warps=1 if batch > 8 else 8,
+                            split_state_bf16=batch > 8)
         for nodes in (3, 4):
-            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(FP32_STATE_LAUNCH,
-                                                                                  epilogue_in_mma_layout=True)
+            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
+                FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, **two_launches)
         for nodes in (1, 2):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == FP32_STATE_LAUNCH
         for nodes in (5, 8):
@@ -545,9 +545,11 @@ def test_launch_defaults_measured_choices():
                 FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True, max_registers=128)
         for dtype in (torch.bfloat16, torch.float16):
             for nodes in (3, 4):
-                assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(
+                assert launch_defaults(dtype, batch, 2, 128, nodes) == (dict(
                     HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
-                    epilogue_in_mma_layout=True)
+                    epilogue_in_mma_layout=True) if batch <= 8 else dict(
+                    HALF_STATE_LAUNCH, block_k=32, split_state_bf16=True, max_registers=0, epilogue_in_mma_layout=True,
+                    num_warps=1, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=8))
             for nodes in (5, 8):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == (
                     HALF_STATE_BF16_LAUNCH if batch <= 8 else
@@ -645,3 +647,50 @@ def test_two_passes_commit_as_one_kernel(state_dtype, variant):
     assert torch.equal(state, state_one)
     assert within(out, out_one.double(), 1e-5 if state_dtype == torch.float32 else OUT_TOLERANCE_BF16)
     assert within(factors, factors_one.double(), 1e-5)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_large_batch_default_two_launches(state_dtype):
+    """No launch options at more than 8 requests of 4 nodes: the state pass and the one-warp epilogue kernel
+    (`launch_defaults`); two chain steps, the second committing the first's accepted nodes (one request's none),
+    match the fp64 reference: outputs, factor rows, the committed state."""
+    from vllm_treewy.kernels.triton import gated as gated_module
+
+    requests, key_dim, value_dim, hv = 9, 64, 32, 2
+    first = [DraftTree.from_widths([1] * (4 - b % 2)).parents for b in range(requests)]
+    second = [DraftTree.from_widths([1] * (4 - b % 3)).parents for b in range(requests)]
+    packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, key_dim, value_dim, 5, dtype=torch.bfloat16)
+    packed2, inputs2, _, _ = gated_inputs(second, 1, 2, key_dim, value_dim, 6, dtype=torch.bfloat16)
+    state = pool.to(state_dtype).to(DEVICE)
+    h0 = state.cpu().clone()
+    factors = slot_factor_page(state.shape[0], 4, hv, key_dim, value_dim, 5)
+    before = factors.clone()
+    launches, _ = gated_module._launch_arguments(
+        *(x.to(DEVICE) for x in inputs1), state, slots.to(DEVICE), packed1.parents.to(DEVICE),
+        packed1.cu_nodes.to(DEVICE), factors, None, None, num_key_heads=1, max_nodes=4, max_depth=None, chain=True,
+        scale=None, norm_eps=1e-6, activation="silu", ancestors=None, out=None, do_verify=True)
+    (state_pass, grid, _, pass_kwargs), (epilogue, _, _, epilogue_kwargs) = launches
+    fp32 = state_dtype == torch.float32
+    assert state_pass.fn.__name__ == "_state_pass_kernel" and epilogue.fn.__name__ == "_epilogue_kernel"
+    assert grid == (1, hv, requests) and pass_kwargs["BV"] == value_dim and pass_kwargs["BK"] == 64
+    assert pass_kwargs["STATE_PRODUCTS"] == ("3xbf16" if fp32 else "bf16") and pass_kwargs["num_warps"] == (4 if fp32
+                                                                                                            else 8)
+    assert epilogue_kwargs["num_warps"] == 1 and epilogue_kwargs["G"] == 1
+
+    tolerance, state_tolerance = TOLERANCE[state_dtype], STATE_TOLERANCE[state_dtype]
+    out_tolerance = max(tolerance, OUT_TOLERANCE_BF16)
+    out1 = run_step(packed1, inputs1, state, slots, 1, factors, chain=True)
+    check_step(packed1, inputs1, h0, slots, first, 1, out1, factors, before, tolerance, out_tolerance)
+    accepted = torch.tensor([len(p) - 1 - b % 2 for b, p in enumerate(first)], dtype=torch.int32)
+    accepted[4] = -1
+    between = factors.clone()
+    out2 = run_step(packed2, inputs2, state, slots, 1, factors, chain=True, pending=accepted)
+    committed = state.cpu().clone()
+    for b in range(requests):
+        slot = int(slots[b])
+        if accepted[b] < 0:
+            assert torch.equal(committed[slot], h0[slot])
+        else:
+            reference = reference_of(packed1, inputs1, h0, slots, first, 1, b)
+            assert within(committed[slot], reference.recurrence.state[int(accepted[b])], state_tolerance)
+    check_step(packed2, inputs2, committed, slots, second, 1, out2, factors, between, tolerance, out_tolerance)

@@ -630,69 +630,20 @@ def _epilogue_kernel(
     MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr, ACT: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The fused step after its state loop, on the products the state pass left (`state_pass`), in a launch of its
-    own: G value heads of one request a program (`_step_epilogue`)."""
+    """The fused step after its state loop, on the products the state pass left (`state_pass`): what
+    `_gated_step_kernel` does with EPILOGUE_IN_MMA_LAYOUT once its accumulators are complete, for G value heads of
+    one request a program."""
     i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
     slot = tl.load(state_indices + i_b).to(tl.int64)
-    if slot >= 0:
-        _step_epilogue(qkv, a, b, A_log, dt_bias, z, norm_weight, ancestors, cu_nodes, out, factors, products, slot,
-                       i_b, i_hv0, stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
-                       stride_fslot, stride_frow, scale, eps, H, HV, K, V, G, BT, MAX_ANC, IS_CHAIN, ACT,
-                       SOLVE_BY_DOTS, DOT_PRECISION)
-
-
-# integer arrays read as scalars or gathers, not specialised on alignment (as `_gated_step_kernel`)
-@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes", "pending_nodes", "pending_ancestors"])
-def _split_step_kernel(
-    qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, ancestors, cu_nodes, out, factors,
-    pending_nodes, pending_ancestors, products, arrivals,
-    stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh,
-    stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
-    scale, eps,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-    BT: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr, ACT: tl.constexpr,
-    HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr, PENDING_IS_CHAIN: tl.constexpr,
-    STATE_PRODUCTS: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The whole step in one launch, a head's value rows over V // BV programs: each runs the state pass on its
-    rows (`state_pass._state_pass`), and the last of a head's programs to arrive runs the head's epilogue on
-    everyone's products (`_step_epilogue`), while other heads' programs stream their states. `arrivals` [B, HV]
-    int32 counts a head's programs; zero before the launch, the last arrival sets it back to zero."""
-    i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    if slot >= 0:
-        state_pass._state_pass(qkv, state, slot, i_v, i_hv, i_b, cu_nodes, factors, pending_nodes,
-                               pending_ancestors, products, stride_qkv, stride_slot, stride_head, stride_v,
-                               stride_fslot, stride_frow, H, HV, K, V, BV, BK, BT, True, HAS_PENDING, PENDING_ROWS,
-                               PENDING_IS_CHAIN, STATE_PRODUCTS)
-        # every warp's products stored and pending rows read before the arrival (released by it); the last arrival
-        # acquires them all before it reads the products and overwrites the factor rows
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals + i_b * HV + i_hv, 1, sem="acq_rel")
-        if arrived == V // BV - 1:
-            tl.store(arrivals + i_b * HV + i_hv, 0)
-            _step_epilogue(qkv, a, b, A_log, dt_bias, z, norm_weight, ancestors, cu_nodes, out, factors, products,
-                           slot, i_b, i_hv, stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out,
-                           stride_outh, stride_fslot, stride_frow, scale, eps, H, HV, K, V, 1, BT, MAX_ANC, IS_CHAIN,
-                           ACT, SOLVE_BY_DOTS, DOT_PRECISION)
-
-
-@triton.jit
-def _step_epilogue(qkv, a, b, A_log, dt_bias, z, norm_weight, ancestors, cu_nodes, out, factors, products, slot, i_b,
-                   i_hv0, stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh, stride_fslot,
-                   stride_frow, scale, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   G: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr,
-                   ACT: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """What `_gated_step_kernel` does with EPILOGUE_IN_MMA_LAYOUT once its accumulators are complete, for value heads
-    i_hv0 .. + G - 1 of request i_b, from the products [B, HV, V, 2 BT] (`state_pass`). Their loads bypass L1
-    (.cg): other programs wrote them during this launch (`_split_step_kernel`)."""
+    if slot < 0:
+        return
     NQ: tl.constexpr = max(16, 2 * BT)
     o_q = tl.arange(0, NQ)
     o_v = tl.arange(0, V)
     acc_kq = ()
-    for g in tl.static_range(G):  # in flight first: nothing below waits for them before the epilogue proper
+    for g in tl.static_range(G):  # in flight first: nothing before the solve waits for them
         p_head = products + ((i_b * HV + i_hv0 + g) * V + o_v[:, None]).to(tl.int64) * (2 * BT) + o_q[None, :]
-        acc_kq = acc_kq + (tl.load(p_head, mask=(o_q < 2 * BT)[None, :], other=0.0, cache_modifier=".cg"),)
+        acc_kq = acc_kq + (tl.load(p_head, mask=(o_q < 2 * BT)[None, :], other=0.0),)
     bos = tl.load(cu_nodes + i_b)
     n = tl.load(cu_nodes + i_b + 1) - bos
     valid = tl.arange(0, BT) < n
@@ -771,7 +722,7 @@ FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, r
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False, solve_by_dots=False, state_pass_rows=0,
-                         state_pass_block_k=128, state_pass_warps=4, state_pass_launches=2)
+                         state_pass_block_k=128, state_pass_warps=4)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -780,6 +731,17 @@ HALF_STATE_FEW_NODES_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf
 FP32_STATE_SOLVE_BY_DOTS_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, solve_by_dots=True)
 FP32_STATE_TREE_LAUNCH = dict(FP32_STATE_SOLVE_BY_DOTS_LAUNCH, max_registers=128)
 HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
+# Since 2026-12-02c (`results/2026-12-02c/kernels/t4c.json`, fifteenth session, T=4 tuned at B=64): 3-4 nodes and more
+# than SMALL_BATCH requests take two launches, the state pass (`state_pass`) and then the epilogue kernel, one warp
+# a program: fp32 32 value rows / 64 key columns / 4 warps with 3xBF16 products, 106.4 us at B=64 against the one
+# kernel's 134.1 (state pass 88.9, epilogue 16.3; the pass alone without products 72.7; with 2xTF32 products
+# 109.6); 16-bit 128 rows / 128 columns / 8 warps with the bf16 pass, 68.1 against 99.0 (50.3 + 17.2). Epilogues of
+# 2 and 4 warps: 24.3 / 42.3 us (fp32). At B=1 the one kernel stays (11.7 / 9.5 us against 12.8 / 11.4 for these);
+# B=8 is taken with B=1 (not measured with two launches).
+FP32_STATE_TWO_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, split_state_bf16=True, num_warps=1, state_pass_rows=32,
+                             state_pass_block_k=64, state_pass_warps=4)
+HALF_STATE_TWO_LAUNCH = dict(HALF_STATE_BF16_LAUNCH, block_k=32, num_warps=1, max_registers=0, state_pass_rows=128,
+                             state_pass_block_k=128, state_pass_warps=8)
 SMALL_BATCH = 8
 
 
@@ -792,7 +754,8 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
                     max_nodes: int = 4) -> dict:
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
     static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape).
-    Measured choices: the comments above FP32_STATE_LAUNCH (bench/results/2026-12-01d, -01e, -01f and 2026-12-02)."""
+    Measured choices: the comments above FP32_STATE_LAUNCH and SMALL_BATCH (bench/results/2026-12-01d, -01e, -01f,
+    2026-12-02 and -02c)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
@@ -800,13 +763,17 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
             return FP32_STATE_TREE_LAUNCH
         if max_nodes > 4:
             return FP32_STATE_SOLVE_BY_DOTS_LAUNCH
-        return FP32_STATE_EPILOGUE_LAUNCH if max_nodes >= 3 else FP32_STATE_LAUNCH
+        if max_nodes <= 2:
+            return FP32_STATE_LAUNCH
+        return FP32_STATE_EPILOGUE_LAUNCH if batch <= SMALL_BATCH else FP32_STATE_TWO_LAUNCH
     if max_nodes > 8:
         return HALF_STATE_SOLVE_BY_DOTS_LAUNCH
     if max_nodes <= 2:
         return HALF_STATE_FEW_NODES_LAUNCH
-    if batch <= SMALL_BATCH or max_nodes <= 4:
+    if batch <= SMALL_BATCH:
         return HALF_STATE_BF16_LAUNCH
+    if max_nodes <= 4:
+        return HALF_STATE_TWO_LAUNCH
     if value_heads_per_key_head % 2 == 0:
         return dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=True)
     return dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4)
@@ -922,23 +889,13 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
             state.stride(1), state.stride(2), factors.stride(0), factors.stride(1)), dict(
             H=H, HV=HV, K=K, V=V, BV=rows, BK=min(launch["state_pass_block_k"], K), BT=bt, DO_PRODUCTS=do_verify,
             STATE_PRODUCTS=state_products, num_warps=launch["state_pass_warps"], num_stages=1, **pending))]
-        dot_precision = "tf32x3" if state.dtype == torch.float32 else "tf32"
-        if do_verify and launch["state_pass_launches"] == 1:
-            assert heads == 1, "one launch: a head's last program runs its epilogue"
-            arrivals = torch.zeros(batch, HV, dtype=torch.int32, device=state.device)
-            return [(_split_step_kernel, (V // rows, HV, batch), (
-                mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, ancestors, cu_nodes,
-                out3, factors, *pending_arrays, products, arrivals, *strides, state.stride(0), state.stride(1),
-                state.stride(2), factors.stride(0), factors.stride(1), *scalars), dict(
-                H=H, HV=HV, K=K, V=V, BV=rows, BK=min(launch["state_pass_block_k"], K), BT=bt, MAX_ANC=max_anc,
-                IS_CHAIN=chain, ACT=activation, STATE_PRODUCTS=state_products, SOLVE_BY_DOTS=solve_by_dots,
-                DOT_PRECISION=dot_precision, num_warps=launch["state_pass_warps"], num_stages=1, **pending))], out
         if do_verify:
             launches.append((_epilogue_kernel, (HV // heads, batch), (
                 mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
                 factors, products, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
                 H=H, HV=HV, K=K, V=V, G=heads, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
-                SOLVE_BY_DOTS=solve_by_dots, DOT_PRECISION=dot_precision, **options)))
+                SOLVE_BY_DOTS=solve_by_dots, DOT_PRECISION="tf32x3" if state.dtype == torch.float32 else "tf32",
+                **options)))
         return launches, out
     # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
     # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
@@ -1010,7 +967,6 @@ def gdn_step_triton(
     state_pass_rows: int | None = None,
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
-    state_pass_launches: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -1059,9 +1015,7 @@ def gdn_step_triton(
     `state_pass_rows` (0: one kernel; with `epilogue_in_mma_layout`): two launches, the state pass (the pending
     commit and the state products, `state_pass`: one program per that many value rows of a head, key chunks of
     `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, V, 2 * nodes padded], then the
-    rest of the step (`_epilogue_kernel`, with `num_warps`, `max_registers` and `heads_per_program`); with
-    `state_pass_launches=1` one launch (`_split_step_kernel`): the last of a head's programs to finish its rows runs
-    the head's epilogue (one head a program; a zeroed int32 [B, HV] of arrivals each call).
+    rest of the step (`_epilogue_kernel`, with `num_warps`, `max_registers` and `heads_per_program`).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -1073,7 +1027,7 @@ def gdn_step_triton(
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
                    epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots,
                    state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k,
-                   state_pass_warps=state_pass_warps, state_pass_launches=state_pass_launches)
+                   state_pass_warps=state_pass_warps)
 
 
 def gdn_commit_triton(

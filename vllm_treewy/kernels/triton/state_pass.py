@@ -29,19 +29,8 @@ def _state_pass_kernel(
 ):
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_indices + i_b).to(tl.int64)
-    if slot >= 0:
-        _state_pass(qkv, state, slot, i_v, i_hv, i_b, cu_nodes, factors, pending_nodes, pending_ancestors, products,
-                    stride_qkv, stride_slot, stride_head, stride_v, stride_fslot, stride_frow, H, HV, K, V, BV, BK, BT,
-                    DO_PRODUCTS, HAS_PENDING, PENDING_ROWS, PENDING_IS_CHAIN, STATE_PRODUCTS)
-
-
-@triton.jit
-def _state_pass(qkv, state, slot, i_v, i_hv, i_b, cu_nodes, factors, pending_nodes, pending_ancestors, products,
-                stride_qkv, stride_slot, stride_head, stride_v, stride_fslot, stride_frow, H: tl.constexpr,
-                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                BT: tl.constexpr, DO_PRODUCTS: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
-                PENDING_IS_CHAIN: tl.constexpr, STATE_PRODUCTS: tl.constexpr):
-    """Value rows i_v * BV .. + BV of head i_hv of request i_b (in slot `slot`): commit, store, products."""
+    if slot < 0:
+        return
     o_v = i_v * BV + tl.arange(0, BV)
     o_kc = tl.arange(0, BK)
     p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
