@@ -360,8 +360,8 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # Fifteenth session (2026-12-02c, `results/2026-12-02c/kernels/`, T=4, B=64 / B=1): two launches, the state pass and
 # the epilogue kernel (`_two_pass`). Epilogue warps 4 / 2 / 1: fp32 151-154 / 133.7 / 126.0 us (the epilogue alone
 # 42.1 / 24.3 / 16.0), bf16 93.3 / 75.7 / 68.3; 3xBF16 products in the fp32 state pass (88.9 us with them, 72.7
-# without) against 2xTF32 (109.6): 106.4 us, the large-batch default since; bf16 128 rows / 8 warps 68.1, the
-# default. One launch with the last of a head's programs running its epilogue (an acq_rel arrival counter; built,
+# without) against 2xTF32 (109.6): 106.4 us; then (`rows.json`) 64 rows 101.4, the large-batch default since;
+# bf16 128 rows / 8 warps 68.1, the default. One launch with the last of a head's programs running its epilogue (an acq_rel arrival counter; built,
 # removed): fp32 132.8-154.9, bf16 93.5-142.1 at B=64; [4,2,2] fp32 379.4 against the default's 262.4. Dropped then:
 # fp32 2xTF32 32/8/1 without the epilogue (146.5 / 12.6), 3xBF16 in the accumulator layout (145.5 / 13.1), 16/8/1 with
 # the epilogue uncapped and capped (326.9 / 323.6), the solve by dots at T=4 (205.0); bf16 64/8/1 without the epilogue,
@@ -370,8 +370,8 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
 # default`); the second the default at B <= 8.
 CONFIGS = {
-    "fp32": [_two_pass(32, 64, 4, 1, **BF16_SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT),
+    "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE),
+             _two_pass(32, 64, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT),
              _two_pass(32, 64, 4, 1, **SPLIT)],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE),
              _two_pass(64, 128, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT)],

@@ -272,6 +272,13 @@ def test_gated_step_vs_reference(state_dtype, tokens, variant):
     check_gated_two_steps(DraftTree.from_widths([1] * tokens), True, state_dtype, GATED_VARIANTS[variant])
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 4])
+def test_gated_step_default_at_large_batch(state_dtype, tokens):
+    """More than 8 requests of 3-4 nodes: the default's two launches (`launch_defaults`), vs fp64."""
+    check_gated_two_steps(DraftTree.from_widths([1] * tokens), True, state_dtype, {}, batch=12)
+
+
 @pytest.mark.parametrize("variant", ["default", "solve_by_dots", "two_pass_solve_by_dots"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2, 1), (4, 2), (3, 2, 2), (4, 2, 2)])
@@ -282,14 +289,14 @@ def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
                           GATED_VARIANTS[variant])
 
 
-def check_gated_two_steps(tree, chain, state_dtype, launch):
-    """gdn_step_triton at H=16, HV=32, K=V=128 on three requests of `tree` vs the fp64 reference: outputs, u in the
+def check_gated_two_steps(tree, chain, state_dtype, launch, batch=3):
+    """gdn_step_triton at H=16, HV=32, K=V=128 on `batch` requests of `tree` vs the fp64 reference: outputs, u in the
     slot rows, and the state the pending commit inside the next step writes (the tree's last node, a leaf at full
     depth, accepted; one request with nothing pending)."""
     from vllm_treewy.kernels.reference import reference_gated_tree
     from vllm_treewy.kernels.triton import gdn_step_triton, split_slot_factors
 
-    nodes, batch = tree.num_nodes, 3
+    nodes = tree.num_nodes
     inputs, pool, slots = gated_batch(nodes, batch, state_dtype, seed=nodes)
     packed = pack_trees([tree] * batch, device="cuda")
     before = pool.clone()

@@ -515,7 +515,7 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 
 def test_launch_defaults_measured_choices():
     """The H200 choices of bench/results/2026-12-01d, -e, -f, 2026-12-02, -02b and -02c (kernels.md): states with 3-4
-    nodes and more than 8 requests take two launches (the state pass, then a one-warp epilogue kernel: fp32 32 rows
+    nodes and more than 8 requests take two launches (the state pass, then a one-warp epilogue kernel: fp32 64 rows
     with 3xBF16 products, 16-bit 128 rows with the bf16 pass); fp32 states with 3-4 nodes and at most 8 requests
     take the accumulator-layout epilogue in one kernel, with 5-8 its solve by tensor-core products, with more
     (trees) the same capped at 128 registers; 16-bit states with 3-4 nodes and with 5-8 nodes at small batches 64/8/1
@@ -529,8 +529,8 @@ def test_launch_defaults_measured_choices():
     few_nodes = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
                      epilogue_in_mma_layout=False)
     for batch in (1, 8, 64, 256):
-        two_launches = dict(state_pass_block_k=64 if batch > 8 else 128, state_pass_warps=4 if batch > 8 else 4,
-                            state_pass_rows=32 if batch > 8 else 0, num_warps=1 if batch > 8 else 8,
+        two_launches = dict(state_pass_block_k=64 if batch > 8 else 128, state_pass_warps=4,
+                            state_pass_rows=64 if batch > 8 else 0, num_warps=1 if batch > 8 else 8,
                             split_state_bf16=batch > 8)
         for nodes in (3, 4):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(

@@ -731,14 +731,14 @@ HALF_STATE_FEW_NODES_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf
 FP32_STATE_SOLVE_BY_DOTS_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, solve_by_dots=True)
 FP32_STATE_TREE_LAUNCH = dict(FP32_STATE_SOLVE_BY_DOTS_LAUNCH, max_registers=128)
 HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
-# Since 2026-12-02c (`results/2026-12-02c/kernels/t4c.json`, fifteenth session, T=4 tuned at B=64): 3-4 nodes and more
-# than SMALL_BATCH requests take two launches, the state pass (`state_pass`) and then the epilogue kernel, one warp
-# a program: fp32 32 value rows / 64 key columns / 4 warps with 3xBF16 products, 106.4 us at B=64 against the one
-# kernel's 134.1 (state pass 88.9, epilogue 16.3; the pass alone without products 72.7; with 2xTF32 products
-# 109.6); 16-bit 128 rows / 128 columns / 8 warps with the bf16 pass, 68.1 against 99.0 (50.3 + 17.2). Epilogues of
-# 2 and 4 warps: 24.3 / 42.3 us (fp32). At B=1 the one kernel stays (11.7 / 9.5 us against 12.8 / 11.4 for these);
-# B=8 is taken with B=1 (not measured with two launches).
-FP32_STATE_TWO_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, split_state_bf16=True, num_warps=1, state_pass_rows=32,
+# Since 2026-12-02c (`results/2026-12-02c/kernels/t4c.json` and `rows.json`, fifteenth session, T=4 tuned at B=64):
+# 3-4 nodes and more than SMALL_BATCH requests take two launches, the state pass (`state_pass`) and then the
+# epilogue kernel, one warp a program: fp32 64 value rows / 64 key columns / 4 warps with 3xBF16 products, 101.4 us
+# at B=64 against the one kernel's 133.9 (state pass 83.6, epilogue 16.4; 32 rows: 106.4, 88.9 + 16.5, the pass
+# alone without products 72.5; with 2xTF32 products 126.8); 16-bit 128 rows / 128 columns / 8 warps with the bf16
+# pass, 67.8 against 99.1 (50.2 + 17.3). Epilogues of 2 and 4 warps: 24.3 / 42.3 us (fp32). At B=1 the one kernel
+# stays (11.7 / 9.5 us against 12.8 / 11.4 for two launches); B=8 is taken with B=1 (not measured with two).
+FP32_STATE_TWO_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, split_state_bf16=True, num_warps=1, state_pass_rows=64,
                              state_pass_block_k=64, state_pass_warps=4)
 HALF_STATE_TWO_LAUNCH = dict(HALF_STATE_BF16_LAUNCH, block_k=32, num_warps=1, max_registers=0, state_pass_rows=128,
                              state_pass_block_k=128, state_pass_warps=8)
