@@ -1,6 +1,10 @@
-"""The whole GDN decode step after the conv, for packed draft chains and small trees, in one launch: gates, q/k L2
-norm, the closed-form verify, the gated RMSNorm with the output gate, and optionally the previous step's commit
-(the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`, so the two compare like for like).
+"""The whole GDN decode step after the conv, for packed draft chains and small trees, in one launch or two: gates,
+q/k L2 norm, the closed-form verify, the gated RMSNorm with the output gate, and optionally the previous step's
+commit (the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`, so the two compare like for
+like). With `state_pass_rows` (the default for 3-4 nodes at more than SMALL_BATCH requests) the commit and the
+state's products run first in their own launch, a head's value rows over several programs (`state_pass`), and
+`_epilogue_kernel` does the rest from their products: 1.93x / 2.05x vLLM's compiled kernel at B=64 / 256 for an
+fp32 state at T=4, 1.57x / 1.66x for bf16 (bench/results/kernels.md, 2026-12-02c).
 
     g_i    = -exp(A_log) * softplus(a_i + dt_bias)            beta_i = sigmoid(b_i)
     q_i    = scale * q_i / sqrt(|q_i|^2 + 1e-6)              k_i    = k_i / sqrt(|k_i|^2 + 1e-6)
@@ -35,8 +39,9 @@ The fp32 step is at 2.1x the two-state HBM bound at B=64: latency-bound. The six
 T=4 B=64, before the key-row prefetch and the accumulator-layout epilogue) put 53% in the state loop, waiting for
 loads issued in the same iteration, and 38% in the epilogue's cross-lane reductions and barriers.
 
-A whole head per program is what the gated RMSNorm needs (it normalises over V); splitting a head's value rows over
-programs measured slower (kernels.md, 2026-12-02). Trees work (ancestor table, as in `verify_packed_triton`;
+A whole head per program is what the gated RMSNorm needs (it normalises over V); in one kernel, splitting a head's
+value rows over programs measured slower (kernels.md, 2026-12-02); the two-launch step splits the state pass only.
+Trees work (ancestor table, as in `verify_packed_triton`;
 tested in the interpreter up to 12 nodes, on the H200 up to 29): beyond 8 nodes the epilogue solves by tensor-core
 products (`solve_by_dots`), 2.1-2.3x (fp32) and 1.7x (bf16) the per-node serial baseline at B=64 for [2,2,1] and
 [4,2,2] as timed, when the Gram matrices' tf32x3 products still spilled; `verify_packed_triton` (no gates, norm or
