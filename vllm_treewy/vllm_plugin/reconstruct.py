@@ -1,8 +1,9 @@
 """One speculative step of a GDN layer under reconstruct-on-commit: commit the previous step's accepted node, then
 verify this step's drafts from the committed state, leaving the factors of their commit in the pseudo-value buffer.
 
-CUDA: two launches, `conv_step_triton` and `gdn_step_triton` (gates, q/k L2 norm, verify, gated RMSNorm with the
-output gate: the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`). CPU: the same
+CUDA: `conv_step_triton`, then `gdn_step_triton` (gates, q/k L2 norm, verify, gated RMSNorm with the output gate:
+the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`; one launch, or two where its
+launch defaults split off the state pass). CPU: the same
 steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op expects.
 
 The drafts are chains or one static tree shape per speculating request (the verified block: root, then the draft

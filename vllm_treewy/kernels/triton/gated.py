@@ -1019,8 +1019,9 @@ def gdn_step_triton(
     tensor-core products of the node tiles (a Neumann series as long as the deepest path); nodes padded to 16.
     `state_pass_rows` (0: one kernel; with `epilogue_in_mma_layout`): two launches, the state pass (the pending
     commit and the state products, `state_pass`: one program per that many value rows of a head, key chunks of
-    `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, V, 2 * nodes padded], then the
-    rest of the step (`_epilogue_kernel`, with `num_warps`, `max_registers` and `heads_per_program`).
+    `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, V, 2 * nodes padded] allocated
+    per call (33.5 MiB at B=256, T=4; in a CUDA graph, its private pool), then the rest of the step
+    (`_epilogue_kernel`, with `num_warps`, `max_registers` and `heads_per_program`).
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -1055,7 +1056,9 @@ def gdn_commit_triton(
     """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
     s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a, whose
     path (a and its ancestors: rows 0..a for a chain, else `pending_ancestors[a]`, as in `gdn_step_triton`) has its
-    factors in rows factors[s, j]: h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j k_scale_j) k_j^T."""
+    factors in rows factors[s, j]: h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j k_scale_j) k_j^T.
+    With `state_pass_rows`, the state pass without products (`state_pass`; its other options as in
+    `gdn_step_triton`): a head's value rows over several programs."""
     _launch(None, None, None, None, None, None, None, state, state_indices, None, None, factors, pending_nodes,
             pending_ancestors,
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
