@@ -367,14 +367,19 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # the epilogue uncapped and capped (326.9 / 323.6), the solve by dots at T=4 (205.0); bf16 64/8/1 without the epilogue,
 # uncapped and capped (162.4 / 113.2), two heads 32/4/1 with and without the epilogue (100.4 / 129.0), the solve by
 # dots at T=4 (148.0); two launches with 2- and 4-warp epilogues.
+# Not yet timed: the one-warp epilogue capped at 128 registers. Offline sm_90 (T=4, fp32 and bf16 alike): 168
+# registers uncapped (12 programs per SM: 2,048 programs at B=64 in 1.3 waves), capped at 128 32 bytes of stack (16
+# per SM, one wave); two heads a program 255 (1 warp) / 196 (2 warps). State pass: fp32 64 rows 4 warps 128
+# registers, 32 rows 72; bf16 128 rows 8 warps 128.
 # The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
 # default`); the second the default at B <= 8.
 CONFIGS = {
     "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE),
              _two_pass(32, 64, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT),
-             _two_pass(32, 64, 4, 1, **SPLIT)],
+             _two_pass(32, 64, 4, 1, **SPLIT), _two_pass(64, 64, 4, 1, max_registers=128, **BF16_SPLIT)],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE),
-             _two_pass(64, 128, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT)],
+             _two_pass(64, 128, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT),
+             _two_pass(128, 128, 8, 1, max_registers=128, **BF16_SPLIT)],
 }
 
 
