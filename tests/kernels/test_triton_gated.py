@@ -37,7 +37,7 @@ SOLVE_BY_DOTS = [dict(block_k=16, state_dot=True, late_node_terms=True, split_st
                       solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16)]
 # the state pass and the epilogue in two launches: 2xTF32 (16 value rows and 16 key columns a chunk: two programs
 # and two chunks where V or K is 32); two heads an epilogue program with the bf16 pieces (3xBF16 for fp32 states),
-# a whole head's rows a program; the bf16 pieces (3xBF16 for fp32 states) with 8 rows a program (two or four)
+# a whole head's rows a program; the bf16 pieces with 8 rows a program (two or four) and a one-warp epilogue
 TWO_PASS = [dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True, state_pass_rows=16,
                  state_pass_block_k=16),
             dict(block_k=16, state_dot=True, heads_per_program=2, split_state_bf16=True, epilogue_in_mma_layout=True,
@@ -529,12 +529,12 @@ def test_launch_defaults_measured_choices():
     few_nodes = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
                      epilogue_in_mma_layout=False)
     for batch in (1, 8, 64, 256):
-        two_launches = dict(state_pass_block_k=64 if batch > 8 else 128, state_pass_warps=4,
-                            state_pass_rows=64 if batch > 8 else 0, num_warps=1 if batch > 8 else 8,
-                            split_state_bf16=batch > 8)
+        by_batch = dict(state_pass_block_k=64 if batch > 8 else 128, state_pass_warps=4,
+                        state_pass_rows=64 if batch > 8 else 0, num_warps=1 if batch > 8 else 8,
+                        split_state_bf16=batch > 8)  # two launches above 8 requests
         for nodes in (3, 4):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
-                FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, **two_launches)
+                FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, **by_batch)
         for nodes in (1, 2):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == FP32_STATE_LAUNCH
         for nodes in (5, 8):
