@@ -577,39 +577,55 @@ def test_default_launch_vs_reference(state_dtype, tokens):
 
     first = [DraftTree.from_widths([1] * n).parents for n in (tokens, tokens - 1)]
     second = [DraftTree.from_widths([1] * n).parents for n in (tokens, 2)]
-    key_dim, value_dim, hv = 64, 32, 2
-    packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, key_dim, value_dim, 7, dtype=torch.bfloat16)
-    packed2, inputs2, _, _ = gated_inputs(second, 1, 2, key_dim, value_dim, 8, dtype=torch.bfloat16)
-    state = pool.to(state_dtype).to(DEVICE)
-    h0 = state.cpu().clone()
-    factors = slot_factor_page(state.shape[0], tokens, hv, key_dim, value_dim, 7)
-    before = factors.clone()
-    dev = [x.to(DEVICE) for x in inputs1]
-    [(_, _, _, kernel_kwargs)], _ = gated_module._launch_arguments(
-        *dev, state, slots.to(DEVICE), packed1.parents.to(DEVICE), packed1.cu_nodes.to(DEVICE), factors, None, None,
-        num_key_heads=1, max_nodes=tokens, max_depth=None, chain=True, scale=None, norm_eps=1e-6, activation="silu",
-        ancestors=None, out=None, do_verify=True)
+    [(_, _, _, kernel_kwargs)] = check_default_chain_steps(state_dtype, first, second, [tokens - 2, -1], seed=7)
     fp32 = state_dtype == torch.float32
     assert kernel_kwargs["EPILOGUE_IN_MMA_LAYOUT"] and kernel_kwargs["BK"] == (32 if fp32 else 64)
     assert kernel_kwargs["SOLVE_BY_DOTS"] == (fp32 and tokens > 4)
     assert kernel_kwargs["STATE_PRODUCTS"] == ("2xtf32" if fp32 else "bf16") and kernel_kwargs["G"] == 1
     assert kernel_kwargs["STATE_DOT"] and kernel_kwargs["num_warps"] == 8 and kernel_kwargs["PREFETCH"] == 1
     # the register cap reaches ptxas only on a GPU (the interpreter has no registers): as `launch_defaults` gives it
-    cap = gated_module.launch_defaults(state_dtype, 2, hv, key_dim, tokens)["max_registers"]
+    cap = gated_module.launch_defaults(state_dtype, 2, 2, 64, tokens)["max_registers"]
     assert cap == (0 if fp32 else 128)
+
+
+def check_default_chain_steps(state_dtype, first, second, accepted, seed):
+    """Two chain steps at the launch defaults (no options, as the adapter calls them; bf16 q/k/v as in vLLM, one key
+    head, two value heads, K = 64, V = 32), the second committing `accepted` (a node per request, -1 for none)
+    inside its verify, against the fp64 reference: outputs, factor rows, the committed state (untouched where
+    nothing is accepted). Returns step 1's launches as the launcher resolves them."""
+    from vllm_treewy.kernels.triton import gated as gated_module
+
+    key_dim, value_dim, hv = 64, 32, 2
+    packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, key_dim, value_dim, seed, dtype=torch.bfloat16)
+    packed2, inputs2, _, _ = gated_inputs(second, 1, 2, key_dim, value_dim, seed + 1, dtype=torch.bfloat16)
+    state = pool.to(state_dtype).to(DEVICE)
+    h0 = state.cpu().clone()
+    factors = slot_factor_page(state.shape[0], max(packed1.max_nodes, packed2.max_nodes), hv, key_dim, value_dim,
+                               seed)
+    before = factors.clone()
+    launches, _ = gated_module._launch_arguments(
+        *(x.to(DEVICE) for x in inputs1), state, slots.to(DEVICE), packed1.parents.to(DEVICE),
+        packed1.cu_nodes.to(DEVICE), factors, None, None, num_key_heads=1, max_nodes=packed1.max_nodes,
+        max_depth=None, chain=True, scale=None, norm_eps=1e-6, activation="silu", ancestors=None, out=None,
+        do_verify=True)
 
     tolerance, state_tolerance = TOLERANCE[state_dtype], STATE_TOLERANCE[state_dtype]
     out_tolerance = max(tolerance, OUT_TOLERANCE_BF16)
     out1 = run_step(packed1, inputs1, state, slots, 1, factors, chain=True)
     check_step(packed1, inputs1, h0, slots, first, 1, out1, factors, before, tolerance, out_tolerance)
-    accepted = torch.tensor([tokens - 2, -1], dtype=torch.int32)
     between = factors.clone()
-    out2 = run_step(packed2, inputs2, state, slots, 1, factors, chain=True, pending=accepted)
+    out2 = run_step(packed2, inputs2, state, slots, 1, factors, chain=True,
+                    pending=torch.tensor(accepted, dtype=torch.int32))
     committed = state.cpu().clone()  # the verify only reads it
-    reference = reference_of(packed1, inputs1, h0, slots, first, 1, 0)
-    assert within(committed[int(slots[0])], reference.recurrence.state[tokens - 2], state_tolerance)
-    assert torch.equal(committed[int(slots[1])], h0[int(slots[1])])
+    for b, node in enumerate(accepted):
+        slot = int(slots[b])
+        if node < 0:
+            assert torch.equal(committed[slot], h0[slot])
+        else:
+            reference = reference_of(packed1, inputs1, h0, slots, first, 1, b)
+            assert within(committed[slot], reference.recurrence.state[node], state_tolerance)
     check_step(packed2, inputs2, committed, slots, second, 1, out2, factors, between, tolerance, out_tolerance)
+    return launches
 
 
 @settings(max_examples=6, deadline=None)
@@ -654,43 +670,16 @@ def test_large_batch_default_two_launches(state_dtype):
     """No launch options at more than 8 requests of 4 nodes: the state pass and the one-warp epilogue kernel
     (`launch_defaults`); two chain steps, the second committing the first's accepted nodes (one request's none),
     match the fp64 reference: outputs, factor rows, the committed state."""
-    from vllm_treewy.kernels.triton import gated as gated_module
-
-    requests, key_dim, value_dim, hv = 9, 64, 32, 2
+    requests = 9
     first = [DraftTree.from_widths([1] * (4 - b % 2)).parents for b in range(requests)]
     second = [DraftTree.from_widths([1] * (4 - b % 3)).parents for b in range(requests)]
-    packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, key_dim, value_dim, 5, dtype=torch.bfloat16)
-    packed2, inputs2, _, _ = gated_inputs(second, 1, 2, key_dim, value_dim, 6, dtype=torch.bfloat16)
-    state = pool.to(state_dtype).to(DEVICE)
-    h0 = state.cpu().clone()
-    factors = slot_factor_page(state.shape[0], 4, hv, key_dim, value_dim, 5)
-    before = factors.clone()
-    launches, _ = gated_module._launch_arguments(
-        *(x.to(DEVICE) for x in inputs1), state, slots.to(DEVICE), packed1.parents.to(DEVICE),
-        packed1.cu_nodes.to(DEVICE), factors, None, None, num_key_heads=1, max_nodes=4, max_depth=None, chain=True,
-        scale=None, norm_eps=1e-6, activation="silu", ancestors=None, out=None, do_verify=True)
+    accepted = [len(p) - 1 - b % 2 for b, p in enumerate(first)]
+    accepted[4] = -1
+    launches = check_default_chain_steps(state_dtype, first, second, accepted, seed=5)
     (state_pass, grid, _, pass_kwargs), (epilogue, _, _, epilogue_kwargs) = launches
     fp32 = state_dtype == torch.float32
     assert state_pass.fn.__name__ == "_state_pass_kernel" and epilogue.fn.__name__ == "_epilogue_kernel"
-    assert grid == (1, hv, requests) and pass_kwargs["BV"] == value_dim and pass_kwargs["BK"] == 64
+    assert grid == (1, 2, requests) and pass_kwargs["BV"] == 32 and pass_kwargs["BK"] == 64
     assert pass_kwargs["STATE_PRODUCTS"] == ("3xbf16" if fp32 else "bf16") and pass_kwargs["num_warps"] == (4 if fp32
                                                                                                             else 8)
     assert epilogue_kwargs["num_warps"] == 1 and epilogue_kwargs["G"] == 1
-
-    tolerance, state_tolerance = TOLERANCE[state_dtype], STATE_TOLERANCE[state_dtype]
-    out_tolerance = max(tolerance, OUT_TOLERANCE_BF16)
-    out1 = run_step(packed1, inputs1, state, slots, 1, factors, chain=True)
-    check_step(packed1, inputs1, h0, slots, first, 1, out1, factors, before, tolerance, out_tolerance)
-    accepted = torch.tensor([len(p) - 1 - b % 2 for b, p in enumerate(first)], dtype=torch.int32)
-    accepted[4] = -1
-    between = factors.clone()
-    out2 = run_step(packed2, inputs2, state, slots, 1, factors, chain=True, pending=accepted)
-    committed = state.cpu().clone()
-    for b in range(requests):
-        slot = int(slots[b])
-        if accepted[b] < 0:
-            assert torch.equal(committed[slot], h0[slot])
-        else:
-            reference = reference_of(packed1, inputs1, h0, slots, first, 1, b)
-            assert within(committed[slot], reference.recurrence.state[int(accepted[b])], state_tolerance)
-    check_step(packed2, inputs2, committed, slots, second, 1, out2, factors, between, tolerance, out_tolerance)

@@ -83,7 +83,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..gated import slot_factor_width, split_slot_factors
 from ._tree import _ancestor
 from . import state_pass
-from .state_ops import _factor_columns, _operand_pieces, _pending_path, _piece_products, _state_products
+from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _operand_pieces, _pending_path,
+                        _pending_values, _piece_products, _state_products)
 from .verify import interpreting, max_ancestors, tree_ancestors
 
 ACTIVATIONS = ("silu", "sigmoid")
@@ -347,12 +348,9 @@ def _gated_step_kernel(
         # overwrites the rows (barrier there).
         accepted, p_rows, p_on, p_weight, p_root = _pending_path(
             pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G, PENDING_ROWS, PENDING_IS_CHAIN)
-        p_wu = ()
+        p_wu = _pending_values(f_u, p_rows, p_on, p_weight, o_v, V, G, PENDING_ROWS)
         p_krow = ()
         for d in tl.static_range(PENDING_ROWS):
-            for g in tl.static_range(G):
-                p_wu = p_wu + (tl.load(f_u + g * V + p_rows[d] + o_v, mask=p_on[d], other=0.0)
-                               * p_weight[d * G + g],)
             p_krow = p_krow + (f_k + p_rows[d],)
         # the key rows' first PREFETCH chunks in flight like the state's (chunk j's row d at j * PENDING_ROWS + d):
         # loaded in the iteration that used them, they were the loop's hottest stall (ncu, 2026-12-01). STATE_TMA:
@@ -386,18 +384,10 @@ def _gated_step_kernel(
                 row_off = row_off + ((bos + t).to(tl.int64) * stride_qkv,)
                 row_ok = row_ok + (t < n,)
         else:
-            # columns of the [BK, NQ] right operand: k_0..k_{BT-1}, q_0..q_{BT-1}, zero padding up to 16;
-            # EPILOGUE_IN_MMA_LAYOUT: interleaved, k_t at 2t and q_t at 2t + 1 (`_node_columns`)
+            # EPILOGUE_IN_MMA_LAYOUT: k_t and q_t side by side, as that epilogue reads them (`_node_columns`)
             NQ: tl.constexpr = max(16, 2 * BT)
             o_q = tl.arange(0, NQ)
-            if EPILOGUE_IN_MMA_LAYOUT:
-                q_node = o_q // 2
-                is_key = o_q % 2 == 0
-            else:
-                q_node = o_q % BT
-                is_key = o_q < BT
-            kq_ok = (q_node < n) & (o_q < 2 * BT)
-            kq_row = qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(is_key, H * K, 0) + i_h * K
+            kq_row, kq_ok = _node_kq_columns(qkv, bos, n, stride_qkv, i_h, H, K, BT, EPILOGUE_IN_MMA_LAYOUT)
 
     # the state, BK key columns at a time; PREFETCH chunks (state, q/k and, one head a program, pending key rows)
     # are in flight ahead of the one in use, loaded before the commit stores the current chunk. STATE_DOT: one
@@ -494,10 +484,7 @@ def _gated_step_kernel(
                 ahead_pk = rest
             committed = ()
             for g in tl.static_range(G):
-                h = p_root[g] * hs[g]
-                for d in tl.static_range(PENDING_ROWS):
-                    h += p_wu[d * G + g][:, None] * p_k[d][None, :]
-                h = h.to(state.dtype.element_ty)
+                h = _committed_chunk(hs[g], p_root[g], p_wu, p_k, g, G, PENDING_ROWS).to(state.dtype.element_ty)
                 tl.store(p_state[g] + cols[None, :], h, mask=store_commit & (cols < K)[None, :])
                 committed = committed + (h.to(tl.float32),)
             hs = committed
@@ -887,7 +874,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     scalars = (float(K**-0.5 if scale is None else scale), float(norm_eps))
     if two_pass:
         rows = min(launch["state_pass_rows"], V)
-        products = torch.empty(batch, HV, V, 2 * bt if do_verify else 0, device=state.device)
+        # the commit alone writes no products: `factors` stands in for the pointer
+        products = torch.empty(batch, HV, V, 2 * bt, device=state.device) if do_verify else factors
         launches = [(state_pass._state_pass_kernel, (V // rows, HV, batch), (
             mixed_qkv if do_verify else factors, state, state_indices, cu_nodes if do_verify else state_indices,
             factors, *pending_arrays, products, mixed_qkv.stride(0) if do_verify else 0, state.stride(0),

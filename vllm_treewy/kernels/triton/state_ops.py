@@ -1,7 +1,9 @@
 """Jit helpers on one value head's state that the fused step (`gated`) and its state pass (`state_pass`) share:
 the products of a state chunk with raw q/k columns on the tensor cores, exact to fp32 accuracy by splitting the
-state (`_state_products`), and the slot's factor rows: where a head's columns are (`_factor_columns`) and the
-previous step's path to its accepted node (`_pending_path`)."""
+state (`_state_products`), and where their q/k columns come from (`_node_kq_columns`); the slot's factor rows:
+where a head's columns are (`_factor_columns`), the previous step's path to its accepted node (`_pending_path`), its
+weighted pseudo-values (`_pending_values`) and the committed chunk (`_committed_chunk`: both kernels sum it in the
+same order, so they commit the same state bit for bit)."""
 
 import triton
 import triton.language as tl
@@ -115,3 +117,41 @@ def _pending_path(pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_f
     for g in tl.static_range(G):
         roots = roots + (tl.exp(running[g]),)
     return accepted, offsets, on_path, weights, roots
+
+
+@triton.jit
+def _pending_values(f_u, p_rows, p_on, p_weight, o_v, V: tl.constexpr, G: tl.constexpr, PENDING_ROWS: tl.constexpr):
+    """Per pending row d and head g (at d * G + g): exp(c_a - c_j) u_j / |k_j| on value rows o_v (`_pending_path`'s
+    weights; head g's u at f_u + g * V)."""
+    values = ()
+    for d in tl.static_range(PENDING_ROWS):
+        for g in tl.static_range(G):
+            values = values + (tl.load(f_u + g * V + p_rows[d] + o_v, mask=p_on[d], other=0.0) * p_weight[d * G + g],)
+    return values
+
+
+@triton.jit
+def _committed_chunk(h, root, values, keys, g, G: tl.constexpr, PENDING_ROWS: tl.constexpr):
+    """Head g's state chunk h [rows, BK] (fp32) after the pending commit: exp(c_a) h + sum_d values_d keys_d^T, the
+    path's rows in order (`_pending_values`; keys[d] the raw key row's chunk)."""
+    h = root * h
+    for d in tl.static_range(PENDING_ROWS):
+        h += values[d * G + g][:, None] * keys[d][None, :]
+    return h
+
+
+@triton.jit
+def _node_kq_columns(qkv, bos, n, stride_qkv, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                     INTERLEAVED: tl.constexpr):
+    """Row pointers and masks of the [BK, NQ] right operand of the state products: per column a node's raw key or
+    query row (key head i_h) of the request's nodes bos .. bos + n - 1, NQ = max(16, 2 BT) columns: k_0..k_{BT-1},
+    q_0..q_{BT-1}, zero padding; INTERLEAVED (the accumulator-layout epilogue's): k_t at 2t, q_t at 2t + 1."""
+    o_q = tl.arange(0, max(16, 2 * BT))
+    if INTERLEAVED:
+        q_node = o_q // 2
+        is_key = o_q % 2 == 0
+    else:
+        q_node = o_q % BT
+        is_key = o_q < BT
+    kq_ok = (q_node < n) & (o_q < 2 * BT)
+    return qkv + (bos + q_node).to(tl.int64) * stride_qkv + tl.where(is_key, H * K, 0) + i_h * K, kq_ok

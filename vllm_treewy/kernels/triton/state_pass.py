@@ -15,7 +15,8 @@ products (`DO_PRODUCTS` off) it is the commit alone."""
 import triton
 import triton.language as tl
 
-from .state_ops import _factor_columns, _pending_path, _state_products
+from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _pending_path, _pending_values,
+                        _state_products)
 
 
 # integer arrays read as scalars or gathers, not specialised on alignment (as `_gated_step_kernel`)
@@ -38,9 +39,7 @@ def _state_pass_kernel(
         f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
         accepted, p_rows, p_on, p_weight, p_root = _pending_path(
             pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, 1, PENDING_ROWS, PENDING_IS_CHAIN)
-        p_wu = ()
-        for d in tl.static_range(PENDING_ROWS):
-            p_wu = p_wu + (tl.load(f_u + p_rows[d] + o_v, mask=p_on[d], other=0.0) * p_weight[d],)
+        p_wu = _pending_values(f_u, p_rows, p_on, p_weight, o_v, V, 1, PENDING_ROWS)
         store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
     if DO_PRODUCTS:
         # the fused step's interleaved accumulator columns: k_t at 2t, q_t at 2t + 1, zeros up to 16
@@ -48,18 +47,16 @@ def _state_pass_kernel(
         o_q = tl.arange(0, NQ)
         bos = tl.load(cu_nodes + i_b)
         n = tl.load(cu_nodes + i_b + 1) - bos
-        kq_ok = (o_q // 2 < n) & (o_q < 2 * BT)
-        kq_row = (qkv + (bos + o_q // 2).to(tl.int64) * stride_qkv + tl.where(o_q % 2 == 0, H * K, 0)
-                  + i_hv // (HV // H) * K)
+        kq_row, kq_ok = _node_kq_columns(qkv, bos, n, stride_qkv, i_hv // (HV // H), H, K, BT, True)
         acc = tl.zeros([BV, NQ], dtype=tl.float32)
     for i_k in tl.static_range(K // BK):
         cols = i_k * BK + o_kc
         h = tl.load(p_state + cols[None, :]).to(tl.float32)
-        if HAS_PENDING:  # the same sums in the same order as the fused step's commit: the same committed state
-            h = p_root[0] * h
+        if HAS_PENDING:
+            keys = ()
             for d in tl.static_range(PENDING_ROWS):
-                h += p_wu[d][:, None] * tl.load(f_k + p_rows[d] + cols, mask=p_on[d], other=0.0)[None, :]
-            h = h.to(state.dtype.element_ty)
+                keys = keys + (tl.load(f_k + p_rows[d] + cols, mask=p_on[d], other=0.0),)
+            h = _committed_chunk(h, p_root[0], p_wu, keys, 0, 1, PENDING_ROWS).to(state.dtype.element_ty)
             tl.store(p_state + cols[None, :], h, mask=store_commit)
             h = h.to(tl.float32)
         if DO_PRODUCTS:
