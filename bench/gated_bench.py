@@ -287,7 +287,7 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
 PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
-              state_pass_rows=0)
+              state_pass_rows=0, row_epilogue=False, dependent_launch=False)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
@@ -301,6 +301,13 @@ def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
                 state_pass_warps=warps)
 
 
+def _rows(rows, block_k, warps, epilogue_warps, **variant):
+    """The state pass as in `_two_pass`, then the row epilogue (`row_epilogue`; `dependent_launch=True`: launched as
+    the state pass's programmatic dependent)."""
+    return _two_pass(rows, block_k, warps, epilogue_warps, **{**variant, "row_epilogue": True})
+
+
+DEPENDENT = dict(dependent_launch=True)
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
 BF16_SPLIT = dict(split_state_bf16=True)  # bf16 pieces: 3xBF16 (fp32 states), one exact pass (bf16 states)
 TWO_HEADS = dict(heads_per_program=2)
@@ -375,11 +382,16 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # default`); the second the default at B <= 8.
 CONFIGS = {
     "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE),
-             _two_pass(32, 64, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT),
-             _two_pass(32, 64, 4, 1, **SPLIT), _two_pass(64, 64, 4, 1, max_registers=128, **BF16_SPLIT)],
+             _two_pass(64, 64, 4, 1, max_registers=128, **BF16_SPLIT),
+             _rows(64, 64, 4, 1, **BF16_SPLIT), _rows(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT),
+             _rows(32, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _rows(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT),
+             _rows(64, 64, 4, 4, **BF16_SPLIT, **DEPENDENT), _rows(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT)],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE),
-             _two_pass(64, 128, 4, 1, **BF16_SPLIT), _two_pass(64, 128, 8, 1, **BF16_SPLIT),
-             _two_pass(128, 128, 8, 1, max_registers=128, **BF16_SPLIT)],
+             _two_pass(128, 128, 8, 1, max_registers=128, **BF16_SPLIT),
+             _rows(128, 128, 8, 1, **BF16_SPLIT), _rows(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT),
+             _rows(64, 128, 4, 1, **BF16_SPLIT, **DEPENDENT), _rows(128, 128, 8, 2, **BF16_SPLIT, **DEPENDENT),
+             _rows(128, 128, 8, 4, **BF16_SPLIT, **DEPENDENT), _rows(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
+             _rows(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT)],
 }
 
 

@@ -259,6 +259,11 @@ GATED_VARIANTS = {
                                    split_state_tf32=True, split_state_bf16=True, epilogue_in_mma_layout=True,
                                    solve_by_dots=True, state_pass_rows=32, state_pass_block_k=128,
                                    state_pass_warps=4),
+    # the state pass and the row epilogue (at most 8 nodes), launched after it or as its programmatic dependent
+    "row_epilogue": dict(split_state_bf16=True, state_pass_rows=64, state_pass_block_k=64, state_pass_warps=4,
+                         row_epilogue=True, num_warps=1, dependent_launch=False),
+    "row_epilogue_dependent": dict(split_state_bf16=True, state_pass_rows=128, state_pass_block_k=128,
+                                   state_pass_warps=8, row_epilogue=True, num_warps=2, dependent_launch=True),
 }
 
 
@@ -285,6 +290,15 @@ def test_gated_step_default_at_large_batch(state_dtype, tokens):
 def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
     """Draft trees as vLLM verifies them (root + N nodes), the commit along the tree's ancestor table
     (`check_gated_two_steps`)."""
+    check_gated_two_steps(DraftTree.from_widths(list(widths)).with_root(), False, state_dtype,
+                          GATED_VARIANTS[variant])
+
+
+@pytest.mark.parametrize("variant", ["row_epilogue", "row_epilogue_dependent"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths", [(2, 2), (2, 1, 1)])
+def test_gated_small_tree_row_epilogue(widths, state_dtype, variant):
+    """Trees of 7 nodes (root included) through the state pass and the row epilogue (`check_gated_two_steps`)."""
     check_gated_two_steps(DraftTree.from_widths(list(widths)).with_root(), False, state_dtype,
                           GATED_VARIANTS[variant])
 
@@ -336,7 +350,7 @@ def check_gated_two_steps(tree, chain, state_dtype, launch, batch=3):
             assert relative_error(pool[int(slots[b])], states[b]) <= state_tolerance
 
 
-@pytest.mark.parametrize("variant", ["default", "two_pass"])
+@pytest.mark.parametrize("variant", ["default", "two_pass", "row_epilogue_dependent"])
 def test_gated_step_graph_capture(variant):
     from vllm_treewy.kernels.triton import gdn_step_triton
 

@@ -43,8 +43,13 @@ TWO_PASS = [dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_
             dict(block_k=16, state_dot=True, heads_per_program=2, split_state_bf16=True, epilogue_in_mma_layout=True,
                  state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2),
             dict(block_k=16, state_dot=True, split_state_bf16=True, epilogue_in_mma_layout=True, state_pass_rows=8,
-                 state_pass_block_k=32, num_warps=1)]
-VARIANTS = SOLVE_BY_DOTS + TWO_PASS + [dict(block_k=16, state_dot=True, late_node_terms=True),
+                 state_pass_block_k=32, num_warps=1),
+            # the row epilogue (at most 8 nodes): 2xTF32 products, 16 rows and 16 key columns a chunk, one warp; the
+            # bf16 pieces, 8 rows, two warps, a dependent launch (on the GPU only: here the plain one)
+            dict(split_state_tf32=True, state_pass_rows=16, state_pass_block_k=16, row_epilogue=True, num_warps=1),
+            dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=32, row_epilogue=True, num_warps=2,
+                 dependent_launch=True)]
+VARIANTS = SOLVE_BY_DOTS + [v for v in TWO_PASS if not v.get("row_epilogue")] + [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
             dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
@@ -276,7 +281,7 @@ def check_two_steps(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed
     # (1) the commit alone, then the step, on copies
     separate, separate_factors = state.clone(), factors.clone()
     gdn_commit_triton(separate, slots.to(DEVICE), separate_factors, pending.to(DEVICE), num_key_heads=key_heads,
-                      pending_ancestors=on_device(pending_ancestors), block_k=variant["block_k"],
+                      pending_ancestors=on_device(pending_ancestors), block_k=variant.get("block_k"),
                       heads_per_program=variant.get("heads_per_program"),
                       state_pass_rows=variant.get("state_pass_rows"),
                       state_pass_block_k=variant.get("state_pass_block_k"))

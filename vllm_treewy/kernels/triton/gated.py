@@ -82,7 +82,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..gated import slot_factor_width, split_slot_factors
 from ._tree import _ancestor
-from . import state_pass
+from . import row_epilogue, state_pass
+from .gates import _log_decay, _output_gate
 from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _operand_pieces, _pending_path,
                         _pending_values, _piece_products, _state_products)
 from .verify import interpreting, max_ancestors, tree_ancestors
@@ -90,19 +91,6 @@ from .verify import interpreting, max_ancestors, tree_ancestors
 ACTIVATIONS = ("silu", "sigmoid")
 
 __all__ = ["gdn_commit_triton", "gdn_step_triton", "slot_factor_width", "split_slot_factors"]
-
-
-@triton.jit
-def _log_decay(a_raw, dt_bias, neg_exp_a_log):
-    """g = -exp(A_log) * softplus(a + dt_bias), softplus with vLLM's threshold of 20. log(1 + e) via Kahan's
-    log1p (log(u) * e / (u - 1), u = 1 + e rounded): accurate to a few ulps also where e = exp(x) is tiny, where
-    the plain log(1 + e) loses all relative precision (g -> 0)."""
-    x = a_raw + dt_bias
-    e = tl.exp(x)
-    u = 1.0 + e
-    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
-    return neg_exp_a_log * tl.where(x <= 20.0, log1p, x)
-
 
 
 @triton.jit
@@ -134,14 +122,6 @@ def _tf32_operand_columns(c):
 
 
 
-
-
-@triton.jit
-def _output_gate(z, ACT: tl.constexpr):
-    """The gated RMSNorm's output gate of the layer's activation (`ACTIVATIONS`)."""
-    if ACT == "silu":
-        return z * tl.sigmoid(z)
-    return tl.sigmoid(z)
 
 
 @triton.jit
@@ -714,7 +694,7 @@ FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, r
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False, solve_by_dots=False, state_pass_rows=0,
-                         state_pass_block_k=128, state_pass_warps=4)
+                         state_pass_block_k=128, state_pass_warps=4, row_epilogue=False, dependent_launch=False)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -838,13 +818,19 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     heads = launch["heads_per_program"]
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
     two_pass = launch["state_pass_rows"] > 0
-    assert not (two_pass and do_verify) or (launch["epilogue_in_mma_layout"] and launch["state_dot"]), \
-        "the state pass feeds the accumulator-layout epilogue (state_dot, epilogue_in_mma_layout)"
+    assert not (two_pass and do_verify) or launch["row_epilogue"] or (
+        launch["epilogue_in_mma_layout"] and launch["state_dot"]), \
+        "the state pass feeds the row epilogue or the accumulator-layout one (state_dot, epilogue_in_mma_layout)"
     assert not (launch["state_dot"] and do_verify) or block_k >= 16 or two_pass, "tl.dot needs block_k >= 16"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
+    # the row epilogue (after the state pass) has one value head a program and its own solve
+    row_epilogue_kernel = two_pass and do_verify and launch["row_epilogue"]
+    assert not row_epilogue_kernel or max_nodes <= 8, "the row epilogue: at most 8 nodes"
+    heads = 1 if row_epilogue_kernel else heads
     # a refinement of the accumulator-layout epilogue: without it (e.g. pinned off over a tree default) it is off
-    solve_by_dots = launch["solve_by_dots"] and launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify
+    solve_by_dots = (launch["solve_by_dots"] and launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify
+                     and not row_epilogue_kernel)
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
@@ -874,6 +860,10 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     scalars = (float(K**-0.5 if scale is None else scale), float(norm_eps))
     if two_pass:
         rows = min(launch["state_pass_rows"], V)
+        if row_epilogue_kernel:
+            bt = _nodes_block(max_nodes)
+        # Hopper's programmatic dependent launch (not in the interpreter: inline PTX)
+        dependent = row_epilogue_kernel and launch["dependent_launch"] and not interpreting()
         # the commit alone writes no products: `factors` stands in for the pointer
         products = torch.empty(batch, HV, V, 2 * bt, device=state.device) if do_verify else factors
         launches = [(state_pass._state_pass_kernel, (V // rows, HV, batch), (
@@ -881,8 +871,15 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
             factors, *pending_arrays, products, mixed_qkv.stride(0) if do_verify else 0, state.stride(0),
             state.stride(1), state.stride(2), factors.stride(0), factors.stride(1)), dict(
             H=H, HV=HV, K=K, V=V, BV=rows, BK=min(launch["state_pass_block_k"], K), BT=bt, DO_PRODUCTS=do_verify,
-            STATE_PRODUCTS=state_products, num_warps=launch["state_pass_warps"], num_stages=1, **pending))]
-        if do_verify:
+            STATE_PRODUCTS=state_products, LAUNCH_DEPENDENTS=dependent, num_warps=launch["state_pass_warps"],
+            num_stages=1, **pending))]
+        if row_epilogue_kernel:
+            launches.append((row_epilogue._row_epilogue_kernel, (HV, batch), (
+                mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
+                factors, products, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
+                H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
+                DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, **options)))
+        elif do_verify:
             launches.append((_epilogue_kernel, (HV // heads, batch), (
                 mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
                 factors, products, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
@@ -960,6 +957,8 @@ def gdn_step_triton(
     state_pass_rows: int | None = None,
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
+    row_epilogue: bool | None = None,
+    dependent_launch: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -1021,7 +1020,7 @@ def gdn_step_triton(
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
                    epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots,
                    state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k,
-                   state_pass_warps=state_pass_warps)
+                   state_pass_warps=state_pass_warps, row_epilogue=row_epilogue, dependent_launch=dependent_launch)
 
 
 def gdn_commit_triton(

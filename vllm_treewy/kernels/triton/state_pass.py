@@ -14,6 +14,7 @@ products (`DO_PRODUCTS` off) it is the commit alone."""
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _pending_path, _pending_values,
                         _state_products)
@@ -26,8 +27,10 @@ def _state_pass_kernel(
     stride_qkv, stride_slot, stride_head, stride_v, stride_fslot, stride_frow,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     BT: tl.constexpr, DO_PRODUCTS: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
-    PENDING_IS_CHAIN: tl.constexpr, STATE_PRODUCTS: tl.constexpr,
+    PENDING_IS_CHAIN: tl.constexpr, STATE_PRODUCTS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # the epilogue's programs may start once every program here has (`row_epilogue`)
+        gdc_launch_dependents()
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_indices + i_b).to(tl.int64)
     if slot < 0:

@@ -1,0 +1,151 @@
+"""The fused GDN step after its state pass (`state_pass`), one program per request and value head, written per node:
+each node's per-node terms are scalars (every lane holds them), each node's per-row values a [V] vector over the
+lanes, so the solve and the outputs are elementwise over the rows and only K- and V-long sums cross lanes. Nodes
+are a static loop (at most 8): no [V, nodes] tiles padded to the tensor cores' 16 columns, no layout changes
+(kernels.md: the accumulator-layout epilogue took 2,872 SASS instructions a program at T=4 and was the step's
+latency-bound second half).
+
+    r_i = beta_i (v_i - exp(c_i) k_inv_i (h k_raw_i)),   u_i = r_i - sum_{j < i} beta_i exp(c_i - c_j) kk_ij u_j
+    o_i = exp(c_i) q_inv_i (h q_raw_i) + sum_{j <= i} exp(c_i - c_j) qk_ij u_j
+
+(h the committed state; kk, qk the normalised Gram matrices; exp(c_i - c_j) zero off i's path; forward
+substitution: ancestors precede their nodes.) Then the gated RMSNorm over V, and this step's factors into the
+slot's rows (`_factor_columns`: the raw key, its inverse norm, u, g).
+
+With DEPENDENT_LAUNCH the kernel is launched as a programmatic dependent of the state pass (Hopper): everything
+that does not read the products (gates, path decays, norms, Gram matrices, v and z) runs while the state pass
+drains, `gdc_wait` then orders the products' loads and the factor rows' stores (the state pass reads the previous
+step's rows) after the state pass's writes."""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from ._tree import _ancestor
+from .gates import _log_decay, _output_gate
+from .state_ops import _factor_columns
+
+
+@triton.jit
+def _path_decays(a, ancestors, bos, n, g_own, bias, neg_exp_a_log, i_hv, stride_a, BT: tl.constexpr,
+                 MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+    """Per node i: c_i, the sum of g over i's path; per pair (i, j <= i), at i * BT + j: exp(c_i - c_j) if j is on
+    i's path, else 0. The exponents are running sums up the path, never differences of path sums."""
+    path_c = ()
+    decay = ()
+    for i in tl.static_range(BT):
+        running = tl.zeros([], dtype=tl.float32)
+        weights = ()
+        for j in tl.static_range(BT):
+            weights = weights + (tl.zeros([], dtype=tl.float32),)
+        for d in tl.static_range(MAX_ANC + 1):
+            if IS_CHAIN:
+                if d <= i:  # node i - d, whose g this program already has
+                    row = ()
+                    for j in tl.static_range(BT):
+                        row = row + (tl.exp(running) if j == i - d else weights[j],)
+                    weights = row
+                    running += g_own[i - d]
+            else:
+                cur = _ancestor(ancestors, bos, tl.where(i < n, i, -1), d, MAX_ANC + 1, False)
+                here = tl.exp(running)
+                row = ()
+                for j in tl.static_range(BT):
+                    row = row + (tl.where(cur == j, here, weights[j]),)
+                weights = row
+                a_cur = tl.load(a + (bos + cur) * stride_a + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
+                running += tl.where(cur >= 0, _log_decay(a_cur, bias, neg_exp_a_log), 0.0)
+        path_c = path_c + (running,)
+        decay = decay + weights
+    return path_c, decay
+
+
+@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes"])
+def _row_epilogue_kernel(
+    qkv, a, b, A_log, dt_bias, z, norm_weight, state_indices, ancestors, cu_nodes, out, factors, products,
+    stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh, stride_fslot, stride_frow,
+    scale, eps,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr,
+    IS_CHAIN: tl.constexpr, ACT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+):
+    """products [B, HV, V, 2 BT] fp32: h k_raw_t at column 2t, h q_raw_t at 2t + 1 (`_state_pass_kernel`)."""
+    i_hv, i_b = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    if slot < 0:
+        return
+    bos = tl.load(cu_nodes + i_b)
+    n = tl.load(cu_nodes + i_b + 1) - bos
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    i_h = i_hv // (HV // H)
+    # per node: gates, the raw q/k rows and their inverse norms, v and z (none of it reads the state pass's output)
+    g_own = ()
+    beta = ()
+    q_rows = ()
+    k_rows = ()
+    q_inv = ()
+    k_inv = ()
+    v_rows = ()
+    z_rows = ()
+    for t in tl.static_range(BT):
+        valid = t < n
+        node = (bos + t).to(tl.int64)
+        a_t = tl.load(a + node * stride_a + i_hv, mask=valid, other=0.0).to(tl.float32)
+        g_own = g_own + (_log_decay(a_t, bias, neg_exp_a_log),)
+        beta = beta + (tl.sigmoid(tl.load(b + node * stride_b + i_hv, mask=valid, other=0.0).to(tl.float32)),)
+        q_t = tl.load(qkv + node * stride_qkv + i_h * K + o_k, mask=valid, other=0.0).to(tl.float32)
+        k_t = tl.load(qkv + node * stride_qkv + H * K + i_h * K + o_k, mask=valid, other=0.0).to(tl.float32)
+        q_rows = q_rows + (q_t,)
+        k_rows = k_rows + (k_t,)
+        q_inv = q_inv + (tl.rsqrt(tl.sum(q_t * q_t, 0) + 1e-6) * scale,)
+        k_inv = k_inv + (tl.rsqrt(tl.sum(k_t * k_t, 0) + 1e-6),)
+        v_rows = v_rows + (tl.load(qkv + node * stride_qkv + 2 * H * K + i_hv * V + o_v, mask=valid,
+                                   other=0.0).to(tl.float32),)
+        z_rows = z_rows + (tl.load(z + node * stride_z + i_hv * stride_zh + o_v, mask=valid,
+                                   other=0.0).to(tl.float32),)
+    path_c, decay = _path_decays(a, ancestors, bos, n, g_own, bias, neg_exp_a_log, i_hv, stride_a, BT, MAX_ANC,
+                                 IS_CHAIN)
+    # the solve's and the outputs' coefficients: per pair (i, j), at i * BT + j, -beta_i exp(c_i - c_j) kk_ij
+    # (j < i) and exp(c_i - c_j) qk_ij (j <= i); zero past the path
+    lower = ()
+    attend = ()
+    for i in tl.static_range(BT):
+        for j in tl.static_range(BT):
+            if j < i:
+                kk = tl.sum(k_rows[i] * k_rows[j], 0) * (k_inv[i] * k_inv[j])
+                lower = lower + (-beta[i] * decay[i * BT + j] * kk,)
+            else:
+                lower = lower + (tl.zeros([], dtype=tl.float32),)
+            if j <= i:
+                attend = attend + (tl.sum(q_rows[i] * k_rows[j], 0) * (q_inv[i] * k_inv[j]) * decay[i * BT + j],)
+            else:
+                attend = attend + (tl.zeros([], dtype=tl.float32),)
+    w = tl.load(norm_weight + o_v).to(tl.float32)
+    if DEPENDENT_LAUNCH:
+        gdc_wait()
+    p_rows = products + ((i_b * HV + i_hv) * V + o_v).to(tl.int64) * (2 * BT)
+    f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
+    u_rows = ()
+    for i in tl.static_range(BT):
+        valid = i < n
+        node = (bos + i).to(tl.int64)
+        exp_c = tl.exp(path_c[i])
+        u_i = beta[i] * (v_rows[i] - (exp_c * k_inv[i]) * tl.load(p_rows + 2 * i))
+        o_i = (exp_c * q_inv[i]) * tl.load(p_rows + 2 * i + 1)
+        for j in tl.static_range(i):
+            u_i += lower[i * BT + j] * u_rows[j]
+            o_i += attend[i * BT + j] * u_rows[j]
+        o_i += attend[i * BT + i] * u_i
+        u_rows = u_rows + (u_i,)
+        # gated RMSNorm over V, the core output rounded to the output dtype first (as the one-kernel step)
+        o_i = o_i.to(out.dtype.element_ty).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(o_i * o_i, 0) / V + eps)
+        y = o_i * rstd * w * _output_gate(z_rows[i], ACT)
+        tl.store(out + node * stride_out + i_hv * stride_outh + o_v, y.to(out.dtype.element_ty), mask=valid)
+        f_row = i * stride_frow
+        tl.store(f_k + f_row + o_k, k_rows[i], mask=valid)
+        tl.store(f_kscale + f_row, k_inv[i], mask=valid)
+        tl.store(f_u + f_row + o_v, u_i, mask=valid)
+        tl.store(f_g + f_row, g_own[i], mask=valid)
