@@ -287,7 +287,7 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
 PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
-              state_pass_rows=0, row_epilogue=False, dependent_launch=False)
+              state_pass_rows=0, dependent_launch=False)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
@@ -295,16 +295,11 @@ def _dot(block_k, num_warps, prefetch, **variant):
 
 
 def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
-    """The state pass (`rows` value rows a program, key chunks of `block_k`, `warps` warps) and the accumulator-layout
-    epilogue in its own launch (`epilogue_warps` warps; uncapped unless `max_registers` is given)."""
+    """The state pass (`rows` value rows a program, key chunks of `block_k`, `warps` warps) and the row epilogue in its
+    own launch (`epilogue_warps` warps; `dependent_launch=True`: as the state pass's programmatic dependent). The one
+    kernel's options it carries (block_k 32, the accumulator-layout epilogue) are the defaults' and unused."""
     return _dot(32, epilogue_warps, 1, **{**EPILOGUE, **variant}, state_pass_rows=rows, state_pass_block_k=block_k,
                 state_pass_warps=warps)
-
-
-def _rows(rows, block_k, warps, epilogue_warps, **variant):
-    """The state pass as in `_two_pass`, then the row epilogue (`row_epilogue`; `dependent_launch=True`: launched as
-    the state pass's programmatic dependent)."""
-    return _two_pass(rows, block_k, warps, epilogue_warps, **{**variant, "row_epilogue": True})
 
 
 DEPENDENT = dict(dependent_launch=True)
@@ -381,17 +376,14 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
 # default`); the second the default at B <= 8.
 CONFIGS = {
-    "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE),
-             _two_pass(64, 64, 4, 1, max_registers=128, **BF16_SPLIT),
-             _rows(64, 64, 4, 1, **BF16_SPLIT), _rows(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _rows(32, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _rows(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT),
-             _rows(64, 64, 4, 4, **BF16_SPLIT, **DEPENDENT), _rows(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT)],
-    "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT), _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE),
-             _two_pass(128, 128, 8, 1, max_registers=128, **BF16_SPLIT),
-             _rows(128, 128, 8, 1, **BF16_SPLIT), _rows(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT),
-             _rows(64, 128, 4, 1, **BF16_SPLIT, **DEPENDENT), _rows(128, 128, 8, 2, **BF16_SPLIT, **DEPENDENT),
-             _rows(128, 128, 8, 4, **BF16_SPLIT, **DEPENDENT), _rows(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
-             _rows(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT)],
+    "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
+             _dot(32, 8, 1, **SPLIT, **EPILOGUE), _two_pass(64, 64, 4, 1, **BF16_SPLIT),
+             _two_pass(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
+             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
+    "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
+             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
+             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2)],
 }
 
 
@@ -414,9 +406,11 @@ TREE_CONFIGS = {
 }
 
 
-def tuned_key(name, T, B):
-    """Rows at B <= 8 take the small-batch tuning, the others the B=64 one (a T not tuned: the launch default)."""
-    return f"{name}/T={T}/{'small' if B <= 8 else 'large'}"
+def tuned_key(name, T, B, tune_batches):
+    """A row takes the tuning at the largest tuned batch up to B, else the smallest (a T not tuned: the launch
+    default)."""
+    below = [b for b in tune_batches if b <= B]
+    return f"{name}/T={T}/B={max(below) if below else min(tune_batches)}"
 
 
 def main():
@@ -482,7 +476,7 @@ def main():
                       f"{record.get('epilogue_us', '')}", flush=True)
                 if ok and (best is None or us < best[0]):
                     best = (us, config)
-            tuned[tuned_key(name, T, tune_batch)] = best[1] if best else CONFIGS[name][0]
+            tuned[tuned_key(name, T, tune_batch, args.tune_batches)] = best[1] if best else CONFIGS[name][0]
             del step
             save()
         cases = [(T, B, name) for T in sorted(args.tokens, key=lambda t: t != 4) for name in args.states
@@ -490,7 +484,7 @@ def main():
         for T, B, name in cases:
             dtype = STATE_DTYPES[name]
             # a T not tuned runs what a user gets at that T: {} takes every option from `launch_defaults`
-            config = tuned.get(tuned_key(name, T, B), {})
+            config = tuned.get(tuned_key(name, T, B, args.tune_batches), {})
             step = Step(T, B, dtype)
             try:
                 if B in (1, 64):

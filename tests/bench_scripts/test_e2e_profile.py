@@ -8,7 +8,7 @@ from bench.e2e_profile import KernelEvent, busy_us, kind_of, summarize
 
 def test_kinds_by_name():
     assert kind_of("_gated_step_kernel") == "treewy GDN step"
-    assert kind_of("_state_pass_kernel") == kind_of("_epilogue_kernel") == "treewy GDN step"
+    assert kind_of("_state_pass_kernel") == kind_of("_row_epilogue_kernel") == "treewy GDN step"
     assert kind_of("void fused_gdn_decode_post_conv_mtp_kernel<float>(...)") == "vLLM GDN"
     assert kind_of("kernel_unified_attention_3d") == "attention"
     assert kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "GEMM"

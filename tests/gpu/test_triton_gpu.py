@@ -247,23 +247,14 @@ GATED_VARIANTS = {
     "solve_by_dots": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
                           split_state_tf32=True, epilogue_in_mma_layout=True, solve_by_dots=True,
                           split_state_bf16=False),
-    # the state pass and the epilogue in two launches (2xTF32 / the bf16 pass; wgmma at 64 rows, mma.sync at 32)
-    "two_pass": dict(block_k=32, num_warps=4, prefetch=1, state_dot=True, late_node_terms=True,
-                     split_state_tf32=True, split_state_bf16=True, epilogue_in_mma_layout=True, state_pass_rows=32,
-                     state_pass_block_k=128, state_pass_warps=4),
-    "two_pass_two_heads": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                               heads_per_program=2, split_state_tf32=True, split_state_bf16=False,
-                               epilogue_in_mma_layout=True, state_pass_rows=64, state_pass_block_k=64,
-                               state_pass_warps=4),
-    "two_pass_solve_by_dots": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                                   split_state_tf32=True, split_state_bf16=True, epilogue_in_mma_layout=True,
-                                   solve_by_dots=True, state_pass_rows=32, state_pass_block_k=128,
-                                   state_pass_warps=4),
-    # the state pass and the row epilogue (at most 8 nodes), launched after it or as its programmatic dependent
+    # the state pass and the row epilogue in two launches (at most 8 nodes), the second after the first or as its
+    # programmatic dependent (wgmma products at 64 and 128 rows, mma.sync at 16; 2xTF32 / 3xBF16 / the bf16 pass)
     "row_epilogue": dict(split_state_bf16=True, state_pass_rows=64, state_pass_block_k=64, state_pass_warps=4,
-                         row_epilogue=True, num_warps=1, dependent_launch=False),
+                         num_warps=1, dependent_launch=False),
     "row_epilogue_dependent": dict(split_state_bf16=True, state_pass_rows=128, state_pass_block_k=128,
-                                   state_pass_warps=8, row_epilogue=True, num_warps=2, dependent_launch=True),
+                                   state_pass_warps=8, num_warps=2, dependent_launch=True),
+    "row_epilogue_16_rows": dict(split_state_tf32=True, split_state_bf16=False, state_pass_rows=16,
+                                 state_pass_block_k=128, state_pass_warps=2, num_warps=1, dependent_launch=True),
 }
 
 
@@ -279,12 +270,13 @@ def test_gated_step_vs_reference(state_dtype, tokens, variant):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [3, 4])
-def test_gated_step_default_at_large_batch(state_dtype, tokens):
-    """More than 8 requests of 3-4 nodes: the default's two launches (`launch_defaults`), vs fp64."""
-    check_gated_two_steps(DraftTree.from_widths([1] * tokens), True, state_dtype, {}, batch=12)
+@pytest.mark.parametrize("batch", [2, 12])
+def test_gated_step_default_two_launches(state_dtype, tokens, batch):
+    """2 and more than 8 requests of 3-4 nodes: the default's two launches (`launch_defaults`), vs fp64."""
+    check_gated_two_steps(DraftTree.from_widths([1] * tokens), True, state_dtype, {}, batch=batch)
 
 
-@pytest.mark.parametrize("variant", ["default", "solve_by_dots", "two_pass_solve_by_dots"])
+@pytest.mark.parametrize("variant", ["default", "solve_by_dots"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2, 1), (4, 2), (3, 2, 2), (4, 2, 2)])
 def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
@@ -350,7 +342,7 @@ def check_gated_two_steps(tree, chain, state_dtype, launch, batch=3):
             assert relative_error(pool[int(slots[b])], states[b]) <= state_tolerance
 
 
-@pytest.mark.parametrize("variant", ["default", "two_pass", "row_epilogue_dependent"])
+@pytest.mark.parametrize("variant", ["default", "row_epilogue", "row_epilogue_dependent"])
 def test_gated_step_graph_capture(variant):
     from vllm_treewy.kernels.triton import gdn_step_triton
 

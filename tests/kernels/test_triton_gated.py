@@ -32,24 +32,15 @@ SPARE_SLOTS = 2
 SOLVE_BY_DOTS = [dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True,
                       epilogue_in_mma_layout=True, solve_by_dots=True),
                  dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2,
-                      epilogue_in_mma_layout=True, solve_by_dots=True),
-                 dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True,
-                      solve_by_dots=True, state_pass_rows=16, state_pass_block_k=16)]
-# the state pass and the epilogue in two launches: 2xTF32 (16 value rows and 16 key columns a chunk: two programs
-# and two chunks where V or K is 32); two heads an epilogue program with the bf16 pieces (3xBF16 for fp32 states),
-# a whole head's rows a program; the bf16 pieces with 8 rows a program (two or four) and a one-warp epilogue
-TWO_PASS = [dict(block_k=16, state_dot=True, split_state_tf32=True, epilogue_in_mma_layout=True, state_pass_rows=16,
-                 state_pass_block_k=16),
-            dict(block_k=16, state_dot=True, heads_per_program=2, split_state_bf16=True, epilogue_in_mma_layout=True,
-                 state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2),
-            dict(block_k=16, state_dot=True, split_state_bf16=True, epilogue_in_mma_layout=True, state_pass_rows=8,
-                 state_pass_block_k=32, num_warps=1),
-            # the row epilogue (at most 8 nodes): 2xTF32 products, 16 rows and 16 key columns a chunk, one warp; the
-            # bf16 pieces, 8 rows, two warps, a dependent launch (on the GPU only: here the plain one)
-            dict(split_state_tf32=True, state_pass_rows=16, state_pass_block_k=16, row_epilogue=True, num_warps=1),
-            dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=32, row_epilogue=True, num_warps=2,
-                 dependent_launch=True)]
-VARIANTS = SOLVE_BY_DOTS + [v for v in TWO_PASS if not v.get("row_epilogue")] + [dict(block_k=16, state_dot=True, late_node_terms=True),
+                      epilogue_in_mma_layout=True, solve_by_dots=True)]
+# the state pass and the row epilogue in two launches (at most 8 nodes): 2xTF32 products, 16 value rows and 16 key
+# columns a chunk (two programs and two chunks where V or K is 32), a one-warp epilogue; the bf16 pieces (3xBF16 for
+# fp32 states), 8 rows, two warps, a dependent launch (a plain one in the interpreter); a whole head's rows a program
+TWO_PASS = [dict(split_state_tf32=True, state_pass_rows=16, state_pass_block_k=16, num_warps=1),
+            dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=32, num_warps=2, dependent_launch=True),
+            dict(split_state_bf16=True, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2,
+                 num_warps=4)]
+VARIANTS = SOLVE_BY_DOTS + [dict(block_k=16, state_dot=True, late_node_terms=True),
             dict(block_k=16, state_dot=True, late_node_terms=False),
             dict(block_k=4, state_dot=False, late_node_terms=False),
             dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
@@ -519,24 +510,26 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 
 
 def test_launch_defaults_measured_choices():
-    """The H200 choices of bench/results/2026-12-01d, -e, -f, 2026-12-02, -02b and -02c (kernels.md): states with 3-4
-    nodes and more than 8 requests take two launches (the state pass, then a one-warp epilogue kernel: fp32 64 rows
-    with 3xBF16 products, 16-bit 128 rows with the bf16 pass); fp32 states with 3-4 nodes and at most 8 requests
+    """The H200 choices of bench/results/2026-12-01d, -e, -f, 2026-12-02, -02b, -02c and -02d (kernels.md): states
+    with 3-4 nodes and at most 2 or more than 8 requests take two launches (the state pass, then the one-warp row
+    epilogue as its programmatic dependent: at most 2 requests 16 rows, 128 key columns, 2 warps; more than 8 fp32 64
+    rows with 3xBF16 products, 16-bit 128 rows with the bf16 pass); fp32 states with 3-4 nodes and 3-8 requests
     take the accumulator-layout epilogue in one kernel, with 5-8 its solve by tensor-core products, with more
-    (trees) the same capped at 128 registers; 16-bit states with 3-4 nodes and with 5-8 nodes at small batches 64/8/1
-    with the bf16 pass capped at 128 registers with the epilogue, 5-8 nodes at large batches two heads with the
-    epilogue, 1-2 nodes 64/8/1 with the bf16 pass, uncapped, without the epilogue; more than 8 nodes (trees) the
-    epilogue with its solve by tensor-core products (64/8/1, the bf16 pass, uncapped); narrow heads one value row per
-    thread."""
+    (trees) the same capped at 128 registers; 16-bit states with 3-4 nodes at 3-8 requests and with 5-8 nodes at
+    small batches 64/8/1 with the bf16 pass capped at 128 registers with the epilogue, 5-8 nodes at large batches two
+    heads with the epilogue, 1-2 nodes 64/8/1 with the bf16 pass, uncapped, without the epilogue; more than 8 nodes
+    (trees) the epilogue with its solve by tensor-core products (64/8/1, the bf16 pass, uncapped); narrow heads one
+    value row per thread."""
     from vllm_treewy.kernels.triton.gated import (
         FP32_STATE_LAUNCH, HALF_STATE_BF16_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
     few_nodes = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
                      epilogue_in_mma_layout=False)
-    for batch in (1, 8, 64, 256):
-        by_batch = dict(state_pass_block_k=64 if batch > 8 else 128, state_pass_warps=4,
-                        state_pass_rows=64 if batch > 8 else 0, num_warps=1 if batch > 8 else 8,
-                        split_state_bf16=batch > 8)  # two launches above 8 requests
+    for batch in (1, 2, 3, 8, 64, 256):
+        two = batch <= 2 or batch > 8  # two launches
+        rows = 16 if batch <= 2 else 64 if batch > 8 else 0
+        by_batch = dict(state_pass_block_k=64 if batch > 8 else 128, state_pass_warps=2 if batch <= 2 else 4,
+                        state_pass_rows=rows, num_warps=1 if two else 8, split_state_bf16=two, dependent_launch=two)
         for nodes in (3, 4):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
                 FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, **by_batch)
@@ -552,9 +545,10 @@ def test_launch_defaults_measured_choices():
             for nodes in (3, 4):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == (dict(
                     HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
-                    epilogue_in_mma_layout=True) if batch <= 8 else dict(
+                    epilogue_in_mma_layout=True) if not two else dict(
                     HALF_STATE_LAUNCH, block_k=32, split_state_bf16=True, max_registers=0, epilogue_in_mma_layout=True,
-                    num_warps=1, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=8))
+                    num_warps=1, state_pass_rows=128 if batch > 8 else 16, state_pass_block_k=128,
+                    state_pass_warps=8 if batch > 8 else 2, dependent_launch=True))
             for nodes in (5, 8):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == (
                     HALF_STATE_BF16_LAUNCH if batch <= 8 else
@@ -573,23 +567,23 @@ def test_launch_defaults_measured_choices():
 @pytest.mark.parametrize("state_dtype, tokens", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 8),
                                                  (torch.bfloat16, 8)])
 def test_default_launch_vs_reference(state_dtype, tokens):
-    """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM, K = 64: the defaults of 3-8 nodes
+    """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM, K = 64, 3 requests: the defaults of 3-8 nodes
     (fp32: 32/8/1 2xTF32, two key chunks, for 5-8 nodes the solve by tensor-core products; bf16: 64/8/1 capped at 128
     registers, one bf16 pass, one chunk; both with the accumulator-layout epilogue) resolve as measured, and a chain
     step, then a step committing its accepted nodes inside its verify, match the fp64 reference: outputs, factor
     rows, the committed state."""
     from vllm_treewy.kernels.triton import gated as gated_module
 
-    first = [DraftTree.from_widths([1] * n).parents for n in (tokens, tokens - 1)]
-    second = [DraftTree.from_widths([1] * n).parents for n in (tokens, 2)]
-    [(_, _, _, kernel_kwargs)] = check_default_chain_steps(state_dtype, first, second, [tokens - 2, -1], seed=7)
+    first = [DraftTree.from_widths([1] * n).parents for n in (tokens, tokens - 1, tokens)]
+    second = [DraftTree.from_widths([1] * n).parents for n in (tokens, 2, 1)]
+    [(_, _, _, kernel_kwargs)] = check_default_chain_steps(state_dtype, first, second, [tokens - 2, -1, 0], seed=7)
     fp32 = state_dtype == torch.float32
     assert kernel_kwargs["EPILOGUE_IN_MMA_LAYOUT"] and kernel_kwargs["BK"] == (32 if fp32 else 64)
     assert kernel_kwargs["SOLVE_BY_DOTS"] == (fp32 and tokens > 4)
     assert kernel_kwargs["STATE_PRODUCTS"] == ("2xtf32" if fp32 else "bf16") and kernel_kwargs["G"] == 1
     assert kernel_kwargs["STATE_DOT"] and kernel_kwargs["num_warps"] == 8 and kernel_kwargs["PREFETCH"] == 1
     # the register cap reaches ptxas only on a GPU (the interpreter has no registers): as `launch_defaults` gives it
-    cap = gated_module.launch_defaults(state_dtype, 2, 2, 64, tokens)["max_registers"]
+    cap = gated_module.launch_defaults(state_dtype, 3, 2, 64, tokens)["max_registers"]
     assert cap == (0 if fp32 else 128)
 
 
@@ -671,20 +665,23 @@ def test_two_passes_commit_as_one_kernel(state_dtype, variant):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_large_batch_default_two_launches(state_dtype):
-    """No launch options at more than 8 requests of 4 nodes: the state pass and the one-warp epilogue kernel
-    (`launch_defaults`); two chain steps, the second committing the first's accepted nodes (one request's none),
-    match the fp64 reference: outputs, factor rows, the committed state."""
-    requests = 9
+@pytest.mark.parametrize("requests", [2, 9])
+def test_default_two_launches(state_dtype, requests):
+    """No launch options at 2 and at more than 8 requests of up to 4 nodes: the state pass and the one-warp row
+    epilogue as its dependent (`launch_defaults`); two chain steps, the second committing the first's accepted nodes
+    (one request's none), match the fp64 reference: outputs, factor rows, the committed state."""
     first = [DraftTree.from_widths([1] * (4 - b % 2)).parents for b in range(requests)]
     second = [DraftTree.from_widths([1] * (4 - b % 3)).parents for b in range(requests)]
     accepted = [len(p) - 1 - b % 2 for b, p in enumerate(first)]
-    accepted[4] = -1
+    accepted[requests // 2] = -1
     launches = check_default_chain_steps(state_dtype, first, second, accepted, seed=5)
-    (state_pass, grid, _, pass_kwargs), (epilogue, _, _, epilogue_kwargs) = launches
+    (state_pass, grid, _, pass_kwargs), (epilogue, epilogue_grid, _, epilogue_kwargs) = launches
     fp32 = state_dtype == torch.float32
-    assert state_pass.fn.__name__ == "_state_pass_kernel" and epilogue.fn.__name__ == "_epilogue_kernel"
-    assert grid == (1, 2, requests) and pass_kwargs["BV"] == 32 and pass_kwargs["BK"] == 64
-    assert pass_kwargs["STATE_PRODUCTS"] == ("3xbf16" if fp32 else "bf16") and pass_kwargs["num_warps"] == (4 if fp32
-                                                                                                            else 8)
-    assert epilogue_kwargs["num_warps"] == 1 and epilogue_kwargs["G"] == 1
+    assert state_pass.fn.__name__ == "_state_pass_kernel" and epilogue.fn.__name__ == "_row_epilogue_kernel"
+    rows = 16 if requests <= 2 else 32  # the value rows a state-pass program takes (V = 32 here)
+    assert grid == (32 // rows, 2, requests) and pass_kwargs["BV"] == rows and pass_kwargs["BK"] == 64
+    assert pass_kwargs["STATE_PRODUCTS"] == ("3xbf16" if fp32 else "bf16")
+    assert pass_kwargs["num_warps"] == (2 if requests <= 2 else 4 if fp32 else 8)
+    assert epilogue_grid == (2, requests) and epilogue_kwargs["num_warps"] == 1
+    # a dependent launch on the GPU; the interpreter launches plainly
+    assert not epilogue_kwargs["DEPENDENT_LAUNCH"] and not pass_kwargs["LAUNCH_DEPENDENTS"]

@@ -1,10 +1,10 @@
 """The whole GDN decode step after the conv, for packed draft chains and small trees, in one launch or two: gates,
 q/k L2 norm, the closed-form verify, the gated RMSNorm with the output gate, and optionally the previous step's
 commit (the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`, so the two compare like for
-like). With `state_pass_rows` (the default for 3-4 nodes at more than SMALL_BATCH requests) the commit and the
-state's products run first in their own launch, a head's value rows over several programs (`state_pass`), and
-`_epilogue_kernel` does the rest from their products: 1.93x / 2.05x vLLM's compiled kernel at B=64 / 256 for an
-fp32 state at T=4, 1.57x / 1.66x for bf16 (bench/results/kernels.md, 2026-12-02c).
+like). With `state_pass_rows` (the default for 3-4 nodes at most FEW_REQUESTS or more than SMALL_BATCH requests)
+the commit and the state's products run first in their own launch, a head's value rows over several programs
+(`state_pass`), and the row epilogue (`row_epilogue`) does the rest from their products (bench/results/kernels.md,
+2026-12-02d).
 
     g_i    = -exp(A_log) * softplus(a_i + dt_bias)            beta_i = sigmoid(b_i)
     q_i    = scale * q_i / sqrt(|q_i|^2 + 1e-6)              k_i    = k_i / sqrt(|k_i|^2 + 1e-6)
@@ -593,48 +593,6 @@ def _store_factors(k_row, f_k, f_kscale, f_u, f_g, valid, k_inv, b_us, g_own, st
         tl.store(f_g + g + f_row, g_own[g], mask=valid)
 
 
-@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes"])
-def _epilogue_kernel(
-    qkv, a, b, A_log, dt_bias, z, norm_weight, state_indices, ancestors, cu_nodes, out, factors, products,
-    stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh, stride_fslot, stride_frow,
-    scale, eps,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
-    MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr, ACT: tl.constexpr, SOLVE_BY_DOTS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """The fused step after its state loop, on the products the state pass left (`state_pass`): what
-    `_gated_step_kernel` does with EPILOGUE_IN_MMA_LAYOUT once its accumulators are complete, for G value heads of
-    one request a program."""
-    i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    if slot < 0:
-        return
-    NQ: tl.constexpr = max(16, 2 * BT)
-    o_q = tl.arange(0, NQ)
-    o_v = tl.arange(0, V)
-    acc_kq = ()
-    for g in tl.static_range(G):  # in flight first: nothing before the solve waits for them
-        p_head = products + ((i_b * HV + i_hv0 + g) * V + o_v[:, None]).to(tl.int64) * (2 * BT) + o_q[None, :]
-        acc_kq = acc_kq + (tl.load(p_head, mask=(o_q < 2 * BT)[None, :], other=0.0),)
-    bos = tl.load(cu_nodes + i_b)
-    n = tl.load(cu_nodes + i_b + 1) - bos
-    valid = tl.arange(0, BT) < n
-    node = bos + tl.arange(0, BT)
-    q_row = qkv + node.to(tl.int64) * stride_qkv + i_hv0 // (HV // H) * K
-    k_row = q_row + H * K
-    g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk = _node_terms(
-        a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, scale, stride_a, stride_b, K, BT, G, MAX_ANC,
-        IS_CHAIN, SOLVE_BY_DOTS)
-    in_layout = ()
-    for g in tl.static_range(G):
-        in_layout = in_layout + (_in_accumulator_layout(acc_kq[g]),)
-    b_us = _epilogue_in_mma_layout(in_layout, qkv, z, out, norm_weight, node, valid, b_beta, path_c, decay, q_inv,
-                                   k_inv, kk, qk, i_hv0, eps, stride_qkv, stride_z, stride_zh, stride_out, stride_outh,
-                                   H, K, V, G, BT, ACT, MAX_ANC, SOLVE_BY_DOTS, DOT_PRECISION)
-    f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv0, HV, K, V)
-    _store_factors(k_row, f_k, f_kscale, f_u, f_g, valid, k_inv, b_us, g_own, stride_frow, K, V, G, BT, True)
-
-
 # Launch defaults: the fastest candidates measured correct on the H200 at H=16, HV=32, K=V=128, chain T=4. Until
 # 2026-12-01d (bench/results/2026-12-01/device/gated.json, tuned at B=1 and B=64; what T <= 2 and trees of more than
 # 8 nodes still run, and 16-bit states of 5-8 nodes at B > 8 apart from the epilogue): fp32 states: the
@@ -694,7 +652,7 @@ FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, r
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False, solve_by_dots=False, state_pass_rows=0,
-                         state_pass_block_k=128, state_pass_warps=4, row_epilogue=False, dependent_launch=False)
+                         state_pass_block_k=128, state_pass_warps=4, dependent_launch=False)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -710,10 +668,22 @@ HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_
 # alone without products 72.5; with 2xTF32 products 126.8); 16-bit 128 rows / 128 columns / 8 warps with the bf16
 # pass, 67.8 against 99.1 (50.2 + 17.3). Epilogues of 2 and 4 warps: 24.3 / 42.3 us (fp32). At B=1 the one kernel
 # stays (11.7 / 9.5 us against 12.8 / 11.4 for two launches); B=8 is taken with B=1 (not measured with two).
+# Since 2026-12-02d (`results/2026-12-02d/kernels/t4.json`, sixteenth session, T=4 tuned at B=64 / 1): after the
+# state pass, the row epilogue (`row_epilogue`: 1,792 SASS instructions and 90 registers a program at T=4, offline
+# sm_90, against the accumulator-layout epilogue kernel's 2,872 and 168), launched as the state pass's programmatic
+# dependent. B=1: fp32 8.88 / bf16 7.60 us against 13.10 / 12.08 for the accumulator-layout epilogue kernel (10.89 /
+# 9.85 without the dependent launch; the one kernel 11.44 / 9.52); with 16 rows, 128 key columns and 2 warps a
+# state-pass program, 7.27 / 6.52 (FEW_REQUESTS). B=64: 98.4 / 65.6 us, with the accumulator-layout epilogue
+# 100.5 / 67.3 (capped at 128 registers 97.4 / 64.5, the one-kernel fused step's epilogue left alone). B=8 took
+# B=1's 16 rows in that run: 24.2 / 16.0 us against the one kernel's 19.3 / 14.6 (2026-12-02c): 3-8 requests keep it.
 FP32_STATE_TWO_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, split_state_bf16=True, num_warps=1, state_pass_rows=64,
-                             state_pass_block_k=64, state_pass_warps=4)
+                             state_pass_block_k=64, state_pass_warps=4, dependent_launch=True)
 HALF_STATE_TWO_LAUNCH = dict(HALF_STATE_BF16_LAUNCH, block_k=32, num_warps=1, max_registers=0, state_pass_rows=128,
-                             state_pass_block_k=128, state_pass_warps=8)
+                             state_pass_block_k=128, state_pass_warps=8, dependent_launch=True)
+FP32_STATE_FEW_REQUESTS_LAUNCH = dict(FP32_STATE_TWO_LAUNCH, state_pass_rows=16, state_pass_block_k=128,
+                                      state_pass_warps=2)
+HALF_STATE_FEW_REQUESTS_LAUNCH = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=16, state_pass_warps=2)
+FEW_REQUESTS = 2
 SMALL_BATCH = 8
 
 
@@ -727,7 +697,7 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
     static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape).
     Measured choices: the comments above FP32_STATE_LAUNCH and SMALL_BATCH (bench/results/2026-12-01d, -01e, -01f,
-    2026-12-02 and -02c)."""
+    2026-12-02, -02c and -02d)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if state_dtype == torch.float32:
@@ -737,11 +707,15 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
             return FP32_STATE_SOLVE_BY_DOTS_LAUNCH
         if max_nodes <= 2:
             return FP32_STATE_LAUNCH
+        if batch <= FEW_REQUESTS:
+            return FP32_STATE_FEW_REQUESTS_LAUNCH
         return FP32_STATE_EPILOGUE_LAUNCH if batch <= SMALL_BATCH else FP32_STATE_TWO_LAUNCH
     if max_nodes > 8:
         return HALF_STATE_SOLVE_BY_DOTS_LAUNCH
     if max_nodes <= 2:
         return HALF_STATE_FEW_NODES_LAUNCH
+    if batch <= FEW_REQUESTS and max_nodes <= 4:
+        return HALF_STATE_FEW_REQUESTS_LAUNCH
     if batch <= SMALL_BATCH:
         return HALF_STATE_BF16_LAUNCH
     if max_nodes <= 4:
@@ -804,8 +778,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
                       chain, scale, norm_eps, activation, ancestors, out, do_verify, **launch):
     """([(kernel, grid, positional arguments, keyword arguments)] in launch order, out): checks and launch options
     resolved, nothing launched (the JIT-variant test binds them without compiling). One launch of
-    `_gated_step_kernel`, or with `state_pass_rows` the state pass (`state_pass`) and, for a verify, the
-    `_epilogue_kernel` on its products."""
+    `_gated_step_kernel`, or with `state_pass_rows` the state pass (`state_pass`) and, for a verify, the row
+    epilogue (`row_epilogue`) on its products."""
     S, HV, V, K = state.shape
     H = num_key_heads
     assert HV % H == 0 and state.stride(-1) == 1 and K == triton.next_power_of_2(K)
@@ -818,19 +792,14 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     heads = launch["heads_per_program"]
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
     two_pass = launch["state_pass_rows"] > 0
-    assert not (two_pass and do_verify) or launch["row_epilogue"] or (
-        launch["epilogue_in_mma_layout"] and launch["state_dot"]), \
-        "the state pass feeds the row epilogue or the accumulator-layout one (state_dot, epilogue_in_mma_layout)"
+    assert not (two_pass and do_verify) or max_nodes <= 8, "two launches (the row epilogue): at most 8 nodes"
     assert not (launch["state_dot"] and do_verify) or block_k >= 16 or two_pass, "tl.dot needs block_k >= 16"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
-    # the row epilogue (after the state pass) has one value head a program and its own solve
-    row_epilogue_kernel = two_pass and do_verify and launch["row_epilogue"]
-    assert not row_epilogue_kernel or max_nodes <= 8, "the row epilogue: at most 8 nodes"
-    heads = 1 if row_epilogue_kernel else heads
+    # the one kernel's epilogue options (two launches: the row epilogue, one value head a program, its own solve)
+    mma_epilogue = launch["epilogue_in_mma_layout"] and launch["state_dot"] and not two_pass
     # a refinement of the accumulator-layout epilogue: without it (e.g. pinned off over a tree default) it is off
-    solve_by_dots = (launch["solve_by_dots"] and launch["epilogue_in_mma_layout"] and launch["state_dot"] and do_verify
-                     and not row_epilogue_kernel)
+    solve_by_dots = launch["solve_by_dots"] and mma_epilogue and do_verify
     options = dict(num_warps=launch["num_warps"], num_stages=1)
     if launch["max_registers"] and not interpreting():
         options["maxnreg"] = launch["max_registers"]
@@ -848,7 +817,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         out3 = out.view(n_nodes, HV, V)
         strides = (mixed_qkv.stride(0), a.stride(0), b.stride(0), output_gate.stride(0), output_gate.stride(1),
                    out3.stride(0), out3.stride(1))
-        bt = _nodes_block(max_nodes, launch["epilogue_in_mma_layout"] and launch["state_dot"], solve_by_dots)
+        bt = _nodes_block(max_nodes, mma_epilogue, solve_by_dots)
     state_products = _state_products_mode(state.dtype, mixed_qkv.dtype if do_verify else None,
                                           launch["split_state_tf32"], launch["split_state_bf16"])
     pending = dict(HAS_PENDING=pending_nodes is not None,
@@ -860,12 +829,10 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     scalars = (float(K**-0.5 if scale is None else scale), float(norm_eps))
     if two_pass:
         rows = min(launch["state_pass_rows"], V)
-        if row_epilogue_kernel:
-            bt = _nodes_block(max_nodes)
         # Hopper's programmatic dependent launch (not in the interpreter: inline PTX)
-        dependent = row_epilogue_kernel and launch["dependent_launch"] and not interpreting()
+        dependent = do_verify and launch["dependent_launch"] and not interpreting()
         # the commit alone writes no products: `factors` stands in for the pointer
-        products = torch.empty(batch, HV, V, 2 * bt, device=state.device) if do_verify else factors
+        products = torch.empty(batch, HV, 2 * bt, V, device=state.device) if do_verify else factors
         launches = [(state_pass._state_pass_kernel, (V // rows, HV, batch), (
             mixed_qkv if do_verify else factors, state, state_indices, cu_nodes if do_verify else state_indices,
             factors, *pending_arrays, products, mixed_qkv.stride(0) if do_verify else 0, state.stride(0),
@@ -873,19 +840,12 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
             H=H, HV=HV, K=K, V=V, BV=rows, BK=min(launch["state_pass_block_k"], K), BT=bt, DO_PRODUCTS=do_verify,
             STATE_PRODUCTS=state_products, LAUNCH_DEPENDENTS=dependent, num_warps=launch["state_pass_warps"],
             num_stages=1, **pending))]
-        if row_epilogue_kernel:
+        if do_verify:
             launches.append((row_epilogue._row_epilogue_kernel, (HV, batch), (
                 mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
                 factors, products, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
                 H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
                 DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, **options)))
-        elif do_verify:
-            launches.append((_epilogue_kernel, (HV // heads, batch), (
-                mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
-                factors, products, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
-                H=H, HV=HV, K=K, V=V, G=heads, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
-                SOLVE_BY_DOTS=solve_by_dots, DOT_PRECISION="tf32x3" if state.dtype == torch.float32 else "tf32",
-                **options)))
         return launches, out
     # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
     # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
@@ -957,7 +917,6 @@ def gdn_step_triton(
     state_pass_rows: int | None = None,
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
-    row_epilogue: bool | None = None,
     dependent_launch: bool | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
@@ -1004,11 +963,14 @@ def gdn_step_triton(
     the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
     `solve_by_dots` (with `epilogue_in_mma_layout`; for trees): the Gram matrices, the solve and o's solve term as
     tensor-core products of the node tiles (a Neumann series as long as the deepest path); nodes padded to 16.
-    `state_pass_rows` (0: one kernel; with `epilogue_in_mma_layout`): two launches, the state pass (the pending
-    commit and the state products, `state_pass`: one program per that many value rows of a head, key chunks of
-    `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, V, 2 * nodes padded] allocated
-    per call (33.5 MiB at B=256, T=4; in a CUDA graph, its private pool), then the rest of the step
-    (`_epilogue_kernel`, with `num_warps`, `max_registers` and `heads_per_program`).
+    `state_pass_rows` (0: one kernel; at most 8 nodes): two launches, the state pass (the pending commit and the
+    state products, `state_pass`: one program per that many value rows of a head, key chunks of
+    `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, 2 * nodes padded, V] allocated
+    per call (33.5 MiB at B=256, T=4; in a CUDA graph, its private pool), then the rest of the step, one value head
+    a program (`row_epilogue`, with `num_warps` and `max_registers`; the one kernel's epilogue options
+    `epilogue_in_mma_layout`, `solve_by_dots` and `heads_per_program` do not apply). `dependent_launch`: the
+    second launch is the first's programmatic dependent (Hopper; a plain launch in the interpreter), its programs
+    computing what does not read the products while the state pass drains.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -1020,7 +982,7 @@ def gdn_step_triton(
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
                    epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots,
                    state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k,
-                   state_pass_warps=state_pass_warps, row_epilogue=row_epilogue, dependent_launch=dependent_launch)
+                   state_pass_warps=state_pass_warps, dependent_launch=dependent_launch)
 
 
 def gdn_commit_triton(

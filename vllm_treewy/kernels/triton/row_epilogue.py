@@ -68,17 +68,20 @@ def _row_epilogue_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr,
     IS_CHAIN: tl.constexpr, ACT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """products [B, HV, V, 2 BT] fp32: h k_raw_t at column 2t, h q_raw_t at 2t + 1 (`_state_pass_kernel`)."""
+    """products [B, HV, 2 BT, V] fp32: h k_raw_t at column 2t, h q_raw_t at 2t + 1 (`_state_pass_kernel`)."""
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
+    # every program of a batch is resident at once: its time is its chain of dependent loads, so the loads that
+    # need nothing but the program ids go out together, before the padding check
     slot = tl.load(state_indices + i_b).to(tl.int64)
-    if slot < 0:
-        return
     bos = tl.load(cu_nodes + i_b)
     n = tl.load(cu_nodes + i_b + 1) - bos
+    a_log = tl.load(A_log + i_hv).to(tl.float32)
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    if slot < 0:
+        return
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
-    neg_exp_a_log = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    neg_exp_a_log = -tl.exp(a_log)
     i_h = i_hv // (HV // H)
     # per node: gates, the raw q/k rows and their inverse norms, v and z (none of it reads the state pass's output)
     g_own = ()
@@ -125,15 +128,15 @@ def _row_epilogue_kernel(
     w = tl.load(norm_weight + o_v).to(tl.float32)
     if DEPENDENT_LAUNCH:
         gdc_wait()
-    p_rows = products + ((i_b * HV + i_hv) * V + o_v).to(tl.int64) * (2 * BT)
+    p_columns = products + ((i_b * HV + i_hv) * (2 * BT)).to(tl.int64) * V + o_v
     f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
     u_rows = ()
     for i in tl.static_range(BT):
         valid = i < n
         node = (bos + i).to(tl.int64)
         exp_c = tl.exp(path_c[i])
-        u_i = beta[i] * (v_rows[i] - (exp_c * k_inv[i]) * tl.load(p_rows + 2 * i))
-        o_i = (exp_c * q_inv[i]) * tl.load(p_rows + 2 * i + 1)
+        u_i = beta[i] * (v_rows[i] - (exp_c * k_inv[i]) * tl.load(p_columns + (2 * i) * V))
+        o_i = (exp_c * q_inv[i]) * tl.load(p_columns + (2 * i + 1) * V)
         for j in tl.static_range(i):
             u_i += lower[i * BT + j] * u_rows[j]
             o_i += attend[i * BT + j] * u_rows[j]

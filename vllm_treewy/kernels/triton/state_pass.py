@@ -1,16 +1,16 @@
 """The fused GDN step's state pass on its own: per request and value head, the previous step's pending commit applied
 to the state in place and the committed state's products with this step's raw keys and queries, one program per
 BV value rows of a head. With no per-node work left in it (gates, norms, the solve and the gated RMSNorm run after
-it, `gated._epilogue_kernel`), a program holds a few registers and a state tile: many programs per SM keep the
-state stream in flight, where the one-kernel step waits on its epilogue (kernels.md: latency-bound at ~2x the
-two-state HBM bound).
+it, `row_epilogue`), a program holds a few registers and a state tile: many programs per SM keep the state stream
+in flight, where the one-kernel step waits on its epilogue (kernels.md: latency-bound at ~2x the two-state HBM
+bound).
 
     h_a       = exp(c_a) h0 + sum_{j on path(a)} exp(c_a - c_j) (u_j / |k_j|) k_raw_j^T    (as `gdn_commit_triton`)
-    products  = [h_a k_raw_t, h_a q_raw_t]_t  ->  products[b, hv, v, :2 BT] fp32, fp32-accurate (`_state_products`)
+    products  = [h_a k_raw_t, h_a q_raw_t]_t  ->  products[b, hv, :2 BT, v] fp32, fp32-accurate (`_state_products`)
 
-The products' columns are the fused step's accumulator columns (`_gated_step_kernel`, EPILOGUE_IN_MMA_LAYOUT:
-k_t at 2t, q_t at 2t + 1), so the epilogue takes them as the one-kernel step's loop leaves them. Without the
-products (`DO_PRODUCTS` off) it is the commit alone."""
+The products' columns are interleaved as the one-kernel step's accumulator columns (k_t at 2t, q_t at 2t + 1) and
+stored node-major. Without the products (`DO_PRODUCTS` off) it is the commit alone. LAUNCH_DEPENDENTS: the row
+epilogue is this launch's programmatic dependent (Hopper), allowed to start once every program here has."""
 
 import triton
 import triton.language as tl
@@ -29,7 +29,7 @@ def _state_pass_kernel(
     BT: tl.constexpr, DO_PRODUCTS: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_PRODUCTS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # the epilogue's programs may start once every program here has (`row_epilogue`)
+    if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_indices + i_b).to(tl.int64)
@@ -65,6 +65,6 @@ def _state_pass_kernel(
         if DO_PRODUCTS:
             kq = tl.load(kq_row[None, :] + cols[:, None], mask=kq_ok[None, :], other=0.0).to(tl.float32)
             acc = _state_products(h, kq, acc, STATE_PRODUCTS)
-    if DO_PRODUCTS:
-        p_out = products + ((i_b * HV + i_hv) * V + o_v[:, None]).to(tl.int64) * (2 * BT) + o_q[None, :]
+    if DO_PRODUCTS:  # node-major: each column's V values side by side, for the row epilogue's vector loads
+        p_out = products + ((i_b * HV + i_hv) * (2 * BT) + o_q[None, :]).to(tl.int64) * V + o_v[:, None]
         tl.store(p_out, acc, mask=(o_q < 2 * BT)[None, :])
