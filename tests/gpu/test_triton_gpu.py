@@ -222,9 +222,9 @@ def slot_factors(num_slots, tokens):
 
 # launch variants: the defaults, and each layout explicitly (the bf16 x bf16 tensor-core dot runs only on a GPU);
 # tf32x3, 2xTF32 and 3xBF16 (fp32 states; a bf16 state runs its one exact pass) and two value heads per program.
-# The explicit ones pin the epilogue and the state products (`PINNED`): left out, they would come from
-# `launch_defaults` (fp32 states with 3-8 nodes: epilogue_in_mma_layout; 16-bit states with 3-4: split_state_bf16)
-PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False)
+# The explicit one-kernel ones pin the epilogue, the state products and the one kernel (`PINNED`): left out, they would
+# come from `launch_defaults` (up to 8 nodes: two launches, epilogue_in_mma_layout; 16-bit states: split_state_bf16)
+PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, state_pass_rows=0)
 GATED_VARIANTS = {
     "default": {},
     "tma_state": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
@@ -239,14 +239,15 @@ GATED_VARIANTS = {
     "split": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True,
                   **PINNED),
     "split_bf16": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                       split_state_bf16=True, epilogue_in_mma_layout=False),
+                       split_state_bf16=True, epilogue_in_mma_layout=False, state_pass_rows=0),
     "two_heads": dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, heads_per_program=2,
                       split_state_tf32=True, **PINNED),
     "epilogue_in_mma_layout": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
-                                   split_state_tf32=True, epilogue_in_mma_layout=True, split_state_bf16=False),
+                                   split_state_tf32=True, epilogue_in_mma_layout=True, split_state_bf16=False,
+                                   state_pass_rows=0),
     "solve_by_dots": dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True,
                           split_state_tf32=True, epilogue_in_mma_layout=True, solve_by_dots=True,
-                          split_state_bf16=False),
+                          split_state_bf16=False, state_pass_rows=0),
     # the state pass and the row epilogue in two launches (at most 8 nodes), the second after the first or as its
     # programmatic dependent (wgmma products at 64 and 128 rows, mma.sync at 16; 2xTF32 / 3xBF16 / the bf16 pass)
     "row_epilogue": dict(split_state_bf16=True, state_pass_rows=64, state_pass_block_k=64, state_pass_warps=4,
@@ -400,7 +401,8 @@ def gated_two_steps(state_dtype, launch, tokens=4, batch=5, seed=11):
 def test_gated_two_heads_per_program_vs_one(state_dtype):
     """heads_per_program=2 against 1 at the same tiles and passes: u and committed states to fp32 rounding,
     outputs to one bf16 rounding (different programs may contract or order the epilogue's fp32 math differently)."""
-    launch = dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True)
+    launch = dict(block_k=16, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=True,
+                  state_pass_rows=0)
     one = gated_two_steps(state_dtype, launch)
     two = gated_two_steps(state_dtype, dict(launch, heads_per_program=2))
     for a, b in zip(one[0], two[0]):
@@ -416,7 +418,8 @@ def test_gated_split_state_accuracy(split):
     per product, `_state_products`), at K=128."""
     from vllm_treewy.kernels.reference import reference_gated_tree
 
-    launch = dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=False)
+    launch = dict(block_k=32, num_warps=8, prefetch=1, state_dot=True, late_node_terms=True, split_state_tf32=False,
+                  state_pass_rows=0)
     split = gated_two_steps(torch.float32, dict(launch, **{split: True}))
     three = gated_two_steps(torch.float32, launch)
     for a, b in zip(split[1], three[1]):

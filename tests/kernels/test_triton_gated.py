@@ -22,17 +22,24 @@ from vllm_treewy.kernels.triton import gdn_commit_triton, gdn_step_triton  # noq
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is rounded once on the way out
 SPARE_SLOTS = 2
-# the tensor-core layout (the default), the one-row-per-thread layouts, 2xTF32 and 3xBF16 (where q/k are bf16),
+
+
+def one_kernel(**launch):
+    """Launch options of the one-kernel step (`state_pass_rows` 0: the defaults take two launches up to 8 nodes)."""
+    return dict(launch, state_pass_rows=0)
+
+
+# the one kernel: the tensor-core layout, the one-row-per-thread layouts, 2xTF32 and 3xBF16 (where q/k are bf16),
 # two value heads per program (where HV = 2H), the operands split in the accumulator layout (tf32 / tf32x3, 2xTF32,
 # 3xBF16), the products one iteration late (2xTF32, 3xBF16 with two heads), the state chunks through TMA (2xTF32;
 # lagged with two heads and two chunks ahead), the epilogue in the accumulator's layout (2xTF32; two heads); options
-# left out come from `launch_defaults` (fp32 states with 3-8 nodes: that epilogue; 16-bit states with 3-4: the bf16
-# pass), so the last entry pins the earlier epilogue and the tf32 pass there; that epilogue's solve by tensor-core
-# products (trees; one head and two)
-SOLVE_BY_DOTS = [dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True,
-                      epilogue_in_mma_layout=True, solve_by_dots=True),
-                 dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2,
-                      epilogue_in_mma_layout=True, solve_by_dots=True)]
+# left out come from `launch_defaults` (states with up to 8 nodes: that epilogue; 16-bit states: the bf16 pass), so
+# the last entry pins the earlier epilogue and the tf32 pass there; that epilogue's solve by tensor-core products
+# (trees; one head and two)
+SOLVE_BY_DOTS = [one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True,
+                            epilogue_in_mma_layout=True, solve_by_dots=True),
+                 one_kernel(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2,
+                            epilogue_in_mma_layout=True, solve_by_dots=True)]
 # the state pass and the row epilogue in two launches (at most 8 nodes): 2xTF32 products, 16 value rows and 16 key
 # columns a chunk (two programs and two chunks where V or K is 32), a one-warp epilogue; the bf16 pieces (3xBF16 for
 # fp32 states), 8 rows, two warps, a dependent launch (a plain one in the interpreter); a whole head's rows a program
@@ -40,27 +47,31 @@ TWO_PASS = [dict(split_state_tf32=True, state_pass_rows=16, state_pass_block_k=1
             dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=32, num_warps=2, dependent_launch=True),
             dict(split_state_bf16=True, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2,
                  num_warps=4)]
-VARIANTS = SOLVE_BY_DOTS + [dict(block_k=16, state_dot=True, late_node_terms=True),
-            dict(block_k=16, state_dot=True, late_node_terms=False),
-            dict(block_k=4, state_dot=False, late_node_terms=False),
-            dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, heads_per_program=2),
-            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_tf32=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, split_in_mma_layout=True),
-            dict(block_k=32, state_dot=True, late_node_terms=True, split_state_tf32=True, split_in_mma_layout=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True, split_in_mma_layout=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, lagged_products=True),
-            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_bf16=True,
-                 lagged_products=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, tma_state=True),
-            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, prefetch=2,
-                 lagged_products=True, tma_state=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, epilogue_in_mma_layout=True),
-            dict(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, epilogue_in_mma_layout=True),
-            dict(block_k=16, state_dot=True, late_node_terms=True, epilogue_in_mma_layout=False,
-                 split_state_bf16=False)]
+VARIANTS = SOLVE_BY_DOTS + [one_kernel(block_k=16, state_dot=True, late_node_terms=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=False),
+            one_kernel(block_k=4, state_dot=False, late_node_terms=False),
+            one_kernel(block_k=8, state_dot=False, row_sums=True, late_node_terms=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, heads_per_program=2),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_tf32=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_in_mma_layout=True),
+            one_kernel(block_k=32, state_dot=True, late_node_terms=True, split_state_tf32=True,
+                       split_in_mma_layout=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_bf16=True,
+                       split_in_mma_layout=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, lagged_products=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, split_state_bf16=True,
+                       lagged_products=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, tma_state=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2, prefetch=2,
+                       lagged_products=True, tma_state=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True,
+                       epilogue_in_mma_layout=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=False, heads_per_program=2,
+                       epilogue_in_mma_layout=True),
+            one_kernel(block_k=16, state_dot=True, late_node_terms=True, epilogue_in_mma_layout=False,
+                       split_state_bf16=False)]
 OUT_TOLERANCE_BF16 = 1e-2  # outputs stored in bf16
 
 
@@ -368,7 +379,7 @@ def test_split_state(split, operands, batch, seed, gate_scale):
     h0 = state.cpu().clone()
     factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
     before = factors.clone()
-    launch = dict(block_k=16, state_dot=True, late_node_terms=True)
+    launch = one_kernel(block_k=16, state_dot=True, late_node_terms=True)
     out = run_step(packed, inputs, state, slots, 2, factors, **{split: True}, **operands, **launch)
     check_step(packed, inputs, h0, slots, batch, 2, out, factors, before, TOLERANCE[torch.float32],
                OUT_TOLERANCE_BF16)
@@ -394,7 +405,7 @@ def test_bf16_state_one_bf16_pass(operands, batch, seed, gate_scale):
     state = pool.to(torch.bfloat16).to(DEVICE)
     factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
     before = factors.clone()
-    launch = dict(block_k=16, state_dot=True, late_node_terms=True)
+    launch = one_kernel(block_k=16, state_dot=True, late_node_terms=True)
     out = run_step(packed, inputs, state, slots, 2, factors, split_state_bf16=True, **operands, **launch)
     check_step(packed, inputs, state.cpu(), slots, batch, 2, out, factors, before, TOLERANCE[torch.bfloat16],
                OUT_TOLERANCE_BF16)
@@ -426,12 +437,12 @@ def test_two_heads_per_program_equal_one(first, second, seed, state_dtype, input
     for heads in (1, 2):
         state = pool.to(state_dtype).to(DEVICE)
         factors = slot_factor_page(state.shape[0], rows_per_slot, 4, 32, 16, seed)
-        launch = dict(block_k=16, state_dot=True, late_node_terms=late_node_terms, heads_per_program=heads)
+        launch = one_kernel(block_k=16, state_dot=True, late_node_terms=late_node_terms, heads_per_program=heads)
         out1 = run_step(packed1, inputs1, state, slots, 2, factors, chain=True, **launch)
         out2 = run_step(packed2, inputs2, state, slots, 2, factors, pending=accepted, **launch)
         alone = state.clone()
         gdn_commit_triton(alone, slots.to(DEVICE), factors, accepted.to(DEVICE), num_key_heads=2, block_k=16,
-                          heads_per_program=heads)
+                          heads_per_program=heads, state_pass_rows=0)
         results.append((out1, out2, state, factors, alone))
     for one, two in zip(*results):
         assert torch.equal(one.nan_to_num(0.0), two.nan_to_num(0.0))
@@ -440,9 +451,9 @@ def test_two_heads_per_program_equal_one(first, second, seed, state_dtype, input
 @settings(max_examples=2, deadline=None)
 @given(first=st.lists(chains(max_nodes=6), min_size=1, max_size=3),
        second=st.lists(chains(max_nodes=4), min_size=3, max_size=3), seed=st.integers(0, 2**16), data=st.data())
-@pytest.mark.parametrize("launch", [dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True),
-                                    dict(block_k=16, state_dot=True, late_node_terms=False, lagged_products=True),
-                                    dict(block_k=8, state_dot=False, row_sums=True, late_node_terms=True)])
+@pytest.mark.parametrize("launch", [one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True),
+                                    one_kernel(block_k=16, state_dot=True, late_node_terms=False, lagged_products=True),
+                                    one_kernel(block_k=8, state_dot=False, row_sums=True, late_node_terms=True)])
 def test_pending_key_rows_prefetched(launch, first, second, seed, data):
     """The pending key rows arrive `prefetch` chunks ahead of their commit, as the state chunks do (a schedule, not
     arithmetic): with K = 64 (4 or 8 chunks), prefetch 1, 2 and 3 commit bit for bit alike, alone and fused into a
@@ -460,7 +471,7 @@ def test_pending_key_rows_prefetched(launch, first, second, seed, data):
         run_step(packed1, inputs1, state, slots, 1, factors, chain=True, prefetch=prefetch, **launch)
         alone = state.clone()
         gdn_commit_triton(alone, slots.to(DEVICE), factors, accepted.to(DEVICE), num_key_heads=1,
-                          block_k=launch["block_k"], prefetch=prefetch)
+                          block_k=launch["block_k"], prefetch=prefetch, state_pass_rows=0)
         out = run_step(packed2, inputs2, state, slots, 1, factors, pending=accepted, prefetch=prefetch, **launch)
         results.append((alone, state, out))
     for alone, state, out in results[1:]:
@@ -492,7 +503,8 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
     packed1, inputs1, pool, slots = gated_inputs(first, 2, 2, 32, 32, seed, gate_scale, dtype=torch.bfloat16)
     packed2, inputs2, _, _ = gated_inputs(second, 2, 2, 32, 32, seed + 1, gate_scale, dtype=torch.bfloat16)
     rows_per_slot = max(packed1.max_nodes, packed2.max_nodes)
-    launch = dict(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True, heads_per_program=heads)
+    launch = one_kernel(block_k=16, state_dot=True, late_node_terms=True, split_state_tf32=True,
+                        heads_per_program=heads)
     results = []
     for epilogue in (False, True):
         state = pool.float().to(DEVICE)
@@ -510,81 +522,43 @@ def test_epilogue_in_mma_layout(heads, first, second, seed, gate_scale, data):
 
 
 def test_launch_defaults_measured_choices():
-    """The H200 choices of bench/results/2026-12-01d, -e, -f, 2026-12-02, -02b, -02c and -02d (kernels.md): states
-    with 3-4 nodes and at most 2 or more than 8 requests take two launches (the state pass, then the one-warp row
-    epilogue as its programmatic dependent: at most 2 requests 16 rows, 128 key columns, 2 warps; more than 8 fp32 64
-    rows with 3xBF16 products, 16-bit 128 rows with the bf16 pass); fp32 states with 3-4 nodes and 3-8 requests
-    take the accumulator-layout epilogue in one kernel, with 5-8 its solve by tensor-core products, with more
-    (trees) the same capped at 128 registers; 16-bit states with 3-4 nodes at 3-8 requests and with 5-8 nodes at
-    small batches 64/8/1 with the bf16 pass capped at 128 registers with the epilogue, 5-8 nodes at large batches two
-    heads with the epilogue, 1-2 nodes 64/8/1 with the bf16 pass, uncapped, without the epilogue; more than 8 nodes
-    (trees) the epilogue with its solve by tensor-core products (64/8/1, the bf16 pass, uncapped); narrow heads one
-    value row per thread."""
+    """The H200 choices of bench/results/2026-12-02d (kernels.md; earlier ones in the comments of `gated`): chains and
+    trees of up to 8 nodes take two launches, the state pass and the one-warp row epilogue as its dependent, with
+    16-row state-pass programs (128 key columns, 2 warps) except fp32 states with 3-4 nodes above 4 requests and with
+    1-2 nodes at 5-8 requests (64 rows, 64 columns, 4 warps, 3xBF16) and 16-bit states with 3-4 nodes above 4
+    requests (5-8: 64 rows, 64 columns, 4 warps; more: 128 rows, 128 columns, 8 warps; the bf16 pass); trees of more
+    than 8 nodes the one kernel with the accumulator-layout epilogue and its solve by tensor-core products (fp32
+    32/8/1 2xTF32 capped at 128 registers; 16-bit 64/8/1 with the bf16 pass, uncapped); narrow heads one value row
+    per thread."""
     from vllm_treewy.kernels.triton.gated import (
-        FP32_STATE_LAUNCH, HALF_STATE_BF16_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
+        FP32_STATE_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
-    few_nodes = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=0,
-                     epilogue_in_mma_layout=False)
-    for batch in (1, 2, 3, 8, 64, 256):
-        two = batch <= 2 or batch > 8  # two launches
-        rows = 16 if batch <= 2 else 64 if batch > 8 else 0
-        by_batch = dict(state_pass_block_k=64 if batch > 8 else 128, state_pass_warps=2 if batch <= 2 else 4,
-                        state_pass_rows=rows, num_warps=1 if two else 8, split_state_bf16=two, dependent_launch=two)
-        for nodes in (3, 4):
-            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
-                FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, **by_batch)
-        for nodes in (1, 2):
-            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == FP32_STATE_LAUNCH
-        for nodes in (5, 8):
-            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
-                FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
+    fp32_two = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, split_state_bf16=True, num_warps=1,
+                    state_pass_rows=64, state_pass_block_k=64, state_pass_warps=4, dependent_launch=True)
+    half_two = dict(HALF_STATE_LAUNCH, block_k=32, split_state_bf16=True, max_registers=0, epilogue_in_mma_layout=True,
+                    num_warps=1, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=8,
+                    dependent_launch=True)
+    rows_16 = dict(state_pass_rows=16, state_pass_block_k=128, state_pass_warps=2)
+    rows_64 = dict(state_pass_rows=64, state_pass_block_k=64, state_pass_warps=4)
+    for batch in (1, 4, 5, 8, 9, 64, 256):
+        for nodes in (1, 2, 3, 4, 5, 8):
+            fp32_64 = nodes in (3, 4) and batch > 4 or nodes <= 2 and 4 < batch <= 8
+            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == (
+                fp32_two if fp32_64 else dict(fp32_two, **rows_16))
+            half = (half_two if nodes in (3, 4) and batch > 8 else
+                    dict(half_two, **rows_64) if nodes in (3, 4) and batch > 4 else dict(half_two, **rows_16))
+            for dtype in (torch.bfloat16, torch.float16):
+                assert launch_defaults(dtype, batch, 2, 128, nodes) == half
+        assert launch_defaults(torch.bfloat16, batch, 1, 128, 8) == dict(half_two, **rows_16)
         for nodes in (9, 16, 32):
             assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
                 FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True, max_registers=128)
-        for dtype in (torch.bfloat16, torch.float16):
-            for nodes in (3, 4):
-                assert launch_defaults(dtype, batch, 2, 128, nodes) == (dict(
-                    HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
-                    epilogue_in_mma_layout=True) if not two else dict(
-                    HALF_STATE_LAUNCH, block_k=32, split_state_bf16=True, max_registers=0, epilogue_in_mma_layout=True,
-                    num_warps=1, state_pass_rows=128 if batch > 8 else 16, state_pass_block_k=128,
-                    state_pass_warps=8 if batch > 8 else 2, dependent_launch=True))
-            for nodes in (5, 8):
-                assert launch_defaults(dtype, batch, 2, 128, nodes) == (
-                    HALF_STATE_BF16_LAUNCH if batch <= 8 else
-                    dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=True))
-            for nodes in (1, 2):
-                assert launch_defaults(dtype, batch, 2, 128, nodes) == few_nodes
-            for nodes in (9, 16, 32):
+            for dtype in (torch.bfloat16, torch.float16):
                 assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(
-                    few_nodes, epilogue_in_mma_layout=True, solve_by_dots=True)
-        assert launch_defaults(torch.bfloat16, batch, 1, 128, 8) == (
-            HALF_STATE_BF16_LAUNCH if batch <= 8 else dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4))
+                    HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, epilogue_in_mma_layout=True,
+                    solve_by_dots=True)
         for dtype, nodes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2), (torch.float32, 16)):
             assert launch_defaults(dtype, batch, 2, 8, nodes) == NARROW_HEAD_LAUNCH
-
-
-@pytest.mark.parametrize("state_dtype, tokens", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 8),
-                                                 (torch.bfloat16, 8)])
-def test_default_launch_vs_reference(state_dtype, tokens):
-    """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM, K = 64, 3 requests: the defaults of 3-8 nodes
-    (fp32: 32/8/1 2xTF32, two key chunks, for 5-8 nodes the solve by tensor-core products; bf16: 64/8/1 capped at 128
-    registers, one bf16 pass, one chunk; both with the accumulator-layout epilogue) resolve as measured, and a chain
-    step, then a step committing its accepted nodes inside its verify, match the fp64 reference: outputs, factor
-    rows, the committed state."""
-    from vllm_treewy.kernels.triton import gated as gated_module
-
-    first = [DraftTree.from_widths([1] * n).parents for n in (tokens, tokens - 1, tokens)]
-    second = [DraftTree.from_widths([1] * n).parents for n in (tokens, 2, 1)]
-    [(_, _, _, kernel_kwargs)] = check_default_chain_steps(state_dtype, first, second, [tokens - 2, -1, 0], seed=7)
-    fp32 = state_dtype == torch.float32
-    assert kernel_kwargs["EPILOGUE_IN_MMA_LAYOUT"] and kernel_kwargs["BK"] == (32 if fp32 else 64)
-    assert kernel_kwargs["SOLVE_BY_DOTS"] == (fp32 and tokens > 4)
-    assert kernel_kwargs["STATE_PRODUCTS"] == ("2xtf32" if fp32 else "bf16") and kernel_kwargs["G"] == 1
-    assert kernel_kwargs["STATE_DOT"] and kernel_kwargs["num_warps"] == 8 and kernel_kwargs["PREFETCH"] == 1
-    # the register cap reaches ptxas only on a GPU (the interpreter has no registers): as `launch_defaults` gives it
-    cap = gated_module.launch_defaults(state_dtype, 3, 2, 64, tokens)["max_registers"]
-    assert cap == (0 if fp32 else 128)
 
 
 def check_default_chain_steps(state_dtype, first, second, accepted, seed):
@@ -650,12 +624,12 @@ def test_two_passes_commit_as_one_kernel(state_dtype, variant):
     packed1, inputs1, pool, slots = gated_inputs(first, 1, 2, 32, 32, 3, dtype=torch.bfloat16)
     packed2, inputs2, _, _ = gated_inputs(second, 1, 2, 32, 32, 4, dtype=torch.bfloat16)
     accepted = torch.tensor([3, -1, 0], dtype=torch.int32)
-    one_kernel = {k: v for k, v in variant.items() if not k.startswith("state_pass")}
+    single = {**{k: v for k, v in variant.items() if not k.startswith("state_pass")}, "state_pass_rows": 0}
     results = []
-    for launch in (variant, one_kernel):
+    for launch in (variant, single):
         state = pool.to(state_dtype).to(DEVICE)
         factors = slot_factor_page(state.shape[0], 4, 2, 32, 32, 3)
-        run_step(packed1, inputs1, state, slots, 1, factors, chain=True, **one_kernel)
+        run_step(packed1, inputs1, state, slots, 1, factors, chain=True, **single)
         out = run_step(packed2, inputs2, state, slots, 1, factors, pending=accepted, **launch)
         results.append((state.cpu(), out.cpu(), factors.cpu()))
     (state, out, factors), (state_one, out_one, factors_one) = results
@@ -665,23 +639,27 @@ def test_two_passes_commit_as_one_kernel(state_dtype, variant):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("requests", [2, 9])
-def test_default_two_launches(state_dtype, requests):
-    """No launch options at 2 and at more than 8 requests of up to 4 nodes: the state pass and the one-warp row
-    epilogue as its dependent (`launch_defaults`); two chain steps, the second committing the first's accepted nodes
-    (one request's none), match the fp64 reference: outputs, factor rows, the committed state."""
-    first = [DraftTree.from_widths([1] * (4 - b % 2)).parents for b in range(requests)]
-    second = [DraftTree.from_widths([1] * (4 - b % 3)).parents for b in range(requests)]
+@pytest.mark.parametrize("requests, tokens", [(2, 4), (9, 4), (3, 8)])
+def test_default_two_launches(state_dtype, requests, tokens):
+    """No launch options (as the adapter calls it), bf16 q/k/v as in vLLM: at 2 and 9 requests of up to 4 nodes and 3
+    of up to 8, the state pass and the one-warp row epilogue as its dependent, as `launch_defaults` gives them; two
+    chain steps, the second committing the first's accepted nodes (one request's none), match the fp64 reference:
+    outputs, factor rows, the committed state."""
+    from vllm_treewy.kernels.triton.gated import launch_defaults
+
+    first = [DraftTree.from_widths([1] * (tokens - b % 2)).parents for b in range(requests)]
+    second = [DraftTree.from_widths([1] * (tokens - b % 3)).parents for b in range(requests)]
     accepted = [len(p) - 1 - b % 2 for b, p in enumerate(first)]
     accepted[requests // 2] = -1
     launches = check_default_chain_steps(state_dtype, first, second, accepted, seed=5)
     (state_pass, grid, _, pass_kwargs), (epilogue, epilogue_grid, _, epilogue_kwargs) = launches
-    fp32 = state_dtype == torch.float32
+    default = launch_defaults(state_dtype, requests, 2, 64, tokens)
+    rows = min(default["state_pass_rows"], 32)  # V = 32 here
     assert state_pass.fn.__name__ == "_state_pass_kernel" and epilogue.fn.__name__ == "_row_epilogue_kernel"
-    rows = 16 if requests <= 2 else 32  # the value rows a state-pass program takes (V = 32 here)
     assert grid == (32 // rows, 2, requests) and pass_kwargs["BV"] == rows and pass_kwargs["BK"] == 64
-    assert pass_kwargs["STATE_PRODUCTS"] == ("3xbf16" if fp32 else "bf16")
-    assert pass_kwargs["num_warps"] == (2 if requests <= 2 else 4 if fp32 else 8)
+    assert pass_kwargs["STATE_PRODUCTS"] == ("3xbf16" if state_dtype == torch.float32 else "bf16")
+    assert pass_kwargs["num_warps"] == default["state_pass_warps"] and pass_kwargs["BT"] == tokens
     assert epilogue_grid == (2, requests) and epilogue_kwargs["num_warps"] == 1
     # a dependent launch on the GPU; the interpreter launches plainly
-    assert not epilogue_kwargs["DEPENDENT_LAUNCH"] and not pass_kwargs["LAUNCH_DEPENDENTS"]
+    assert default["dependent_launch"] and not epilogue_kwargs["DEPENDENT_LAUNCH"]
+    assert not pass_kwargs["LAUNCH_DEPENDENTS"]

@@ -668,22 +668,30 @@ HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_
 # alone without products 72.5; with 2xTF32 products 126.8); 16-bit 128 rows / 128 columns / 8 warps with the bf16
 # pass, 67.8 against 99.1 (50.2 + 17.3). Epilogues of 2 and 4 warps: 24.3 / 42.3 us (fp32). At B=1 the one kernel
 # stays (11.7 / 9.5 us against 12.8 / 11.4 for two launches); B=8 is taken with B=1 (not measured with two).
-# Since 2026-12-02d (`results/2026-12-02d/kernels/t4.json`, sixteenth session, T=4 tuned at B=64 / 1): after the
-# state pass, the row epilogue (`row_epilogue`: 1,792 SASS instructions and 90 registers a program at T=4, offline
-# sm_90, against the accumulator-layout epilogue kernel's 2,872 and 168), launched as the state pass's programmatic
-# dependent. B=1: fp32 8.88 / bf16 7.60 us against 13.10 / 12.08 for the accumulator-layout epilogue kernel (10.89 /
-# 9.85 without the dependent launch; the one kernel 11.44 / 9.52); with 16 rows, 128 key columns and 2 warps a
-# state-pass program, 7.27 / 6.52 (FEW_REQUESTS). B=64: 98.4 / 65.6 us, with the accumulator-layout epilogue
-# 100.5 / 67.3 (capped at 128 registers 97.4 / 64.5, the one-kernel fused step's epilogue left alone). B=8 took
-# B=1's 16 rows in that run: 24.2 / 16.0 us against the one kernel's 19.3 / 14.6 (2026-12-02c): 3-8 requests keep it.
+# Since 2026-12-02d (`results/2026-12-02d/kernels/final.json`, sixteenth session, chains of T = 2, 4, 8 tuned at
+# B = 64, 8, 1; `t4.json` the same day, the first version against the accumulator-layout epilogue kernel): every
+# chain or tree of at most 8 nodes takes two launches, the state pass and then the row epilogue (`row_epilogue`,
+# one warp a program) as its programmatic dependent. The state pass: fp32 64 value rows / 64 key columns / 4 warps
+# with 3xBF16 products (FP32_STATE_TWO_LAUNCH) for 3-4 nodes at more than FEW_REQUESTS requests, and for 1-2 nodes
+# at FEW_REQUESTS..SMALL_BATCH; 16-bit 128 rows / 128 columns / 8 warps with the bf16 pass (HALF_STATE_TWO_LAUNCH)
+# for 3-4 nodes at more than SMALL_BATCH, 64 / 64 / 4 at FEW_REQUESTS..SMALL_BATCH; everything else 16 rows / 128
+# columns / 2 warps (*_16_ROWS). T=4 (us, fp32 / bf16): B=64 89.9 / 60.0 against the one kernel's 133.9 / 98.8;
+# B=8 16.4 / 12.1 against 19.5 / 14.6 (16 rows 18.3 / 13.1); B=1 with 16 rows 6.9 / 6.0 against 11.6 / 9.5. T=8:
+# 16 rows at B = 64 / 8 / 1 138.7 / 24.2 / 10.4 (fp32; the one kernel's solve by dots 259.2 / 34.8 / 16.2) and
+# 105.0 / 20.1 / 10.0 (bf16; its rules 218.6 / 43.3 / 23.9). T=2: fp32 16 rows 83.0 / 5.6 at B = 64 / 1, 64 rows
+# 14.2 at B=8 (the one kernel 108.1 / 9.0 / 16.1); bf16 16 rows 46.9 / 8.9 / 4.7 (70.7 / 11.0 / 7.1). B=2 and 4 ran
+# with B=1's choice, B=256 with B=64's. Trees of more than 8 nodes keep the one kernel (the row epilogue's static
+# per-node loops stop at 8).
 FP32_STATE_TWO_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, split_state_bf16=True, num_warps=1, state_pass_rows=64,
                              state_pass_block_k=64, state_pass_warps=4, dependent_launch=True)
+FP32_STATE_TWO_LAUNCH_16_ROWS = dict(FP32_STATE_TWO_LAUNCH, state_pass_rows=16, state_pass_block_k=128,
+                                     state_pass_warps=2)
 HALF_STATE_TWO_LAUNCH = dict(HALF_STATE_BF16_LAUNCH, block_k=32, num_warps=1, max_registers=0, state_pass_rows=128,
                              state_pass_block_k=128, state_pass_warps=8, dependent_launch=True)
-FP32_STATE_FEW_REQUESTS_LAUNCH = dict(FP32_STATE_TWO_LAUNCH, state_pass_rows=16, state_pass_block_k=128,
-                                      state_pass_warps=2)
-HALF_STATE_FEW_REQUESTS_LAUNCH = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=16, state_pass_warps=2)
-FEW_REQUESTS = 2
+HALF_STATE_TWO_LAUNCH_64_ROWS = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=64, state_pass_block_k=64,
+                                     state_pass_warps=4)
+HALF_STATE_TWO_LAUNCH_16_ROWS = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=16, state_pass_warps=2)
+FEW_REQUESTS = 4
 SMALL_BATCH = 8
 
 
@@ -700,29 +708,16 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_he
     2026-12-02, -02c and -02d)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
-    if state_dtype == torch.float32:
-        if max_nodes > 8:
-            return FP32_STATE_TREE_LAUNCH
-        if max_nodes > 4:
-            return FP32_STATE_SOLVE_BY_DOTS_LAUNCH
-        if max_nodes <= 2:
-            return FP32_STATE_LAUNCH
-        if batch <= FEW_REQUESTS:
-            return FP32_STATE_FEW_REQUESTS_LAUNCH
-        return FP32_STATE_EPILOGUE_LAUNCH if batch <= SMALL_BATCH else FP32_STATE_TWO_LAUNCH
+    fp32 = state_dtype == torch.float32
     if max_nodes > 8:
-        return HALF_STATE_SOLVE_BY_DOTS_LAUNCH
+        return FP32_STATE_TREE_LAUNCH if fp32 else HALF_STATE_SOLVE_BY_DOTS_LAUNCH
+    if batch <= FEW_REQUESTS or max_nodes > 4:
+        return FP32_STATE_TWO_LAUNCH_16_ROWS if fp32 else HALF_STATE_TWO_LAUNCH_16_ROWS
+    if fp32:
+        return FP32_STATE_TWO_LAUNCH_16_ROWS if max_nodes <= 2 and batch > SMALL_BATCH else FP32_STATE_TWO_LAUNCH
     if max_nodes <= 2:
-        return HALF_STATE_FEW_NODES_LAUNCH
-    if batch <= FEW_REQUESTS and max_nodes <= 4:
-        return HALF_STATE_FEW_REQUESTS_LAUNCH
-    if batch <= SMALL_BATCH:
-        return HALF_STATE_BF16_LAUNCH
-    if max_nodes <= 4:
-        return HALF_STATE_TWO_LAUNCH
-    if value_heads_per_key_head % 2 == 0:
-        return dict(HALF_STATE_LAUNCH, num_warps=4, heads_per_program=2, epilogue_in_mma_layout=True)
-    return dict(HALF_STATE_LAUNCH, block_k=64, num_warps=4)
+        return HALF_STATE_TWO_LAUNCH_16_ROWS
+    return HALF_STATE_TWO_LAUNCH_64_ROWS if batch <= SMALL_BATCH else HALF_STATE_TWO_LAUNCH
 
 
 # bf16 and fp16 values are exact in tf32 (at most 11 significant bits, exponents within tf32's range)
