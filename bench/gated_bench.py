@@ -369,12 +369,15 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # the epilogue uncapped and capped (326.9 / 323.6), the solve by dots at T=4 (205.0); bf16 64/8/1 without the epilogue,
 # uncapped and capped (162.4 / 113.2), two heads 32/4/1 with and without the epilogue (100.4 / 129.0), the solve by
 # dots at T=4 (148.0); two launches with 2- and 4-warp epilogues.
-# Not yet timed: the one-warp epilogue capped at 128 registers. Offline sm_90 (T=4, fp32 and bf16 alike): 168
-# registers uncapped (12 programs per SM: 2,048 programs at B=64 in 1.3 waves), capped at 128 32 bytes of stack (16
-# per SM, one wave); two heads a program 255 (1 warp) / 196 (2 warps). State pass: fp32 64 rows 4 warps 128
-# registers, 32 rows 72; bf16 128 rows 8 warps 128.
+# Sixteenth session (2026-12-02d, `results/2026-12-02d/kernels/`): the accumulator-layout epilogue kernel capped at
+# 128 registers (12.6 us alone at B=64 fp32 against 16.5 uncapped) lost to the row epilogue with node-major products
+# (7.0), which replaced it (`t4.json`, `final.json`, kernels.md). Tuned at T = 2 / 4 / 8, B = 64 / 8 / 1: the defaults
+# (every chain of up to 8 nodes in two launches) come from this list; the one-kernel entries are the rules before
+# (3-4 nodes at B <= 8; T <= 2, fp32 and 16-bit; T = 5-8 fp32 by dots and 16-bit two heads). Dropped after the first
+# call: the two-launch candidates with the accumulator-layout epilogue, and the row epilogue with 4 warps (B=64 fp32
+# 102.4 / bf16 70.6 us against 98.4 / 65.6 for one warp, row-major products).
 # The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
-# default`); the second the default at B <= 8.
+# default`); the second the default at B=1.
 CONFIGS = {
     "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(32, 8, 1, **SPLIT, **EPILOGUE), _two_pass(64, 64, 4, 1, **BF16_SPLIT),
