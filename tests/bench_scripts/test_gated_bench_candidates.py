@@ -14,7 +14,7 @@ def test_first_candidate_is_the_launch_default(name, dtype):
     # the bench's shape: H=16, HV=32 (two value heads a key head), K=128, a chain of 4 nodes; the first candidate
     # is the default of the tuning batch (64), the second that of small batches (1)
     for batch, first in ((64, 0), (1, 1)):
-        default = launch_defaults(dtype, batch, 2, 128, max_nodes=4)
+        default = launch_defaults(dtype, batch, 128, max_nodes=4)
         assert {**default, **CONFIGS[name][first]} == default
         assert all({**default, **other} != default for i, other in enumerate(CONFIGS[name]) if i != first)
 

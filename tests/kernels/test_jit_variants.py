@@ -4,8 +4,8 @@ Here the launch arguments are built exactly as `gdn_step_triton` / `conv_step_tr
 vLLM's Qwen3.5 GDN layer hands over at every batch size it captures (FULL CUDA graphs: slices of persistent
 buffers; mixed prefill batches: `index_select` copies), and bound with Triton's own binder; nothing is compiled.
 Expected: one key per kernel, speculative length and launch configuration (the grid carries the batch, the integer
-arguments are strides of model-shaped views; `launch_defaults` gives 16-bit states at 2 or 8 tokens one configuration
-for small batches and one for large, every other case one for all batches)."""
+arguments are strides of model-shaped views; `launch_defaults` changes the configuration with the batch at most
+twice, at 4 and 8 requests)."""
 
 import pytest
 import torch
@@ -92,7 +92,7 @@ def test_one_variant_per_kernel_across_batch_sizes(tokens, state_dtype):
             conv, gated = step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, persistent)
             keys["conv"].add(specialization_key(conv_module._conv_step_kernel, *conv[1:3]))
             keys["gated"].add(launch_keys(gated[0]))
-    launches = {str(gated_module.launch_defaults(state_dtype, batch, HV // H, K, tokens)) for batch in BATCHES}
+    launches = {str(gated_module.launch_defaults(state_dtype, batch, K, tokens)) for batch in BATCHES}
     assert len(keys["conv"]) == 1 and len(keys["gated"]) == len(launches), keys
 
 

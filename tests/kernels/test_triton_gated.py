@@ -543,22 +543,21 @@ def test_launch_defaults_measured_choices():
     for batch in (1, 4, 5, 8, 9, 64, 256):
         for nodes in (1, 2, 3, 4, 5, 8):
             fp32_64 = nodes in (3, 4) and batch > 4 or nodes <= 2 and 4 < batch <= 8
-            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == (
+            assert launch_defaults(torch.float32, batch, 128, nodes) == (
                 fp32_two if fp32_64 else dict(fp32_two, **rows_16))
             half = (half_two if nodes in (3, 4) and batch > 8 else
                     dict(half_two, **rows_64) if nodes in (3, 4) and batch > 4 else dict(half_two, **rows_16))
             for dtype in (torch.bfloat16, torch.float16):
-                assert launch_defaults(dtype, batch, 2, 128, nodes) == half
-        assert launch_defaults(torch.bfloat16, batch, 1, 128, 8) == dict(half_two, **rows_16)
+                assert launch_defaults(dtype, batch, 128, nodes) == half
         for nodes in (9, 16, 32):
-            assert launch_defaults(torch.float32, batch, 2, 128, nodes) == dict(
+            assert launch_defaults(torch.float32, batch, 128, nodes) == dict(
                 FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True, max_registers=128)
             for dtype in (torch.bfloat16, torch.float16):
-                assert launch_defaults(dtype, batch, 2, 128, nodes) == dict(
+                assert launch_defaults(dtype, batch, 128, nodes) == dict(
                     HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, epilogue_in_mma_layout=True,
                     solve_by_dots=True)
         for dtype, nodes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2), (torch.float32, 16)):
-            assert launch_defaults(dtype, batch, 2, 8, nodes) == NARROW_HEAD_LAUNCH
+            assert launch_defaults(dtype, batch, 8, nodes) == NARROW_HEAD_LAUNCH
 
 
 def check_default_chain_steps(state_dtype, first, second, accepted, seed):
@@ -653,7 +652,7 @@ def test_default_two_launches(state_dtype, requests, tokens):
     accepted[requests // 2] = -1
     launches = check_default_chain_steps(state_dtype, first, second, accepted, seed=5)
     (state_pass, grid, _, pass_kwargs), (epilogue, epilogue_grid, _, epilogue_kwargs) = launches
-    default = launch_defaults(state_dtype, requests, 2, 64, tokens)
+    default = launch_defaults(state_dtype, requests, 64, tokens)
     rows = min(default["state_pass_rows"], 32)  # V = 32 here
     assert state_pass.fn.__name__ == "_state_pass_kernel" and epilogue.fn.__name__ == "_row_epilogue_kernel"
     assert grid == (32 // rows, 2, requests) and pass_kwargs["BV"] == rows and pass_kwargs["BK"] == 64

@@ -1,10 +1,9 @@
 """The whole GDN decode step after the conv, for packed draft chains and small trees, in one launch or two: gates,
 q/k L2 norm, the closed-form verify, the gated RMSNorm with the output gate, and optionally the previous step's
 commit (the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`, so the two compare like for
-like). With `state_pass_rows` (the default for 3-4 nodes at most FEW_REQUESTS or more than SMALL_BATCH requests)
-the commit and the state's products run first in their own launch, a head's value rows over several programs
-(`state_pass`), and the row epilogue (`row_epilogue`) does the rest from their products (bench/results/kernels.md,
-2026-12-02d).
+like). With `state_pass_rows` (the default for chains and trees of up to 8 nodes) the commit and the state's
+products run first in their own launch, a head's value rows over several programs (`state_pass`), and the row
+epilogue (`row_epilogue`) does the rest from their products (bench/results/kernels.md, 2026-12-02d).
 
     g_i    = -exp(A_log) * softplus(a_i + dt_bias)            beta_i = sigmoid(b_i)
     q_i    = scale * q_i / sqrt(|q_i|^2 + 1e-6)              k_i    = k_i / sqrt(|k_i|^2 + 1e-6)
@@ -700,8 +699,7 @@ NARROW_HEAD_LAUNCH = dict(FP32_STATE_LAUNCH, block_k=8, num_warps=4, prefetch=2,
                           split_state_tf32=False)
 
 
-def launch_defaults(state_dtype: torch.dtype, batch: int, value_heads_per_key_head: int, head_k_dim: int,
-                    max_nodes: int = 4) -> dict:
+def launch_defaults(state_dtype: torch.dtype, batch: int, head_k_dim: int, max_nodes: int = 4) -> dict:
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
     static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape).
     Measured choices: the comments above FP32_STATE_LAUNCH and SMALL_BATCH (bench/results/2026-12-01d, -01e, -01f,
@@ -781,7 +779,7 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     assert V == triton.next_power_of_2(V) and activation in ACTIVATIONS
     _check_factors(factors, state, state_indices, pending_nodes, pending_ancestors)
     batch = state_indices.shape[0]
-    launch = {**launch_defaults(state.dtype, batch, HV // H, K, max_nodes),
+    launch = {**launch_defaults(state.dtype, batch, K, max_nodes),
               **{k: v for k, v in launch.items() if v is not None}}
     block_k = min(launch["block_k"], K)
     heads = launch["heads_per_program"]
