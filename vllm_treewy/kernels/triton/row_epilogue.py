@@ -78,6 +78,8 @@ def _row_epilogue_kernel(
     a_log = tl.load(A_log + i_hv).to(tl.float32)
     bias = tl.load(dt_bias + i_hv).to(tl.float32)
     if slot < 0:
+        if DEPENDENT_LAUNCH:  # every program waits: this launch then completes after the state pass, for what follows
+            gdc_wait()
         return
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
