@@ -410,10 +410,10 @@ TREE_CONFIGS = {
 
 
 def tuned_key(name, T, B, tune_batches):
-    """A row takes the tuning at the largest tuned batch up to B, else the smallest (a T not tuned: the launch
-    default)."""
-    below = [b for b in tune_batches if b <= B]
-    return f"{name}/T={T}/B={max(below) if below else min(tune_batches)}"
+    """A row takes the tuning at the largest tuned batch up to B, else the smallest (a T or batch list not tuned:
+    None, the launch default)."""
+    below = [b for b in tune_batches if b <= B] or sorted(tune_batches)[:1]
+    return f"{name}/T={T}/B={max(below)}" if below else None
 
 
 def main():
