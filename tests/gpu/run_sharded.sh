@@ -9,6 +9,8 @@ mkdir -p "$dir"
 python3 -m pytest -m gpu tests/gpu --collect-only -q -p no:cacheprovider "$@" | grep '::' > "$dir/ids.txt"
 split -n "r/$shards" -d "$dir/ids.txt" "$dir/ids_"
 pids=()
+# `timeout` signals this script only: take the shards down with it, or they run on into the next command
+trap 'kill "${pids[@]}" 2>/dev/null; exit 124' TERM INT
 for ids in "$dir"/ids_*; do
     python3 -m pytest -m gpu -q -p no:cacheprovider $(cat "$ids") > "$dir/shard_${ids##*_}.log" 2>&1 &
     pids+=($!)

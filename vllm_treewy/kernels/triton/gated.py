@@ -120,9 +120,6 @@ def _tf32_operand_columns(c):
     return 8 * (c // 8) + 2 * (c % 4) + (c // 4) % 2
 
 
-
-
-
 @triton.jit
 def _node_columns(acc, BT: tl.constexpr):
     """The even and odd columns of a [V, NQ] tile in the tensor cores' accumulator layout as [V, BT] tiles, node t in
@@ -207,8 +204,6 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
     kk = kk * (k_inv[:, None] * k_inv[None, :])
     qk = qk * (q_inv[:, None] * k_inv[None, :])
     return g_own, b_beta, path_c, decay, q_inv, k_inv, kk, qk
-
-
 
 
 @triton.jit

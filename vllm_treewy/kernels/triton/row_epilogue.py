@@ -27,10 +27,11 @@ from .state_ops import _factor_columns
 
 
 @triton.jit
-def _path_decays(a, ancestors, bos, n, g_own, bias, neg_exp_a_log, i_hv, stride_a, BT: tl.constexpr,
-                 MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
+def _path_decays(ancestors, bos, n, g_own, BT: tl.constexpr, MAX_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
     """Per node i: c_i, the sum of g over i's path; per pair (i, j <= i), at i * BT + j: exp(c_i - c_j) if j is on
-    i's path, else 0. The exponents are running sums up the path, never differences of path sums."""
+    i's path, else 0. The exponents are running sums up the path, never differences of path sums. A path's nodes
+    are the request's own (ancestors precede), so their g comes from g_own: a chain's by index, a tree's by the
+    table's entry."""
     path_c = ()
     decay = ()
     for i in tl.static_range(BT):
@@ -40,7 +41,7 @@ def _path_decays(a, ancestors, bos, n, g_own, bias, neg_exp_a_log, i_hv, stride_
             weights = weights + (tl.zeros([], dtype=tl.float32),)
         for d in tl.static_range(MAX_ANC + 1):
             if IS_CHAIN:
-                if d <= i:  # node i - d, whose g this program already has
+                if d <= i:  # node i - d
                     row = ()
                     for j in tl.static_range(BT):
                         row = row + (tl.exp(running) if j == i - d else weights[j],)
@@ -49,12 +50,16 @@ def _path_decays(a, ancestors, bos, n, g_own, bias, neg_exp_a_log, i_hv, stride_
             else:
                 cur = _ancestor(ancestors, bos, tl.where(i < n, i, -1), d, MAX_ANC + 1, False)
                 here = tl.exp(running)
+                g_cur = tl.zeros([], dtype=tl.float32)  # past the root: nothing more
                 row = ()
                 for j in tl.static_range(BT):
-                    row = row + (tl.where(cur == j, here, weights[j]),)
+                    if j <= i:
+                        row = row + (tl.where(cur == j, here, weights[j]),)
+                        g_cur = tl.where(cur == j, g_own[j], g_cur)
+                    else:
+                        row = row + (weights[j],)
                 weights = row
-                a_cur = tl.load(a + (bos + cur) * stride_a + i_hv, mask=cur >= 0, other=0.0).to(tl.float32)
-                running += tl.where(cur >= 0, _log_decay(a_cur, bias, neg_exp_a_log), 0.0)
+                running += g_cur
         path_c = path_c + (running,)
         decay = decay + weights
     return path_c, decay
@@ -110,8 +115,7 @@ def _row_epilogue_kernel(
                                    other=0.0).to(tl.float32),)
         z_rows = z_rows + (tl.load(z + node * stride_z + i_hv * stride_zh + o_v, mask=valid,
                                    other=0.0).to(tl.float32),)
-    path_c, decay = _path_decays(a, ancestors, bos, n, g_own, bias, neg_exp_a_log, i_hv, stride_a, BT, MAX_ANC,
-                                 IS_CHAIN)
+    path_c, decay = _path_decays(ancestors, bos, n, g_own, BT, MAX_ANC, IS_CHAIN)
     # the solve's and the outputs' coefficients: per pair (i, j), at i * BT + j, -beta_i exp(c_i - c_j) kk_ij
     # (j < i) and exp(c_i - c_j) qk_ij (j <= i); zero past the path
     lower = ()
