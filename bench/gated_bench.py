@@ -165,7 +165,8 @@ class Step:
 
     def commit(self, s, config):
         launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program",
-                                         "state_pass_rows", "state_pass_block_k", "state_pass_warps") if k in config}
+                                         "state_pass_rows", "state_pass_block_k", "state_pass_warps",
+                                         "state_pass_programs_per_sm") if k in config}
         return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], self.factors, self.accepted,
                                          num_key_heads=H, pending_ancestors=self.pending_ancestors, **launch)
 
@@ -287,7 +288,7 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
 PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
-              state_pass_rows=0, dependent_launch=False)
+              state_pass_rows=0, dependent_launch=False, state_pass_programs_per_sm=0, epilogue_waits_per_head=False)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
@@ -303,6 +304,14 @@ def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
 
 
 DEPENDENT = dict(dependent_launch=True)
+WAIT_PER_HEAD = dict(epilogue_waits_per_head=True)  # each epilogue program waits for its own head's tiles
+
+
+def persistent(per_sm):
+    """A persistent state pass, `per_sm` programs an SM, whose dependent epilogue waits per head."""
+    return dict(state_pass_programs_per_sm=per_sm, **DEPENDENT, **WAIT_PER_HEAD)
+
+
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
 BF16_SPLIT = dict(split_state_bf16=True)  # bf16 pieces: 3xBF16 (fp32 states), one exact pass (bf16 states)
 TWO_HEADS = dict(heads_per_program=2)
@@ -382,11 +391,24 @@ CONFIGS = {
     "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(32, 8, 1, **SPLIT, **EPILOGUE), _two_pass(64, 64, 4, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
+             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(1)),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(2)),
+             _two_pass(32, 128, 4, 1, **BF16_SPLIT, **persistent(2)),
+             _two_pass(32, 128, 4, 1, **BF16_SPLIT, **persistent(3)),
+             _two_pass(16, 128, 2, 1, **BF16_SPLIT, **persistent(4)),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **WAIT_PER_HEAD)],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2)],
+             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2),
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **persistent(1)),
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, state_pass_programs_per_sm=1),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(2)),
+             _two_pass(64, 128, 4, 1, **BF16_SPLIT, **persistent(2)),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(3)),
+             _two_pass(32, 128, 4, 1, **BF16_SPLIT, **persistent(2)),
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **WAIT_PER_HEAD)],
 }
 
 
@@ -431,6 +453,8 @@ def main():
                              "vLLM's CUDA tree step runs) and TREE_CONFIGS, against the per-node serial baseline")
     parser.add_argument("--gated-tree-batches", type=int, nargs="*", default=[64])
     parser.add_argument("--no-tune", action="store_true")
+    parser.add_argument("--candidates", type=int, nargs="*", default=None,
+                        help="tune only these CONFIGS entries (indices; the first, the launch default, always)")
     parser.add_argument("--short-batches", type=int, nargs="*", default=[1, 64, 256],
                         help="batches for the T != 4 rows")
     parser.add_argument("--separate-batches", type=int, nargs="*", default=[1, 64, 256],
@@ -458,7 +482,9 @@ def main():
                                     for B in args.tune_batches]:
             step = Step(T, tune_batch, STATE_DTYPES[name])
             best = None
-            for config in CONFIGS[name][: 1 if args.no_tune else None]:
+            chosen = ([0] + [i for i in args.candidates if i] if args.candidates is not None
+                      else range(len(CONFIGS[name])))
+            for config in [CONFIGS[name][i] for i in chosen][: 1 if args.no_tune else None]:
                 try:
                     err = check(step, op if config is CONFIGS[name][0] else None, config, records)
                     ok = err["out"] < 2e-2 and err["out_written"] and err["commit"] < (
@@ -471,6 +497,8 @@ def main():
                 if config.get("state_pass_rows"):  # the state pass with and without products, the epilogue
                     record["state_pass_commit_us"] = graph_time_us([step.commit(s, config) for s in range(step.sets)])
                     launches = [step.launches(s, config) for s in range(step.sets)]
+                    # the state pass alone first: its runs leave each set's per-head counters (a per-head wait's)
+                    # at or past their arrivals, so the epilogue alone does not wait for a state pass
                     record["state_pass_us"], record["epilogue_us"] = (
                         graph_time_us([calls[i] for calls in launches]) for i in range(2))
                 records.append(record)
