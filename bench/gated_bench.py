@@ -482,8 +482,8 @@ def main():
                                     for B in args.tune_batches]:
             step = Step(T, tune_batch, STATE_DTYPES[name])
             best = None
-            chosen = ([0] + [i for i in args.candidates if i] if args.candidates is not None
-                      else range(len(CONFIGS[name])))
+            chosen = ([0] + [i for i in args.candidates if 0 < i < len(CONFIGS[name])]
+                      if args.candidates is not None else range(len(CONFIGS[name])))
             for config in [CONFIGS[name][i] for i in chosen][: 1 if args.no_tune else None]:
                 try:
                     err = check(step, op if config is CONFIGS[name][0] else None, config, records)
