@@ -166,7 +166,8 @@ class Step:
     def commit(self, s, config):
         launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program",
                                          "state_pass_rows", "state_pass_block_k", "state_pass_warps",
-                                         "state_pass_programs_per_sm") if k in config}
+                                         "state_pass_programs_per_sm", "state_pass_state_first",
+                                         "state_pass_l2_prefetch", "state_pass_max_registers") if k in config}
         return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], self.factors, self.accepted,
                                          num_key_heads=H, pending_ancestors=self.pending_ancestors, **launch)
 
@@ -288,7 +289,8 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
 PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
-              state_pass_rows=0, dependent_launch=False, state_pass_programs_per_sm=0, epilogue_waits_per_head=False)
+              state_pass_rows=0, dependent_launch=False, state_pass_programs_per_sm=0, epilogue_waits_per_head=False,
+              state_pass_state_first=False, state_pass_l2_prefetch=0, state_pass_max_registers=0)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
@@ -305,6 +307,15 @@ def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
 
 DEPENDENT = dict(dependent_launch=True)
 WAIT_PER_HEAD = dict(epilogue_waits_per_head=True)  # each epilogue program waits for its own head's tiles
+
+
+CAP_128 = dict(state_pass_max_registers=128)  # ptxas's cap on the state pass
+STATE_FIRST = dict(state_pass_state_first=True)  # the state chunk before the pending commit's factor rows
+
+
+def l2_prefetch(waves):
+    """The state pass's L2 prefetch of the tile `waves` x SMs ahead."""
+    return dict(state_pass_l2_prefetch=waves)
 
 
 def persistent(per_sm):
@@ -392,23 +403,27 @@ CONFIGS = {
              _dot(32, 8, 1, **SPLIT, **EPILOGUE), _two_pass(64, 64, 4, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(1)),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(2)),
-             _two_pass(32, 128, 4, 1, **BF16_SPLIT, **persistent(2)),
-             _two_pass(32, 128, 4, 1, **BF16_SPLIT, **persistent(3)),
-             _two_pass(16, 128, 2, 1, **BF16_SPLIT, **persistent(4)),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **WAIT_PER_HEAD)],
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **l2_prefetch(4)),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **l2_prefetch(8)),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **STATE_FIRST),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **STATE_FIRST, **l2_prefetch(4)),
+             _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(4)),
+             _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(8)),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **l2_prefetch(4), **WAIT_PER_HEAD),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(2))],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **persistent(1)),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, state_pass_programs_per_sm=1),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(2)),
-             _two_pass(64, 128, 4, 1, **BF16_SPLIT, **persistent(2)),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(3)),
-             _two_pass(32, 128, 4, 1, **BF16_SPLIT, **persistent(2)),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **WAIT_PER_HEAD)],
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(1)),
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(2)),
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **l2_prefetch(2)),
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **STATE_FIRST),
+             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(4)),
+             _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(8)),
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(2), **WAIT_PER_HEAD),
+             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **persistent(1))],
 }
 
 
@@ -497,6 +512,10 @@ def main():
                 if config.get("state_pass_rows"):  # the state pass with and without products, the epilogue
                     record["state_pass_commit_us"] = graph_time_us([step.commit(s, config) for s in range(step.sets)])
                     launches = [step.launches(s, config) for s in range(step.sets)]
+                    # each launch once outside a graph: the compiled kernels, their registers (occupancy) and spills
+                    kernels = [call() for call in launches[0]]
+                    record["registers"] = [k.n_regs for k in kernels]
+                    record["spills"] = [k.n_spills for k in kernels]
                     # the state pass alone first: its runs leave each set's per-head counters (a per-head wait's)
                     # at or past their arrivals, so the epilogue alone does not wait for a state pass
                     record["state_pass_us"], record["epilogue_us"] = (

@@ -648,7 +648,8 @@ FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, r
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False, solve_by_dots=False, state_pass_rows=0,
                          state_pass_block_k=128, state_pass_warps=4, dependent_launch=False,
-                         state_pass_programs_per_sm=0, epilogue_waits_per_head=False)
+                         state_pass_programs_per_sm=0, epilogue_waits_per_head=False, state_pass_state_first=False,
+                         state_pass_l2_prefetch=0, state_pass_max_registers=0)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -821,7 +822,16 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         rows = min(launch["state_pass_rows"], V)
         tiles = batch * HV * (V // rows)
         per_sm = launch["state_pass_programs_per_sm"]
-        programs = max(1, min(tiles, per_sm * multiprocessors(state.device)) if per_sm else tiles)
+        sms = multiprocessors(state.device)
+        programs = max(1, min(tiles, per_sm * sms) if per_sm else tiles)
+        # the L2 prefetch reads a tile's rows as one contiguous, 16-byte aligned range (not in the interpreter)
+        rows_contiguous = state.stride(2) == K and all(
+            x * state.element_size() % 16 == 0 for x in (state.data_ptr(), state.stride(0), state.stride(1)))
+        l2_prefetch = (launch["state_pass_l2_prefetch"] * sms
+                       if rows_contiguous and not interpreting() else 0)
+        pass_options = dict(num_warps=launch["state_pass_warps"], num_stages=1)
+        if launch["state_pass_max_registers"] and not interpreting():
+            pass_options["maxnreg"] = launch["state_pass_max_registers"]
         # Hopper's programmatic dependent launch (not in the interpreter: inline PTX)
         dependent = do_verify and launch["dependent_launch"] and not interpreting()
         wait_per_head = do_verify and launch["epilogue_waits_per_head"]
@@ -835,8 +845,8 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
             state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1)), dict(
             H=H, HV=HV, K=K, V=V, BV=rows, BK=min(launch["state_pass_block_k"], K), BT=bt, DO_PRODUCTS=do_verify,
             STATE_PRODUCTS=state_products, LAUNCH_DEPENDENTS=dependent, SIGNAL_READY=wait_per_head,
-            PERSISTENT=per_sm > 0,
-            num_warps=launch["state_pass_warps"], num_stages=1, **pending))]
+            PERSISTENT=per_sm > 0, STATE_FIRST=launch["state_pass_state_first"], L2_PREFETCH=l2_prefetch,
+            **pass_options, **pending))]
         if do_verify:
             launches.append((row_epilogue._row_epilogue_kernel, (HV, batch), (
                 mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
@@ -918,6 +928,9 @@ def gdn_step_triton(
     dependent_launch: bool | None = None,
     state_pass_programs_per_sm: int | None = None,
     epilogue_waits_per_head: bool | None = None,
+    state_pass_state_first: bool | None = None,
+    state_pass_l2_prefetch: int | None = None,
+    state_pass_max_registers: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -975,6 +988,10 @@ def gdn_step_triton(
     the next tile's state in flight. `epilogue_waits_per_head`: each row-epilogue program waits for its own
     (request, head)'s tiles (counters the state pass releases, zeroed per call) instead of the whole state pass;
     with a dependent launch and a persistent state pass, the epilogue overlaps the state stream.
+    `state_pass_state_first` (a program per tile): the tile's first state chunk loaded before the pending commit's
+    factor rows. `state_pass_l2_prefetch` (n > 0): each state-pass program first prefetches into the L2 the state
+    rows of the tile n x SMs ahead (a bulk prefetch; Hopper, not in the interpreter; needs a pool whose tile rows
+    are contiguous and 16-byte aligned, else off). `state_pass_max_registers`: ptxas's cap for the state pass.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -988,7 +1005,8 @@ def gdn_step_triton(
                    state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k,
                    state_pass_warps=state_pass_warps, dependent_launch=dependent_launch,
                    state_pass_programs_per_sm=state_pass_programs_per_sm,
-                   epilogue_waits_per_head=epilogue_waits_per_head)
+                   epilogue_waits_per_head=epilogue_waits_per_head, state_pass_state_first=state_pass_state_first,
+                   state_pass_l2_prefetch=state_pass_l2_prefetch, state_pass_max_registers=state_pass_max_registers)
 
 
 def gdn_commit_triton(
@@ -1008,6 +1026,9 @@ def gdn_commit_triton(
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
     state_pass_programs_per_sm: int | None = None,
+    state_pass_state_first: bool | None = None,
+    state_pass_l2_prefetch: int | None = None,
+    state_pass_max_registers: int | None = None,
 ) -> None:
     """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
     s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a, whose
@@ -1022,4 +1043,5 @@ def gdn_commit_triton(
             activation="silu", ancestors=None, out=None, do_verify=False, block_k=block_k, num_warps=num_warps,
             prefetch=prefetch, max_registers=max_registers, heads_per_program=heads_per_program,
             state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k, state_pass_warps=state_pass_warps,
-            state_pass_programs_per_sm=state_pass_programs_per_sm)
+            state_pass_programs_per_sm=state_pass_programs_per_sm, state_pass_state_first=state_pass_state_first,
+            state_pass_l2_prefetch=state_pass_l2_prefetch, state_pass_max_registers=state_pass_max_registers)

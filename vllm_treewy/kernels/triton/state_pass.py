@@ -30,18 +30,26 @@ def _state_pass_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     BT: tl.constexpr, DO_PRODUCTS: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
     PENDING_IS_CHAIN: tl.constexpr, STATE_PRODUCTS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-    SIGNAL_READY: tl.constexpr, PERSISTENT: tl.constexpr,
+    SIGNAL_READY: tl.constexpr, PERSISTENT: tl.constexpr, STATE_FIRST: tl.constexpr, L2_PREFETCH: tl.constexpr,
 ):
     """A program per tile of `tiles` (`_tile`), or PERSISTENT: program p takes tiles p, p + programs, ..., each
     tile's first state chunk loaded one tile ahead and its request's slot and accepted node two ahead, so that a
-    program has a state chunk in flight while it commits the one before and no load waits on an index. Either way
-    the state chunk goes out before the pending commit's factor-row loads."""
+    program has a state chunk in flight while it commits the one before and no load waits on an index.
+    STATE_FIRST (a program per tile): the state chunk goes out before the pending commit's factor-row loads.
+    L2_PREFETCH > 0: each program first has the L2 fetch the state rows of tile program + L2_PREFETCH (one bulk
+    prefetch of a tile's contiguous rows: the program that takes that tile a wave later finds them there)."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     first = tl.program_id(0)
     TILES_PER_REQUEST: tl.constexpr = HV * (V // BV)
     slot, accepted = _tile_request(state_indices, pending_nodes, first, tiles, TILES_PER_REQUEST, HAS_PENDING)
-    h_first = _first_chunk(state, slot, first, stride_slot, stride_head, stride_v, HV, V, BV, BK)
+    if L2_PREFETCH > 0:
+        _prefetch_rows(state, state_indices, first + L2_PREFETCH, tiles, stride_slot, stride_head, stride_v, HV, K,
+                       V, BV, TILES_PER_REQUEST)
+    if PERSISTENT or STATE_FIRST:
+        h_first = _first_chunk(state, slot, first, stride_slot, stride_head, stride_v, HV, V, BV, BK)
+    else:
+        h_first = slot  # not read: the tile loads its first chunk
     if PERSISTENT:
         programs = tl.num_programs(0)
         slot_next, accepted_next = _tile_request(state_indices, pending_nodes, first + programs, tiles,
@@ -54,13 +62,14 @@ def _state_pass_kernel(
                 _state_tile(qkv, state, cu_nodes, factors, pending_ancestors, products, ready, t, slot, accepted,
                             h_first, stride_qkv, stride_slot, stride_head, stride_v, stride_fslot, stride_frow, H,
                             HV, K, V, BV, BK, BT, DO_PRODUCTS, HAS_PENDING, PENDING_ROWS, PENDING_IS_CHAIN,
-                            STATE_PRODUCTS, SIGNAL_READY)
+                            STATE_PRODUCTS, SIGNAL_READY, True)
             slot, accepted, h_first = slot_next, accepted_next, h_next
             slot_next, accepted_next = slot_after, accepted_after
     elif slot >= 0:
         _state_tile(qkv, state, cu_nodes, factors, pending_ancestors, products, ready, first, slot, accepted, h_first,
                     stride_qkv, stride_slot, stride_head, stride_v, stride_fslot, stride_frow, H, HV, K, V, BV, BK,
-                    BT, DO_PRODUCTS, HAS_PENDING, PENDING_ROWS, PENDING_IS_CHAIN, STATE_PRODUCTS, SIGNAL_READY)
+                    BT, DO_PRODUCTS, HAS_PENDING, PENDING_ROWS, PENDING_IS_CHAIN, STATE_PRODUCTS, SIGNAL_READY,
+                    STATE_FIRST)
 
 
 @triton.jit
@@ -84,6 +93,27 @@ def _tile_request(state_indices, pending_nodes, t, tiles, TILES_PER_REQUEST: tl.
 
 
 @triton.jit
+def _prefetch_rows(state, state_indices, t, tiles, stride_slot, stride_head, stride_v, HV: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, TILES_PER_REQUEST: tl.constexpr):
+    """Tile t's state rows (BV rows of K, contiguous) into the L2, if t is a tile with a slot."""
+    slot = tl.load(state_indices + t // TILES_PER_REQUEST, mask=t < tiles, other=-1).to(tl.int64)
+    if slot >= 0:
+        _, i_hv, v0 = _tile(t, HV, V, BV)
+        _l2_prefetch(state + slot * stride_slot + i_hv * stride_head + v0 * stride_v,
+                     BV * K * state.dtype.element_ty.primitive_bitwidth // 8)
+
+
+@triton.jit
+def _l2_prefetch(address, BYTES: tl.constexpr):
+    """cp.async.bulk.prefetch.L2 of BYTES contiguous bytes at `address` (both multiples of 16), from the program's
+    first thread: no registers wait for it."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred first; .reg .b32 thread; mov.u32 thread, %tid.x; setp.eq.u32 first, thread, 0; "
+        "@first cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [address, tl.full([], BYTES, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _first_chunk(state, slot, t, stride_slot, stride_head, stride_v, HV: tl.constexpr, V: tl.constexpr,
                  BV: tl.constexpr, BK: tl.constexpr):
     """Tile t's state rows, key columns 0 .. BK - 1 (zeros for a negative slot: nothing is read)."""
@@ -99,9 +129,10 @@ def _state_tile(qkv, state, cu_nodes, factors, pending_ancestors, products, read
                 stride_qkv, stride_slot, stride_head, stride_v, stride_fslot, stride_frow, H: tl.constexpr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
                 BT: tl.constexpr, DO_PRODUCTS: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_ROWS: tl.constexpr,
-                PENDING_IS_CHAIN: tl.constexpr, STATE_PRODUCTS: tl.constexpr, SIGNAL_READY: tl.constexpr):
-    """Tile t of a slot (h_first: its first key chunk, already loaded): the pending commit of node `accepted` in
-    place (none for -1), the products.
+                PENDING_IS_CHAIN: tl.constexpr, STATE_PRODUCTS: tl.constexpr, SIGNAL_READY: tl.constexpr,
+                FIRST_LOADED: tl.constexpr):
+    """Tile t of a slot (FIRST_LOADED: h_first is its first key chunk, already loaded): the pending commit of node
+    `accepted` in place (none for -1), the products.
     SIGNAL_READY: then one arrival on its (request, head)'s counter, released after every thread's stores."""
     i_b, i_hv, v0 = _tile(t, HV, V, BV)
     o_v = v0 + tl.arange(0, BV)
@@ -123,7 +154,7 @@ def _state_tile(qkv, state, cu_nodes, factors, pending_ancestors, products, read
         acc = tl.zeros([BV, NQ], dtype=tl.float32)
     for i_k in tl.static_range(K // BK):
         cols = i_k * BK + o_kc
-        if i_k == 0:
+        if i_k == 0 and FIRST_LOADED:
             h = h_first.to(tl.float32)
         else:
             h = tl.load(p_state + cols[None, :]).to(tl.float32)
