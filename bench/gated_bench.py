@@ -165,9 +165,7 @@ class Step:
 
     def commit(self, s, config):
         launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program",
-                                         "state_pass_rows", "state_pass_block_k", "state_pass_warps",
-                                         "state_pass_programs_per_sm", "state_pass_state_first",
-                                         "state_pass_l2_prefetch", "state_pass_max_registers") if k in config}
+                                         "state_pass_rows", "state_pass_block_k", "state_pass_warps") if k in config}
         return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], self.factors, self.accepted,
                                          num_key_heads=H, pending_ancestors=self.pending_ancestors, **launch)
 
@@ -289,8 +287,7 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
 PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
-              state_pass_rows=0, dependent_launch=False, state_pass_programs_per_sm=0, epilogue_waits_per_head=False,
-              state_pass_state_first=False, state_pass_l2_prefetch=0, state_pass_max_registers=0)
+              state_pass_rows=0, dependent_launch=False)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
@@ -306,23 +303,6 @@ def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
 
 
 DEPENDENT = dict(dependent_launch=True)
-WAIT_PER_HEAD = dict(epilogue_waits_per_head=True)  # each epilogue program waits for its own head's tiles
-
-
-CAP_128 = dict(state_pass_max_registers=128)  # ptxas's cap on the state pass
-STATE_FIRST = dict(state_pass_state_first=True)  # the state chunk before the pending commit's factor rows
-
-
-def l2_prefetch(waves):
-    """The state pass's L2 prefetch of the tile `waves` x SMs ahead."""
-    return dict(state_pass_l2_prefetch=waves)
-
-
-def persistent(per_sm):
-    """A persistent state pass, `per_sm` programs an SM, whose dependent epilogue waits per head."""
-    return dict(state_pass_programs_per_sm=per_sm, **DEPENDENT, **WAIT_PER_HEAD)
-
-
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
 BF16_SPLIT = dict(split_state_bf16=True)  # bf16 pieces: 3xBF16 (fp32 states), one exact pass (bf16 states)
 TWO_HEADS = dict(heads_per_program=2)
@@ -402,28 +382,11 @@ CONFIGS = {
     "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(32, 8, 1, **SPLIT, **EPILOGUE), _two_pass(64, 64, 4, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **l2_prefetch(4)),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **l2_prefetch(8)),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **STATE_FIRST),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **STATE_FIRST, **l2_prefetch(4)),
-             _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(4)),
-             _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(8)),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **l2_prefetch(4), **WAIT_PER_HEAD),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **persistent(2))],
+             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(1)),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(2)),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **CAP_128, **l2_prefetch(2)),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **STATE_FIRST),
-             _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(4)),
-             _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(8)),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT, **l2_prefetch(2), **WAIT_PER_HEAD),
-             _two_pass(128, 128, 8, 1, **BF16_SPLIT, **persistent(1))],
+             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2)],
 }
 
 
@@ -442,7 +405,10 @@ TREE_CONFIGS = {
              _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT)],
     "bf16": [_dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(32, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
+             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
+             _dot(32, 8, 1, **EPILOGUE, solve_by_dots=True), _dot(64, 8, 1, **EPILOGUE, solve_by_dots=True),
+             _dot(64, 8, 1, max_registers=168, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
+             _dot(32, 8, 1, max_registers=168, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
 }
 
 
@@ -516,8 +482,6 @@ def main():
                     kernels = [call() for call in launches[0]]
                     record["registers"] = [k.n_regs for k in kernels]
                     record["spills"] = [k.n_spills for k in kernels]
-                    # the state pass alone first: its runs leave each set's per-head counters (a per-head wait's)
-                    # at or past their arrivals, so the epilogue alone does not wait for a state pass
                     record["state_pass_us"], record["epilogue_us"] = (
                         graph_time_us([calls[i] for calls in launches]) for i in range(2))
                 records.append(record)

@@ -42,17 +42,11 @@ SOLVE_BY_DOTS = [one_kernel(block_k=16, state_dot=True, late_node_terms=True, sp
                             epilogue_in_mma_layout=True, solve_by_dots=True)]
 # the state pass and the row epilogue in two launches (at most 8 nodes): 2xTF32 products, 16 value rows and 16 key
 # columns a chunk (two programs and two chunks where V or K is 32), a one-warp epilogue; the bf16 pieces (3xBF16 for
-# fp32 states), 8 rows, two warps, a dependent launch (a plain one in the interpreter), the state chunk loaded before
-# the factor rows; a whole head's rows a program;
-# a persistent state pass (the interpreter's 2 "SMs": programs loop over many tiles) whose epilogue programs wait
-# for their own head's tile counters, with 16-column key chunks (the prefetched first chunk and loaded ones)
+# fp32 states), 8 rows, two warps, a dependent launch (a plain one in the interpreter); a whole head's rows a program
 TWO_PASS = [dict(split_state_tf32=True, state_pass_rows=16, state_pass_block_k=16, num_warps=1),
-            dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=32, num_warps=2, dependent_launch=True,
-                 state_pass_state_first=True),
+            dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=32, num_warps=2, dependent_launch=True),
             dict(split_state_bf16=True, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2,
-                 num_warps=4),
-            dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=16, num_warps=1, dependent_launch=True,
-                 state_pass_programs_per_sm=2, epilogue_waits_per_head=True)]
+                 num_warps=4)]
 VARIANTS = SOLVE_BY_DOTS + [one_kernel(block_k=16, state_dot=True, late_node_terms=True),
             one_kernel(block_k=16, state_dot=True, late_node_terms=False),
             one_kernel(block_k=4, state_dot=False, late_node_terms=False),
@@ -661,9 +655,7 @@ def test_default_two_launches(state_dtype, requests, tokens):
     default = launch_defaults(state_dtype, requests, 64, tokens)
     rows = min(default["state_pass_rows"], 32)  # V = 32 here
     assert state_pass.fn.__name__ == "_state_pass_kernel" and epilogue.fn.__name__ == "_row_epilogue_kernel"
-    tiles, per_sm = requests * 2 * (32 // rows), default["state_pass_programs_per_sm"]
-    assert grid == (min(tiles, 2 * per_sm) if per_sm else tiles,)  # the interpreter's 2 SMs
-    assert pass_kwargs["BV"] == rows and pass_kwargs["BK"] == 64
+    assert grid == (32 // rows, 2, requests) and pass_kwargs["BV"] == rows and pass_kwargs["BK"] == 64
     assert pass_kwargs["STATE_PRODUCTS"] == ("3xbf16" if state_dtype == torch.float32 else "bf16")
     assert pass_kwargs["num_warps"] == default["state_pass_warps"] and pass_kwargs["BT"] == tokens
     assert epilogue_grid == (2, requests) and epilogue_kwargs["num_warps"] == 1

@@ -85,7 +85,7 @@ from . import row_epilogue, state_pass
 from .gates import _log_decay, _output_gate
 from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _operand_pieces, _pending_path,
                         _pending_values, _piece_products, _state_products)
-from .verify import interpreting, max_ancestors, multiprocessors, tree_ancestors
+from .verify import interpreting, max_ancestors, tree_ancestors
 
 ACTIVATIONS = ("silu", "sigmoid")
 
@@ -320,9 +320,8 @@ def _gated_step_kernel(
         # the previous step's path to its accepted node a (`_pending_path`): per row the key row, and per head
         # exp(c_a - c_j) u_j / |k_j| as a [V] vector; exp(c_a) for h0. Every pending row is read before the epilogue
         # overwrites the rows (barrier there).
-        accepted = tl.load(pending_nodes + i_b)
-        p_rows, p_on, p_weight, p_root = _pending_path(
-            accepted, pending_ancestors, f_kscale, f_g, stride_frow, G, PENDING_ROWS, PENDING_IS_CHAIN)
+        accepted, p_rows, p_on, p_weight, p_root = _pending_path(
+            pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G, PENDING_ROWS, PENDING_IS_CHAIN)
         p_wu = _pending_values(f_u, p_rows, p_on, p_weight, o_v, V, G, PENDING_ROWS)
         p_krow = ()
         for d in tl.static_range(PENDING_ROWS):
@@ -647,9 +646,7 @@ FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, r
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False, solve_by_dots=False, state_pass_rows=0,
-                         state_pass_block_k=128, state_pass_warps=4, dependent_launch=False,
-                         state_pass_programs_per_sm=0, epilogue_waits_per_head=False, state_pass_state_first=False,
-                         state_pass_l2_prefetch=0, state_pass_max_registers=0)
+                         state_pass_block_k=128, state_pass_warps=4, dependent_launch=False)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -820,40 +817,23 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     scalars = (float(K**-0.5 if scale is None else scale), float(norm_eps))
     if two_pass:
         rows = min(launch["state_pass_rows"], V)
-        tiles = batch * HV * (V // rows)
-        per_sm = launch["state_pass_programs_per_sm"]
-        sms = multiprocessors(state.device)
-        programs = max(1, min(tiles, per_sm * sms) if per_sm else tiles)
-        # the L2 prefetch reads a tile's rows as one contiguous, 16-byte aligned range (not in the interpreter)
-        rows_contiguous = state.stride(2) == K and all(
-            x * state.element_size() % 16 == 0 for x in (state.data_ptr(), state.stride(0), state.stride(1)))
-        l2_prefetch = (launch["state_pass_l2_prefetch"] * sms
-                       if rows_contiguous and not interpreting() else 0)
-        pass_options = dict(num_warps=launch["state_pass_warps"], num_stages=1)
-        if launch["state_pass_max_registers"] and not interpreting():
-            pass_options["maxnreg"] = launch["state_pass_max_registers"]
         # Hopper's programmatic dependent launch (not in the interpreter: inline PTX)
         dependent = do_verify and launch["dependent_launch"] and not interpreting()
-        wait_per_head = do_verify and launch["epilogue_waits_per_head"]
-        # the commit alone writes no products: `factors` stands in for the pointer (and `state_indices` for the
-        # counters of finished tiles, without the per-head wait)
+        # the commit alone writes no products: `factors` stands in for the pointer
         products = torch.empty(batch, HV, 2 * bt, V, device=state.device) if do_verify else factors
-        ready = torch.zeros(batch * HV, dtype=torch.int32, device=state.device) if wait_per_head else state_indices
-        launches = [(state_pass._state_pass_kernel, (programs,), (
+        launches = [(state_pass._state_pass_kernel, (V // rows, HV, batch), (
             mixed_qkv if do_verify else factors, state, state_indices, cu_nodes if do_verify else state_indices,
-            factors, *pending_arrays, products, ready, tiles, mixed_qkv.stride(0) if do_verify else 0,
-            state.stride(0), state.stride(1), state.stride(2), factors.stride(0), factors.stride(1)), dict(
+            factors, *pending_arrays, products, mixed_qkv.stride(0) if do_verify else 0, state.stride(0),
+            state.stride(1), state.stride(2), factors.stride(0), factors.stride(1)), dict(
             H=H, HV=HV, K=K, V=V, BV=rows, BK=min(launch["state_pass_block_k"], K), BT=bt, DO_PRODUCTS=do_verify,
-            STATE_PRODUCTS=state_products, LAUNCH_DEPENDENTS=dependent, SIGNAL_READY=wait_per_head,
-            PERSISTENT=per_sm > 0, STATE_FIRST=launch["state_pass_state_first"], L2_PREFETCH=l2_prefetch,
-            **pass_options, **pending))]
+            STATE_PRODUCTS=state_products, LAUNCH_DEPENDENTS=dependent, num_warps=launch["state_pass_warps"],
+            num_stages=1, **pending))]
         if do_verify:
             launches.append((row_epilogue._row_epilogue_kernel, (HV, batch), (
                 mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
-                factors, products, ready, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
+                factors, products, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
                 H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
-                DEPENDENT_LAUNCH=dependent, WAIT_PER_HEAD=wait_per_head, ROW_BLOCKS=V // rows,
-                launch_pdl=dependent, **options)))
+                DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, **options)))
         return launches, out
     # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
     # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
@@ -926,11 +906,6 @@ def gdn_step_triton(
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
     dependent_launch: bool | None = None,
-    state_pass_programs_per_sm: int | None = None,
-    epilogue_waits_per_head: bool | None = None,
-    state_pass_state_first: bool | None = None,
-    state_pass_l2_prefetch: int | None = None,
-    state_pass_max_registers: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -983,15 +958,7 @@ def gdn_step_triton(
     a program (`row_epilogue`, with `num_warps` and `max_registers`; the one kernel's epilogue options
     `epilogue_in_mma_layout`, `solve_by_dots` and `heads_per_program` do not apply). `dependent_launch`: the
     second launch is the first's programmatic dependent (Hopper; a plain launch in the interpreter), its programs
-    computing what does not read the products while the state pass drains. `state_pass_programs_per_sm` (0: a
-    program per tile): that many state-pass programs per SM (at most one per tile), each looping over tiles with
-    the next tile's state in flight. `epilogue_waits_per_head`: each row-epilogue program waits for its own
-    (request, head)'s tiles (counters the state pass releases, zeroed per call) instead of the whole state pass;
-    with a dependent launch and a persistent state pass, the epilogue overlaps the state stream.
-    `state_pass_state_first` (a program per tile): the tile's first state chunk loaded before the pending commit's
-    factor rows. `state_pass_l2_prefetch` (n > 0): each state-pass program first prefetches into the L2 the state
-    rows of the tile n x SMs ahead (a bulk prefetch; Hopper, not in the interpreter; needs a pool whose tile rows
-    are contiguous and 16-byte aligned, else off). `state_pass_max_registers`: ptxas's cap for the state pass.
+    computing what does not read the products while the state pass drains.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -1003,10 +970,7 @@ def gdn_step_triton(
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
                    epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots,
                    state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k,
-                   state_pass_warps=state_pass_warps, dependent_launch=dependent_launch,
-                   state_pass_programs_per_sm=state_pass_programs_per_sm,
-                   epilogue_waits_per_head=epilogue_waits_per_head, state_pass_state_first=state_pass_state_first,
-                   state_pass_l2_prefetch=state_pass_l2_prefetch, state_pass_max_registers=state_pass_max_registers)
+                   state_pass_warps=state_pass_warps, dependent_launch=dependent_launch)
 
 
 def gdn_commit_triton(
@@ -1025,23 +989,16 @@ def gdn_commit_triton(
     state_pass_rows: int | None = None,
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
-    state_pass_programs_per_sm: int | None = None,
-    state_pass_state_first: bool | None = None,
-    state_pass_l2_prefetch: int | None = None,
-    state_pass_max_registers: int | None = None,
 ) -> None:
     """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
     s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a, whose
     path (a and its ancestors: rows 0..a for a chain, else `pending_ancestors[a]`, as in `gdn_step_triton`) has its
     factors in rows factors[s, j]: h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j k_scale_j) k_j^T.
     With `state_pass_rows`, the state pass without products (`state_pass`; its other options as in
-    `gdn_step_triton`): a head's value rows over several programs (or, with `state_pass_programs_per_sm`, a
-    persistent grid)."""
+    `gdn_step_triton`): a head's value rows over several programs."""
     _launch(None, None, None, None, None, None, None, state, state_indices, None, None, factors, pending_nodes,
             pending_ancestors,
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
             activation="silu", ancestors=None, out=None, do_verify=False, block_k=block_k, num_warps=num_warps,
             prefetch=prefetch, max_registers=max_registers, heads_per_program=heads_per_program,
-            state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k, state_pass_warps=state_pass_warps,
-            state_pass_programs_per_sm=state_pass_programs_per_sm, state_pass_state_first=state_pass_state_first,
-            state_pass_l2_prefetch=state_pass_l2_prefetch, state_pass_max_registers=state_pass_max_registers)
+            state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k, state_pass_warps=state_pass_warps)

@@ -15,11 +15,7 @@ slot's rows (`_factor_columns`: the raw key, its inverse norm, u, g).
 With DEPENDENT_LAUNCH the kernel is launched as a programmatic dependent of the state pass (Hopper): everything
 that does not read the products (gates, path decays, norms, Gram matrices, v and z) runs while the state pass
 drains, `gdc_wait` then orders the products' loads and the factor rows' stores (the state pass reads the previous
-step's rows) after the state pass's writes. WAIT_PER_HEAD orders them after the program's own (request, head)
-only: it waits until the state pass's `ready` counter for it reaches ROW_BLOCKS (acquire; the state pass releases
-one arrival per tile), so with a persistent state pass, whose programs are all resident before this launch may
-start, the epilogue runs beside the state stream instead of after it. The last program still waits for the whole
-state pass, so that this launch ends after it."""
+step's rows) after the state pass's writes."""
 
 import triton
 import triton.language as tl
@@ -71,12 +67,11 @@ def _path_decays(ancestors, bos, n, g_own, BT: tl.constexpr, MAX_ANC: tl.constex
 
 @triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes"])
 def _row_epilogue_kernel(
-    qkv, a, b, A_log, dt_bias, z, norm_weight, state_indices, ancestors, cu_nodes, out, factors, products, ready,
+    qkv, a, b, A_log, dt_bias, z, norm_weight, state_indices, ancestors, cu_nodes, out, factors, products,
     stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh, stride_fslot, stride_frow,
     scale, eps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, MAX_ANC: tl.constexpr,
-    IS_CHAIN: tl.constexpr, ACT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr, WAIT_PER_HEAD: tl.constexpr,
-    ROW_BLOCKS: tl.constexpr,
+    IS_CHAIN: tl.constexpr, ACT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """products [B, HV, 2 BT, V] fp32: h k_raw_t at column 2t, h q_raw_t at 2t + 1 (`_state_pass_kernel`)."""
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
@@ -87,16 +82,9 @@ def _row_epilogue_kernel(
     n = tl.load(cu_nodes + i_b + 1) - bos
     a_log = tl.load(A_log + i_hv).to(tl.float32)
     bias = tl.load(dt_bias + i_hv).to(tl.float32)
-    # this launch completes after the state pass, for what follows: every program waits for it, or with WAIT_PER_HEAD
-    # the last one (the others wait for their own head's tiles only)
-    last = (i_hv == HV - 1) & (i_b == tl.num_programs(1) - 1)
     if slot < 0:
-        if DEPENDENT_LAUNCH:
-            if WAIT_PER_HEAD:
-                if last:
-                    gdc_wait()
-            else:
-                gdc_wait()
+        if DEPENDENT_LAUNCH:  # every program waits: this launch then completes after the state pass, for what follows
+            gdc_wait()
         return
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
@@ -144,9 +132,7 @@ def _row_epilogue_kernel(
             else:
                 attend = attend + (tl.zeros([], dtype=tl.float32),)
     w = tl.load(norm_weight + o_v).to(tl.float32)
-    if WAIT_PER_HEAD:
-        _wait_until(ready + i_b * HV + i_hv, ROW_BLOCKS)
-    elif DEPENDENT_LAUNCH:
+    if DEPENDENT_LAUNCH:
         gdc_wait()
     p_columns = products + ((i_b * HV + i_hv) * (2 * BT)).to(tl.int64) * V + o_v
     f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
@@ -155,9 +141,8 @@ def _row_epilogue_kernel(
         valid = i < n
         node = (bos + i).to(tl.int64)
         exp_c = tl.exp(path_c[i])
-        # read once, written by other SMs: past L1
-        u_i = beta[i] * (v_rows[i] - (exp_c * k_inv[i]) * tl.load(p_columns + (2 * i) * V, cache_modifier=".cg"))
-        o_i = (exp_c * q_inv[i]) * tl.load(p_columns + (2 * i + 1) * V, cache_modifier=".cg")
+        u_i = beta[i] * (v_rows[i] - (exp_c * k_inv[i]) * tl.load(p_columns + (2 * i) * V))
+        o_i = (exp_c * q_inv[i]) * tl.load(p_columns + (2 * i + 1) * V)
         for j in tl.static_range(i):
             u_i += lower[i * BT + j] * u_rows[j]
             o_i += attend[i * BT + j] * u_rows[j]
@@ -173,15 +158,3 @@ def _row_epilogue_kernel(
         tl.store(f_kscale + f_row, k_inv[i], mask=valid)
         tl.store(f_u + f_row + o_v, u_i, mask=valid)
         tl.store(f_g + f_row, g_own[i], mask=valid)
-    if WAIT_PER_HEAD and DEPENDENT_LAUNCH:
-        if last:
-            gdc_wait()
-
-
-@triton.jit
-def _wait_until(counter, arrivals: tl.constexpr):
-    """Spins until the int32 at `counter` reaches `arrivals` (acquire: what its writers released before arriving is
-    visible after)."""
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    while seen < arrivals:
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
