@@ -400,15 +400,16 @@ CONFIGS = {
 # [2,2,1]); two launches with the solve by dots (fp32 32 rows, 2-warp epilogue: 174.1 / 615.2 on [2,2,1] / [4,2,2]
 # against the default's 161.0 / 262.4; bf16 128 rows: 139.0 on [2,2,1] against 165.5, capped 64/8/1 114.2); one
 # launch (fp32 262.6 / 379.4, bf16 212.6).
+# Seventeenth session (2026-12-02e, `results/2026-12-02e/kernels/trees.json`, bf16, B=64, [4,2,2] / [2,2,1]; the
+# default then 64/8/1 uncapped, 229.9 / 163.3 us): 64/8/1 capped at 128 254 / 113 (the default for up to 16 nodes
+# since), capped at 168 227 / 170; dropped: 32/8/1 uncapped 342.9 / 309.0, capped at 128 444 / 266, at 168 393 /
+# 281; the one tf32 pass (bf16 states are exact in tf32) 32/8/1 284 / 206, 64/8/1 259 / 171.
 TREE_CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT)],
-    "bf16": [_dot(32, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(32, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
+    "bf16": [_dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(32, 8, 1, **EPILOGUE, solve_by_dots=True), _dot(64, 8, 1, **EPILOGUE, solve_by_dots=True),
-             _dot(64, 8, 1, max_registers=168, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(32, 8, 1, max_registers=168, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
+             _dot(64, 8, 1, max_registers=168, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
 }
 
 

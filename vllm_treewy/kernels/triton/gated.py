@@ -655,6 +655,11 @@ HALF_STATE_FEW_NODES_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf
 FP32_STATE_SOLVE_BY_DOTS_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, solve_by_dots=True)
 FP32_STATE_TREE_LAUNCH = dict(FP32_STATE_SOLVE_BY_DOTS_LAUNCH, max_registers=128)
 HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
+# Since 2026-12-02e (`results/2026-12-02e/kernels/trees.json`, seventeenth session, B=64, one run): 16-bit states with
+# 9-16 nodes (trees; nodes padded to 16) cap the by-dots launch at 128 registers, two CTAs per SM: [2,2,1] (11 nodes)
+# 113 us against 163.3 uncapped. More than 16 nodes (padded to 32) keep it uncapped: [4,2,2] (29 nodes) 229.9 against
+# 254 capped (the Gram tiles spill there; 168 registers, still one CTA: 227).
+HALF_STATE_SMALL_TREE_LAUNCH = dict(HALF_STATE_SOLVE_BY_DOTS_LAUNCH, max_registers=128)
 # Since 2026-12-02c (`results/2026-12-02c/kernels/t4c.json` and `rows.json`, fifteenth session, T=4 tuned at B=64):
 # 3-4 nodes and more than SMALL_BATCH requests take two launches, the state pass (`state_pass`) and then the
 # epilogue kernel, one warp a program: fp32 64 value rows / 64 key columns / 4 warps with 3xBF16 products, 101.4 us
@@ -703,7 +708,9 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, head_k_dim: int, max_n
         return NARROW_HEAD_LAUNCH
     fp32 = state_dtype == torch.float32
     if max_nodes > 8:
-        return FP32_STATE_TREE_LAUNCH if fp32 else HALF_STATE_SOLVE_BY_DOTS_LAUNCH
+        if fp32:
+            return FP32_STATE_TREE_LAUNCH
+        return HALF_STATE_SMALL_TREE_LAUNCH if max_nodes <= 16 else HALF_STATE_SOLVE_BY_DOTS_LAUNCH
     if batch <= FEW_REQUESTS or max_nodes > 4:
         return FP32_STATE_TWO_LAUNCH_16_ROWS if fp32 else HALF_STATE_TWO_LAUNCH_16_ROWS
     if fp32:
