@@ -376,6 +376,15 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # (3-4 nodes at B <= 8; T <= 2, fp32 and 16-bit; T = 5-8 fp32 by dots and 16-bit two heads). Dropped after the first
 # call: the two-launch candidates with the accumulator-layout epilogue, and the row epilogue with 4 warps (B=64 fp32
 # 102.4 / bf16 70.6 us against 98.4 / 65.6 for one warp, row-major products).
+# Seventeenth session (2026-12-02e, `results/2026-12-02e/kernels/`, T=4, B=64, us fused / state pass alone; registers
+# from the runs' compiled kernels): the state-pass tile shapes not tried before all lost to the defaults (bf16
+# 128/128/8 59.0 / 52.0, fp32 64/64/4 89.2 / 81.9; `sweep.json`): bf16 64/128/8 76.6 / 69.4 (90 registers), 128/64/8
+# 74.7 / 67.2, 64/64/8 73.7 / 66.8, 32/128/8 82.4 / 75.2, 128/128/16 84.6 / 77.7, 128/64/16 78.9 / 72.2, 64/128/4
+# 67.2 / 59.9 (143); fp32 64/64/8 108.9 / 101.1, 32/128/8 107.5 / 101.0, 64/128/8 129.3 / 121.1, 128/64/8 98.8 /
+# 91.5, 32/64/4 95.5 / 87.6, 16/128/4 121.1 / 114.1. So did a persistent state pass with the next tile in registers
+# (bf16 82.2-89.1, 181-220 registers), row-epilogue programs waiting on per-head counters instead of the whole state
+# pass, the state chunk loaded before the pending commit's factor rows, an L2 bulk prefetch of the next wave's tiles
+# and a register cap (`persistent.json`, `options.json`; the kernels were removed, kernels.md).
 # The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
 # default`); the second the default at B=1.
 CONFIGS = {
