@@ -165,8 +165,7 @@ class Step:
 
     def commit(self, s, config):
         launch = {k: config[k] for k in ("block_k", "num_warps", "prefetch", "max_registers", "heads_per_program",
-                                         "state_pass_rows", "state_pass_block_k", "state_pass_warps",
-                                         "state_pass_programs_per_sm", "state_pass_stages") if k in config}
+                                         "state_pass_rows", "state_pass_block_k", "state_pass_warps") if k in config}
         return lambda: gdn_commit_triton(self.pool, self.slot_sets[s], self.factors, self.accepted,
                                          num_key_heads=H, pending_ancestors=self.pending_ancestors, **launch)
 
@@ -288,7 +287,7 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
 PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
-              state_pass_rows=0, dependent_launch=False, state_pass_programs_per_sm=0, state_pass_stages=2)
+              state_pass_rows=0, dependent_launch=False)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
@@ -304,13 +303,6 @@ def _two_pass(rows, block_k, warps, epilogue_warps, **variant):
 
 
 DEPENDENT = dict(dependent_launch=True)
-
-
-def stream(per_sm, stages):
-    """The state pass as a stream (`state_stream`): `per_sm` programs an SM, TMA `stages` deep."""
-    return dict(state_pass_programs_per_sm=per_sm, state_pass_stages=stages)
-
-
 SPLIT = dict(split_state_tf32=True)  # 2xTF32 (fp32 states; bf16 q/k)
 BF16_SPLIT = dict(split_state_bf16=True)  # bf16 pieces: 3xBF16 (fp32 states), one exact pass (bf16 states)
 TWO_HEADS = dict(heads_per_program=2)
@@ -392,23 +384,20 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # 91.5, 32/64/4 95.5 / 87.6, 16/128/4 121.1 / 114.1. So did a persistent state pass with the next tile in registers
 # (bf16 82.2-89.1, 181-220 registers), row-epilogue programs waiting on per-head counters instead of the whole state
 # pass, the state chunk loaded before the pending commit's factor rows, an L2 bulk prefetch of the next wave's tiles
-# and a register cap (`persistent.json`, `options.json`; the kernels were removed, kernels.md).
+# and a register cap (`persistent.json`, `options.json`), and the state pass as a stream (persistent programs over
+# whole-K tiles arriving by TMA, Triton's pipeliner 2-4 stages deep, the slots gathered up front; `stream.json`):
+# bf16 70.7-81.4 us (commit alone 49.6-64.3 against 43.7), fp32 115.7-132.0. The kernels were removed (kernels.md).
 # The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
 # default`); the second the default at B=1.
 CONFIGS = {
     "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(32, 8, 1, **SPLIT, **EPILOGUE), _two_pass(64, 64, 4, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)]
-            + [_two_pass(rows, 128, warps, 1, **BF16_SPLIT, **DEPENDENT, **stream(per_sm, stages))
-               for rows, warps, per_sm, stages in ((32, 4, 4, 2), (32, 4, 3, 3), (16, 2, 5, 3), (16, 4, 5, 3))],
+             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2)]
-            + [_two_pass(rows, 128, warps, 1, **BF16_SPLIT, **DEPENDENT, **stream(per_sm, stages))
-               for rows, warps, per_sm, stages in ((128, 8, 1, 2), (64, 8, 2, 3), (32, 4, 4, 3), (32, 4, 4, 4),
-                                                   (16, 2, 8, 3))],
+             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2)],
 }
 
 

@@ -256,12 +256,6 @@ GATED_VARIANTS = {
                                    state_pass_warps=8, num_warps=2, dependent_launch=True),
     "row_epilogue_16_rows": dict(split_state_tf32=True, split_state_bf16=False, state_pass_rows=16,
                                  state_pass_block_k=128, state_pass_warps=2, num_warps=1, dependent_launch=True),
-    # the state pass as a stream (`state_stream`: persistent programs, whole-K tiles by TMA, pipelined): 32 rows,
-    # 4 programs an SM, 3 stages (wgmma-free mma.sync products); a whole head, 1 an SM, 2 stages (wgmma)
-    "row_epilogue_stream": dict(split_state_bf16=True, state_pass_rows=32, state_pass_warps=4, num_warps=1,
-                                dependent_launch=True, state_pass_programs_per_sm=4, state_pass_stages=3),
-    "row_epilogue_stream_128": dict(split_state_bf16=True, state_pass_rows=128, state_pass_warps=8, num_warps=1,
-                                    dependent_launch=True, state_pass_programs_per_sm=1, state_pass_stages=2),
 }
 
 
@@ -293,7 +287,7 @@ def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
                           GATED_VARIANTS[variant])
 
 
-@pytest.mark.parametrize("variant", ["row_epilogue", "row_epilogue_dependent", "row_epilogue_stream"])
+@pytest.mark.parametrize("variant", ["row_epilogue", "row_epilogue_dependent"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2), (2, 1, 1)])
 def test_gated_small_tree_row_epilogue(widths, state_dtype, variant):
@@ -349,8 +343,7 @@ def check_gated_two_steps(tree, chain, state_dtype, launch, batch=3):
             assert relative_error(pool[int(slots[b])], states[b]) <= state_tolerance
 
 
-@pytest.mark.parametrize("variant", ["default", "row_epilogue", "row_epilogue_dependent", "row_epilogue_stream",
-                                     "row_epilogue_stream_128"])
+@pytest.mark.parametrize("variant", ["default", "row_epilogue", "row_epilogue_dependent"])
 def test_gated_step_graph_capture(variant):
     from vllm_treewy.kernels.triton import gdn_step_triton
 
@@ -385,13 +378,12 @@ def test_gated_step_graph_capture(variant):
     assert torch.equal(replayed, out) and torch.equal(replayed_pool, pool) and bool(out.isfinite().all())
 
 
-def gated_two_steps(state_dtype, launch, tokens=4, batch=5, seed=11, padding=()):
-    """A chain step, then a step that commits its whole chain (one request with nothing pending; the requests in
-    `padding` without a slot): (outputs of both steps, u rows after each, the committed pool)."""
+def gated_two_steps(state_dtype, launch, tokens=4, batch=5, seed=11):
+    """A chain step, then a step that commits its whole chain (one request with nothing pending): (outputs of both
+    steps, u rows after each, the committed pool)."""
     from vllm_treewy.kernels.triton import gdn_step_triton, split_slot_factors
 
     inputs, pool, slots = gated_batch(tokens, batch, state_dtype, seed=seed)
-    slots[list(padding)] = -1
     fresh, _, _ = gated_batch(tokens, batch, state_dtype, seed=seed + 1)
     packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
     factors = slot_factors(pool.shape[0], tokens)
@@ -403,26 +395,6 @@ def gated_two_steps(state_dtype, launch, tokens=4, batch=5, seed=11, padding=())
     out2 = gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, pending_nodes=accepted, **kw)
     u2 = split_slot_factors(factors, HV, K, V)[2][slots.long()].clone()
     return (out1, out2), (u1, u2), pool, (inputs, slots, packed)
-
-
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["row_epilogue_stream", "row_epilogue_stream_128"])
-def test_state_stream_as_a_program_per_tile(state_dtype, variant):
-    """40 requests of 4 nodes, two of them padding, two steps: the state pass as a stream (programs loop over
-    several tiles, padding tiles store nothing) gives bit for bit what a program per tile gives with the same rows:
-    outputs, u rows, the committed pool."""
-    launch = GATED_VARIANTS[variant]
-    plain = dict(launch, state_pass_programs_per_sm=0, state_pass_block_k=128)
-    padding = (5, 33)
-    real = torch.ones(40, 4, dtype=torch.bool, device="cuda")
-    real[list(padding)] = False
-    (outs, us, pool, _), (plain_outs, plain_us, plain_pool, _) = (
-        gated_two_steps(state_dtype, options, batch=40, padding=padding) for options in (launch, plain))
-    for out, plain_out in zip(outs, plain_outs):
-        assert torch.equal(out[real.flatten()], plain_out[real.flatten()])
-    for u, plain_u in zip(us, plain_us):
-        assert torch.equal(u[real[:, 0]], plain_u[real[:, 0]])
-    assert torch.equal(pool, plain_pool)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])

@@ -42,14 +42,11 @@ SOLVE_BY_DOTS = [one_kernel(block_k=16, state_dot=True, late_node_terms=True, sp
                             epilogue_in_mma_layout=True, solve_by_dots=True)]
 # the state pass and the row epilogue in two launches (at most 8 nodes): 2xTF32 products, 16 value rows and 16 key
 # columns a chunk (two programs and two chunks where V or K is 32), a one-warp epilogue; the bf16 pieces (3xBF16 for
-# fp32 states), 8 rows, two warps, a dependent launch (a plain one in the interpreter); a whole head's rows a program;
-# the state pass as a stream (`state_stream`: the interpreter's 2 SMs x 2 programs loop over the tiles, TMA loads)
+# fp32 states), 8 rows, two warps, a dependent launch (a plain one in the interpreter); a whole head's rows a program
 TWO_PASS = [dict(split_state_tf32=True, state_pass_rows=16, state_pass_block_k=16, num_warps=1),
             dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=32, num_warps=2, dependent_launch=True),
             dict(split_state_bf16=True, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2,
-                 num_warps=4),
-            dict(split_state_bf16=True, state_pass_rows=16, num_warps=1, dependent_launch=True,
-                 state_pass_programs_per_sm=2, state_pass_stages=2)]
+                 num_warps=4)]
 VARIANTS = SOLVE_BY_DOTS + [one_kernel(block_k=16, state_dot=True, late_node_terms=True),
             one_kernel(block_k=16, state_dot=True, late_node_terms=False),
             one_kernel(block_k=4, state_dot=False, late_node_terms=False),

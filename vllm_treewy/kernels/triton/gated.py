@@ -81,11 +81,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..gated import slot_factor_width, split_slot_factors
 from ._tree import _ancestor
-from . import row_epilogue, state_pass, state_stream
+from . import row_epilogue, state_pass
 from .gates import _log_decay, _output_gate
 from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _operand_pieces, _pending_path,
                         _pending_values, _piece_products, _state_products)
-from .verify import interpreting, max_ancestors, multiprocessors, tree_ancestors
+from .verify import interpreting, max_ancestors, tree_ancestors
 
 ACTIVATIONS = ("silu", "sigmoid")
 
@@ -320,9 +320,8 @@ def _gated_step_kernel(
         # the previous step's path to its accepted node a (`_pending_path`): per row the key row, and per head
         # exp(c_a - c_j) u_j / |k_j| as a [V] vector; exp(c_a) for h0. Every pending row is read before the epilogue
         # overwrites the rows (barrier there).
-        accepted = tl.load(pending_nodes + i_b)
-        p_rows, p_on, p_weight, p_root = _pending_path(
-            accepted, pending_ancestors, f_kscale, f_g, stride_frow, G, PENDING_ROWS, PENDING_IS_CHAIN)
+        accepted, p_rows, p_on, p_weight, p_root = _pending_path(
+            pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G, PENDING_ROWS, PENDING_IS_CHAIN)
         p_wu = _pending_values(f_u, p_rows, p_on, p_weight, o_v, V, G, PENDING_ROWS)
         p_krow = ()
         for d in tl.static_range(PENDING_ROWS):
@@ -647,8 +646,7 @@ FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, r
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False, solve_by_dots=False, state_pass_rows=0,
-                         state_pass_block_k=128, state_pass_warps=4, dependent_launch=False,
-                         state_pass_programs_per_sm=0, state_pass_stages=2)
+                         state_pass_block_k=128, state_pass_warps=4, dependent_launch=False)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -830,26 +828,13 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
         dependent = do_verify and launch["dependent_launch"] and not interpreting()
         # the commit alone writes no products: `factors` stands in for the pointer
         products = torch.empty(batch, HV, 2 * bt, V, device=state.device) if do_verify else factors
-        verify_args = (mixed_qkv.stride(0) if do_verify else 0, state.stride(0), state.stride(1), state.stride(2),
-                       factors.stride(0), factors.stride(1))
-        pass_kwargs = dict(H=H, HV=HV, K=K, V=V, BV=rows, BT=bt, DO_PRODUCTS=do_verify, STATE_PRODUCTS=state_products,
-                           LAUNCH_DEPENDENTS=dependent, num_warps=launch["state_pass_warps"], num_stages=1, **pending)
-        qkv_or_none = mixed_qkv if do_verify else factors
-        nodes_or_none = cu_nodes if do_verify else state_indices
-        per_sm = launch["state_pass_programs_per_sm"]
-        if per_sm:  # the stream: a persistent grid, whole-K tiles by TMA (a host-side descriptor, as `tma_state`)
-            tiles = batch * HV * (V // rows)
-            programs = max(1, min(tiles, per_sm * multiprocessors(state.device)))
-            state_desc = TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, rows, K])
-            launches = [(state_stream._state_stream_kernel, (programs,), (
-                qkv_or_none, state, state_desc, state_indices, nodes_or_none, factors, *pending_arrays, products,
-                tiles, *verify_args), dict(
-                TILES_PER_PROGRAM=max(2, triton.next_power_of_2(triton.cdiv(tiles, programs))),
-                STAGES=launch["state_pass_stages"], **pass_kwargs))]
-        else:
-            launches = [(state_pass._state_pass_kernel, (V // rows, HV, batch), (
-                qkv_or_none, state, state_indices, nodes_or_none, factors, *pending_arrays, products, *verify_args),
-                dict(BK=min(launch["state_pass_block_k"], K), **pass_kwargs))]
+        launches = [(state_pass._state_pass_kernel, (V // rows, HV, batch), (
+            mixed_qkv if do_verify else factors, state, state_indices, cu_nodes if do_verify else state_indices,
+            factors, *pending_arrays, products, mixed_qkv.stride(0) if do_verify else 0, state.stride(0),
+            state.stride(1), state.stride(2), factors.stride(0), factors.stride(1)), dict(
+            H=H, HV=HV, K=K, V=V, BV=rows, BK=min(launch["state_pass_block_k"], K), BT=bt, DO_PRODUCTS=do_verify,
+            STATE_PRODUCTS=state_products, LAUNCH_DEPENDENTS=dependent, num_warps=launch["state_pass_warps"],
+            num_stages=1, **pending))]
         if do_verify:
             launches.append((row_epilogue._row_epilogue_kernel, (HV, batch), (
                 mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
@@ -928,8 +913,6 @@ def gdn_step_triton(
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
     dependent_launch: bool | None = None,
-    state_pass_programs_per_sm: int | None = None,
-    state_pass_stages: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -982,10 +965,7 @@ def gdn_step_triton(
     a program (`row_epilogue`, with `num_warps` and `max_registers`; the one kernel's epilogue options
     `epilogue_in_mma_layout`, `solve_by_dots` and `heads_per_program` do not apply). `dependent_launch`: the
     second launch is the first's programmatic dependent (Hopper; a plain launch in the interpreter), its programs
-    computing what does not read the products while the state pass drains. `state_pass_programs_per_sm` (0: a
-    program per tile): the state pass as a stream (`state_stream`), that many programs an SM looping over tiles of
-    all K columns that arrive by TMA, `state_pass_stages` deep (Triton's pipeliner; `state_pass_block_k` unused;
-    the pool's base and strides 16-byte aligned).
+    computing what does not read the products while the state pass drains.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -997,8 +977,7 @@ def gdn_step_triton(
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
                    epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots,
                    state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k,
-                   state_pass_warps=state_pass_warps, dependent_launch=dependent_launch,
-                   state_pass_programs_per_sm=state_pass_programs_per_sm, state_pass_stages=state_pass_stages)
+                   state_pass_warps=state_pass_warps, dependent_launch=dependent_launch)
 
 
 def gdn_commit_triton(
@@ -1017,8 +996,6 @@ def gdn_commit_triton(
     state_pass_rows: int | None = None,
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
-    state_pass_programs_per_sm: int | None = None,
-    state_pass_stages: int | None = None,
 ) -> None:
     """The pending commit alone, in place (for the end of a sequence, and tests): for each request b with slot
     s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0, the slot's state becomes the state after node a, whose
@@ -1031,5 +1008,4 @@ def gdn_commit_triton(
             num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None, norm_eps=0.0,
             activation="silu", ancestors=None, out=None, do_verify=False, block_k=block_k, num_warps=num_warps,
             prefetch=prefetch, max_registers=max_registers, heads_per_program=heads_per_program,
-            state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k, state_pass_warps=state_pass_warps,
-            state_pass_programs_per_sm=state_pass_programs_per_sm, state_pass_stages=state_pass_stages)
+            state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k, state_pass_warps=state_pass_warps)

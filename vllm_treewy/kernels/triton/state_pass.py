@@ -40,9 +40,8 @@ def _state_pass_kernel(
     p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
     if HAS_PENDING:
         f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
-        accepted = tl.load(pending_nodes + i_b)
-        p_rows, p_on, p_weight, p_root = _pending_path(
-            accepted, pending_ancestors, f_kscale, f_g, stride_frow, 1, PENDING_ROWS, PENDING_IS_CHAIN)
+        accepted, p_rows, p_on, p_weight, p_root = _pending_path(
+            pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, 1, PENDING_ROWS, PENDING_IS_CHAIN)
         p_wu = _pending_values(f_u, p_rows, p_on, p_weight, o_v, V, 1, PENDING_ROWS)
         store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
     if DO_PRODUCTS:

@@ -7,7 +7,6 @@ Torch twin: `vllm_treewy.kernels.closed_form.verify_packed` (same packed API); g
 `vllm_treewy.kernels.reference`.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -160,12 +159,6 @@ def launch_config(measured, V, K, block_v, block_k, num_warps, max_registers):
 
 def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
-
-
-@functools.cache
-def multiprocessors(device: torch.device) -> int:
-    """The device's SM count, for persistent grids; 2 off CUDA (the interpreter), so that its programs loop."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def block_nodes(max_nodes: int) -> int:
