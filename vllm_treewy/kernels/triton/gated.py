@@ -658,7 +658,7 @@ HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_
 # Since 2026-12-02e (`results/2026-12-02e/kernels/trees.json`, seventeenth session, B=64, one run): 16-bit states with
 # 9-16 nodes (trees; nodes padded to 16) cap the by-dots launch at 128 registers, two CTAs per SM: [2,2,1] (11 nodes)
 # 113 us against 163.3 uncapped. More than 16 nodes (padded to 32) keep it uncapped: [4,2,2] (29 nodes) 229.9 against
-# 254 capped (the Gram tiles spill there; 168 registers, still one CTA: 227).
+# 254 capped at 128 (376 bytes spilled there, offline sm_90) and 227 at 168 (still one CTA per SM; not taken).
 HALF_STATE_SMALL_TREE_LAUNCH = dict(HALF_STATE_SOLVE_BY_DOTS_LAUNCH, max_registers=128)
 # Since 2026-12-02c (`results/2026-12-02c/kernels/t4c.json` and `rows.json`, fifteenth session, T=4 tuned at B=64):
 # 3-4 nodes and more than SMALL_BATCH requests take two launches, the state pass (`state_pass`) and then the
