@@ -297,6 +297,8 @@ def _gated_step_kernel(
     i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
     i_h = i_hv0 // (HV // H)
     slot = tl.load(state_indices + i_b).to(tl.int64)
+    if HAS_PENDING:  # with the slot, not after its check (volatile: not sunk below it): the factor rows wait on both
+        accepted = tl.load(pending_nodes + i_b, volatile=True)
     if slot < 0:
         return
     o_v = tl.arange(0, V)
@@ -320,8 +322,8 @@ def _gated_step_kernel(
         # the previous step's path to its accepted node a (`_pending_path`): per row the key row, and per head
         # exp(c_a - c_j) u_j / |k_j| as a [V] vector; exp(c_a) for h0. Every pending row is read before the epilogue
         # overwrites the rows (barrier there).
-        accepted, p_rows, p_on, p_weight, p_root = _pending_path(
-            pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G, PENDING_ROWS, PENDING_IS_CHAIN)
+        p_rows, p_on, p_weight, p_root = _pending_path(
+            accepted, pending_ancestors, f_kscale, f_g, stride_frow, G, PENDING_ROWS, PENDING_IS_CHAIN)
         p_wu = _pending_values(f_u, p_rows, p_on, p_weight, o_v, V, G, PENDING_ROWS)
         p_krow = ()
         for d in tl.static_range(PENDING_ROWS):

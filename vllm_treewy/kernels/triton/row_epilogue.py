@@ -76,12 +76,13 @@ def _row_epilogue_kernel(
     """products [B, HV, 2 BT, V] fp32: h k_raw_t at column 2t, h q_raw_t at 2t + 1 (`_state_pass_kernel`)."""
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
     # every program of a batch is resident at once: its time is its chain of dependent loads, so the loads that
-    # need nothing but the program ids go out together, before the padding check
+    # need nothing but the program ids go out together, before the padding check (volatile: LLVM sinks a plain
+    # load below the check into the one branch that uses it)
     slot = tl.load(state_indices + i_b).to(tl.int64)
-    bos = tl.load(cu_nodes + i_b)
-    n = tl.load(cu_nodes + i_b + 1) - bos
-    a_log = tl.load(A_log + i_hv).to(tl.float32)
-    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    bos = tl.load(cu_nodes + i_b, volatile=True)
+    n = tl.load(cu_nodes + i_b + 1, volatile=True) - bos
+    a_log = tl.load(A_log + i_hv, volatile=True).to(tl.float32)
+    bias = tl.load(dt_bias + i_hv, volatile=True).to(tl.float32)
     if slot < 0:
         if DEPENDENT_LAUNCH:  # every program waits: this launch then completes after the state pass, for what follows
             gdc_wait()
@@ -134,15 +135,27 @@ def _row_epilogue_kernel(
     w = tl.load(norm_weight + o_v).to(tl.float32)
     if DEPENDENT_LAUNCH:
         gdc_wait()
+    # node i's products are loaded AHEAD nodes before its solve, before the stores in between (a load after a store
+    # is issued after it: loaded in its own iteration, each node waited an L2 round trip, 2026-12-02e SASS); all
+    # of them up front for up to 4 nodes (8: 242 registers against 147, offline sm_90)
+    AHEAD: tl.constexpr = min(BT, 4)
     p_columns = products + ((i_b * HV + i_hv) * (2 * BT)).to(tl.int64) * V + o_v
+    hk = ()
+    hq = ()
+    for i in tl.static_range(AHEAD):
+        hk = hk + (tl.load(p_columns + (2 * i) * V),)
+        hq = hq + (tl.load(p_columns + (2 * i + 1) * V),)
     f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
     u_rows = ()
     for i in tl.static_range(BT):
+        if i + AHEAD < BT:
+            hk = hk + (tl.load(p_columns + (2 * (i + AHEAD)) * V),)
+            hq = hq + (tl.load(p_columns + (2 * (i + AHEAD) + 1) * V),)
         valid = i < n
         node = (bos + i).to(tl.int64)
         exp_c = tl.exp(path_c[i])
-        u_i = beta[i] * (v_rows[i] - (exp_c * k_inv[i]) * tl.load(p_columns + (2 * i) * V))
-        o_i = (exp_c * q_inv[i]) * tl.load(p_columns + (2 * i + 1) * V)
+        u_i = beta[i] * (v_rows[i] - (exp_c * k_inv[i]) * hk[i])
+        o_i = (exp_c * q_inv[i]) * hq[i]
         for j in tl.static_range(i):
             u_i += lower[i * BT + j] * u_rows[j]
             o_i += attend[i * BT + j] * u_rows[j]

@@ -87,14 +87,14 @@ def _factor_columns(factors, slot, stride_fslot, i_hv, HV: tl.constexpr, K: tl.c
 
 
 @triton.jit
-def _pending_path(pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, G: tl.constexpr,
+def _pending_path(accepted, pending_ancestors, f_kscale, f_g, stride_frow, G: tl.constexpr,
                   PENDING_ROWS: tl.constexpr, PENDING_IS_CHAIN: tl.constexpr):
-    """The previous step's path to request i_b's accepted node a (row d: a's d-th ancestor, d = 0..PENDING_ROWS-1;
-    a chain's is a - d, a tree's comes from the table) for G value heads (log decays at f_g + g; the key scale of
-    the first head serves all G: one key head's copies are equal): (a; per row d its offset into the factor rows and
+    """The previous step's path to a request's accepted node a (its pending_nodes entry, loaded by the caller with
+    the slot: one load level fewer before the factor rows; row d: a's d-th ancestor, d = 0..PENDING_ROWS-1; a
+    chain's is a - d, a tree's comes from the table) for G value heads (log decays at f_g + g; the key scale of the
+    first head serves all G: one key head's copies are equal): (per row d its offset into the factor rows and
     whether it is on the path; per row d and head g, at d * G + g, the weight exp(c_a - c_j) / |k_j|; per head
     exp(c_a), h0's weight). The decays are running sums of g up the path, never differences."""
-    accepted = tl.load(pending_nodes + i_b)
     running = ()
     for g in tl.static_range(G):
         running = running + (tl.zeros([], dtype=tl.float32),)
@@ -116,7 +116,7 @@ def _pending_path(pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_f
     roots = ()
     for g in tl.static_range(G):
         roots = roots + (tl.exp(running[g]),)
-    return accepted, offsets, on_path, weights, roots
+    return offsets, on_path, weights, roots
 
 
 @triton.jit

@@ -32,7 +32,15 @@ def _state_pass_kernel(
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the per-request indices go out together, before the slot's check: the factor rows, the state and the q/k
+    # columns then wait on one level of loads (ncu, 2026-12-02e: the accepted node waited on the check). Volatile:
+    # LLVM sinks a plain load below the check into the one branch that uses it
     slot = tl.load(state_indices + i_b).to(tl.int64)
+    if HAS_PENDING:
+        accepted = tl.load(pending_nodes + i_b, volatile=True)
+    if DO_PRODUCTS:
+        bos = tl.load(cu_nodes + i_b, volatile=True)
+        n = tl.load(cu_nodes + i_b + 1, volatile=True) - bos
     if slot < 0:
         return
     o_v = i_v * BV + tl.arange(0, BV)
@@ -40,21 +48,21 @@ def _state_pass_kernel(
     p_state = state + slot * stride_slot + i_hv * stride_head + o_v[:, None] * stride_v
     if HAS_PENDING:
         f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
-        accepted, p_rows, p_on, p_weight, p_root = _pending_path(
-            pending_nodes, pending_ancestors, i_b, f_kscale, f_g, stride_frow, 1, PENDING_ROWS, PENDING_IS_CHAIN)
+        p_rows, p_on, p_weight, p_root = _pending_path(
+            accepted, pending_ancestors, f_kscale, f_g, stride_frow, 1, PENDING_ROWS, PENDING_IS_CHAIN)
         p_wu = _pending_values(f_u, p_rows, p_on, p_weight, o_v, V, 1, PENDING_ROWS)
         store_commit = (o_v[:, None] * 0 + accepted) >= 0  # as a tile: a scalar mask does not broadcast everywhere
     if DO_PRODUCTS:
         # the fused step's interleaved accumulator columns: k_t at 2t, q_t at 2t + 1, zeros up to 16
         NQ: tl.constexpr = max(16, 2 * BT)
         o_q = tl.arange(0, NQ)
-        bos = tl.load(cu_nodes + i_b)
-        n = tl.load(cu_nodes + i_b + 1) - bos
         kq_row, kq_ok = _node_kq_columns(qkv, bos, n, stride_qkv, i_hv // (HV // H), H, K, BT, True)
         acc = tl.zeros([BV, NQ], dtype=tl.float32)
     for i_k in tl.static_range(K // BK):
         cols = i_k * BK + o_kc
         h = tl.load(p_state + cols[None, :]).to(tl.float32)
+        if DO_PRODUCTS:  # before the commit's store: a load after a store is issued after it (ncu, 2026-12-02e)
+            kq = tl.load(kq_row[None, :] + cols[:, None], mask=kq_ok[None, :], other=0.0)
         if HAS_PENDING:
             keys = ()
             for d in tl.static_range(PENDING_ROWS):
@@ -63,8 +71,7 @@ def _state_pass_kernel(
             tl.store(p_state + cols[None, :], h, mask=store_commit)
             h = h.to(tl.float32)
         if DO_PRODUCTS:
-            kq = tl.load(kq_row[None, :] + cols[:, None], mask=kq_ok[None, :], other=0.0).to(tl.float32)
-            acc = _state_products(h, kq, acc, STATE_PRODUCTS)
+            acc = _state_products(h, kq.to(tl.float32), acc, STATE_PRODUCTS)
     if DO_PRODUCTS:  # node-major: each column's V values side by side, for the row epilogue's vector loads
         p_out = products + ((i_b * HV + i_hv) * (2 * BT) + o_q[None, :]).to(tl.int64) * V + o_v[:, None]
         tl.store(p_out, acc, mask=(o_q < 2 * BT)[None, :])
