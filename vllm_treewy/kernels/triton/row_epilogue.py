@@ -137,7 +137,8 @@ def _row_epilogue_kernel(
         gdc_wait()
     # node i's products are loaded AHEAD nodes before its solve, before the stores in between (a load after a store
     # is issued after it: loaded in its own iteration, each node waited an L2 round trip, 2026-12-02e SASS); all
-    # of them up front for up to 4 nodes (8: 242 registers against 147, offline sm_90)
+    # of them up front for up to 4 nodes. Offline sm_90 at 8 nodes: 230 registers four ahead, 242 all up front,
+    # against 147 in the loop (ptxas then also delays the stores); the H200 still ran T=8 3-5% faster (2026-12-03)
     AHEAD: tl.constexpr = min(BT, 4)
     p_columns = products + ((i_b * HV + i_hv) * (2 * BT)).to(tl.int64) * V + o_v
     hk = ()
