@@ -84,7 +84,7 @@ from ._tree import _ancestor
 from . import row_epilogue, state_pass
 from .gates import _log_decay, _output_gate
 from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _operand_pieces, _pending_path,
-                        _pending_values, _piece_products, _state_products)
+                        _pending_values, _piece_products, _request_indices, _state_products)
 from .verify import interpreting, max_ancestors, tree_ancestors
 
 ACTIVATIONS = ("silu", "sigmoid")
@@ -296,9 +296,7 @@ def _gated_step_kernel(
     # are tuples indexed by g (and by j * G + g for the prefetched chunks, d * G + g for the pending rows)
     i_hv0, i_b = tl.program_id(0) * G, tl.program_id(1)
     i_h = i_hv0 // (HV // H)
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    if HAS_PENDING:  # with the slot, not after its check (volatile: not sunk below it): the factor rows wait on both
-        accepted = tl.load(pending_nodes + i_b, volatile=True)
+    slot, accepted, _, _ = _request_indices(state_indices, pending_nodes, cu_nodes, i_b, HAS_PENDING, False)
     if slot < 0:
         return
     o_v = tl.arange(0, V)

@@ -23,7 +23,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from ._tree import _ancestor
 from .gates import _log_decay, _output_gate
-from .state_ops import _factor_columns
+from .state_ops import _before_check, _factor_columns, _request_indices
 
 
 @triton.jit
@@ -65,6 +65,12 @@ def _path_decays(ancestors, bos, n, g_own, BT: tl.constexpr, MAX_ANC: tl.constex
     return path_c, decay
 
 
+@triton.jit
+def _append_node_products(hk, hq, p_columns, i, V: tl.constexpr):
+    """Node i's products h k_raw_i and h q_raw_i ([V] each, columns 2i and 2i + 1) appended to the tuples."""
+    return hk + (tl.load(p_columns + (2 * i) * V),), hq + (tl.load(p_columns + (2 * i + 1) * V),)
+
+
 @triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes"])
 def _row_epilogue_kernel(
     qkv, a, b, A_log, dt_bias, z, norm_weight, state_indices, ancestors, cu_nodes, out, factors, products,
@@ -76,13 +82,10 @@ def _row_epilogue_kernel(
     """products [B, HV, 2 BT, V] fp32: h k_raw_t at column 2t, h q_raw_t at 2t + 1 (`_state_pass_kernel`)."""
     i_hv, i_b = tl.program_id(0), tl.program_id(1)
     # every program of a batch is resident at once: its time is its chain of dependent loads, so the loads that
-    # need nothing but the program ids go out together, before the padding check (volatile: LLVM sinks a plain
-    # load below the check into the one branch that uses it)
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    bos = tl.load(cu_nodes + i_b, volatile=True)
-    n = tl.load(cu_nodes + i_b + 1, volatile=True) - bos
-    a_log = tl.load(A_log + i_hv, volatile=True).to(tl.float32)
-    bias = tl.load(dt_bias + i_hv, volatile=True).to(tl.float32)
+    # need nothing but the program ids go out together, before the padding check
+    slot, _, bos, n = _request_indices(state_indices, state_indices, cu_nodes, i_b, False, True)
+    a_log = _before_check(A_log + i_hv).to(tl.float32)
+    bias = _before_check(dt_bias + i_hv).to(tl.float32)
     if slot < 0:
         if DEPENDENT_LAUNCH:  # every program waits: this launch then completes after the state pass, for what follows
             gdc_wait()
@@ -144,14 +147,12 @@ def _row_epilogue_kernel(
     hk = ()
     hq = ()
     for i in tl.static_range(AHEAD):
-        hk = hk + (tl.load(p_columns + (2 * i) * V),)
-        hq = hq + (tl.load(p_columns + (2 * i + 1) * V),)
+        hk, hq = _append_node_products(hk, hq, p_columns, i, V)
     f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)
     u_rows = ()
     for i in tl.static_range(BT):
         if i + AHEAD < BT:
-            hk = hk + (tl.load(p_columns + (2 * (i + AHEAD)) * V),)
-            hq = hq + (tl.load(p_columns + (2 * (i + AHEAD) + 1) * V),)
+            hk, hq = _append_node_products(hk, hq, p_columns, i + AHEAD, V)
         valid = i < n
         node = (bos + i).to(tl.int64)
         exp_c = tl.exp(path_c[i])

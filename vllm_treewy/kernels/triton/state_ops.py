@@ -1,9 +1,10 @@
-"""Jit helpers on one value head's state that the fused step (`gated`) and its state pass (`state_pass`) share:
-the products of a state chunk with raw q/k columns on the tensor cores, exact to fp32 accuracy by splitting the
-state (`_state_products`), and where their q/k columns come from (`_node_kq_columns`); the slot's factor rows:
-where a head's columns are (`_factor_columns`), the previous step's path to its accepted node (`_pending_path`), its
-weighted pseudo-values (`_pending_values`) and the committed chunk (`_committed_chunk`: both kernels sum it in the
-same order, so they commit the same state bit for bit)."""
+"""Jit helpers that the fused step (`gated`), its state pass (`state_pass`) and its row epilogue share: a
+request's indices loaded ahead of the padding check (`_request_indices`, `_before_check`); the products of a state
+chunk with raw q/k columns on the tensor cores, exact to fp32 accuracy by splitting the state (`_state_products`),
+and where their q/k columns come from (`_node_kq_columns`); the slot's factor rows: where a head's columns are
+(`_factor_columns`), the previous step's path to its accepted node (`_pending_path`), its weighted pseudo-values
+(`_pending_values`) and the committed chunk (`_committed_chunk`: both kernels sum it in the same order, so they
+commit the same state bit for bit)."""
 
 import triton
 import triton.language as tl
@@ -75,6 +76,29 @@ def _piece_products(pieces, kq, acc, STATE_PRODUCTS: tl.constexpr):
         else:
             acc = tl.dot(pieces[i], kq, acc, input_precision="tf32")
     return acc
+
+
+@triton.jit
+def _before_check(pointer):
+    """A load meant to leave before the caller's padding check (`if slot < 0: return`), with the slot's own, so that
+    what depends on it waits on one load level: volatile, because LLVM sinks a plain load below the check into the
+    one branch that uses it (offline sm_90 SASS, 2026-12-03)."""
+    return tl.load(pointer, volatile=True)
+
+
+@triton.jit
+def _request_indices(state_indices, pending_nodes, cu_nodes, i_b, HAS_PENDING: tl.constexpr,
+                     HAS_NODES: tl.constexpr):
+    """Request i_b's (slot, accepted node, first node, node count), loaded together ahead of the padding check
+    (`_before_check`): the accepted node -1 without HAS_PENDING, the node range 0, 0 without HAS_NODES."""
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    accepted = _before_check(pending_nodes + i_b) if HAS_PENDING else -1
+    bos = 0
+    n = 0
+    if HAS_NODES:
+        bos = _before_check(cu_nodes + i_b)
+        n = _before_check(cu_nodes + i_b + 1) - bos
+    return slot, accepted, bos, n
 
 
 @triton.jit

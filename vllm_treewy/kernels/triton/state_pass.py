@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _pending_path, _pending_values,
-                        _state_products)
+                        _request_indices, _state_products)
 
 
 # integer arrays read as scalars or gathers, not specialised on alignment (as `_gated_step_kernel`)
@@ -32,15 +32,9 @@ def _state_pass_kernel(
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # the per-request indices go out together, before the slot's check: the factor rows, the state and the q/k
-    # columns then wait on one level of loads (ncu, 2026-12-02e: the accepted node waited on the check). Volatile:
-    # LLVM sinks a plain load below the check into the one branch that uses it
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    if HAS_PENDING:
-        accepted = tl.load(pending_nodes + i_b, volatile=True)
-    if DO_PRODUCTS:
-        bos = tl.load(cu_nodes + i_b, volatile=True)
-        n = tl.load(cu_nodes + i_b + 1, volatile=True) - bos
+    # the factor rows, the state and the q/k columns then wait on one level of loads (ncu, 2026-12-02e: the accepted
+    # node waited on the slot's check)
+    slot, accepted, bos, n = _request_indices(state_indices, pending_nodes, cu_nodes, i_b, HAS_PENDING, DO_PRODUCTS)
     if slot < 0:
         return
     o_v = i_v * BV + tl.arange(0, BV)
