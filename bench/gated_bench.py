@@ -248,23 +248,35 @@ def time_case(step, op, fb, config, with_baselines=True, separate=True):
     return t
 
 
+def two_launch_facts(step, config):
+    """A two-launch config's state pass with and without products and its epilogue, each timed alone, and the
+    launches' registers and spills (each launch run once outside a graph for its compiled kernel)."""
+    facts = dict(state_pass_commit_us=graph_time_us([step.commit(s, config) for s in range(step.sets)]))
+    launches = [step.launches(s, config) for s in range(step.sets)]
+    kernels = [call() for call in launches[0]]
+    facts["registers"] = [k.n_regs for k in kernels]
+    facts["spills"] = [k.n_spills for k in kernels]
+    facts["state_pass_us"], facts["epilogue_us"] = (graph_time_us([calls[i] for calls in launches]) for i in range(2))
+    return facts
+
+
 def measure_gated_tree(widths, batch, name, records, hbm):
     """The fused step on a batch of draft trees (root + N nodes each, the previous step's deepest leaf committed):
-    its launch default, checked against fp64, and the TREE_CONFIGS (`tests/gpu` checks them); and the per-node
+    its launch default and the TREE_CONFIGS, each checked against fp64; and the per-node
     serial baseline on the same tree and batch. A candidate that is this tree's launch default is the "default" row
     (not timed twice)."""
     step = Step(None, batch, STATE_DTYPES[name], widths=widths)
     default = gated_module.launch_defaults(STATE_DTYPES[name], batch, K, step.max_nodes)
     others = [c for c in TREE_CONFIGS[name] if {**default, **c} != default]
-    times, oks = {}, {}
+    times, oks, facts = {}, {}, {}
     for label, config in [("default", {})] + [(str(c), c) for c in others]:
         try:
-            oks[label] = None
-            if label == "default":
-                err = check(step, None, config, records)
-                oks[label] = err["out"] < 2e-2 and err["out_written"] and err["commit"] < (
-                    2e-5 if name == "fp32" else 1e-2) and err["u"] < (2e-5 if name == "fp32" else 2e-2)
+            err = check(step, None, config, records)
+            oks[label] = err["out"] < 2e-2 and err["out_written"] and err["commit"] < (
+                2e-5 if name == "fp32" else 1e-2) and err["u"] < (2e-5 if name == "fp32" else 2e-2)
             times[label] = time_case(step, None, None, config, with_baselines=False, separate=label == "default")
+            if {**default, **config}["state_pass_rows"]:
+                facts[label] = two_launch_facts(step, config)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     nodes = step.T
@@ -278,7 +290,7 @@ def measure_gated_tree(widths, batch, name, records, hbm):
         rec = dict(gated_tree=str(widths), nodes_per_request=nodes, B=batch, state=name, config=label, ok=oks[label],
                    times_us={k: round(v, 2) for k, v in t.items()}, serial_per_node_us=round(serial, 2),
                    serial_over_fused=round(serial / t["ours fused"], 3), two_state_bound_us=round(bound, 2),
-                   fused_x_bound=round(t["ours fused"] / bound, 3))
+                   fused_x_bound=round(t["ours fused"] / bound, 3), **facts.get(label, {}))
         records.append(rec)
         print(json.dumps(rec), flush=True)
 
@@ -290,7 +302,7 @@ def _cfg(block_k, num_warps, prefetch, max_registers=0, **variant):  # 0: no cap
 # Options a candidate leaves out would come from `launch_defaults`, which depend on the state dtype and node count:
 # pinned, so that a candidate is the same launch at every T and after the defaults change.
 PINNED = dict(epilogue_in_mma_layout=False, split_state_bf16=False, heads_per_program=1, solve_by_dots=False,
-              state_pass_rows=0, dependent_launch=False)
+              state_pass_rows=0, dependent_launch=False, path_epilogue_nodes=0)
 
 
 def _dot(block_k, num_warps, prefetch, **variant):
@@ -392,15 +404,24 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # bf16 70.7-81.4 us (commit alone 49.6-64.3 against 43.7), fp32 115.7-132.0. The kernels were removed (kernels.md).
 # The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
 # default`); the second the default at B=1.
+# Twentieth session: the state pass and the path epilogue (`path_epilogue`: each node from its own path, `nodes` a
+# program, `epilogue_warps` warps) as its programmatic dependent; for chains too (entries 8-10).
+def _path(rows, block_k, warps, epilogue_warps, nodes, **variant):
+    return _two_pass(rows, block_k, warps, epilogue_warps, path_epilogue_nodes=nodes, **BF16_SPLIT, **DEPENDENT,
+                     **variant)
+
+
 CONFIGS = {
     "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(32, 8, 1, **SPLIT, **EPILOGUE), _two_pass(64, 64, 4, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
+             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
+             _path(64, 64, 4, 4, 4), _path(64, 64, 4, 2, 2), _path(64, 64, 4, 1, 1)],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2)],
+             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2),
+             _path(128, 128, 8, 4, 4), _path(128, 128, 8, 2, 2), _path(128, 128, 8, 1, 1)],
 }
 
 
@@ -418,12 +439,15 @@ CONFIGS = {
 # default then 64/8/1 uncapped, 229.9 / 163.3 us): 64/8/1 capped at 128 254 / 113 (the default for up to 16 nodes
 # since), capped at 168 227 / 170; dropped: 32/8/1 uncapped 342.9 / 309.0, capped at 128 444 / 266, at 168 393 /
 # 281; the one tf32 pass (bf16 states are exact in tf32) 32/8/1 284 / 206, 64/8/1 259 / 171.
+PATH_CONFIGS = [_path(64, 64, 4, 4, 8), _path(64, 64, 4, 2, 4), _path(64, 64, 4, 1, 2), _path(64, 64, 4, 4, 16),
+                _path(128, 128, 8, 4, 8), _path(32, 128, 4, 4, 8), _path(16, 128, 2, 4, 8)]
 TREE_CONFIGS = {
     "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT)],
+             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT),
+             *PATH_CONFIGS],
     "bf16": [_dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(64, 8, 1, max_registers=168, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True)],
+             _dot(64, 8, 1, max_registers=168, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True), *PATH_CONFIGS],
 }
 
 
@@ -490,15 +514,8 @@ def main():
                     traceback.print_exc()
                     continue
                 record = dict(tune=True, T=T, B=tune_batch, state=name, config=config, us=us, ok=ok)
-                if config.get("state_pass_rows"):  # the state pass with and without products, the epilogue
-                    record["state_pass_commit_us"] = graph_time_us([step.commit(s, config) for s in range(step.sets)])
-                    launches = [step.launches(s, config) for s in range(step.sets)]
-                    # each launch once outside a graph: the compiled kernels, their registers (occupancy) and spills
-                    kernels = [call() for call in launches[0]]
-                    record["registers"] = [k.n_regs for k in kernels]
-                    record["spills"] = [k.n_spills for k in kernels]
-                    record["state_pass_us"], record["epilogue_us"] = (
-                        graph_time_us([calls[i] for calls in launches]) for i in range(2))
+                if config.get("state_pass_rows"):
+                    record.update(two_launch_facts(step, config))
                 records.append(record)
                 print(f"tune {name} T={T} B={tune_batch}: {config} fused {us:.2f} us ok={ok} "
                       f"{record.get('state_pass_commit_us', '')} {record.get('state_pass_us', '')} "

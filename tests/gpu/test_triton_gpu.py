@@ -256,6 +256,11 @@ GATED_VARIANTS = {
                                    state_pass_warps=8, num_warps=2, dependent_launch=True),
     "row_epilogue_16_rows": dict(split_state_tf32=True, split_state_bf16=False, state_pass_rows=16,
                                  state_pass_block_k=128, state_pass_warps=2, num_warps=1, dependent_launch=True),
+    # the state pass and the path epilogue (any node count): a program per 8 nodes as a dependent, per 2 after it
+    "path_epilogue": dict(split_state_bf16=True, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=8,
+                          num_warps=4, dependent_launch=True, path_epilogue_nodes=8),
+    "path_epilogue_2": dict(split_state_bf16=True, state_pass_rows=64, state_pass_block_k=64, state_pass_warps=4,
+                            num_warps=1, dependent_launch=False, path_epilogue_nodes=2),
 }
 
 
@@ -277,7 +282,7 @@ def test_gated_step_default_two_launches(state_dtype, tokens, batch):
     check_gated_two_steps(DraftTree.from_widths([1] * tokens), True, state_dtype, {}, batch=batch)
 
 
-@pytest.mark.parametrize("variant", ["default", "solve_by_dots"])
+@pytest.mark.parametrize("variant", ["default", "solve_by_dots", "path_epilogue", "path_epilogue_2"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2, 1), (4, 2), (3, 2, 2), (4, 2, 2)])
 def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
@@ -287,7 +292,7 @@ def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
                           GATED_VARIANTS[variant])
 
 
-@pytest.mark.parametrize("variant", ["row_epilogue", "row_epilogue_dependent"])
+@pytest.mark.parametrize("variant", ["row_epilogue", "row_epilogue_dependent", "path_epilogue"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2), (2, 1, 1)])
 def test_gated_small_tree_row_epilogue(widths, state_dtype, variant):

@@ -43,10 +43,16 @@ SOLVE_BY_DOTS = [one_kernel(block_k=16, state_dot=True, late_node_terms=True, sp
 # the state pass and the row epilogue in two launches (at most 8 nodes): 2xTF32 products, 16 value rows and 16 key
 # columns a chunk (two programs and two chunks where V or K is 32), a one-warp epilogue; the bf16 pieces (3xBF16 for
 # fp32 states), 8 rows, two warps, a dependent launch (a plain one in the interpreter); a whole head's rows a program
+# the state pass and the path epilogue (any node count): 2 nodes a program over one warp with the bf16 pieces; 8
+# nodes over two warps with 2xTF32 products as a dependent launch (a plain one in the interpreter)
+PATH_EPILOGUE = [dict(split_state_bf16=True, state_pass_rows=16, state_pass_block_k=32, num_warps=1,
+                      path_epilogue_nodes=2),
+                 dict(split_state_tf32=True, state_pass_rows=8, state_pass_block_k=16, num_warps=2,
+                      path_epilogue_nodes=8, dependent_launch=True)]
 TWO_PASS = [dict(split_state_tf32=True, state_pass_rows=16, state_pass_block_k=16, num_warps=1),
             dict(split_state_bf16=True, state_pass_rows=8, state_pass_block_k=32, num_warps=2, dependent_launch=True),
             dict(split_state_bf16=True, state_pass_rows=128, state_pass_block_k=128, state_pass_warps=2,
-                 num_warps=4)]
+                 num_warps=4)] + PATH_EPILOGUE
 VARIANTS = SOLVE_BY_DOTS + [one_kernel(block_k=16, state_dot=True, late_node_terms=True),
             one_kernel(block_k=16, state_dot=True, late_node_terms=False),
             one_kernel(block_k=4, state_dot=False, late_node_terms=False),
@@ -191,6 +197,21 @@ STEP_SHAPES = dict(
 )
 def test_gated_step_matches_reference_and_twin(batch, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant):
     """A tree step without a pending commit: outputs and factor rows vs fp64 and the twin; the state only read."""
+    check_tree_step(batch, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    batch=st.lists(trees(max_nodes=24, max_depth=6), min_size=1, max_size=3),
+    **dict(STEP_SHAPES, variant=st.sampled_from(PATH_EPILOGUE)),
+)
+def test_path_epilogue_past_eight_nodes(batch, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant):
+    """`test_gated_step_matches_reference_and_twin` for trees of up to 24 nodes through the state pass and the path
+    epilogue (the row epilogue stops at 8)."""
+    check_tree_step(batch, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant)
+
+
+def check_tree_step(batch, key_heads, ratio, dims, state_dtype, gate_scale, seed, variant):
     assume(ratio % variant.get("heads_per_program", 1) == 0)
     key_dim, value_dim = dims
     packed, inputs, pool, slots = gated_inputs(batch, key_heads, ratio, key_dim, value_dim, seed, gate_scale)

@@ -81,7 +81,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..gated import slot_factor_width, split_slot_factors
 from ._tree import _ancestor
-from . import row_epilogue, state_pass
+from . import path_epilogue, row_epilogue, state_pass
 from .gates import _log_decay, _output_gate
 from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _operand_pieces, _pending_path,
                         _pending_values, _piece_products, _request_indices, _state_products)
@@ -646,7 +646,8 @@ FP32_STATE_LAUNCH = dict(block_k=32, num_warps=8, prefetch=1, max_registers=0, r
                          late_node_terms=True, state_dot=True, split_state_tf32=True, split_state_bf16=False,
                          heads_per_program=1, split_in_mma_layout=False, lagged_products=False, tma_state=False,
                          epilogue_in_mma_layout=False, solve_by_dots=False, state_pass_rows=0,
-                         state_pass_block_k=128, state_pass_warps=4, dependent_launch=False)
+                         state_pass_block_k=128, state_pass_warps=4, dependent_launch=False,
+                         path_epilogue_nodes=0)
 FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True)
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
@@ -787,7 +788,10 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
     heads = launch["heads_per_program"]
     assert (HV // H) % heads == 0, "a program's value heads share one key head"
     two_pass = launch["state_pass_rows"] > 0
-    assert not (two_pass and do_verify) or max_nodes <= 8, "two launches (the row epilogue): at most 8 nodes"
+    path_nodes = launch["path_epilogue_nodes"]
+    assert path_nodes == 0 or path_nodes == triton.next_power_of_2(path_nodes), "path_epilogue_nodes: a power of 2"
+    assert not (two_pass and do_verify) or max_nodes <= 8 or path_nodes, \
+        "two launches: the row epilogue takes at most 8 nodes, the path epilogue (path_epilogue_nodes) any"
     assert not (launch["state_dot"] and do_verify) or block_k >= 16 or two_pass, "tl.dot needs block_k >= 16"
     assert heads == 1 or launch["state_dot"] or not do_verify, "several heads per program: the state_dot layout"
     assert not (launch["split_in_mma_layout"] and launch["lagged_products"]), "two ways to the operands: one at a time"
@@ -836,11 +840,16 @@ def _launch_arguments(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight,
             STATE_PRODUCTS=state_products, LAUNCH_DEPENDENTS=dependent, num_warps=launch["state_pass_warps"],
             num_stages=1, **pending))]
         if do_verify:
-            launches.append((row_epilogue._row_epilogue_kernel, (HV, batch), (
-                mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes, out3,
-                factors, products, *strides, factors.stride(0), factors.stride(1), *scalars), dict(
-                H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
-                DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, **options)))
+            epilogue_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors,
+                             cu_nodes, out3, factors, products, *strides, factors.stride(0), factors.stride(1),
+                             *scalars)
+            epilogue_kwargs = dict(H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
+                                   DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, **options)
+            if path_nodes:
+                launches.append((path_epilogue._path_epilogue_kernel, (HV, batch, triton.cdiv(max_nodes, path_nodes)),
+                                 epilogue_args, dict(epilogue_kwargs, NB=path_nodes)))
+            else:
+                launches.append((row_epilogue._row_epilogue_kernel, (HV, batch), epilogue_args, epilogue_kwargs))
         return launches, out
     # host-side descriptor: encoded by the launcher from the pool's fixed pointer and strides, a kernel parameter
     # (a CUDA graph keeps it); no device workspace. Its asserts check TMA's 16-byte alignment of base and strides
@@ -913,6 +922,7 @@ def gdn_step_triton(
     state_pass_block_k: int | None = None,
     state_pass_warps: int | None = None,
     dependent_launch: bool | None = None,
+    path_epilogue_nodes: int | None = None,
 ) -> torch.Tensor:
     """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
     the factors of its commit go to the slots' rows. Same inputs as vLLM's `fused_gdn_decode_post_conv_mtp`:
@@ -958,14 +968,16 @@ def gdn_step_triton(
     the solve as products with a small precomputed inverse (`_epilogue_in_mma_layout`); nodes padded to 4.
     `solve_by_dots` (with `epilogue_in_mma_layout`; for trees): the Gram matrices, the solve and o's solve term as
     tensor-core products of the node tiles (a Neumann series as long as the deepest path); nodes padded to 16.
-    `state_pass_rows` (0: one kernel; at most 8 nodes): two launches, the state pass (the pending commit and the
-    state products, `state_pass`: one program per that many value rows of a head, key chunks of
-    `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, 2 * nodes padded, V] allocated
-    per call (33.5 MiB at B=256, T=4; in a CUDA graph, its private pool), then the rest of the step, one value head
-    a program (`row_epilogue`, with `num_warps` and `max_registers`; the one kernel's epilogue options
+    `state_pass_rows` (0: one kernel; at most 8 nodes without `path_epilogue_nodes`): two launches, the state pass
+    (the pending commit and the state products, `state_pass`: one program per that many value rows of a head, key
+    chunks of `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, 2 * nodes padded, V]
+    allocated per call (33.5 MiB at B=256, T=4; in a CUDA graph, its private pool), then the rest of the step, one
+    value head a program (`row_epilogue`, with `num_warps` and `max_registers`; the one kernel's epilogue options
     `epilogue_in_mma_layout`, `solve_by_dots` and `heads_per_program` do not apply). `dependent_launch`: the
     second launch is the first's programmatic dependent (Hopper; a plain launch in the interpreter), its programs
-    computing what does not read the products while the state pass drains.
+    computing what does not read the products while the state pass drains. `path_epilogue_nodes` (0: the row
+    epilogue, at most 8 nodes): with `state_pass_rows`, the second launch solves each node from its own path
+    (`path_epilogue`; any node count, for trees), that many nodes a program.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
     return _launch(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
                    cu_nodes, factors, pending_nodes, pending_ancestors, num_key_heads=num_key_heads,
@@ -977,7 +989,8 @@ def gdn_step_triton(
                    split_in_mma_layout=split_in_mma_layout, lagged_products=lagged_products, tma_state=tma_state,
                    epilogue_in_mma_layout=epilogue_in_mma_layout, solve_by_dots=solve_by_dots,
                    state_pass_rows=state_pass_rows, state_pass_block_k=state_pass_block_k,
-                   state_pass_warps=state_pass_warps, dependent_launch=dependent_launch)
+                   state_pass_warps=state_pass_warps, dependent_launch=dependent_launch,
+                   path_epilogue_nodes=path_epilogue_nodes)
 
 
 def gdn_commit_triton(
