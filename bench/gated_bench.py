@@ -404,8 +404,10 @@ EPILOGUE = dict(epilogue_in_mma_layout=True)  # the epilogue on [V, nodes] tiles
 # bf16 70.7-81.4 us (commit alone 49.6-64.3 against 43.7), fp32 115.7-132.0. The kernels were removed (kernels.md).
 # The first of each is the launch default at large batches (`launch_defaults`, `test_first_candidate_is_the_launch_
 # default`); the second the default at B=1.
-# Twentieth session: the state pass and the path epilogue (`path_epilogue`: each node from its own path, `nodes` a
-# program, `epilogue_warps` warps) as its programmatic dependent; for chains too (entries 8-10).
+# Twentieth session (2026-12-03b, `results/2026-12-03b/kernels/chains.json`, T=4): the state pass and the path
+# epilogue (`path_epilogue`, below) for chains lost to the row epilogue, 1 / 2 / 4 nodes a program over 1 / 2 / 4
+# warps: bf16 63.7 / 64.9 / 65.9 us against 59.9 at B=64 (the epilogue alone 13.8-15.9 against 8.6), 241.3-249.0
+# against 229.2 at 256; fp32 89.0-91.3 against 85.6, 340.4-347.5 against 327.6. Not kept as candidates.
 def _path(rows, block_k, warps, epilogue_warps, nodes, **variant):
     return _two_pass(rows, block_k, warps, epilogue_warps, path_epilogue_nodes=nodes, **BF16_SPLIT, **DEPENDENT,
                      **variant)
@@ -415,19 +417,17 @@ CONFIGS = {
     "fp32": [_two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(32, 8, 1, **SPLIT, **EPILOGUE), _two_pass(64, 64, 4, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 2, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _path(64, 64, 4, 4, 4), _path(64, 64, 4, 2, 2), _path(64, 64, 4, 1, 1)],
+             _dot(32, 8, 1, **SPLIT), _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True)],
     "bf16": [_two_pass(128, 128, 8, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(16, 128, 2, 1, **BF16_SPLIT, **DEPENDENT),
              _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE), _two_pass(128, 128, 8, 1, **BF16_SPLIT),
              _two_pass(64, 64, 4, 1, **BF16_SPLIT, **DEPENDENT), _two_pass(32, 128, 4, 1, **BF16_SPLIT, **DEPENDENT),
-             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2),
-             _path(128, 128, 8, 4, 4), _path(128, 128, 8, 2, 2), _path(128, 128, 8, 1, 1)],
+             _dot(64, 8, 1, **BF16_SPLIT), _dot(32, 4, 1, **EPILOGUE, heads_per_program=2)],
 }
 
 
-# draft trees (`--gated-trees`), beside the launch default (the solve by tensor-core products, 2026-12-02; fp32 capped
-# at 128 registers since 2026-12-02b): other tiles for it, and the rules before it (fp32 32/8/1 2xTF32 uncapped, and
-# without the epilogue; bf16 two heads 32/4/1). Offline
+# draft trees (`--gated-trees`), beside the launch default (since 2026-12-03b the state pass and the path epilogue):
+# other tiles for it, and the one kernel's launches before it (the solve by tensor-core products: fp32 32/8/1 2xTF32
+# capped at 128 registers and uncapped, bf16 64/8/1 uncapped and capped). History of the one kernel's: offline
 # sm_90 (fused, pending tree commit, since the Gram matrices' native products), 11 / 29 nodes: the defaults 171 / 255
 # registers (fp32) and 176 / 255 (bf16), no spill: one CTA per SM; capped at 128 (two CTAs), fp32 32/8/1 spills 0 /
 # 328 bytes, 16/8/1 0 / 296, bf16 32/8/1 0 / 392, 64/8/1 32 / 376.
@@ -439,15 +439,18 @@ CONFIGS = {
 # default then 64/8/1 uncapped, 229.9 / 163.3 us): 64/8/1 capped at 128 254 / 113 (the default for up to 16 nodes
 # since), capped at 168 227 / 170; dropped: 32/8/1 uncapped 342.9 / 309.0, capped at 128 444 / 266, at 168 393 /
 # 281; the one tf32 pass (bf16 states are exact in tf32) 32/8/1 284 / 206, 64/8/1 259 / 171.
-PATH_CONFIGS = [_path(64, 64, 4, 4, 8), _path(64, 64, 4, 2, 4), _path(64, 64, 4, 1, 2), _path(64, 64, 4, 4, 16),
-                _path(128, 128, 8, 4, 8), _path(32, 128, 4, 4, 8), _path(16, 128, 2, 4, 8)]
+# Twentieth session (2026-12-03b, `trees.json`, B=64; the default since: the state pass 64/64/4 and the path epilogue,
+# 4 nodes a program over 2 warps): bf16 [4,2,2] / [2,2,1] path epilogues of 8 nodes over 4 warps 162.3 / 105.2 us, 2
+# over 1 159.6 / 98.2; state passes of 32 / 16 rows 169.2 / 181.1 on [4,2,2]; the one kernel, the default before,
+# 229.7 / 113.4 (uncapped / capped at 128, kept below). Dropped: path epilogues of 16 nodes over 4 warps (226.3 /
+# 126.7), 128-row state passes (185.7 / 124.7); fp32 one-kernel 16/8/1 capped at 128 (466.3 / 376.1), 32/8/1
+# without the epilogue (2505.4 / 1083.6); bf16 64/8/1 capped at 168 (227.5 / 170.8).
+PATH_CONFIGS = [_path(64, 64, 4, 4, 8), _path(64, 64, 4, 1, 2), _path(32, 128, 4, 4, 8), _path(16, 128, 2, 4, 8)]
 TREE_CONFIGS = {
-    "fp32": [_dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(16, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True), _dot(32, 8, 1, **SPLIT),
-             *PATH_CONFIGS],
+    "fp32": [_dot(32, 8, 1, max_registers=128, **SPLIT, **EPILOGUE, solve_by_dots=True),
+             _dot(32, 8, 1, **SPLIT, **EPILOGUE, solve_by_dots=True), *PATH_CONFIGS],
     "bf16": [_dot(64, 8, 1, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True),
-             _dot(64, 8, 1, max_registers=168, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True), *PATH_CONFIGS],
+             _dot(64, 8, 1, max_registers=128, **BF16_SPLIT, **EPILOGUE, solve_by_dots=True), *PATH_CONFIGS],
 }
 
 

@@ -548,9 +548,8 @@ def test_launch_defaults_measured_choices():
     16-row state-pass programs (128 key columns, 2 warps) except fp32 states with 3-4 nodes above 4 requests and with
     1-2 nodes at 5-8 requests (64 rows, 64 columns, 4 warps, 3xBF16) and 16-bit states with 3-4 nodes above 4
     requests (5-8: 64 rows, 64 columns, 4 warps; more: 128 rows, 128 columns, 8 warps; the bf16 pass); trees of more
-    than 8 nodes the one kernel with the accumulator-layout epilogue and its solve by tensor-core products (fp32
-    32/8/1 2xTF32 capped at 128 registers; 16-bit 64/8/1 with the bf16 pass, capped at 128 up to 16 nodes and
-    uncapped beyond, 2026-12-02e); narrow heads one value row per thread."""
+    than 8 nodes two launches too, the state pass at 64 rows, 64 columns, 4 warps and the path epilogue, 4 nodes a
+    program over 2 warps (2026-12-03b); narrow heads one value row per thread."""
     from vllm_treewy.kernels.triton.gated import (
         FP32_STATE_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
@@ -571,12 +570,8 @@ def test_launch_defaults_measured_choices():
             for dtype in (torch.bfloat16, torch.float16):
                 assert launch_defaults(dtype, batch, 128, nodes) == half
         for nodes in (9, 16, 17, 32):
-            assert launch_defaults(torch.float32, batch, 128, nodes) == dict(
-                FP32_STATE_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True, max_registers=128)
-            for dtype in (torch.bfloat16, torch.float16):
-                assert launch_defaults(dtype, batch, 128, nodes) == dict(
-                    HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, epilogue_in_mma_layout=True,
-                    solve_by_dots=True, max_registers=128 if nodes <= 16 else 0)
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                assert launch_defaults(dtype, batch, 128, nodes) == dict(fp32_two, num_warps=2, path_epilogue_nodes=4)
         for dtype, nodes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2), (torch.float32, 16)):
             assert launch_defaults(dtype, batch, 8, nodes) == NARROW_HEAD_LAUNCH
 

@@ -652,15 +652,13 @@ FP32_STATE_EPILOGUE_LAUNCH = dict(FP32_STATE_LAUNCH, epilogue_in_mma_layout=True
 HALF_STATE_LAUNCH = dict(FP32_STATE_LAUNCH, split_state_tf32=False)
 HALF_STATE_BF16_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True, max_registers=128,
                               epilogue_in_mma_layout=True)
-HALF_STATE_FEW_NODES_LAUNCH = dict(HALF_STATE_LAUNCH, block_k=64, split_state_bf16=True)
-FP32_STATE_SOLVE_BY_DOTS_LAUNCH = dict(FP32_STATE_EPILOGUE_LAUNCH, solve_by_dots=True)
-FP32_STATE_TREE_LAUNCH = dict(FP32_STATE_SOLVE_BY_DOTS_LAUNCH, max_registers=128)
-HALF_STATE_SOLVE_BY_DOTS_LAUNCH = dict(HALF_STATE_FEW_NODES_LAUNCH, epilogue_in_mma_layout=True, solve_by_dots=True)
 # Since 2026-12-02e (`results/2026-12-02e/kernels/trees.json`, seventeenth session, B=64, one run): 16-bit states with
 # 9-16 nodes (trees; nodes padded to 16) cap the by-dots launch at 128 registers, two CTAs per SM: [2,2,1] (11 nodes)
 # 113 us against 163.3 uncapped. More than 16 nodes (padded to 32) keep it uncapped: [4,2,2] (29 nodes) 229.9 against
 # 254 capped at 128 (376 bytes spilled there, offline sm_90) and 227 at 168 (still one CTA per SM; not taken).
-HALF_STATE_SMALL_TREE_LAUNCH = dict(HALF_STATE_SOLVE_BY_DOTS_LAUNCH, max_registers=128)
+# The one-kernel tree launches named above (FP32_STATE_SOLVE_BY_DOTS_LAUNCH, FP32_STATE_TREE_LAUNCH,
+# HALF_STATE_FEW_NODES_LAUNCH, HALF_STATE_SOLVE_BY_DOTS_LAUNCH, HALF_STATE_SMALL_TREE_LAUNCH) were removed with
+# TREE_TWO_LAUNCH below (2026-12-03b); `bench/gated_bench.py` TREE_CONFIGS keeps the last ones as candidates.
 # Since 2026-12-02c (`results/2026-12-02c/kernels/t4c.json` and `rows.json`, fifteenth session, T=4 tuned at B=64):
 # 3-4 nodes and more than SMALL_BATCH requests take two launches, the state pass (`state_pass`) and then the
 # epilogue kernel, one warp a program: fp32 64 value rows / 64 key columns / 4 warps with 3xBF16 products, 101.4 us
@@ -691,6 +689,17 @@ HALF_STATE_TWO_LAUNCH = dict(HALF_STATE_BF16_LAUNCH, block_k=32, num_warps=1, ma
 HALF_STATE_TWO_LAUNCH_64_ROWS = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=64, state_pass_block_k=64,
                                      state_pass_warps=4)
 HALF_STATE_TWO_LAUNCH_16_ROWS = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=16, state_pass_warps=2)
+# Since 2026-12-03b (`results/2026-12-03b/kernels/trees.json`, twentieth session, B=64, root + N nodes, the previous
+# step's deepest leaf committed): trees of more than 8 nodes take two launches too, every state and batch: the state
+# pass at 64 rows / 64 columns / 4 warps (the bf16 pass; 3xBF16 for fp32 states) and the path epilogue
+# (`path_epilogue`: each node solved from its own path, 4 nodes a program over 2 warps) as its dependent. bf16
+# [4,2,2] / [2,2,1] 159.0 / 95.0 us against the one kernel's 229.7 / 113.4 (HALF_STATE_SOLVE_BY_DOTS_LAUNCH /
+# HALF_STATE_SMALL_TREE_LAUNCH), fp32 190.3 / 125.1 against 260.4 / 158.5 (FP32_STATE_TREE_LAUNCH), same run; per-node
+# serial 1050.3 / 367.2 and 1708.7 / 582.6. Path epilogues of 8 nodes over 4 warps 162.3 / 105.2 (bf16), 2 over 1
+# 159.6 / 98.2, 16 over 4 226.3 / 126.7; state passes of 128 / 32 / 16 rows 185.7 / 169.2 / 181.1 (bf16 [4,2,2]).
+# Chains keep the row epilogue: the path epilogue of 1-4 nodes a program ran 13.8-15.9 us alone against its 8.6 (bf16
+# T=4 B=64; the step 63.7-65.9 against 59.9; fp32 89.0-91.3 against 85.6; `chains.json`).
+TREE_TWO_LAUNCH = dict(FP32_STATE_TWO_LAUNCH, num_warps=2, path_epilogue_nodes=4)
 FEW_REQUESTS = 4
 SMALL_BATCH = 8
 
@@ -703,15 +712,13 @@ NARROW_HEAD_LAUNCH = dict(FP32_STATE_LAUNCH, block_k=8, num_warps=4, prefetch=2,
 def launch_defaults(state_dtype: torch.dtype, batch: int, head_k_dim: int, max_nodes: int = 4) -> dict:
     """`gdn_step_triton`'s launch options for a state dtype, a batch of requests (a CUDA graph's padded batch is
     static, so each captured size keeps its own choice), a head shape and the nodes per request (a static shape).
-    Measured choices: the comments above FP32_STATE_LAUNCH and SMALL_BATCH (bench/results/2026-12-01d, -01e, -01f,
-    2026-12-02, -02c and -02d)."""
+    Measured choices: the comments above FP32_STATE_LAUNCH, SMALL_BATCH and TREE_TWO_LAUNCH (bench/results/2026-12-01d,
+    -01e, -01f, 2026-12-02, -02c, -02d and -03b)."""
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
-    fp32 = state_dtype == torch.float32
     if max_nodes > 8:
-        if fp32:
-            return FP32_STATE_TREE_LAUNCH
-        return HALF_STATE_SMALL_TREE_LAUNCH if max_nodes <= 16 else HALF_STATE_SOLVE_BY_DOTS_LAUNCH
+        return TREE_TWO_LAUNCH
+    fp32 = state_dtype == torch.float32
     if batch <= FEW_REQUESTS or max_nodes > 4:
         return FP32_STATE_TWO_LAUNCH_16_ROWS if fp32 else HALF_STATE_TWO_LAUNCH_16_ROWS
     if fp32:
