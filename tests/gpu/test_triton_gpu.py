@@ -292,6 +292,14 @@ def test_gated_tree_step_vs_reference(widths, state_dtype, variant):
                           GATED_VARIANTS[variant])
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths", [(2, 2, 1), (4, 2, 2)])
+def test_gated_tree_step_default_many_requests(widths, state_dtype):
+    """More than 4 requests of a tree: the default's 64-row state pass and path-epilogue programs of 4 nodes (the 3
+    requests of `test_gated_tree_step_vs_reference` take its 16-row rule; `check_gated_two_steps`)."""
+    check_gated_two_steps(DraftTree.from_widths(list(widths)).with_root(), False, state_dtype, {}, batch=6)
+
+
 @pytest.mark.parametrize("variant", ["row_epilogue", "row_epilogue_dependent", "path_epilogue"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2), (2, 1, 1)])

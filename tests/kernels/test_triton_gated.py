@@ -549,7 +549,8 @@ def test_launch_defaults_measured_choices():
     1-2 nodes at 5-8 requests (64 rows, 64 columns, 4 warps, 3xBF16) and 16-bit states with 3-4 nodes above 4
     requests (5-8: 64 rows, 64 columns, 4 warps; more: 128 rows, 128 columns, 8 warps; the bf16 pass); trees of more
     than 8 nodes two launches too, the state pass at 64 rows, 64 columns, 4 warps and the path epilogue, 4 nodes a
-    program over 2 warps (2026-12-03b); narrow heads one value row per thread."""
+    program over 2 warps, up to 4 requests 16 rows, 128 columns, 2 warps and 8 nodes over 4 warps (2026-12-03b);
+    narrow heads one value row per thread."""
     from vllm_treewy.kernels.triton.gated import (
         FP32_STATE_LAUNCH, HALF_STATE_LAUNCH, NARROW_HEAD_LAUNCH, launch_defaults)
 
@@ -571,7 +572,9 @@ def test_launch_defaults_measured_choices():
                 assert launch_defaults(dtype, batch, 128, nodes) == half
         for nodes in (9, 16, 17, 32):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                assert launch_defaults(dtype, batch, 128, nodes) == dict(fp32_two, num_warps=2, path_epilogue_nodes=4)
+                tree = (dict(fp32_two, **rows_16, num_warps=4, path_epilogue_nodes=8) if batch <= 4 else
+                        dict(fp32_two, num_warps=2, path_epilogue_nodes=4))
+                assert launch_defaults(dtype, batch, 128, nodes) == tree
         for dtype, nodes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 2), (torch.float32, 16)):
             assert launch_defaults(dtype, batch, 8, nodes) == NARROW_HEAD_LAUNCH
 

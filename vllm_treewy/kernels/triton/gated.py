@@ -698,8 +698,16 @@ HALF_STATE_TWO_LAUNCH_16_ROWS = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=16, 
 # serial 1050.3 / 367.2 and 1708.7 / 582.6. Path epilogues of 8 nodes over 4 warps 162.3 / 105.2 (bf16), 2 over 1
 # 159.6 / 98.2, 16 over 4 226.3 / 126.7; state passes of 128 / 32 / 16 rows 185.7 / 169.2 / 181.1 (bf16 [4,2,2]).
 # Chains keep the row epilogue: the path epilogue of 1-4 nodes a program ran 13.8-15.9 us alone against its 8.6 (bf16
-# T=4 B=64; the step 63.7-65.9 against 59.9; fp32 89.0-91.3 against 85.6; `chains.json`).
+# T=4 B=64; the step 63.7-65.9 against 59.9; fp32 89.0-91.3 against 85.6; `chains.json`). The same at B = 1 / 256
+# (`trees_final.json`, one run with B=64's rows repeated within 0.5%): bf16 [4,2,2] 7.85 / 635.4 us against the one
+# kernel's 13.81 / 875.2, fp32 9.35 / 758.8 against 20.69 / 980.8; [2,2,1] bf16 7.69 / 377.7 against 10.27 / 425.0
+# (capped), fp32 8.84 / 492.7 against 13.46 / 582.3. At B=1 16-row state passes with 8 nodes an epilogue program over
+# 4 warps ran faster still (TREE_TWO_LAUNCH_16_ROWS, up to FEW_REQUESTS as for chains; B=2-4 not run): bf16 6.72 /
+# 6.10, fp32 7.35 / 7.00 ([4,2,2] / [2,2,1]); at B=256 8 nodes over 4 warps tied (628.2 / 751.6 on [4,2,2], 408.9 /
+# 524.4 on [2,2,1]).
 TREE_TWO_LAUNCH = dict(FP32_STATE_TWO_LAUNCH, num_warps=2, path_epilogue_nodes=4)
+TREE_TWO_LAUNCH_16_ROWS = dict(TREE_TWO_LAUNCH, state_pass_rows=16, state_pass_block_k=128, state_pass_warps=2,
+                               num_warps=4, path_epilogue_nodes=8)
 FEW_REQUESTS = 4
 SMALL_BATCH = 8
 
@@ -717,7 +725,7 @@ def launch_defaults(state_dtype: torch.dtype, batch: int, head_k_dim: int, max_n
     if head_k_dim < 16:
         return NARROW_HEAD_LAUNCH
     if max_nodes > 8:
-        return TREE_TWO_LAUNCH
+        return TREE_TWO_LAUNCH_16_ROWS if batch <= FEW_REQUESTS else TREE_TWO_LAUNCH
     fp32 = state_dtype == torch.float32
     if batch <= FEW_REQUESTS or max_nodes > 4:
         return FP32_STATE_TWO_LAUNCH_16_ROWS if fp32 else HALF_STATE_TWO_LAUNCH_16_ROWS
