@@ -689,22 +689,21 @@ HALF_STATE_TWO_LAUNCH = dict(HALF_STATE_BF16_LAUNCH, block_k=32, num_warps=1, ma
 HALF_STATE_TWO_LAUNCH_64_ROWS = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=64, state_pass_block_k=64,
                                      state_pass_warps=4)
 HALF_STATE_TWO_LAUNCH_16_ROWS = dict(HALF_STATE_TWO_LAUNCH, state_pass_rows=16, state_pass_warps=2)
-# Since 2026-12-03b (`results/2026-12-03b/kernels/trees.json`, twentieth session, B=64, root + N nodes, the previous
-# step's deepest leaf committed): trees of more than 8 nodes take two launches too, every state and batch: the state
-# pass at 64 rows / 64 columns / 4 warps (the bf16 pass; 3xBF16 for fp32 states) and the path epilogue
-# (`path_epilogue`: each node solved from its own path, 4 nodes a program over 2 warps) as its dependent. bf16
-# [4,2,2] / [2,2,1] 159.0 / 95.0 us against the one kernel's 229.7 / 113.4 (HALF_STATE_SOLVE_BY_DOTS_LAUNCH /
-# HALF_STATE_SMALL_TREE_LAUNCH), fp32 190.3 / 125.1 against 260.4 / 158.5 (FP32_STATE_TREE_LAUNCH), same run; per-node
-# serial 1050.3 / 367.2 and 1708.7 / 582.6. Path epilogues of 8 nodes over 4 warps 162.3 / 105.2 (bf16), 2 over 1
-# 159.6 / 98.2, 16 over 4 226.3 / 126.7; state passes of 128 / 32 / 16 rows 185.7 / 169.2 / 181.1 (bf16 [4,2,2]).
+# Since 2026-12-03b (`results/2026-12-03b/kernels/trees.json` and `trees_final.json`, twentieth session, root + N
+# nodes, the previous step's deepest leaf committed): trees of more than 8 nodes take two launches too, every state:
+# the state pass (the bf16 pass; 3xBF16 for fp32 states) and the path epilogue (`path_epilogue`: each node solved
+# from its own path) as its dependent; above FEW_REQUESTS requests 64 rows / 64 columns / 4 warps and 4 nodes an
+# epilogue program over 2 warps (TREE_TWO_LAUNCH), up to it 16 rows / 128 columns / 2 warps and 8 nodes over 4 warps
+# (TREE_TWO_LAUNCH_16_ROWS; B=2-4 not run, as for chains). B=64: bf16 [4,2,2] / [2,2,1] 159.0 / 95.3 us against the
+# one kernel's 230.2 / 113.7 (HALF_STATE_SOLVE_BY_DOTS_LAUNCH / HALF_STATE_SMALL_TREE_LAUNCH), fp32 190.0 / 125.4
+# against 261.0 / 158.9 (FP32_STATE_TREE_LAUNCH), same run; per-node serial 1048.5 / 368.2 and 1706.3 / 580.1. B=256:
+# bf16 635.4 / 377.7 against 875.2 / 425.0, fp32 758.8 / 492.7 against 980.8 / 582.3. B=1 (16 rows): bf16 6.72 / 6.10
+# against 13.81 / 10.72, fp32 7.35 / 7.00 against 20.69 / 13.46 (TREE_TWO_LAUNCH 7.85 / 7.69 and 9.35 / 8.84). Other
+# tiles at B=64 (bf16 [4,2,2] / [2,2,1]): epilogue programs of 8 nodes over 4 warps 162.3 / 105.2, 2 over 1 159.6 /
+# 97.9, 16 over 4 226.3 / 126.7; state passes of 128 / 32 / 16 rows 185.7 / 169.4 / 181.0 on [4,2,2]. At B=256 8
+# nodes over 4 warps tied on [4,2,2] (628.2 / 751.6, bf16 / fp32) and lost on [2,2,1] (408.9 / 524.4).
 # Chains keep the row epilogue: the path epilogue of 1-4 nodes a program ran 13.8-15.9 us alone against its 8.6 (bf16
-# T=4 B=64; the step 63.7-65.9 against 59.9; fp32 89.0-91.3 against 85.6; `chains.json`). The same at B = 1 / 256
-# (`trees_final.json`, one run with B=64's rows repeated within 0.5%): bf16 [4,2,2] 7.85 / 635.4 us against the one
-# kernel's 13.81 / 875.2, fp32 9.35 / 758.8 against 20.69 / 980.8; [2,2,1] bf16 7.69 / 377.7 against 10.27 / 425.0
-# (capped), fp32 8.84 / 492.7 against 13.46 / 582.3. At B=1 16-row state passes with 8 nodes an epilogue program over
-# 4 warps ran faster still (TREE_TWO_LAUNCH_16_ROWS, up to FEW_REQUESTS as for chains; B=2-4 not run): bf16 6.72 /
-# 6.10, fp32 7.35 / 7.00 ([4,2,2] / [2,2,1]); at B=256 8 nodes over 4 warps tied (628.2 / 751.6 on [4,2,2], 408.9 /
-# 524.4 on [2,2,1]).
+# T=4 B=64; the step 63.7-65.9 against 59.9; fp32 89.0-91.3 against 85.6; `chains.json`).
 TREE_TWO_LAUNCH = dict(FP32_STATE_TWO_LAUNCH, num_warps=2, path_epilogue_nodes=4)
 TREE_TWO_LAUNCH_16_ROWS = dict(TREE_TWO_LAUNCH, state_pass_rows=16, state_pass_block_k=128, state_pass_warps=2,
                                num_warps=4, path_epilogue_nodes=8)
