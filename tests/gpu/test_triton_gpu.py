@@ -304,7 +304,8 @@ def test_gated_tree_step_default_many_requests(widths, state_dtype):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 2), (2, 1, 1)])
 def test_gated_small_tree_row_epilogue(widths, state_dtype, variant):
-    """Trees of 7 nodes (root included) through the state pass and the row epilogue (`check_gated_two_steps`)."""
+    """Trees of 7 nodes (root included) through the state pass and the row or the path epilogue
+    (`check_gated_two_steps`)."""
     check_gated_two_steps(DraftTree.from_widths(list(widths)).with_root(), False, state_dtype,
                           GATED_VARIANTS[variant])
 

@@ -985,11 +985,12 @@ def gdn_step_triton(
     `state_pass_rows` (0: one kernel; at most 8 nodes without `path_epilogue_nodes`): two launches, the state pass
     (the pending commit and the state products, `state_pass`: one program per that many value rows of a head, key
     chunks of `state_pass_block_k`, `state_pass_warps` warps) into an fp32 workspace [B, HV, 2 * nodes padded, V]
-    allocated per call (33.5 MiB at B=256, T=4; in a CUDA graph, its private pool), then the rest of the step, one
-    value head a program (`row_epilogue`, with `num_warps` and `max_registers`; the one kernel's epilogue options
-    `epilogue_in_mma_layout`, `solve_by_dots` and `heads_per_program` do not apply). `dependent_launch`: the
-    second launch is the first's programmatic dependent (Hopper; a plain launch in the interpreter), its programs
-    computing what does not read the products while the state pass drains. `path_epilogue_nodes` (0: the row
+    allocated per call (33.5 MiB at B=256, T=4; 256 MiB at B=256 with 29-node trees; in a CUDA graph, its private
+    pool), then the rest of the step, one value head a program (`row_epilogue`, with `num_warps` and
+    `max_registers`; the one kernel's epilogue options `epilogue_in_mma_layout`, `solve_by_dots` and
+    `heads_per_program` do not apply). `dependent_launch`: the second launch is the first's programmatic dependent
+    (Hopper; a plain launch in the interpreter), its programs computing what does not read the products while the
+    state pass drains. `path_epilogue_nodes` (0: the row
     epilogue, at most 8 nodes): with `state_pass_rows`, the second launch solves each node from its own path
     (`path_epilogue`; any node count, for trees), that many nodes a program.
     No host sync, no data-dependent shapes: capturable in a CUDA graph."""
