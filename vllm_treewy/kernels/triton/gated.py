@@ -82,7 +82,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..gated import slot_factor_width, split_slot_factors
 from ._tree import _ancestor
 from . import path_epilogue, row_epilogue, state_pass
-from .gates import _log_decay, _output_gate
+from .gates import _gated_rms_norm, _inverse_norm, _log_decay, _output_gate
 from .state_ops import (_committed_chunk, _factor_columns, _node_kq_columns, _operand_pieces, _pending_path,
                         _pending_values, _piece_products, _request_indices, _state_products)
 from .verify import interpreting, max_ancestors, tree_ancestors
@@ -186,8 +186,8 @@ def _node_terms(a, b, A_log, dt_bias, ancestors, bos, n, q_row, k_row, i_hv0, sc
     k_raw = tl.load(k_row[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
     q_full = q_raw.to(tl.float32)
     k_full = k_raw.to(tl.float32)
-    q_inv = tl.rsqrt(tl.sum(q_full * q_full, 1) + 1e-6) * scale
-    k_inv = tl.rsqrt(tl.sum(k_full * k_full, 1) + 1e-6)
+    q_inv = _inverse_norm(q_full) * scale
+    k_inv = _inverse_norm(k_full)
     if GRAM_BY_DOTS and q_raw.dtype == tl.float32:
         kk = tl.dot(k_full, tl.trans(k_full), input_precision="tf32x3")
         qk = tl.dot(q_full, tl.trans(k_full), input_precision="tf32x3")
@@ -557,8 +557,7 @@ def _gated_step_kernel(
                 # gated RMSNorm over the head's V values, output gate fused; the core output rounded to the output
                 # dtype first, as vLLM's non-speculative decode stores it (and its compiled MTP kernel rounds it)
                 b_o = b_o.to(out.dtype.element_ty).to(tl.float32)
-                rstd = tl.rsqrt(tl.sum(b_o * b_o, 1) / V + eps)
-                y = b_o * rstd[:, None] * w[None, :] * _output_gate(b_zs[g], ACT)
+                y = _gated_rms_norm(b_o, w[None, :], b_zs[g], eps, V, ACT)
                 tl.store(out + node[:, None] * stride_out + (i_hv0 + g) * stride_outh + o_v[None, :],
                          y.to(out.dtype.element_ty), mask=valid[:, None])
         # this step's factors into the slot's rows, after every thread's last read of the pending rows

@@ -1,5 +1,5 @@
-"""The layer's gates, as jit helpers the fused step's kernels share: the log decay g from the raw gate input, and
-the gated RMSNorm's output gate."""
+"""The layer's gates and norms, as jit helpers the fused step's kernels share: the log decay g from the raw gate
+input, the q/k inverse L2 norm, and the gated RMSNorm with its output gate."""
 
 import triton
 import triton.language as tl
@@ -23,3 +23,16 @@ def _output_gate(z, ACT: tl.constexpr):
     if ACT == "silu":
         return z * tl.sigmoid(z)
     return tl.sigmoid(z)
+
+
+@triton.jit
+def _inverse_norm(x):
+    """1 / |x| over x's last axis, as vLLM's q/k L2 norm (eps 1e-6 under the root)."""
+    return tl.rsqrt(tl.sum(x * x, -1) + 1e-6)
+
+
+@triton.jit
+def _gated_rms_norm(o, w, z, eps, V: tl.constexpr, ACT: tl.constexpr):
+    """The gated RMSNorm over o's last axis (V long; w [V]): o rsqrt(mean(o^2) + eps) w gate(z)."""
+    rstd = tl.expand_dims(tl.rsqrt(tl.sum(o * o, -1) / V + eps), -1)
+    return o * rstd * w * _output_gate(z, ACT)

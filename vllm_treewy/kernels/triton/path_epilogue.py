@@ -22,12 +22,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from ._tree import _ancestor
-from .gates import _log_decay, _output_gate
+from .gates import _gated_rms_norm, _inverse_norm, _log_decay
 from .state_ops import _before_check, _factor_columns, _request_indices
 
 
 @triton.jit
-def _path_decays(g, P: tl.constexpr):
+def _slot_decays(g, P: tl.constexpr):
     """Per path slot d: c_d (the sum of g from d to the root; g is 0 past it) and, at d * P + e for e >= d,
     exp(c_d - c_e) as exp of the running sum of g over slots d..e-1."""
     path_c = ()
@@ -85,17 +85,17 @@ def _path_epilogue_kernel(
         k_d = tl.load(qkv + node[:, None] * stride_qkv + H * K + i_h * K + o_k[None, :], mask=on[:, None],
                       other=0.0).to(tl.float32)
         k_rows = k_rows + (k_d,)
-        k_inv = k_inv + (tl.rsqrt(tl.sum(k_d * k_d, 1) + 1e-6),)
+        k_inv = k_inv + (_inverse_norm(k_d),)
         v_rows = v_rows + (tl.load(qkv + node[:, None] * stride_qkv + 2 * H * K + i_hv * V + o_v[None, :],
                                    mask=on[:, None], other=0.0).to(tl.float32),)
         path = path + (p,)
     node_0 = (bos + tl.maximum(local, 0)).to(tl.int64)
     q_0 = tl.load(qkv + node_0[:, None] * stride_qkv + i_h * K + o_k[None, :], mask=live[:, None],
                   other=0.0).to(tl.float32)
-    q_inv = tl.rsqrt(tl.sum(q_0 * q_0, 1) + 1e-6) * scale
+    q_inv = _inverse_norm(q_0) * scale
     z_0 = tl.load(z + node_0[:, None] * stride_z + i_hv * stride_zh + o_v[None, :], mask=live[:, None],
                   other=0.0).to(tl.float32)
-    path_c, decay = _path_decays(g, P)
+    path_c, decay = _slot_decays(g, P)
     # the solve's and the output's coefficients: at d * P + e (e > d) -beta_d exp(c_d - c_e) kk_de; per e >= 0
     # exp(c_0 - c_e) qk_0e
     lower = ()
@@ -130,8 +130,7 @@ def _path_epilogue_kernel(
         o += attend[e][:, None] * u_above[e]
     # gated RMSNorm over V, the core output rounded to the output dtype first (as the one-kernel step)
     o = o.to(out.dtype.element_ty).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(o * o, 1) / V + eps)
-    y = o * rstd[:, None] * w[None, :] * _output_gate(z_0, ACT)
+    y = _gated_rms_norm(o, w[None, :], z_0, eps, V, ACT)
     tl.store(out + node_0[:, None] * stride_out + i_hv * stride_outh + o_v[None, :], y.to(out.dtype.element_ty),
              mask=live[:, None])
     f_k, f_kscale, f_u, f_g = _factor_columns(factors, slot, stride_fslot, i_hv, HV, K, V)

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from ._tree import _ancestor
-from .gates import _log_decay, _output_gate
+from .gates import _gated_rms_norm, _inverse_norm, _log_decay
 from .state_ops import _before_check, _factor_columns, _request_indices
 
 
@@ -113,8 +113,8 @@ def _row_epilogue_kernel(
         k_t = tl.load(qkv + node * stride_qkv + H * K + i_h * K + o_k, mask=valid, other=0.0).to(tl.float32)
         q_rows = q_rows + (q_t,)
         k_rows = k_rows + (k_t,)
-        q_inv = q_inv + (tl.rsqrt(tl.sum(q_t * q_t, 0) + 1e-6) * scale,)
-        k_inv = k_inv + (tl.rsqrt(tl.sum(k_t * k_t, 0) + 1e-6),)
+        q_inv = q_inv + (_inverse_norm(q_t) * scale,)
+        k_inv = k_inv + (_inverse_norm(k_t),)
         v_rows = v_rows + (tl.load(qkv + node * stride_qkv + 2 * H * K + i_hv * V + o_v, mask=valid,
                                    other=0.0).to(tl.float32),)
         z_rows = z_rows + (tl.load(z + node * stride_z + i_hv * stride_zh + o_v, mask=valid,
@@ -165,8 +165,7 @@ def _row_epilogue_kernel(
         u_rows = u_rows + (u_i,)
         # gated RMSNorm over V, the core output rounded to the output dtype first (as the one-kernel step)
         o_i = o_i.to(out.dtype.element_ty).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(o_i * o_i, 0) / V + eps)
-        y = o_i * rstd * w * _output_gate(z_rows[i], ACT)
+        y = _gated_rms_norm(o_i, w, z_rows[i], eps, V, ACT)
         tl.store(out + node * stride_out + i_hv * stride_outh + o_v, y.to(out.dtype.element_ty), mask=valid)
         f_row = i * stride_frow
         tl.store(f_k + f_row + o_k, k_rows[i], mask=valid)
