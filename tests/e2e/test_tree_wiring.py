@@ -107,12 +107,12 @@ def recording_tree_logits(steps: list):
     """Each tree step's target logits at the tree rows' verified blocks, `[R, 1 + N, vocab]`."""
     original = tree_runner.sample_with_trees
 
-    def recording(logits, spec_decode_metadata, step, num_reqs):
+    def recording(logits, spec_decode_metadata, step, *args):
         num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
         ends = torch.cumsum(num_sampled, 0)[step.request_indices.cpu()]
         rows = (ends - step.block_len)[:, None] + torch.arange(step.block_len)
         steps.append(logits[rows].float().clone())
-        return original(logits, spec_decode_metadata, step, num_reqs)
+        return original(logits, spec_decode_metadata, step, *args)
 
     tree_runner.sample_with_trees = recording
     try:

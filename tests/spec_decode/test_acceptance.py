@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from vllm_treewy.spec_decode import (
-    GreedyTreeAcceptance,
+    TreeAcceptance,
     accepted_kv_moves,
     accepted_kv_moves_reference,
     greedy_tree_acceptance,
@@ -179,7 +179,7 @@ def test_nothing_accepted_when_no_root_child_matches(requests):
 # --- the tests can fail: planted wrong rules are caught ------------------------------------------------------
 
 
-def first_child_only(parents, cu_nodes, draft_tokens, target_argmax, max_depth) -> GreedyTreeAcceptance:
+def first_child_only(parents, cu_nodes, draft_tokens, target_argmax, max_depth) -> TreeAcceptance:
     """Wrong rule: only the first child of each node is ever considered (a chain walk on a tree)."""
     first_child = torch.zeros(parents.numel(), dtype=torch.bool)
     for b in range(cu_nodes.numel() - 1):
@@ -190,7 +190,7 @@ def first_child_only(parents, cu_nodes, draft_tokens, target_argmax, max_depth) 
     return greedy_tree_acceptance(parents, cu_nodes, hidden, target_argmax, max_depth)
 
 
-def bonus_at_root(parents, cu_nodes, draft_tokens, target_argmax, max_depth) -> GreedyTreeAcceptance:
+def bonus_at_root(parents, cu_nodes, draft_tokens, target_argmax, max_depth) -> TreeAcceptance:
     """Wrong rule: the bonus token read at the root instead of at the last accepted node."""
     result = greedy_tree_acceptance(parents, cu_nodes, draft_tokens, target_argmax, max_depth)
     return result._replace(bonus_tokens=target_argmax[verified_block_offsets(cu_nodes)[:-1]])

@@ -2,7 +2,7 @@
 the accepted path (``acceptance``). Tree drafting from MTP logits and the verification budget are not written yet."""
 
 from .acceptance import (
-    GreedyTreeAcceptance,
+    TreeAcceptance,
     KVMoves,
     accepted_kv_moves,
     accepted_kv_moves_reference,
@@ -12,7 +12,7 @@ from .acceptance import (
 )
 
 __all__ = [
-    "GreedyTreeAcceptance",
+    "TreeAcceptance",
     "KVMoves",
     "accepted_kv_moves",
     "accepted_kv_moves_reference",

@@ -22,7 +22,7 @@ are plain-Python twins for the tests.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -30,13 +30,13 @@ import torch
 from ..tree import node_requests
 
 
-class GreedyTreeAcceptance(NamedTuple):
-    """Per-request result of greedy tree acceptance (all int64, B = number of requests)."""
+class TreeAcceptance(NamedTuple):
+    """Per-request result of tree acceptance, greedy or sampled (all int64, B = number of requests)."""
 
     num_accepted: torch.Tensor  # [B] accepted draft nodes, 0..max_depth (the bonus token not counted)
     accepted_nodes: torch.Tensor  # [B, max_depth] local node indices root-to-leaf, -1 padding after num_accepted
     last_accepted_node: torch.Tensor  # [B] local index of the deepest accepted node, -1 = none (the root)
-    bonus_tokens: torch.Tensor  # [B] target argmax at last_accepted_node (at the root when it is -1)
+    bonus_tokens: torch.Tensor  # [B] the target's token after last_accepted_node (at the root when it is -1)
 
 
 class KVMoves(NamedTuple):
@@ -58,7 +58,7 @@ def greedy_tree_acceptance(
     draft_tokens: torch.Tensor,
     target_argmax: torch.Tensor,
     max_depth: int,
-) -> GreedyTreeAcceptance:
+) -> TreeAcceptance:
     """Accept the longest root-to-node path whose every token is the target's argmax at its parent.
 
     ``parents [N]``: local parent per packed node (-1 = child of the root); ``cu_nodes [B+1]``: node offsets;
@@ -73,40 +73,70 @@ def greedy_tree_acceptance(
     """
     num_nodes = parents.numel()
     num_requests = cu_nodes.numel() - 1
-    if draft_tokens.shape != (num_nodes,):
-        raise ValueError(f"draft_tokens has shape {tuple(draft_tokens.shape)}, expected ({num_nodes},)")
     if target_argmax.shape != (num_nodes + num_requests,):
         raise ValueError(
             f"target_argmax has shape {tuple(target_argmax.shape)}, expected ({num_nodes + num_requests},): "
             "the root and every node of each request"
         )
+    block_start = verified_block_offsets(cu_nodes)[:-1]  # [B] packed verified index of each root
+
+    def argmax_at(level: int, current: torch.Tensor) -> torch.Tensor:
+        return target_argmax[block_start + 1 + current]  # block index 1 + local (the root: -1 -> 0)
+
+    return walk_tree(parents, cu_nodes, draft_tokens, max_depth, argmax_at)
+
+
+def walk_tree(
+    parents: torch.Tensor,
+    cu_nodes: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    max_depth: int,
+    token_at: Callable[[int, torch.Tensor], torch.Tensor],
+) -> TreeAcceptance:
+    """The tree walk that greedy and sampled acceptance share: from the root, at every level ask
+    ``token_at(level, current)`` for the target's token after each request's current node (``current [B]`` local
+    node, -1 = the root; returns ``[B]``), move to the child that carries it, and stop at the first level where no
+    child does. The token asked at the last current node is the bonus. ``token_at`` is called exactly
+    ``max_depth + 1`` times, in level order (a stopped request keeps its node, so later calls ask about it again and
+    their answers are not used); it may draw fresh randomness on every call.
+
+    Shapes as in ``greedy_tree_acceptance``. No host syncs, static shapes.
+    """
+    num_nodes = parents.numel()
+    num_requests = cu_nodes.numel() - 1
+    if draft_tokens.shape != (num_nodes,):
+        raise ValueError(f"draft_tokens has shape {tuple(draft_tokens.shape)}, expected ({num_nodes},)")
     device = parents.device
     cu_nodes = cu_nodes.long()
     parents = parents.long()
     request_of_node = node_requests(cu_nodes, num_nodes)
     node_ids = torch.arange(num_nodes, device=device)
     local_of_node = node_ids - cu_nodes[request_of_node]
-    block_start = verified_block_offsets(cu_nodes)[:-1]  # [B] packed verified index of each root
     no_match = torch.full((num_requests,), num_nodes, dtype=torch.long, device=device)
 
     # A request that found no match keeps its current node, so every later level repeats the same failed search:
     # the walk stays stopped without a flag.
     current = torch.full((num_requests,), -1, dtype=torch.long, device=device)  # local node, -1 = root
+    stopped = torch.zeros(num_requests, dtype=torch.bool, device=device)
+    bonus_tokens = torch.zeros(num_requests, dtype=torch.long, device=device)
     accepted_nodes = torch.full((num_requests, max_depth), -1, dtype=torch.long, device=device)
-    for level in range(max_depth):
-        wanted = target_argmax[block_start + 1 + current]  # argmax at the current node (block index 1 + local)
+    for level in range(max_depth + 1):
+        wanted = token_at(level, current).long()
+        bonus_tokens = torch.where(stopped, bonus_tokens, wanted)
+        if level == max_depth:
+            break
         matches = (parents == current[request_of_node]) & (draft_tokens == wanted[request_of_node])
         first_match = no_match.scatter_reduce(
             0, request_of_node, torch.where(matches, node_ids, num_nodes), reduce="amin"
         )
-        found = first_match < num_nodes
+        found = (first_match < num_nodes) & ~stopped
         local_match = local_of_node[first_match.clamp(max=max(num_nodes - 1, 0))] if num_nodes else current
         current = torch.where(found, local_match, current)
         accepted_nodes[:, level] = torch.where(found, current, -1)
+        stopped = stopped | ~found
 
-    bonus_tokens = target_argmax[block_start + 1 + current]
     num_accepted = (accepted_nodes >= 0).sum(dim=1)
-    return GreedyTreeAcceptance(num_accepted, accepted_nodes, current, bonus_tokens.long())
+    return TreeAcceptance(num_accepted, accepted_nodes, current, bonus_tokens)
 
 
 def accepted_kv_moves(accepted_nodes: torch.Tensor, root_positions: torch.Tensor) -> KVMoves:
@@ -115,7 +145,7 @@ def accepted_kv_moves(accepted_nodes: torch.Tensor, root_positions: torch.Tensor
     ``root_positions [B]``: each request's root position L, i.e. its committed length (the tokens with KV before
     the root). The verified block is written at positions L + block index: the root at L, local node j at
     L + 1 + j. ``accepted_nodes [B, D]``: local node indices of the accepted path, root to leaf, -1 padding
-    (``GreedyTreeAcceptance.accepted_nodes``).
+    (``TreeAcceptance.accepted_nodes``).
 
     Column m - 1 moves the path's m-th node from L + 1 + node to L + m; afterwards positions L .. L + num_accepted
     hold root + accepted path and the request's committed length is L + 1 + num_accepted (the bonus token comes

@@ -25,7 +25,7 @@ from vllm_treewy.vllm_plugin import patch_points
 
 MambaStateCommit = Literal["store_all", "reconstruct"]
 RECONSTRUCT_METHODS = ("mtp", "custom_class")
-TREE_METHODS = ("custom_class",)  # drafters that propose a whole tree in node order (part 1: a test drafter)
+TREE_METHODS = ("mtp", "custom_class")  # drafters that propose a whole tree in node order (custom_class: tests)
 GDN_LAYER_TYPE = "linear_attention"
 
 
@@ -71,12 +71,12 @@ class TreewySpeculativeConfig(SpeculativeConfig):
 
     def _validate_tree_drafting(self) -> None:
         widths = self.draft_tree_widths
-        if self.method == "mtp":
-            raise ValueError(f"draft_tree_widths={widths}: MTP tree drafting is part 2; draft trees (a width > 1) "
-                             f"need method {' or '.join(TREE_METHODS)} for now")
         if self.method not in TREE_METHODS:
             raise ValueError(f"draft_tree_widths={widths}: draft trees (a width > 1) need method "
                              f"{' or '.join(TREE_METHODS)}, got method={self.method!r}")
+        if self.target_model_config is not None and self.target_model_config.uses_mrope:
+            raise ValueError(f"draft_tree_widths={widths}: models with M-RoPE positions are not supported yet (tree "
+                             "tokens take depth positions on one axis)")
         from vllm.platforms import current_platform
 
         if not (current_platform.is_cpu() or current_platform.is_cuda()):

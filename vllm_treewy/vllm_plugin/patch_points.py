@@ -224,9 +224,14 @@ RUNNER_AFTER_SAMPLING = PatchPoint(
     "requests' GDN slots (vLLM resets a row's count when a step leaves the request out)",
     ("self", "output_token_ids", "scheduler_output"),
 )
+RUNNER_EAGLE_PROPOSER = PatchPoint(
+    _RUNNER, "EagleProposer", "rebinds",
+    "MTP draft trees: the runner builds its MTP/EAGLE drafter from this name; the subclass proposes trees level by "
+    "level (vLLM's proposer unchanged for chains; isinstance checks on EagleProposer still hold)",
+)
 RUNNER_SAMPLE = PatchPoint(
     _RUNNER, "GPUModelRunner._sample", "wraps",
-    "draft trees: greedy tree acceptance instead of the chain rejection sampler; the output rows it returns keep "
+    "draft trees: tree acceptance with vLLM's sampler level by level instead of the chain rejection sampler; the output rows it returns keep "
     "vLLM's accepted-token bookkeeping right", ("self", "logits", "spec_decode_metadata"),
 )
 CPU_ATTENTION_FORWARD = PatchPoint(
@@ -304,6 +309,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     CPU_UNPACKED_CONV_WEIGHT,
     RUNNER_PREPARE_INPUTS,
     RUNNER_BUILD_ATTENTION_METADATA,
+    RUNNER_EAGLE_PROPOSER,
     RUNNER_SAMPLE,
     RUNNER_AFTER_SAMPLING,
     CPU_ATTENTION_FORWARD,

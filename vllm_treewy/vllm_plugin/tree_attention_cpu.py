@@ -250,7 +250,7 @@ def compact_accepted_kv(
 
     ``key_cache``/``value_cache``: one layer's ``split_kv_cache`` halves, or equally long sequences of them (one per
     full-attention layer; all must share ``isa``, block size and ``block_table``). ``block_table [B, max_blocks]``
-    maps request b's logical positions to slots; ``accepted_nodes [B, D]`` (``GreedyTreeAcceptance.accepted_nodes``)
+    maps request b's logical positions to slots; ``accepted_nodes [B, D]`` (``TreeAcceptance.accepted_nodes``)
     and ``root_positions [B]`` (committed length before the root) go to ``accepted_kv_moves``, whose position pairs
     are applied here: afterwards positions ``root .. root + num_accepted`` of request b hold the root and its
     accepted path in order, other slots are untouched. Returns the moves (positions, -1 = none). No host sync.

@@ -132,7 +132,7 @@ def compact_accepted_kv_paged(
     `kv_caches`: one layer's cache or a sequence of them, each in vLLM's logical order `[num_blocks, num_kv_heads,
     block_size, C]` (C = 2 * head_size, any physical stride order); all share `block_table [B, max_blocks]`
     (request b's logical positions to blocks of that cache, vLLM's metadata rows of the tree requests).
-    `accepted_nodes [B, D]` (`GreedyTreeAcceptance.accepted_nodes`) and `root_positions [B]` (committed length
+    `accepted_nodes [B, D]` (`TreeAcceptance.accepted_nodes`) and `root_positions [B]` (committed length
     before the root) give `accepted_kv_moves`, applied here: afterwards positions root .. root + num_accepted of
     request b hold the root and its accepted path in order; no other slot changes. Returns the moves. Device ops
     of fixed shapes only (no host sync): capturable.

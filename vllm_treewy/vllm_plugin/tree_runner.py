@@ -19,7 +19,7 @@ Per step, when the speculative config has a tree (`draft_tree_widths` with a wid
    runs vLLM's causal launch, then the tree rows alone with the bias overwrite their output.
 5. GDN layers: the step metadata carries the tree (`step_metadata`), reconstruct verifies it and commits the
    previous step's accepted leaf (`reconstruct.step_torch` on CPU, `step_triton` on CUDA).
-6. `_sample`: greedy tree acceptance (`tree_sampler`), the accepted path's K/V compacted, the accepted leaf written
+6. `_sample`: tree acceptance with vLLM's sampler (`tree_sampler`), the accepted path's K/V compacted, the accepted leaf written
    into each GDN slot's count state for the next step's commit.
 
 CUDA graphs: FULL for uniform decode batches of tree rows (vLLM's FULL_AND_PIECEWISE or FULL_DECODE_ONLY), attention
@@ -37,16 +37,18 @@ import torch
 from vllm_treewy.vllm_plugin import tree_attention_triton
 from vllm_treewy.vllm_plugin.accepted_counts import gdn_slot_counts
 from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.mtp_tree_proposer import TreeMtpProposer
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_ATTENTION_FORWARD,
     RUNNER_BUILD_ATTENTION_METADATA,
+    RUNNER_EAGLE_PROPOSER,
     RUNNER_PREPARE_INPUTS,
     RUNNER_SAMPLE,
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
 )
 from vllm_treewy.vllm_plugin.tree_attention_cpu import split_kv_cache, tree_attention
-from vllm_treewy.vllm_plugin.tree_sampler import check_greedy, record_accepted_leaves, sample_with_trees
+from vllm_treewy.vllm_plugin.tree_sampler import record_accepted_leaves, sample_with_trees
 from vllm_treewy.vllm_plugin.tree_step import (
     AttentionLayerCaches,
     PagedLayerCaches,
@@ -284,19 +286,34 @@ def _attending_tree_rows_triton(original):
     return forward
 
 
+def attach_draft_level(per_layer: dict, step: TreeStep, qq_bias: torch.Tensor | None) -> None:
+    """A drafting level's tree (every request a tree row) onto the MTP head's attention metadata: the step for the
+    CPU post-pass, or the tree bias for vLLM's TRITON_ATTN launch."""
+    for metadata in per_layer.values():
+        if qq_bias is None:
+            setattr(metadata, TREE_STEP, step)
+        else:
+            setattr(metadata, TREE_QQ_BIAS, qq_bias)
+
+
 def _sampling_trees(original):
     @functools.wraps(original)
     def sample(self, logits, spec_decode_metadata):
         step: TreeStep | None = getattr(spec_decode_metadata, TREE_STEP, None)
+        drafter = getattr(self, "drafter", None)
         if step is None:
+            if isinstance(drafter, TreeMtpProposer):
+                drafter.hand_over_acceptance(None)
             return original(self, logits, spec_decode_metadata)
         from vllm.v1.outputs import SamplerOutput
 
-        check_greedy(self.input_batch.sampling_metadata)
-        sampled, acceptance = sample_with_trees(logits, spec_decode_metadata, step, self.input_batch.num_reqs)
+        sampled, acceptance, logprobs = sample_with_trees(logits, spec_decode_metadata, step, self.sampler,
+                                                          self.input_batch.sampling_metadata)
         for counts, slots in gdn_slot_counts(self, step.request_indices):
             record_accepted_leaves(counts, slots, acceptance)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+        if isinstance(drafter, TreeMtpProposer):
+            drafter.hand_over_acceptance((step, acceptance))
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     return sample
 
@@ -304,6 +321,7 @@ def _sampling_trees(original):
 def install() -> None:
     from vllm.platforms import current_platform
 
+    RUNNER_EAGLE_PROPOSER.replace(TreeMtpProposer)  # MTP trees; chains and other methods run vLLM's class as is
     RUNNER_PREPARE_INPUTS.wrap(_preparing_tree_rows)
     RUNNER_BUILD_ATTENTION_METADATA.wrap(_handing_tree_step_to_attention)
     RUNNER_SAMPLE.wrap(_sampling_trees)

@@ -1,23 +1,34 @@
-"""Sampling of a step with draft-tree rows: greedy tree acceptance, then the accepted path made into what vLLM
-expects of a chain.
+"""Sampling of a step with draft-tree rows: tree acceptance with vLLM's own sampler, then the accepted path made into
+what vLLM expects of a chain.
 
-The target's argmax at every verified token decides (`greedy_tree_acceptance`); each tree row's output becomes
-`[accepted path tokens..., bonus, -1...]`, so vLLM's bookkeeping counts num_accepted_tokens = accepted + 1 and
-advances num_computed_tokens past the root and the accepted path. For that to hold, right after acceptance:
+Every request of the batch is sampled level by level (`spec_decode.tree_sampling`, whose docstring proves that
+the emitted tokens follow the target's sampling distribution): at each of the depth + 1 levels one call of vLLM's
+`Sampler` over one logits row per request (a tree row: its walk's current node; any other request: its one row)
+draws a token with the request's own sampling parameters (temperature, top-k, top-p, min-p, logits processors,
+penalties, seeds; greedy requests take the argmax there, so greedy trees accept as `greedy_tree_acceptance` does).
+Penalties and bad words see the committed output plus the path walked so far (`spec_token_ids`): those need the
+path on the host, one device sync per level, only for batches that use them.
+
+Each tree row's output becomes `[accepted path tokens..., bonus, -1...]`, so vLLM's bookkeeping counts
+num_accepted_tokens = accepted + 1 and advances num_computed_tokens past the root and the accepted path; its
+logprobs (when asked) are the sampler's at each emitted position, laid out as vLLM's rejection sampler lays out a
+chain's (`[num_reqs * (1 + N), k + 1]`, position i of request r at row r * (1 + N) + i). For that to hold, right
+after acceptance:
 
 - full-attention K/V of the accepted path move behind the root (`compact_accepted_kv`, every layer the step's
   forward recorded), where vLLM's next steps read positions num_computed .. ;
 - each GDN slot's count state (in vLLM's KV cache, `pseudo_value_buffer`) records 1 + the verified-block index of
   the accepted leaf, which the next step's GDN metadata turns into the node its commit follows (`step_metadata`).
-
-Greedy only: other sampling, logprobs or logit processors would need a tree rejection sampler (refused here).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from vllm_treewy.spec_decode.acceptance import GreedyTreeAcceptance, greedy_tree_acceptance
+from vllm_treewy.spec_decode.acceptance import TreeAcceptance
+from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance
 from vllm_treewy.vllm_plugin.tree_attention_cpu import compact_accepted_kv
 from vllm_treewy.vllm_plugin.tree_attention_triton import compact_accepted_kv_paged
 from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep
@@ -25,48 +36,99 @@ from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep
 PLACEHOLDER_TOKEN = -1  # vLLM's padding of sampled_token_ids
 
 
-def check_greedy(sampling_metadata) -> None:
-    if not sampling_metadata.all_greedy or sampling_metadata.max_num_logprobs is not None:
-        raise ValueError("draft_tree_widths verifies draft trees greedily only: use temperature=0 and no logprobs "
-                         "with tree drafting (a tree rejection sampler is future work)")
-
-
-def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, block_argmax: torch.Tensor
-                     ) -> tuple[torch.Tensor, GreedyTreeAcceptance]:
-    """`[R, depth + 1]` rows `[path tokens..., bonus, -1...]` of the tree rows, and the acceptance.
-
-    `draft_tokens [R * N]`: the rows' drafts in node order; `block_argmax [R * (1 + N)]`: the target's argmax at
-    every verified-block token."""
+def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, acceptance: TreeAcceptance) -> torch.Tensor:
+    """`[R, depth + 1]` rows `[path tokens..., bonus, -1...]` of the tree rows; `draft_tokens [R * N]` in node
+    order."""
     num_requests, num_nodes = step.num_requests, step.tree.num_nodes
-    acceptance = greedy_tree_acceptance(step.parents, step.cu_nodes, draft_tokens, block_argmax, step.depth)
     drafts = draft_tokens.long().view(num_requests, num_nodes)
     path = acceptance.accepted_nodes
     path_tokens = torch.where(path >= 0, drafts.gather(1, path.clamp(min=0)), PLACEHOLDER_TOKEN)
     rows = torch.cat([path_tokens, torch.full_like(path_tokens[:, :1], PLACEHOLDER_TOKEN)], dim=1)
     rows.scatter_(1, acceptance.num_accepted[:, None], acceptance.bonus_tokens[:, None])
-    return rows, acceptance
+    return rows
 
 
-def sample_with_trees(logits: torch.Tensor, spec_decode_metadata, step: TreeStep, num_reqs: int
-                      ) -> tuple[torch.Tensor, GreedyTreeAcceptance]:
-    """`sampled_token_ids [num_reqs, 1 + N]` of a greedy step with tree rows (other rows: one greedy token), after
-    the accepted paths' K/V compaction; and the tree rows' acceptance."""
-    argmax = logits.argmax(dim=-1)
-    device = argmax.device
+def _needs_path_on_host(sampling_metadata) -> bool:
+    return not sampling_metadata.no_penalties or bool(sampling_metadata.bad_words_token_ids)
+
+
+class _LevelSampler:
+    """vLLM's sampler over one row per request, once per level; keeps each level's draws and logprobs."""
+
+    def __init__(self, sampler, sampling_metadata, logits, sampled_end, step, draft_tokens):
+        self.sampler, self.sampling_metadata, self.logits = sampler, sampling_metadata, logits
+        self.step, self.drafts = step, draft_tokens.long().view(step.num_requests, step.tree.num_nodes)
+        self.rows = sampled_end - 1  # every request's last logits row; a tree row's is replaced per level
+        self.block_starts = sampled_end[step.request_indices] - step.block_len  # [R] each tree row's root row
+        self.draws, self.logprobs = [], []
+        self.path_on_host = _needs_path_on_host(sampling_metadata)
+        self.path: list[list[int]] = [[] for _ in range(sampled_end.numel())]  # per request, host: penalties
+
+    def __call__(self, level: int, block_rows: torch.Tensor) -> torch.Tensor:
+        # block_rows: each tree row's current token in the packed verified blocks (walk_tree's numbering); its
+        # index inside the request's block is block_rows - request * block_len.
+        within = block_rows - torch.arange(self.step.num_requests, device=block_rows.device) * self.step.block_len
+        rows = self.rows.clone()
+        rows[self.step.request_indices] = self.block_starts + within
+        metadata = self.sampling_metadata
+        if self.path_on_host:
+            metadata = dataclasses.replace(metadata, spec_token_ids=[list(p) for p in self.path])
+        output = self.sampler(self.logits[rows], metadata, predict_bonus_token=True)
+        draws = output.sampled_token_ids.view(-1).long()
+        self.draws.append(draws)
+        self.logprobs.append(output.logprobs_tensors)
+        tree_draws = draws[self.step.request_indices]
+        if self.path_on_host and level < self.step.depth:
+            self._extend_paths(level, within, tree_draws)
+        return tree_draws
+
+    def _extend_paths(self, level: int, within: torch.Tensor, tree_draws: torch.Tensor) -> None:
+        """The path each tree row walks next level: its tokens so far plus this level's draw where a child carries
+        it (the walk's own test, repeated on the host)."""
+        tree = self.step.tree
+        current = (within - 1).tolist()
+        drawn = tree_draws.tolist()
+        drafts = self.drafts.tolist()
+        for i, request in enumerate(self.step.request_indices.tolist()):
+            if len(self.path[request]) != level:
+                continue  # stopped earlier
+            children = [n for n, parent in enumerate(tree.parents) if parent == current[i]]
+            if any(drafts[i][n] == drawn[i] for n in children):
+                self.path[request].append(drawn[i])
+
+
+def sample_with_trees(logits: torch.Tensor, spec_decode_metadata, step: TreeStep, sampler, sampling_metadata
+                      ) -> tuple[torch.Tensor, TreeAcceptance, object]:
+    """`sampled_token_ids [num_reqs, 1 + N]` of a step with tree rows (other rows: one token), after the accepted
+    paths' K/V compaction; the tree rows' acceptance; and the logprobs tensors (None unless asked)."""
+    device = logits.device
     sampled_end = spec_decode_metadata.cu_num_sampled_tokens.long()  # each row's drafts + 1, summed: on the device
+    draft_tokens = spec_decode_metadata.draft_token_ids  # only tree rows have drafts (partial trees are refused)
+    levels = _LevelSampler(sampler, sampling_metadata, logits, sampled_end, step, draft_tokens)
+    acceptance = sampled_tree_acceptance(step.parents, step.cu_nodes, draft_tokens, step.depth, levels)
+    num_reqs = sampled_end.numel()
     out = torch.full((num_reqs, step.block_len), PLACEHOLDER_TOKEN, dtype=torch.long, device=device)
-    out[:, 0] = argmax[sampled_end - 1]  # a row without drafts samples one token, at its last logit
-    block_rows = (sampled_end[step.request_indices] - step.block_len)[:, None] + torch.arange(step.block_len,
-                                                                                               device=device)
-    # Only tree rows have drafts (partial trees are refused), so the drafts are theirs, in row order.
-    rows, acceptance = tree_output_rows(step, spec_decode_metadata.draft_token_ids, argmax[block_rows.flatten()])
-    out[step.request_indices] = PLACEHOLDER_TOKEN
-    out[step.request_indices, : rows.shape[1]] = rows
+    out[:, 0] = levels.draws[0]
+    out[step.request_indices, : step.depth + 1] = tree_output_rows(step, draft_tokens, acceptance)
     commit_accepted_path(step, acceptance)
-    return out, acceptance
+    return out, acceptance, _chain_layout_logprobs(levels.logprobs, step.block_len)
 
 
-def commit_accepted_path(step: TreeStep, acceptance: GreedyTreeAcceptance) -> None:
+def _chain_layout_logprobs(per_level: list, block_len: int):
+    """Each level's `[num_reqs, k + 1]` logprobs as vLLM's chain layout `[num_reqs * block_len, k + 1]` (positions
+    past the levels are zeros; vLLM's parse keeps only the emitted positions)."""
+    if per_level[0] is None:
+        return None
+    fields = []
+    for name in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
+        stacked = torch.stack([getattr(level, name) for level in per_level], dim=1)  # [num_reqs, levels, ...]
+        padded = stacked.new_zeros(stacked.shape[0], block_len, *stacked.shape[2:])
+        padded[:, : stacked.shape[1]] = stacked
+        fields.append(padded.flatten(0, 1))
+    return type(per_level[0])(*fields)
+
+
+def commit_accepted_path(step: TreeStep, acceptance: TreeAcceptance) -> None:
     """Compacts the recorded full-attention layers' K/V along each accepted path (CPU layout or TRITON_ATTN's)."""
     for layer in step.attention_layers:
         if isinstance(layer, PagedLayerCaches):
@@ -77,7 +139,7 @@ def commit_accepted_path(step: TreeStep, acceptance: GreedyTreeAcceptance) -> No
                                 step.root_positions, isa=layer.isa)
 
 
-def record_accepted_leaves(counts: torch.Tensor, slots: torch.Tensor, acceptance: GreedyTreeAcceptance) -> None:
+def record_accepted_leaves(counts: torch.Tensor, slots: torch.Tensor, acceptance: TreeAcceptance) -> None:
     """A GDN layer's slot counts after acceptance: 1 + the verified-block index of the accepted leaf (1 = the root:
     nothing accepted), still > 0, so the slot's next step commits that node (`step_metadata`)."""
     counts[slots] = (acceptance.last_accepted_node + 2).to(counts.dtype)

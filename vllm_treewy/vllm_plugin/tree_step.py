@@ -122,3 +122,26 @@ def override_positions(positions: torch.Tensor, step: TreeStep) -> None:
     """Tree tokens' positions `num_computed + block index` (vLLM's, already used for the slot mapping) become
     `num_computed + depth`, in place."""
     positions[step.token_indices] -= step.position_shifts.to(positions.dtype)
+
+
+def uniform_tree_step(tree: DraftTree, root_positions: torch.Tensor) -> TreeStep:
+    """A step in which every request of the batch is a tree row, its verified block at query rows
+    `r * (1 + N) ..` (`root_positions [R]` int64 on the device: each root's position). The MTP drafting levels run
+    such steps (`mtp_tree_proposer`). No host sync: every shape follows from R and the tree."""
+    device = root_positions.device
+    num_requests, block_len = root_positions.numel(), 1 + tree.num_nodes
+    parents = torch.tensor(tree.parents, dtype=torch.int32, device=device).repeat(num_requests)
+    cu_nodes = torch.arange(num_requests + 1, dtype=torch.int32, device=device) * tree.num_nodes
+    shifts = torch.as_tensor(np.arange(block_len) - block_depths(tree), device=device).repeat(num_requests)
+    return TreeStep(
+        tree=tree,
+        request_indices=torch.arange(num_requests, device=device),
+        token_indices=torch.arange(num_requests * block_len, device=device),
+        query_start_loc=torch.arange(num_requests + 1, dtype=torch.int32, device=device) * block_len,
+        block_ancestors=verified_block_ancestors(parents, cu_nodes, tree.max_depth),
+        root_positions=root_positions.long(),
+        parents=parents,
+        cu_nodes=cu_nodes,
+        position_shifts=shifts,
+        covers_batch=True,
+    )

@@ -1,0 +1,211 @@
+"""MTP draft trees in vLLM's V1 runner: the model's own MTP head proposes `draft_tree_widths` trees.
+
+`TreeMtpProposer` is vLLM's `EagleProposer` (which runs MTP heads) with one more mode. For a chain it is vLLM's
+proposer unchanged. With a draft tree (`spec_decode.tree_drafting` has the levels' topology), per step:
+
+1. vLLM's first MTP pass (`EagleProposer.propose` with one draft token) over the step's verified tokens, after each
+   tree row's accepted path was laid out as a chain (`accepted_path_sources`, from the acceptance that
+   `tree_runner`'s sampling hands over): the head's K/V of the committed tokens land where vLLM's chain puts them,
+   and the pass's output at each request's last accepted token gives level 1 (its top-w1 tokens).
+2. For l = 1 .. depth - 1, one forward of the head over every request's level block (root + nodes of depth <= l,
+   `uniform_tree_step`): the same tree attention as the target's verify (CPU: `tree_attention` over vLLM's
+   causal pass; TRITON_ATTN: the tree bias in vLLM's launch), depth RoPE positions, KV slots at P0 + block index
+   (inside the lookahead vLLM's scheduler allocates for N drafts). Each node's hidden input is its parent's head
+   output (the root's: the target's hidden state), its token id its own.
+3. The drafts leave in node order, `[num_reqs, N]`, as a chain's would: the scheduler and the verify side are
+   unchanged.
+
+The head's K/V at draft positions need no compaction: the next step's first pass rewrites positions L' .. for the
+accepted path. Drafts are the head's deterministic top-w tokens at any temperature, which is what the exact sampled
+acceptance (`spec_decode.tree_sampling`) needs. Every step of it is a fixed number of launches per level with shapes
+that follow from the batch size and the tree: no host sync.
+
+State across calls: the one `(step, acceptance)` pair that the step's sampling hands over (`hand_over_acceptance`)
+and this proposer consumes in the same step; nothing on vLLM's objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.spec_decode.eagle import EagleProposer
+
+from vllm_treewy.spec_decode.acceptance import TreeAcceptance
+from vllm_treewy.spec_decode.tree_drafting import (
+    accepted_path_sources,
+    level_trees,
+    nodes_below_depth,
+    parent_blocks,
+    top_children,
+)
+from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.tree_step import TreeStep, block_depths, uniform_tree_step
+
+PADDING_SLOT = -1  # vLLM's PADDING_SLOT_ID: the cache write skips the token
+
+
+class TreeMtpProposer(EagleProposer):
+    """vLLM's MTP/EAGLE proposer; with a draft tree in the speculative config, proposes trees (module docstring)."""
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        tree = draft_tree_of(vllm_config.speculative_config)
+        self.tree = tree if self.method == "mtp" else None
+        self._accepted: tuple[TreeStep, TreeAcceptance] | None = None
+        self._level_output: torch.Tensor | None = None  # the first pass's head output at each request's root
+        self._level_logits: torch.Tensor | None = None
+        if self.tree is None:
+            return
+        if vllm_config.model_config.uses_mrope:
+            raise NotImplementedError("draft_tree_widths with method 'mtp': models with M-RoPE positions are not "
+                                      "supported yet (tree positions are depths on one axis)")
+        if self.model_returns_tuple():
+            raise NotImplementedError(f"draft_tree_widths with method 'mtp': {self.draft_model_config.architecture} "
+                                      "returns separate hidden states for logits and drafting")
+        self.widths = list(vllm_config.speculative_config.draft_tree_widths)
+        self.levels = level_trees(self.widths)
+        self.nodes_below = nodes_below_depth(self.widths)
+        self._level_biases: dict[int, torch.Tensor] = {}
+
+    # -- handed over by the step's sampling -------------------------------------------------------------------
+    def hand_over_acceptance(self, accepted: tuple[TreeStep, TreeAcceptance] | None) -> None:
+        """This step's tree rows and their acceptance (None: the step verified no tree), for `propose`."""
+        self._accepted = accepted
+
+    # -- vLLM's entry points ----------------------------------------------------------------------------------
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata, *args, **kwargs):
+        if self.tree is None:
+            return super().propose(num_speculative_tokens, target_token_ids, target_positions,
+                                   target_hidden_states, next_token_ids, token_indices_to_sample,
+                                   common_attn_metadata, sampling_metadata, *args, **kwargs)
+        accepted, self._accepted = self._accepted, None
+        if accepted is not None:
+            target_token_ids, target_positions, target_hidden_states = _accepted_paths_as_chains(
+                *accepted, target_token_ids, target_positions, target_hidden_states)
+        sample_rows = (token_indices_to_sample if token_indices_to_sample is not None
+                       else common_attn_metadata.query_start_loc[1:] - 1)
+        # vLLM's first pass; `_sample_draft_tokens` below keeps its output at the sample rows.
+        super().propose(1, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+                        token_indices_to_sample, common_attn_metadata, sampling_metadata, *args, **kwargs)
+        self.num_speculative_tokens = self.tree.num_nodes
+        root_output, root_logits = self._level_output, self._level_logits
+        self._level_output = self._level_logits = None
+        root_positions = self.positions[sample_rows].long()
+        root_inputs = (self.input_ids[sample_rows].clone(), self.hidden_states[sample_rows].clone())
+        return self._draft_levels(root_positions, root_inputs, root_output, root_logits, common_attn_metadata)
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        if self.tree is None:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        logits = self.model.compute_logits(hidden_states)
+        self._level_output, self._level_logits = hidden_states, logits
+        return logits.argmax(dim=-1), None  # (draft tokens, draft probabilities): vLLM's first pass ignores both
+
+    # -- the levels ---------------------------------------------------------------------------------------------
+    def _draft_levels(self, root_positions, root_inputs, root_output, root_logits, cad) -> torch.Tensor:
+        num_reqs = root_positions.numel()
+        tokens = torch.empty(num_reqs, self.tree.num_nodes, dtype=torch.long, device=self.device)
+        tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
+        # Head outputs per verified-block index: the root's, then each forwarded node's.
+        outputs = root_output.new_empty(num_reqs, 1 + self.nodes_below[-2], root_output.shape[-1])
+        outputs[:, 0] = root_output
+        for level, tree in enumerate(self.levels, start=1):
+            first, last = self.nodes_below[level - 1], self.nodes_below[level]  # this level's nodes [first, last)
+            output = self._forward_level(tree, tokens[:, :last], outputs, root_positions, root_inputs, cad)
+            outputs[:, 1 + first : 1 + last] = output[:, 1 + first :]
+            logits = self.model.compute_logits(output[:, 1 + first :].reshape(-1, output.shape[-1]))
+            children = top_children(logits, self.widths[level])
+            tokens[:, last : self.nodes_below[level + 1]] = children.view(num_reqs, -1)
+        return tokens
+
+    def _forward_level(self, tree, node_tokens, outputs, root_positions, root_inputs, cad) -> torch.Tensor:
+        """The head over every request's block of `tree` (root + its nodes); returns `[num_reqs, 1 + n, hidden]`."""
+        num_reqs, block_len = root_positions.numel(), 1 + tree.num_nodes
+        num_tokens = num_reqs * block_len
+        device = root_positions.device
+        depths = torch.as_tensor(block_depths(tree), device=device)
+        positions = root_positions[:, None] + depths  # [R, 1 + n]
+        block_positions = root_positions[:, None] + torch.arange(block_len, device=device)
+        slots = _slots(cad.block_table_tensor, block_positions, self.block_size, self.max_model_len)
+        parents = torch.tensor(parent_blocks(tree), device=device)
+
+        root_token, root_hidden = root_inputs
+        self.input_ids[:num_tokens] = torch.cat([root_token[:, None].to(self.input_ids.dtype),
+                                                 node_tokens.to(self.input_ids.dtype)], dim=1).view(-1)
+        self.hidden_states[:num_tokens] = torch.cat(
+            [root_hidden[:, None], outputs[:, parents]], dim=1).view(num_tokens, -1)
+        self._set_positions(num_tokens, positions.clamp(max=self.max_model_len - 1).view(-1))
+
+        step = uniform_tree_step(tree, root_positions)
+        max_position = cad.max_seq_len + self.tree.num_nodes
+        level_cad = dataclasses.replace(
+            cad,
+            query_start_loc=step.query_start_loc,
+            query_start_loc_cpu=torch.arange(num_reqs + 1, dtype=torch.int32) * block_len,
+            seq_lens=(root_positions + block_len).to(cad.seq_lens.dtype),
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=block_len,
+            max_seq_len=min(max_position, self.max_model_len),
+            slot_mapping=slots.view(-1),
+            seq_lens_cpu_upper_bound=(None if cad.seq_lens_cpu_upper_bound is None
+                                      else cad.seq_lens_cpu_upper_bound + self.tree.num_nodes),
+            causal=True,
+        )
+        _, per_layer = self.build_per_group_and_layer_attn_metadata(level_cad, draft_index=tree.max_depth)
+        self._attach_tree(per_layer, step)
+        mode, num_input_tokens, across_dp = self._determine_batch_execution_and_padding(num_tokens)
+        kwargs = {"input_ids": self.input_ids[:num_input_tokens], "positions": self._get_positions(num_input_tokens),
+                  "inputs_embeds": None}
+        if self.supports_mm_inputs:
+            self.inputs_embeds[:num_tokens] = self.model.embed_input_ids(self.input_ids[:num_tokens])
+            kwargs["input_ids"], kwargs["inputs_embeds"] = None, self.inputs_embeds[:num_input_tokens]
+        if self.pass_hidden_states_to_model:
+            kwargs["hidden_states"] = self.hidden_states[:num_input_tokens]
+        with set_forward_context(per_layer, self.vllm_config, num_tokens=num_input_tokens,
+                                 num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
+                                 slot_mapping=self._get_slot_mapping(num_input_tokens, level_cad.slot_mapping)):
+            hidden = self.model(**kwargs)
+        return hidden[:num_tokens].view(num_reqs, block_len, -1)
+
+    def _attach_tree(self, per_layer: dict, step: TreeStep) -> None:
+        """The level's tree onto the head's attention metadata, as `tree_runner` hands the target's."""
+        from vllm_treewy.vllm_plugin import tree_runner
+
+        tree_runner.attach_draft_level(per_layer, step, self._level_bias(step.tree))
+
+    def _level_bias(self, tree) -> torch.Tensor | None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return None
+        if tree.num_nodes not in self._level_biases:
+            from vllm_treewy.vllm_plugin.tree_attention_triton import tree_qq_bias
+
+            self._level_biases[tree.num_nodes] = tree_qq_bias(tree, self.device)
+        return self._level_biases[tree.num_nodes]
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, max_model_len: int) -> torch.Tensor:
+    """KV slots of `positions [R, n]` (request r's row of the block table); padding past max_model_len."""
+    valid = positions < max_model_len
+    clamped = positions.clamp(max=max_model_len - 1)
+    blocks = block_table.long().gather(1, clamped // block_size)
+    return torch.where(valid, blocks * block_size + clamped % block_size, PADDING_SLOT)
+
+
+def _accepted_paths_as_chains(step: TreeStep, acceptance: TreeAcceptance, token_ids, positions, hidden_states):
+    """The first pass's inputs with every tree row's verified block laid out as its accepted path's chain
+    (`accepted_path_sources`): token ids and hidden states gathered, positions root + row. New tensors."""
+    num_requests, block_len = step.num_requests, step.block_len
+    block_rows = step.token_indices.view(num_requests, block_len)
+    index = torch.arange(token_ids.shape[0], device=token_ids.device)
+    sources = block_rows.gather(1, accepted_path_sources(acceptance.accepted_nodes, block_len))
+    index[block_rows.reshape(-1)] = sources.reshape(-1)
+    chain_positions = positions.clone()
+    chain_positions[block_rows.reshape(-1)] = (
+        step.root_positions[:, None] + torch.arange(block_len, device=positions.device)).reshape(-1).to(positions.dtype)
+    return token_ids[index], chain_positions, hidden_states[index]
