@@ -1,13 +1,19 @@
-"""Compile the gated GDN step kernel for sm_90 without a GPU (Triton's offline compiler + its bundled ptxas) and
-report what decides its speed: registers, spills/stack, shared memory, layout conversions in the loop (TTGIR), and
-the SASS instruction mix (FFMA, shuffles, shared-memory traffic, global load/store widths).
+"""Compile the GDN step's production launches for sm_90 without a GPU (Triton's offline compiler and its bundled
+ptxas) and report what decides their speed: registers, spills, shared memory, the SASS instruction mix, and a hash
+of the SASS instructions (equal hashes: the same machine code, whatever the source looks like).
 
-    python3 bench/compile_report.py [--dump DIR]
-    python3 bench/compile_report.py --conv-block-nodes 16 4      # the conv step kernel instead, per node block
+    python3 bench/compile_report.py [--states fp32 bf16] [--tokens 2 4 8] [--batches 1 64 256] [--trees 2,2,1]
+    python3 bench/compile_report.py --dump DIR        # also each launch's TTGIR, PTX and SASS
+
+Each row is the step as `gdn_step_triton` launches it for a batch of chains (or trees) at Qwen3.5 GDN dims
+(H=16, HV=32, K=V=128, bf16 q/k/v), with the previous step's commit, at the launch table's launch: the arguments
+come from `step_launches` (CPU tensors: nothing runs) and are bound by Triton's own binder, so the specialisation
+is the one the GPU sees.
 """
 
 import argparse
 import collections
+import hashlib
 import json
 import pathlib
 import re
@@ -15,72 +21,66 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_treewy.kernels.triton.conv import _conv_step_kernel  # noqa: E402
-from vllm_treewy.kernels.triton.gated import _gated_step_kernel, _nodes_block  # noqa: E402
+from vllm_treewy.kernels.factor_rows import slot_factor_width  # noqa: E402
+from vllm_treewy.kernels.triton._tree import ancestor_table_torch  # noqa: E402
+from vllm_treewy.kernels.triton.gdn_step import step_launches  # noqa: E402
+from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-PTR_TYPES = {"qkv": "*bf16", "a": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "z": "*bf16",
-             "norm_weight": "*bf16", "state_indices": "*i32", "ancestors": "*i32", "cu_nodes": "*i32",
-             "out": "*bf16", "factors": "*fp32", "pending_nodes": "*i32", "pending_ancestors": "*i32"}
-FLOATS = ("scale", "eps")
+TARGET = GPUTarget("cuda", 90, 32)
+H, HV, K, V = 16, 32, 128, 128
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def compile_variant(state_dtype, tokens, num_warps, pending=True, verify=True, maxnreg=None, **variant):
-    """`variant`: the kernel's launch constexprs beyond the shape ones (BK, PREFETCH, ROW_SUMS, ...; G, value heads
-    per program, defaults to 1; STATE_PRODUCTS to "tf32" for bf16 states, "tf32x3" for fp32: `_state_products`)."""
-    names = _gated_step_kernel.arg_names
-    const = dict(H=16, HV=32, K=128, V=128, PENDING_ROWS=tokens, PENDING_IS_CHAIN=True,
-                 MAX_ANC=tokens - 1, IS_CHAIN=True, ACT="silu",
-                 DO_VERIFY=verify, HAS_PENDING=pending,
-                 G=1, SPLIT_IN_MMA_LAYOUT=False, LAGGED_PRODUCTS=False, STATE_TMA=False, EPILOGUE_IN_MMA_LAYOUT=False,
-                 SOLVE_BY_DOTS=False, DOT_PRECISION="tf32" if state_dtype == "bf16" else "tf32x3",
-                 STATE_PRODUCTS="tf32" if state_dtype == "bf16" else "tf32x3")  # q/k/v are bf16 here
-    const.update(variant)
-    # as the launcher pads it (`_nodes_block`), unless the variant names it
-    epilogue = const["EPILOGUE_IN_MMA_LAYOUT"] and const.get("STATE_DOT", False)
-    const.setdefault("BT", _nodes_block(tokens, epilogue, epilogue and const["SOLVE_BY_DOTS"]))
-    sig = {}
-    for name in names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in FLOATS:
-            sig[name] = "fp32"
-        elif name.startswith("stride"):
-            sig[name] = "i64"
-        else:
-            sig[name] = PTR_TYPES.get(name, "*fp32")
-    sig["state"] = "*fp32" if state_dtype == "fp32" else "*bf16"
-    # STATE_TMA: a host-side descriptor over the pool, block [1, 1, V, BK]; else the state pointer again (unused)
-    sig["state_desc"] = (f"tensordesc<{state_dtype}[1, 1, {const['V']}, {const['BK']}]>" if const["STATE_TMA"]
-                         else sig["state"])
-    options = dict(num_warps=num_warps, num_stages=1)
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    # what the JIT's specialisation gives at run time: pointers and the (multiple-of-16) strides divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n] != "constexpr" and n not in FLOATS and not sig[n].startswith("tensordesc")}
-    return triton.compile(ASTSource(fn=_gated_step_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
+def compile_launch(kernel, args, kwargs):
+    """One launch compiled for sm_90 as `kernel[grid](*args, **kwargs)` would compile it on an H200."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__)
 
 
-def compile_conv(block_nodes, block_d=256, num_warps=4):
-    """The conv step of a bf16 model (Qwen3.5: width 4, silu, no bias) with a pending chain commit."""
-    names = _conv_step_kernel.arg_names
-    const = dict(W=4, L=3, BL=4, BN=block_nodes, BD=block_d, HAS_BIAS=False, SILU=True, HAS_PENDING=True,
-                 PENDING_DEPTH=1, PENDING_IS_CHAIN=True, ROUND_PRODUCTS=True)
-    int_arrays = ("state_indices", "parents", "cu_nodes", "pending_nodes", "pending_ancestors")
-    sig = {n: "constexpr" if n in const else "i64" if n.startswith("stride") or n == "D" else
-           "*i32" if n in int_arrays else "*bf16" for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
-    return triton.compile(ASTSource(fn=_conv_step_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
+def step_case(state_dtype, tokens, batch, widths=None):
+    """`step_launches`' launches for `batch` requests of a chain of `tokens` nodes (or the tree `widths` with its root),
+    committing the previous step's last node."""
+    tree = DraftTree.from_widths(widths).with_root() if widths else DraftTree.from_widths([1] * tokens)
+    chain, nodes = not widths, tree.num_nodes
+    packed = pack_trees([tree] * batch)
+    n = packed.num_nodes
+    slots = 4  # the pool's size does not reach the launch's specialisation
+    mixed_qkv = torch.zeros(n, 2 * H * K + HV * V, dtype=torch.bfloat16)
+    a, b = torch.zeros(n, HV, dtype=torch.bfloat16), torch.zeros(n, HV, dtype=torch.bfloat16)
+    A_log, dt_bias = torch.zeros(HV), torch.zeros(HV, dtype=torch.bfloat16)
+    z = torch.zeros(n, HV, V, dtype=torch.bfloat16)
+    norm_weight = torch.zeros(V, dtype=torch.bfloat16)
+    state = torch.zeros(slots, HV, V, K, dtype=state_dtype)
+    factors = torch.zeros(slots, nodes, slot_factor_width(HV, K, V))
+    state_indices = torch.zeros(batch, dtype=torch.int32)
+    commit_nodes = torch.full((batch,), nodes - 1, dtype=torch.int32)
+    ancestors = commit_ancestors = None
+    if not chain:
+        ancestors = ancestor_table_torch(packed.parents, packed.cu_nodes, packed.max_depth)
+        one = pack_trees([tree])
+        commit_ancestors = ancestor_table_torch(one.parents, one.cu_nodes, one.max_depth)
+    out = torch.zeros(n, HV, V, dtype=torch.bfloat16)
+    launches, _ = step_launches(
+        mixed_qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, packed.parents, packed.cu_nodes,
+        factors, commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=nodes,
+        max_depth=None if chain else packed.max_depth, chain=chain, scale=None, norm_eps=1e-6, activation="silu",
+        ancestors=ancestors, out=out, launch=None)
+    return launches
 
 
 def cuobjdump(compiled, flag):
@@ -93,98 +93,46 @@ def cuobjdump(compiled, flag):
 def analyse(compiled):
     usage = cuobjdump(compiled, "--dump-resource-usage")
     sass = cuobjdump(compiled, "--dump-sass")
-    regs = re.search(r"REG:(\d+)", usage)
-    stack = re.search(r"STACK:(\d+)", usage)
-    shared = re.search(r"SHARED:(\d+)", usage)
-    local = re.search(r"LOCAL:(\d+)", usage)
-    ops = collections.Counter()
+    instructions = []
     for line in sass.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
         if m:
-            ops[m.group(1)] += 1
-    ttgir = compiled.asm["ttgir"]
-    keys = ("FFMA", "FMUL", "FADD", "SHFL.BFLY", "STS", "LDS", "BAR.SYNC", "LDG.E.128", "LDG.E.64", "LDG.E",
-            "STG.E.128", "STG.E.64", "STG.E", "LDL", "STL", "MUFU.EX2", "HMMA", "HGMMA")
-    mix = {k: sum(v for op, v in ops.items() if op == k or op.startswith(k + ".") and k in ("STS", "LDS", "HMMA", "HGMMA"))
-           for k in keys}
-    loop_ir = _state_loop_ttgir(ttgir)
-    return dict(regs=int(regs.group(1)) if regs else None, stack=int(stack.group(1)) if stack else None,
-                shared=int(shared.group(1)) if shared else None, dynamic_shared=compiled.metadata.shared,
-                local=int(local.group(1)) if local else None,
-                convert_layout=ttgir.count("ttg.convert_layout"), local_alloc=ttgir.count("ttg.local_alloc"),
-                sass_total=sum(ops.values()), mix=mix,
-                loop=dict(convert_layout=loop_ir.count("ttg.convert_layout"),
-                          local_alloc=loop_ir.count("ttg.local_alloc"), local_load=loop_ir.count("ttg.local_load"),
-                          sass=_state_loop_sass_mix(sass)))
-
-
-def _state_loop_ttgir(ttgir):
-    """The body of the largest scf.for (the state loop: the others are the solve's short one and unrolled ones)."""
-    lines = ttgir.splitlines()
-    bodies = []
-    for start, line in enumerate(lines):
-        if "scf.for" in line:
-            depth = 0
-            for end in range(start, len(lines)):
-                depth += lines[end].count("{") - lines[end].count("}")
-                if depth <= 0 and end > start:
-                    break
-            bodies.append("\n".join(lines[start:end + 1]))
-    return max(bodies, key=len, default="")
-
-
-def _state_loop_sass_mix(sass):
-    """Shared-memory, global and tensor-core instructions between the target and the source of the largest
-    backward branch (the state loop), per thread and iteration."""
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    loops = [(int(t.group(1), 16), addr) for addr, op, rest in ins if op.startswith("BRA")
-             for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < addr]
-    if not loops:
-        return {}
-    first, last = max(loops, key=lambda loop: loop[1] - loop[0])
-    ops = collections.Counter(op for addr, op, _ in ins if first <= addr <= last)
-    prefixes = ("STS", "LDS", "STSM", "LDSM", "SHFL", "LDG", "STG", "HGMMA", "BAR", "MEMBAR")
-    mix = {op: n for op, n in sorted(ops.items()) if op.startswith(prefixes)}
-    return dict(total=sum(ops.values()), **mix)
+            instructions.append(m.group(1).strip())
+    ops = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", i).group(1) for i in instructions)
+    field = {name: re.search(name + r":(\d+)", usage) for name in ("REG", "STACK", "SHARED", "LOCAL")}
+    keys = ("FFMA", "SHFL.BFLY", "LDG.E", "LDG.E.128", "STG.E", "STG.E.128", "LDS", "STS", "BAR.SYNC", "HMMA",
+            "HGMMA", "LDL", "STL")
+    return dict(**{k.lower(): int(m.group(1)) if m else None for k, m in field.items()},
+                sass_total=len(instructions),
+                sass_sha=hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:16],
+                mix={k: sum(v for op, v in ops.items() if op == k or op.startswith(k + ".")) for k in keys})
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump")
     parser.add_argument("--states", nargs="*", default=["fp32", "bf16"])
-    parser.add_argument("--tokens", type=int, nargs="*", default=[4])
-    parser.add_argument("--warps", type=int, nargs="*", default=[4])
-    parser.add_argument("--modes", nargs="*", default=["fused", "verify", "commit"])
-    parser.add_argument("--maxnreg", type=int, nargs="*", default=[0])
-    parser.add_argument("--variant", type=json.loads, nargs="*", default=[dict(BK=8, PREFETCH=2)],
-                        help='constexpr sets as JSON, e.g. \'{"BK": 8, "PREFETCH": 2, "ROW_SUMS": true}\'')
-    parser.add_argument("--conv-block-nodes", type=int, nargs="*", default=None)
+    parser.add_argument("--tokens", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 64, 256])
+    parser.add_argument("--trees", nargs="*", default=["2,2,1", "4,2,2"])
+    parser.add_argument("--tree-batches", type=int, nargs="*", default=[64])
     args = parser.parse_args()
-    if args.conv_block_nodes:
-        for block_nodes in args.conv_block_nodes:
-            print(json.dumps(dict(kernel="conv_step", block_nodes=block_nodes, **analyse(compile_conv(block_nodes)))))
-        return
-    for state in args.states:
-        for tokens in args.tokens:
-            for mode in args.modes:
-                for variant in args.variant:
-                    for w, mr in [(w, mr) for w in args.warps for mr in args.maxnreg]:
-                        c = compile_variant(state, tokens, w, pending=mode != "verify", verify=mode != "commit",
-                                            maxnreg=mr, **variant)
-                        r = dict(state=state, tokens=tokens, mode=mode, num_warps=w, maxnreg=mr, **variant,
-                                 **analyse(c))
-                        print(json.dumps(r), flush=True)
-                        if args.dump:
-                            d = pathlib.Path(args.dump)
-                            d.mkdir(parents=True, exist_ok=True)
-                            stem = f"{state}_T{tokens}_{mode}_w{w}_" + "_".join(f"{k}{v}" for k, v in variant.items())
-                            (d / f"{stem}.ttgir").write_text(c.asm["ttgir"])
-                            (d / f"{stem}.ptx").write_text(c.asm["ptx"])
-                            (d / f"{stem}.sass").write_text(cuobjdump(c, "--dump-sass"))
+    cases = [(state, T, B, None) for state in args.states for T in args.tokens for B in args.batches]
+    cases += [(state, None, B, [int(w) for w in widths.split(",")]) for state in args.states
+              for widths in args.trees for B in args.tree_batches]
+    for state, T, B, widths in cases:
+        for kernel, grid, kernel_args, kernel_kwargs in step_case(STATE_DTYPES[state], T, B, widths):
+            compiled = compile_launch(kernel, kernel_args, kernel_kwargs)
+            row = dict(state=state, T=T, B=B, tree=widths, kernel=kernel.fn.__name__, grid=list(grid),
+                       num_warps=kernel_kwargs.get("num_warps"), **analyse(compiled))
+            print(json.dumps(row), flush=True)
+            if args.dump:
+                d = pathlib.Path(args.dump)
+                d.mkdir(parents=True, exist_ok=True)
+                stem = f"{state}_{'T%d' % T if T else 'tree' + ''.join(map(str, widths))}_B{B}_{kernel.fn.__name__}"
+                (d / f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
+                (d / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+                (d / f"{stem}.sass").write_text(cuobjdump(compiled, "--dump-sass"))
 
 
 if __name__ == "__main__":

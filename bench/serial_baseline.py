@@ -1,12 +1,17 @@
-"""Per-node serial baseline for draft trees (what SGLang does): each node's state is computed from its parent's
-state by one gated delta rule step and written to that node's own scratch slot, so the tree costs one state write
-per node. The fair kernel to hold the fused tree verify against; the torch twin is
-`vllm_treewy.kernels.serial_tree`, the fp64 ground truth `vllm_treewy.kernels.reference`.
+"""The per-node serial baseline for draft trees (what SGLang does), a benchmark yardstick only: each node's state is
+computed from its parent's state by one gated delta rule step and written to that node's own scratch slot, so the
+tree costs one state write per node. The fair kernel to hold the fused tree step against (`bench/gated_bench.py`);
+its torch twin is `vllm_treewy.kernels.serial_tree`, the fp64 ground truth `vllm_treewy.kernels.reference`
+(`tests/bench_scripts/test_serial_baseline.py`).
+
+Inputs are what the layer holds at that point: q, k (normalised, q scaled), v in bf16; g, beta fp32.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from vllm_treewy.tree import DraftTree, pack_trees
 
 
 @triton.jit
@@ -63,8 +68,9 @@ def serial_tree_triton(
     block_v: int = 32,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same inputs as `verify_packed_triton`; returns o [N, HV, V] and every node's state [N, HV, V, K] in the
-    state's dtype (committing node a is then a copy of node_states[a])."""
+    """q, k [N, H, K]; v [N, HV, V]; g, beta [N, HV]; state pool [S, HV, V, K]; state_indices [B]; parents [N]
+    local, cu_nodes [B+1]. Returns o [N, HV, V] and every node's state [N, HV, V, K] in the state's dtype
+    (committing node a is then a copy of node_states[a])."""
     n_nodes, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     assert state.stride(-1) == 1 and V % block_v == 0
@@ -77,3 +83,23 @@ def serial_tree_triton(
         H=H, HV=HV, K=K, V=V, BV=block_v, num_warps=num_warps,
     )
     return o, node_states
+
+
+def serial_per_node_us(widths, batch: int, state_dtype: torch.dtype, heads=(16, 32), dims=(128, 128)) -> float:
+    """The serial baseline's time (us, `timing.graph_time_us`) on `batch` copies of the tree `widths` with its root
+    node (vLLM verifies root + N), Qwen3.5 GDN heads and dims by default."""
+    from bench.timing import graph_time_us
+
+    (H, HV), (K, V) = heads, dims
+    packed = pack_trees([DraftTree.from_widths(list(widths)).with_root()] * batch, device="cuda")
+    n = packed.num_nodes
+    q = torch.nn.functional.normalize(torch.randn(n, H, K, device="cuda"), dim=-1).mul_(K**-0.5).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(n, H, K, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(n, HV, V, device="cuda").bfloat16()
+    g, beta = -torch.rand(n, HV, device="cuda"), torch.rand(n, HV, device="cuda")
+    pool = torch.randn(1 + batch, HV, V, K, device="cuda").mul_(0.05).to(state_dtype)
+    slots = 1 + torch.arange(batch, device="cuda", dtype=torch.int32)  # slot 0: vLLM's null block
+    node_states = torch.empty(n, HV, V, K, dtype=state_dtype, device="cuda")
+    o = torch.empty_like(v)
+    return graph_time_us([lambda: serial_tree_triton(q, k, v, g, beta, pool, slots, packed.parents, packed.cu_nodes,
+                                                     node_states=node_states, o=o)], min_calls=8)

@@ -4,17 +4,17 @@ Here the launch arguments are built exactly as `gdn_step_triton` / `conv_step_tr
 vLLM's Qwen3.5 GDN layer hands over at every batch size it captures (FULL CUDA graphs: slices of persistent
 buffers; mixed prefill batches: `index_select` copies), and bound with Triton's own binder; nothing is compiled.
 Expected: one key per kernel, speculative length and launch configuration (the grid carries the batch, the integer
-arguments are strides of model-shaped views; `launch_defaults` changes the configuration with the batch at most
-twice, at 4 and 8 requests)."""
+arguments are strides of model-shaped views; `step_launch` changes the launch with the batch at most twice, at 4
+and 8 requests)."""
 
 import pytest
 import torch
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from vllm_treewy.kernels.triton import conv as conv_module
-from vllm_treewy.kernels.triton import gated as gated_module
-from vllm_treewy.kernels.triton.gated import slot_factor_width
+from vllm_treewy.kernels.factor_rows import slot_factor_width
+from vllm_treewy.kernels.triton import conv_step as conv_module
+from vllm_treewy.kernels.triton import gdn_step as gdn_step_module
 from vllm_treewy.tree import chain_parents
 
 H, HV, K, V, WIDTH = 16, 32, 128, 128, 4  # Qwen3.5 GDN layer
@@ -32,7 +32,7 @@ def specialization_key(kernel, args, kwargs):
 
 
 def launch_keys(launches):
-    """The keys of `_launch_arguments`' launches (one kernel, or the state pass and the epilogue), in order."""
+    """The keys of `step_launches`' launches (the state pass and the epilogue), in order."""
     return tuple((kernel.fn.__name__, *specialization_key(kernel, args, kwargs))
                  for kernel, _, args, kwargs in launches)
 
@@ -63,14 +63,14 @@ def step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, pe
     bias = None
     conv = conv_module._conv_launch_arguments(
         mixed_qkv, conv_state, slots, weight, bias, parents, cu_nodes, conv_inputs, commit_nodes,
-        pending_ancestors=None, activation="silu", out=None, block_nodes=16, block_d=256)
+        commit_ancestors=None, activation="silu", out=None, block_nodes=16, block_d=256)
     conv_out = conv[3]
     A_log, dt_bias = torch.empty(HV), torch.empty(HV, dtype=torch.bfloat16)
     norm_weight = torch.empty(V, dtype=torch.bfloat16)
-    gated = gated_module._launch_arguments(
+    gated = gdn_step_module.step_launches(
         conv_out, a, b, A_log, dt_bias, output_gate, norm_weight, state, slots, parents, cu_nodes, factors,
         commit_nodes, None, num_key_heads=H, max_nodes=tokens, max_depth=None, chain=True, scale=K**-0.5,
-        norm_eps=1e-6, activation="silu", ancestors=None, out=out, do_verify=True)
+        norm_eps=1e-6, activation="silu", ancestors=None, out=out, launch=None)
     return conv, gated
 
 
@@ -92,7 +92,7 @@ def test_one_variant_per_kernel_across_batch_sizes(tokens, state_dtype):
             conv, gated = step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, persistent)
             keys["conv"].add(specialization_key(conv_module._conv_step_kernel, *conv[1:3]))
             keys["gated"].add(launch_keys(gated[0]))
-    launches = {str(gated_module.launch_defaults(state_dtype, batch, K, tokens)) for batch in BATCHES}
+    launches = {gdn_step_module.step_launch(state_dtype, batch, tokens) for batch in BATCHES}
     assert len(keys["conv"]) == 1 and len(keys["gated"]) == len(launches), keys
 
 

@@ -2,7 +2,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_treewy.kernels.conv import conv_step_packed
+from vllm_treewy.kernels.conv_torch import conv_step_packed
 from vllm_treewy.kernels.reference import reference_tree_conv
 from vllm_treewy.kernels.triton._tree import ancestor_table_torch
 from vllm_treewy.tree import DraftTree, node_requests, pack_trees
@@ -40,11 +40,11 @@ def test_conv_step_commits_the_pending_draft_then_convolves(batch, rows_per_slot
     slots = torch.randperm(num_slots, generator=generator)[: len(batch)].to(torch.int32)
     pending_tree = data.draw(st.one_of(st.none(), trees(max_nodes=rows_per_slot, max_depth=rows_per_slot)))
     if pending_tree is None:
-        pending_parents, pending_ancestors = tuple(range(-1, rows_per_slot - 1)), None
+        pending_parents, commit_ancestors = tuple(range(-1, rows_per_slot - 1)), None
     else:
         depth = DraftTree(pending_tree).max_depth + data.draw(st.integers(0, 1))
         pending_parents = pending_tree
-        pending_ancestors = ancestor_table_torch(torch.tensor(pending_tree, dtype=torch.int32),
+        commit_ancestors = ancestor_table_torch(torch.tensor(pending_tree, dtype=torch.int32),
                                                  torch.tensor([0, len(pending_tree)]), depth)
     pending = torch.tensor([data.draw(st.integers(-1, len(pending_parents) - 1)) for _ in batch], dtype=torch.int32)
     if len(batch) > 1 and data.draw(st.booleans()):
@@ -65,13 +65,13 @@ def test_conv_step_commits_the_pending_draft_then_convolves(batch, rows_per_slot
 
     twin_state, twin_inputs = conv_state.clone(), inputs.clone()
     twin_out = conv_step_packed(x, twin_state, slots, weight, bias, packed.parents, packed.cu_nodes, twin_inputs,
-                                pending, pending_ancestors=pending_ancestors, activation=activation)
+                                pending, commit_ancestors=commit_ancestors, activation=activation)
     state, step_inputs = conv_state.clone().to(DEVICE), inputs.clone().to(DEVICE)
     out = torch.full_like(x, float("nan")).to(DEVICE)
     device_bias = None if bias is None else bias.to(DEVICE)
     conv_step_triton(x.to(DEVICE), state, slots.to(DEVICE), weight.to(DEVICE), device_bias,
                      packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), step_inputs, pending.to(DEVICE),
-                     pending_ancestors=None if pending_ancestors is None else pending_ancestors.to(DEVICE),
+                     commit_ancestors=None if commit_ancestors is None else commit_ancestors.to(DEVICE),
                      activation=activation, out=out, block_nodes=4, block_d=32)
     live = slots.long()[node_requests(packed.cu_nodes)] >= 0
     for actual_out, actual_state, actual_inputs in ((out.cpu(), state.cpu(), step_inputs.cpu()),

@@ -13,8 +13,7 @@ pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# chains, complete trees (the verified tree: root token first), a ragged deep tree, a single node
-CHAIN_BATCH = [DraftTree.from_widths([1] * n).parents for n in (5, 3, 1)]
+# complete trees (the verified tree: root token first), a ragged deep tree, a single node
 TREE_BATCH = [
     DraftTree.from_widths([2, 2, 1]).with_root().parents,
     (-1, 0, 1, 1, 3, -1, 5, 4, 2),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
-from vllm_treewy.kernels.gated import gates, inverse_norm, split_qkv
+from vllm_treewy.kernels.gdn_step_torch import gates, inverse_norm, split_qkv
 from vllm_treewy.kernels.triton import ancestor_table_torch
 from vllm_treewy.tree import DraftTree, chain_parents
 from vllm_treewy.vllm_plugin import reconstruct
@@ -65,7 +65,7 @@ def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):
 def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTree | None = None, triton=False):
     """Step 1 verifies two requests (slots 3, 1); step 2 commits their accepted nodes `commit_nodes` and verifies
     again. The drafts are chains, or the verified block `tree` in both steps. `triton`: `reconstruct.step_triton`
-    (normed outputs) with a bf16 SSM state (its launch defaults take the row layout, which K = 8 needs)."""
+    (normed outputs) with a bf16 SSM state (K = V = 8: tiles masked to heads narrower than a tensor-core dot)."""
     torch.manual_seed(1)
     layer = _gdn_layer_stand_in()
     caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3,

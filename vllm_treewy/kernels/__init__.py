@@ -20,16 +20,15 @@ The recurrence per node, from its parent's state (h0 for parent -1)::
 Batched versions over packed trees (``vllm_treewy.tree.pack_trees``: ``parents`` local per request,
 ``cu_nodes`` offsets) act on state pools with per-request slots; a negative slot marks a padding request:
 ``verify_packed``/``commit_packed`` (gated delta rule, ``closed_form``) and ``conv_verify_packed``/
-``conv_commit_packed`` (causal depthwise conv1d, ``conv``). The fp64 per-node ground truth is in ``reference``;
-its batched fp32 twin, which keeps every node's state and conv window (the store_all tree baseline), in
-``serial_tree``.
-The Triton kernels live in ``vllm_treewy.kernels.triton`` (imported only when used).
+``conv_commit_packed`` (causal depthwise conv1d, ``conv_torch``). The fp64 per-node ground truth is in
+``reference``; its batched fp32 twin, which keeps every node's state and conv window (the store_all tree baseline),
+in ``serial_tree``.
 
 The whole decode step after the conv, from vLLM's raw inputs (mixed_qkv, a, b, A_log, dt_bias, output gate, norm
 weight) to the normed, gated core output, with the previous step's commit fused in and the commit's factors in
-per-slot rows (``slot_factor_width``, ``split_slot_factors``): ``gated.gdn_step_packed`` /
-``gated.gdn_commit_packed`` (torch) and ``triton.gdn_step_triton`` / ``triton.gdn_commit_triton``;
-fp64 truth ``reference.reference_gated_tree``.
+the slots' rows (``factor_rows``): ``gdn_step_torch.gdn_step_packed`` / ``gdn_commit_packed`` (torch) and
+``triton.gdn_step_triton`` / ``triton.gdn_commit_triton`` (CUDA; ``vllm_treewy.kernels.triton`` is imported only
+when used); fp64 truth ``reference.reference_gated_tree``.
 """
 
 from __future__ import annotations
@@ -39,8 +38,9 @@ from collections.abc import Sequence
 import torch
 
 from .closed_form import commit_packed, path_log_decay, verify_packed
-from .conv import conv_commit_packed, conv_verify_packed
-from .gated import gdn_commit_packed, gdn_step_packed, slot_factor_width, split_slot_factors
+from .conv_torch import conv_commit_packed, conv_verify_packed
+from .factor_rows import slot_factor_width, split_slot_factors
+from .gdn_step_torch import gdn_commit_packed, gdn_step_packed
 from ..tree import DraftTree
 
 __all__ = [

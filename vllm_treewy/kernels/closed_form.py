@@ -1,9 +1,10 @@
-"""Closed form of the gated delta rule over packed draft trees, in torch (the CPU path and the Triton twin).
+"""Closed form of the gated delta rule over packed draft trees, in torch: the CPU path, and the verify of the GDN
+step's torch twin (`gdn_step_torch`).
 
 Verify solves ``(I + G) U = R`` per request and value head and never writes a state; commit rebuilds only the
 accepted node's state from h0 and the path's factors ``(k, u, g)``, in place. Design notes §1 has the equations.
 
-Conventions (shared with the Triton kernels): q, k ``[N, H, K]``; v ``[N, HV, V]``; g (log decay, <= 0) and
+Conventions (shared with the Triton step): q, k ``[N, H, K]``; v ``[N, HV, V]``; g (log decay, <= 0) and
 beta ``[N, HV]``; ``state`` a pool ``[S, HV, V, K]`` (any strided view, e.g. the CPU cache's ``[S, HV, K, V]``
 transposed); ``state_indices`` ``[B]`` slot of each request's committed state, negative = padding request;
 ``parents`` ``[N]`` local indices, ``cu_nodes`` ``[B+1]`` (see ``vllm_treewy.tree``).
@@ -191,23 +192,24 @@ def commit_packed(
     g: torch.Tensor,
     parents: torch.Tensor,
     cu_nodes: torch.Tensor,
-    accepted: torch.Tensor,
+    commit_nodes: torch.Tensor,
     *,
     max_depth: int | None = None,
 ) -> None:
-    """Write each request's accepted-node state ``h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) u_j k_j^T`` into its slot.
+    """Write the state after each request's commit node, ``h_a = exp(c_a) h0 + sum_j exp(c_a - c_j) u_j k_j^T``, into
+    its slot.
 
-    ``accepted [B]``: local index of the accepted node, -1 = keep h0 (nothing accepted). Padding requests
+    ``commit_nodes [B]``: local index of the node to commit, -1 = keep h0 (nothing accepted). Padding requests
     (negative slot) are skipped. Writes go through ``state`` in place, so strided views of a pool work.
     """
     slots = state_indices.long()
-    active = ((accepted.long() >= 0) & (slots >= 0)).nonzero().squeeze(1)
+    active = ((commit_nodes.long() >= 0) & (slots >= 0)).nonzero().squeeze(1)
     if active.numel() == 0:
         return
     dtype = compute_dtype(k, u, g, state)
     num_value_heads = u.shape[1]
     parent_of = global_parents(parents, cu_nodes)
-    path = [cu_nodes.long()[active] + accepted.long()[active]]  # accepted node first, then its ancestors
+    path = [cu_nodes.long()[active] + commit_nodes.long()[active]]  # the commit node first, then its ancestors
     for _ in range(_max_depth(parents, cu_nodes, max_depth) - 1):
         path.append(torch.where(path[-1] >= 0, parent_of[path[-1].clamp(min=0)], path[-1]))
     path = torch.stack(path, dim=1)  # [M, P], -1 past the root

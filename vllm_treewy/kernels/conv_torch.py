@@ -90,34 +90,34 @@ def conv_commit_packed(
     x: torch.Tensor,
     parents: torch.Tensor,
     cu_nodes: torch.Tensor,
-    accepted: torch.Tensor,
+    commit_nodes: torch.Tensor,
 ) -> None:
-    """Write history + accepted path (last L entries) into each request's slot, in place.
+    """Write history + the commit node's path (last L entries) into each request's slot, in place.
 
-    ``accepted [B]``: local index of the accepted node, -1 = keep the history. Padding requests are skipped.
+    ``commit_nodes [B]``: local index of the node to commit, -1 = keep the history. Padding requests are skipped.
     """
     slots = state_indices.long()
-    active = ((accepted.long() >= 0) & (slots >= 0)).nonzero().squeeze(1)
+    active = ((commit_nodes.long() >= 0) & (slots >= 0)).nonzero().squeeze(1)
     if active.numel() == 0:
         return
     history_len = conv_state.shape[2]
     source, _ = _sequence_source(x, conv_state, state_indices, conv_state.dtype)
-    nodes = cu_nodes.long()[active] + accepted.long()[active]
+    nodes = cu_nodes.long()[active] + commit_nodes.long()[active]
     rows = _sequence_rows(nodes, active, global_parents(parents, cu_nodes), history_len, history_len)
     conv_state[slots[active]] = source[rows].transpose(1, 2)
 
 
-def pending_row_parents(rows_per_slot: int, num_slots: int, pending_ancestors: torch.Tensor | None,
+def commit_row_parents(rows_per_slot: int, num_slots: int, commit_ancestors: torch.Tensor | None,
                         device: torch.device) -> torch.Tensor:
     """``[num_slots * rows_per_slot]`` int32 local parents of the previous step's per-slot rows (slot after slot): a
-    chain's, or the tree of ``pending_ancestors [T, D]`` (node i's parent is its ancestor d = 1; rows past T, never
-    on an accepted path, hang below the root). No host sync."""
+    chain's, or the tree of ``commit_ancestors [T, D]`` (node i's parent is its ancestor d = 1; rows past T, never
+    on a committed path, hang below the root). No host sync."""
     cu = torch.arange(num_slots + 1, device=device) * rows_per_slot
-    if pending_ancestors is None:
+    if commit_ancestors is None:
         return chain_parents(cu, num_slots * rows_per_slot)
     parents = torch.full((rows_per_slot,), -1, dtype=torch.int32, device=device)
-    if pending_ancestors.shape[1] > 1:
-        parents[: pending_ancestors.shape[0]] = pending_ancestors[:, 1]
+    if commit_ancestors.shape[1] > 1:
+        parents[: commit_ancestors.shape[0]] = commit_ancestors[:, 1]
     return parents.repeat(num_slots)
 
 
@@ -130,23 +130,23 @@ def conv_step_packed(
     parents: torch.Tensor,
     cu_nodes: torch.Tensor,
     inputs: torch.Tensor,
-    pending_nodes: torch.Tensor | None,
+    commit_nodes: torch.Tensor | None,
     *,
-    pending_ancestors: torch.Tensor | None = None,
+    commit_ancestors: torch.Tensor | None = None,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """One speculative step: commit each slot's previous draft (a chain, or the tree ``pending_ancestors``) at
-    ``pending_nodes [B]`` (-1: nothing pending) from its per-slot input rows ``inputs [S, T, D]``, then the conv of
-    this step's nodes, whose inputs replace the rows. Torch twin of `vllm_treewy.kernels.triton.conv_step_triton`."""
+    """One speculative step: commit each slot's previous draft (a chain, or the tree ``commit_ancestors``) at
+    ``commit_nodes [B]`` (-1: nothing to commit) from its per-slot input rows ``inputs [S, T, D]``, then the conv of
+    this step's nodes, whose inputs replace the rows. Torch twin of `vllm_treewy.kernels.triton.conv_step.conv_step_triton`."""
     slots = state_indices.long()
     live = slots >= 0
-    if pending_nodes is not None:
+    if commit_nodes is not None:
         rows_per_slot = inputs.shape[1]
-        pending_rows = inputs[slots.clamp(min=0)].reshape(-1, inputs.shape[2])  # a copy: step 3 overwrites them
-        pending_cu = torch.arange(slots.numel() + 1, device=x.device) * rows_per_slot
-        conv_commit_packed(conv_state, state_indices, pending_rows,
-                           pending_row_parents(rows_per_slot, slots.numel(), pending_ancestors, x.device), pending_cu,
-                           pending_nodes)
+        previous_rows = inputs[slots.clamp(min=0)].reshape(-1, inputs.shape[2])  # a copy: step 3 overwrites them
+        previous_cu = torch.arange(slots.numel() + 1, device=x.device) * rows_per_slot
+        conv_commit_packed(conv_state, state_indices, previous_rows,
+                           commit_row_parents(rows_per_slot, slots.numel(), commit_ancestors, x.device), previous_cu,
+                           commit_nodes)
     out = conv_verify_packed(x, conv_state, state_indices, weight, bias, parents, cu_nodes, activation=activation)
     requests = node_requests(cu_nodes, x.shape[0])
     local = torch.arange(x.shape[0], device=x.device) - cu_nodes.long()[requests]

@@ -1,12 +1,8 @@
-"""Torch twin of `vllm_treewy.kernels.triton.gated`: the GDN decode step after the conv (gates, q/k L2 norm,
+"""Torch twin of `vllm_treewy.kernels.triton.gdn_step`: the GDN decode step after the conv (gates, q/k L2 norm,
 closed-form verify, the core output rounded to the model dtype as vLLM rounds it, gated RMSNorm with the output
-gate), its factors in per-slot rows, and the commit of the previous step's accepted node (its path in a chain or a
-static tree) from those rows. Built on `closed_form`'s packed verify; fp32 (fp64 for fp64 inputs). Ground truth:
-`reference.reference_gated_tree`.
-
-Slot factors: one fp32 tensor ``[S, T, F]`` (state slot, node row, F = `slot_factor_width`), columns in this
-order: raw post-conv keys per VALUE head ``[HV, K]`` (value head hv holds its key head's row), inverse key norms
-``[HV]``, pseudo-values u ``[HV, V]``, log decays g ``[HV]``.
+gate), its factors in the slots' rows (`factor_rows`), and the commit of the previous step's node from those rows
+(its path in a chain or a static tree). Built on `closed_form`'s packed verify; fp32 (fp64 for fp64 inputs).
+Ground truth: `reference.reference_gated_tree`.
 """
 
 from __future__ import annotations
@@ -15,24 +11,9 @@ import torch
 
 from ..tree import node_requests
 from .closed_form import compute_dtype, verify_packed
+from .factor_rows import split_slot_factors
 
 L2NORM_EPS = 1e-6
-
-
-def slot_factor_width(num_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
-    """F, the floats of one node's factors: keys [HV, K], key inverse norms [HV], u [HV, V], g [HV]."""
-    return num_v_heads * (head_k_dim + 1 + head_v_dim + 1)
-
-
-def split_slot_factors(factors: torch.Tensor, num_v_heads: int, head_k_dim: int, head_v_dim: int):
-    """``[..., F]`` -> views (k [..., HV, K], k_scale [..., HV], u [..., HV, V], g [..., HV])."""
-    hv, kd, vd = num_v_heads, head_k_dim, head_v_dim
-    assert factors.shape[-1] == slot_factor_width(hv, kd, vd)
-    k = factors[..., : hv * kd].unflatten(-1, (hv, kd))
-    k_scale = factors[..., hv * kd: hv * (kd + 1)]
-    u = factors[..., hv * (kd + 1): hv * (kd + 1 + vd)].unflatten(-1, (hv, vd))
-    g = factors[..., hv * (kd + 1 + vd):]
-    return k, k_scale, u, g
 
 
 def split_qkv(mixed_qkv: torch.Tensor, num_key_heads: int, key_dim: int, value_dim: int):
@@ -61,32 +42,32 @@ def gated_rms_norm(o, z, weight, eps, activation="silu"):
     return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * weight.to(o.dtype) * gate
 
 
-def pending_paths(pending_nodes: torch.Tensor, rows_per_slot: int,
-                  pending_ancestors: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, P]`` int64 local rows of each accepted node's path, the node first and root-most last, -1 past the root
-    (and for pending_nodes -1): a chain's ``a, a-1, .., 0`` (P = rows_per_slot), a tree's ``pending_ancestors[a]``
+def commit_paths(commit_nodes: torch.Tensor, rows_per_slot: int,
+                  commit_ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, P]`` int64 local rows of each commit node's path, the node first and root-most last, -1 past the root
+    (and for commit_nodes -1): a chain's ``a, a-1, .., 0`` (P = rows_per_slot), a tree's ``commit_ancestors[a]``
     (P = its D)."""
-    accepted = pending_nodes.long()
-    if pending_ancestors is None:
-        path = accepted[:, None] - torch.arange(rows_per_slot, device=accepted.device)
+    node = commit_nodes.long()
+    if commit_ancestors is None:
+        path = node[:, None] - torch.arange(rows_per_slot, device=node.device)
     else:
-        path = pending_ancestors.long()[accepted.clamp(min=0)]
-    return torch.where((accepted[:, None] >= 0) & (path >= 0), path, -1)
+        path = commit_ancestors.long()[node.clamp(min=0)]
+    return torch.where((node[:, None] >= 0) & (path >= 0), path, -1)
 
 
-def gdn_commit_packed(state, state_indices, factors, pending_nodes, pending_ancestors=None):
-    """In place, for each request b with slot s = state_indices[b] >= 0 and a = pending_nodes[b] >= 0: the state
-    after node a, whose path's factors are in rows factors[s, j] (`pending_paths`: 0..a for a chain, else the
-    previous step's tree as an ancestor table ``pending_ancestors [T, D]`` shared by every slot),
+def gdn_commit_packed(state, state_indices, factors, commit_nodes, commit_ancestors=None):
+    """In place, for each request b with slot s = state_indices[b] >= 0 and a = commit_nodes[b] >= 0: the state
+    after node a, whose path's factors are in rows factors[s, j] (`commit_paths`: 0..a for a chain, else the
+    previous step's tree as an ancestor table ``commit_ancestors [T, D]`` shared by every slot),
 
         h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j k_scale_j) k_j^T,   c_j = sum of g root..j;
 
     every decay is a running sum of g from a up to the child of j (the kernel's), never a difference."""
     _, num_value_heads, value_dim, key_dim = state.shape
     dtype = compute_dtype(state, factors)
-    live = (state_indices >= 0) & (pending_nodes >= 0)
+    live = (state_indices >= 0) & (commit_nodes >= 0)
     slots = state_indices[live].long()
-    path = pending_paths(pending_nodes[live], factors.shape[1], pending_ancestors)  # [L, P]
+    path = commit_paths(commit_nodes[live], factors.shape[1], commit_ancestors)  # [L, P]
     on = path >= 0
     path_rows = factors[slots[:, None], path.clamp(min=0)].to(dtype)  # [L, P, F]: rows off the path hold anything
     k, k_scale, u, g = split_slot_factors(path_rows, num_value_heads, key_dim, value_dim)
@@ -101,15 +82,15 @@ def gdn_commit_packed(state, state_indices, factors, pending_nodes, pending_ance
 
 
 def gdn_step_packed(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,
-                    cu_nodes, *, num_key_heads, factors, pending_nodes=None, pending_ancestors=None, scale=None,
+                    cu_nodes, *, num_key_heads, factors, commit_nodes=None, commit_ancestors=None, scale=None,
                     norm_eps=1e-6, activation="silu", max_depth=None):
-    """``out [N, HV, V]`` in mixed_qkv's dtype (zero for padding requests). With `pending_nodes`, first commits
-    each slot's previous step (`gdn_commit_packed`, its chain or the tree `pending_ancestors`, reading its rows
+    """``out [N, HV, V]`` in mixed_qkv's dtype (zero for padding requests). With `commit_nodes`, first commits
+    each slot's previous step (`gdn_commit_packed`, its chain or the tree `commit_ancestors`, reading its rows
     before anything is written); then verifies
     from the (committed) state and writes each live node's factors to rows factors[slot, local index]."""
     _, num_value_heads, value_dim, key_dim = state.shape
-    if pending_nodes is not None:
-        gdn_commit_packed(state, state_indices, factors, pending_nodes, pending_ancestors)
+    if commit_nodes is not None:
+        gdn_commit_packed(state, state_indices, factors, commit_nodes, commit_ancestors)
     dtype = compute_dtype(mixed_qkv, state)
     q, k, v = split_qkv(mixed_qkv, num_key_heads, key_dim, value_dim)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

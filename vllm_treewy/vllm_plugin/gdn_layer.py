@@ -33,6 +33,7 @@ from vllm_treewy.vllm_plugin.patch_points import (
 )
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import (
     BufferLayout,
+    GDNPage,
     PseudoValueBuffer,
     extra_page_dtypes,
     extra_page_shapes,
@@ -134,25 +135,25 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     # -- cache views ------------------------------------------------------------------------------------------
     def conv_history(self) -> torch.Tensor:
         """`[S, conv_dim, width-1]`: the committed conv inputs (the first width-1 columns of vLLM's conv state)."""
-        conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
+        conv_state = GDNPage.of(self.kv_cache).conv_state
+        conv_state = conv_state if is_conv_state_dim_first() else conv_state.transpose(-1, -2)
         return conv_state[:, :, : self.conv_kernel_size - 1]
 
     def ssm_state(self) -> torch.Tensor:
         """`[S, HV, V, K]` (vLLM's CPU kernels store `[HV, K, V]` in the same buffer: a transposed view there)."""
         if current_platform.is_cpu():
             return CPU_SSM_STATE_VIEW.resolve()(self).transpose(-1, -2)
-        return self.kv_cache[1]
+        return GDNPage.of(self.kv_cache).ssm_state
 
     def pseudo_value_buffer(self) -> PseudoValueBuffer:
-        return PseudoValueBuffer(self.kv_cache[2], self.kv_cache[3], self.buffer_layout())
+        page = GDNPage.of(self.kv_cache)
+        return PseudoValueBuffer(page.factors, page.conv_inputs, self.buffer_layout())
 
     def verified_node_counts(self) -> torch.Tensor | None:
         """`[S]` the count state (the page's last state) alone: what the metadata builder and the runner update every
         step; None without one, or before vLLM binds the KV cache (its profile run)."""
-        if not self.keeps_slot_counts or len(self.kv_cache) <= 2:  # vLLM's two states alone: not bound yet
-            return None
-        counts = self.kv_cache[-1]
-        return None if counts.numel() == 0 else counts.view(-1)
+        counts = GDNPage.of(self.kv_cache).counts if self.keeps_slot_counts else None
+        return None if counts is None or counts.numel() == 0 else counts.view(-1)
 
     def conv_weight(self) -> torch.Tensor:
         """`(conv_dim, width)`; on CPU with AMX vLLM packs `conv1d.weight` in place and keeps a plain copy."""

@@ -4,7 +4,7 @@ Under reconstruct a step verifies each request's draft nodes from its one commit
 factors of the rank-one updates (raw key per value head, its inverse norm, pseudo-value, log decay; fp32, as the
 recurrence used them) and the node's pre-conv input (conv state dtype) into the request's state slot. The next step
 commits the accepted node from there before it verifies (`vllm_treewy.kernels.triton.gdn_step_triton`,
-`conv_step_triton`). A third, one-integer state is the slot's count: between a step's metadata build and its
+`conv_step_triton`; the factors' layout: `vllm_treewy.kernels.factor_rows`). A third, one-integer state is the slot's count: between a step's metadata build and its
 sampling, the verified, uncommitted nodes (0: nothing pending); after sampling, 1 + the accepted node's index, which
 the next step's commit reads (`step_metadata`, `accepted_counts`).
 
@@ -19,16 +19,40 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from vllm_treewy.kernels.gated import slot_factor_width, split_slot_factors
+from vllm_treewy.kernels.factor_rows import slot_factor_width, split_slot_factors
 from vllm_treewy.vllm_plugin.config import keeps_slot_counts, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import MODEL_STATE_DTYPES, MODEL_STATE_SHAPES
 
 FACTORS_DTYPE = torch.float32
 COUNT_DTYPE = torch.int32
 COUNT_SHAPE = (1,)
+
+
+class GDNPage(NamedTuple):
+    """A GDN layer's KV-cache page by name: vLLM's conv and SSM states, then the extra page states
+    (`extra_page_shapes`): reconstruct's factors, conv inputs and count, or a store_all draft tree's count alone;
+    the absent ones None (all of them before vLLM binds the KV cache)."""
+
+    conv_state: torch.Tensor | None
+    ssm_state: torch.Tensor | None
+    factors: torch.Tensor | None = None
+    conv_inputs: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, kv_cache) -> GDNPage:
+        """The layer's `kv_cache` tuple as vLLM binds it (the layer's `bind_kv_cache` appends the extra states)."""
+        states = tuple(kv_cache)
+        if len(states) < 2:
+            return cls(None, None)
+        conv_state, ssm_state, *extra = states
+        if len(extra) == 3:
+            return cls(conv_state, ssm_state, *extra)
+        return cls(conv_state, ssm_state, counts=extra[0] if extra else None)
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,15 @@
 verify this step's drafts from the committed state, leaving the factors of their commit in the pseudo-value buffer.
 
 CUDA: `conv_step_triton`, then `gdn_step_triton` (gates, q/k L2 norm, verify, gated RMSNorm with the output gate:
-the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`; one launch, or two where its
-launch defaults split off the state pass). CPU: the same
+the same inputs and output as vLLM's compiled `fused_gdn_decode_post_conv_mtp`; two launches, the state pass and
+an epilogue). CPU: the same
 steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op expects.
 
 The drafts are chains or one static tree shape per speculating request (the verified block: root, then the draft
 nodes). The step metadata carries `parents` `[N]` (local, packed) and `ancestors`: None for chains, else the packed
 ancestor table `[N, D]` of this step's block (`vllm_treewy.kernels.triton._tree.ancestor_table(parents, cu, D)`,
 D = the tree's depth counted in nodes) and `tree_ancestors`, the static tree's verified block `[1 + N, D]`, which
-every slot's pending commit follows (the previous step verified the same shape).
+every slot's commit follows (the previous step verified the same shape).
 """
 
 from __future__ import annotations
@@ -18,26 +18,26 @@ from __future__ import annotations
 import torch
 
 from vllm_treewy import kernels as torch_kernels
-from vllm_treewy.kernels.conv import conv_step_packed, pending_row_parents
-from vllm_treewy.kernels.gated import gates, inverse_norm, split_qkv
+from vllm_treewy.kernels.conv_torch import commit_row_parents, conv_step_packed
+from vllm_treewy.kernels.gdn_step_torch import gates, inverse_norm, split_qkv
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import PseudoValueBuffer
 
 
-def pending_tree(metadata, num_nodes: int) -> torch.Tensor | None:
-    """The previous step's tree, which its pending commit follows: the static tree's verified block as the `[T, D]`
+def commit_tree(metadata, num_nodes: int) -> torch.Tensor | None:
+    """The previous step's tree, which its commit follows: the static tree's verified block as the `[T, D]`
     ancestor table every slot shares (`tree_ancestors`). None for chains."""
     return None if metadata.tree_ancestors is None else metadata.tree_ancestors[:num_nodes]
 
 
-def commit_pending_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, slots: torch.Tensor,
-                         commit_nodes: torch.Tensor, pending_ancestors: torch.Tensor | None = None) -> None:
+def commit_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, slots: torch.Tensor,
+             commit_nodes: torch.Tensor, commit_ancestors: torch.Tensor | None = None) -> None:
     """Each slot's previous verify, committed at `commit_nodes` (-1: nothing) from its buffer rows, in place: along
-    the chain, or along the path in the tree `pending_ancestors` `[T, D]` (`pending_tree`)."""
+    the chain, or along the path in the tree `commit_ancestors` `[T, D]` (`commit_tree`)."""
     keys, key_scales, pseudo_values, log_decays = buffer.slot_factors(slots)
     rows = buffer.layout.num_nodes
     cu = torch.arange(slots.shape[0] + 1, device=slots.device) * rows
     flat = (t.flatten(0, 1) for t in (keys * key_scales[..., None], pseudo_values, log_decays))
-    parents = pending_row_parents(rows, slots.shape[0], pending_ancestors, slots.device)
+    parents = commit_row_parents(rows, slots.shape[0], commit_ancestors, slots.device)
     torch_kernels.commit_packed(ssm_state, slots, *flat, parents, cu, commit_nodes)
 
 
@@ -55,11 +55,11 @@ def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state
     """Core attention outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains or trees `x`
     (pre-conv qkv `[N, conv_dim]`), after committing each slot's previous step."""
     slots, cu_nodes = metadata.spec_slots, metadata.spec_query_start_loc
-    pending_ancestors = pending_tree(metadata, buffer.layout.num_nodes)
-    commit_pending_torch(buffer, ssm_state, slots, metadata.commit_nodes, pending_ancestors)
+    commit_ancestors = commit_tree(metadata, buffer.layout.num_nodes)
+    commit_torch(buffer, ssm_state, slots, metadata.commit_nodes, commit_ancestors)
     activation = "silu" if layer.activation == "silu" else None
     conv_out = conv_step_packed(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
-                                buffer.conv_inputs, metadata.commit_nodes, pending_ancestors=pending_ancestors,
+                                buffer.conv_inputs, metadata.commit_nodes, commit_ancestors=commit_ancestors,
                                 activation=activation)
     layout = buffer.layout
     query, k, key_scales, v, g, beta = recurrence_inputs(layer, conv_out, a, b, layout)
@@ -78,16 +78,16 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
 
     slots, cu_nodes, commit_nodes = metadata.spec_slots, metadata.spec_query_start_loc, metadata.commit_nodes
     layout, ancestors = buffer.layout, metadata.ancestors
-    pending_ancestors = pending_tree(metadata, layout.num_nodes)
+    commit_ancestors = commit_tree(metadata, layout.num_nodes)
     activation = "silu" if layer.activation == "silu" else None
     # a request's nodes in one block of rows (a chain of 3 drafts: 4, not the default 16, most of which would be
     # masked rows holding registers); larger trees loop over blocks of 16
     conv_out = conv_step_triton(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
-                                buffer.conv_inputs, commit_nodes, pending_ancestors=pending_ancestors,
+                                buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
                                 activation=activation, block_nodes=min(16, triton.next_power_of_2(layout.num_nodes)))
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state, slots,
                     metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=layout.num_nodes,
                     max_depth=None if ancestors is None else ancestors.shape[1], chain=ancestors is None,
                     ancestors=ancestors, scale=layout.head_k_dim**-0.5, norm_eps=layer.layer_norm_epsilon,
-                    activation=layer.norm.activation, out=out, factors=buffer.factors, pending_nodes=commit_nodes,
-                    pending_ancestors=pending_ancestors)
+                    activation=layer.norm.activation, out=out, factors=buffer.factors, commit_nodes=commit_nodes,
+                    commit_ancestors=commit_ancestors)

@@ -4,7 +4,7 @@ speculative step (`conv_step_triton`: the previous step's commit, then this step
 A node's input sequence is its request's committed history `conv_state[slot, :, 0 .. L-1]` (oldest first,
 L >= w-1; any strides, e.g. vLLM's) followed by its root-to-node path; its window is the last w entries.
 Walking up from a node, `cur >= 0` is a node of the path and `cur = -1, -2, ...` is history column L+cur (one step
-past the root is the newest column). Torch twin: `vllm_treewy.kernels.conv` (same packed API).
+past the root is the newest column). Torch twin: `vllm_treewy.kernels.conv_torch` (same packed API).
 """
 
 import torch
@@ -57,13 +57,13 @@ def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, s
 
 # integer arrays read as scalars or gathers: no alignment key (see `_gated_step_kernel`); D and the strides are
 # model constants and stay specialised
-@triton.jit(do_not_specialize=["state_indices", "parents", "cu_nodes", "pending_nodes", "pending_ancestors"])
+@triton.jit(do_not_specialize=["state_indices", "parents", "cu_nodes", "commit_nodes", "commit_ancestors"])
 def _conv_step_kernel(
-    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out, inputs, pending_nodes, pending_ancestors,
+    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out, inputs, commit_nodes, commit_ancestors,
     stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, stride_in_slot, stride_in_node, D,
     W: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_PENDING: tl.constexpr, PENDING_DEPTH: tl.constexpr,
-    PENDING_IS_CHAIN: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_COMMIT: tl.constexpr, COMMIT_DEPTH: tl.constexpr,
+    COMMIT_IS_CHAIN: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
 ):
     i_d, i_b = tl.program_id(0), tl.program_id(1)
     slot = tl.load(state_indices + i_b).to(tl.int64)
@@ -73,18 +73,18 @@ def _conv_step_kernel(
     mask_d = o_d < D
     p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
     p_inputs = inputs + slot * stride_in_slot + o_d[None, :]
-    if HAS_PENDING:
-        # the previous step's draft, committed at its accepted node: new column L-1-t takes the input t steps up
+    if HAS_COMMIT:
+        # the previous step's draft, committed at its commit node: new column L-1-t takes the input t steps up
         # from it, continued into the old history (src = -1, -2, ..: its newest columns)
-        node = tl.load(pending_nodes + i_b)
+        node = tl.load(commit_nodes + i_b)
         if node >= 0:
             steps = tl.arange(0, BL)
-            if PENDING_IS_CHAIN:
+            if COMMIT_IS_CHAIN:
                 src = node - steps
             else:
                 # the node's table row is its path, node first, then -1 past the root; counted over BL >= L
                 # entries, path_len is min(length, BL): exact wherever a kept step (< L) is on the path
-                path = tl.load(pending_ancestors + node * PENDING_DEPTH + steps, mask=steps < PENDING_DEPTH,
+                path = tl.load(commit_ancestors + node * COMMIT_DEPTH + steps, mask=steps < COMMIT_DEPTH,
                                other=-1)
                 path_len = tl.sum((path >= 0).to(tl.int32), 0)
                 src = tl.where(steps < path_len, path, path_len - 1 - steps)
@@ -99,7 +99,7 @@ def _conv_step_kernel(
     n = tl.load(cu_nodes + i_b + 1) - bos
     _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
                    W, L, BN, BD, HAS_BIAS, SILU, ROUND_PRODUCTS)
-    # this step's inputs, for the commit inside the next step (the pending rows were read above)
+    # this step's inputs, for the commit inside the next step (the previous rows were read above)
     for start in range(0, n, BN):
         nodes = start + tl.arange(0, BN)
         m = (nodes < n)[:, None] & mask_d[None, :]
@@ -116,9 +116,9 @@ def conv_step_triton(
     parents: torch.Tensor,
     cu_nodes: torch.Tensor,
     inputs: torch.Tensor,
-    pending_nodes: torch.Tensor | None,
+    commit_nodes: torch.Tensor | None,
     *,
-    pending_ancestors: torch.Tensor | None = None,
+    commit_ancestors: torch.Tensor | None = None,
     activation: str | None = None,
     out: torch.Tensor | None = None,
     block_nodes: int = 16,
@@ -126,9 +126,9 @@ def conv_step_triton(
 ) -> torch.Tensor:
     """One speculative step of the conv, per request b in slot s = state_indices[b] (negative: padding, untouched):
 
-    1. if `pending_nodes[b] >= 0`, commit the slot's previous step: its draft's inputs are `inputs[s, 0..]`
-       (written by the previous call), and the history moves on along the path to its node `pending_nodes[b]`, in
-       place. The draft is a chain, or with `pending_ancestors` the previous step's tree, shared by every slot (a
+    1. if `commit_nodes[b] >= 0`, commit the slot's previous step: its draft's inputs are `inputs[s, 0..]`
+       (written by the previous call), and the history moves on along the path to its node `commit_nodes[b]`, in
+       place. The draft is a chain, or with `commit_ancestors` the previous step's tree, shared by every slot (a
        static shape): an int32 [T, D] ancestor table (row i: node i's d-th ancestors, d = 0 is i, -1 past the
        root; `vllm_treewy.kernels.triton._tree.ancestor_table`);
     2. the conv of this step's nodes: act(bias + sum_t weight[:, w-1-t] * (the entry t steps up the node's path,
@@ -140,36 +140,36 @@ def conv_step_triton(
     x [N, D] pre-conv inputs (last dim contiguous); conv_state [S, D, L] (any strides, L >= w-1); weight [D, w];
     bias [D] or None; activation None or "silu"; parents, cu_nodes: the packed trees (`vllm_treewy.tree`);
     inputs [S, T, D] (per-slot rows, any slot/row strides, last dim contiguous).
-    One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv.conv_step_packed`."""
+    One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv_torch.conv_step_packed`."""
     grid, kernel_args, kernel_kwargs, out = _conv_launch_arguments(
-        x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, pending_nodes,
-        pending_ancestors=pending_ancestors, activation=activation, out=out, block_nodes=block_nodes, block_d=block_d)
+        x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, commit_nodes,
+        commit_ancestors=commit_ancestors, activation=activation, out=out, block_nodes=block_nodes, block_d=block_d)
     _conv_step_kernel[grid](*kernel_args, **kernel_kwargs)
     return out
 
 
-def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, pending_nodes, *,
-                           pending_ancestors, activation, out, block_nodes, block_d):
+def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, commit_nodes, *,
+                           commit_ancestors, activation, out, block_nodes, block_d):
     """(grid, positional and keyword arguments of `_conv_step_kernel`, out), nothing launched."""
     D, W = weight.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and activation in (None, "silu")
     assert inputs.stride(-1) == 1 and inputs.shape[2] == D and state_indices.stride(0) == 1
     L = conv_state.shape[2]
     assert L >= W - 1
-    assert pending_ancestors is None or (pending_ancestors.dim() == 2 and pending_ancestors.is_contiguous() and
-                                         pending_ancestors.dtype == torch.int32 and
-                                         pending_ancestors.shape[0] <= inputs.shape[1])
+    assert commit_ancestors is None or (commit_ancestors.dim() == 2 and commit_ancestors.is_contiguous() and
+                                         commit_ancestors.dtype == torch.int32 and
+                                         commit_ancestors.shape[0] <= inputs.shape[1])
     out = torch.empty_like(x) if out is None else out
     kernel_args = (
         x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out, inputs,
-        state_indices if pending_nodes is None else pending_nodes,
-        state_indices if pending_ancestors is None else pending_ancestors,
+        state_indices if commit_nodes is None else commit_nodes,
+        state_indices if commit_ancestors is None else commit_ancestors,
         x.stride(0), out.stride(0), *conv_state.stride(), inputs.stride(0), inputs.stride(1), D)
     kernel_kwargs = dict(
         W=W, L=L, BL=triton.next_power_of_2(L), BN=block_nodes, BD=block_d, HAS_BIAS=bias is not None,
-        SILU=activation == "silu", HAS_PENDING=pending_nodes is not None,
-        PENDING_DEPTH=1 if pending_ancestors is None else pending_ancestors.shape[1],
-        PENDING_IS_CHAIN=pending_ancestors is None,
+        SILU=activation == "silu", HAS_COMMIT=commit_nodes is not None,
+        COMMIT_DEPTH=1 if commit_ancestors is None else commit_ancestors.shape[1],
+        COMMIT_IS_CHAIN=commit_ancestors is None,
         ROUND_PRODUCTS=conv_state.dtype == weight.dtype and conv_state.dtype in (torch.bfloat16, torch.float16),
     )
     return (triton.cdiv(D, block_d), state_indices.shape[0]), kernel_args, kernel_kwargs, out

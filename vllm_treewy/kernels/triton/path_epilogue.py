@@ -1,5 +1,5 @@
-"""The fused GDN step after its state pass (`state_pass`) for draft trees of any size: one program per value head,
-request and NB of its nodes, each node solved from its own path alone.
+"""The GDN step's second launch for draft trees of any size, the path epilogue: one program per (value head,
+request, NB of its nodes), each node solved from its own path alone, read from the state pass's products.
 
 In a tree, node i's u and o read only the nodes on its path. With the path's nodes p_0 = i, p_1 its parent, ...
 (slot d = 0..MAX_ANC of the ancestor table, -1 past the root), r_d = beta_d (v_d - exp(c_d) k_inv_d (h k_raw_d))
@@ -9,21 +9,21 @@ back substitution from the root:
     u_d = r_d - sum_{e > d} beta_d exp(c_d - c_e) kk_de u_e
     o   = exp(c_0) q_inv_0 (h q_raw_0) + sum_{e >= 0} exp(c_0 - c_e) qk_0e u_e
 
-So no node waits on another's result: the nodes split over programs and lanes, where `row_epilogue`'s static
+So no node waits on another's result: the nodes split over programs and lanes, where `request_epilogue`'s static
 per-node loops unroll BT x BT pairs (1,024 at 32 nodes). Each node recomputes its ancestors' r and u (MAX_ANC + 1 of
 each), the price of that independence. u_0 goes with the node's raw key, key inverse norm and g into the slot's
 factor rows, o through the gated RMSNorm into out. The exponents are running sums of g up the path from each d,
 never differences of path sums.
 
-With DEPENDENT_LAUNCH, as `row_epilogue`: everything that does not read the products runs before `gdc_wait`."""
+With DEPENDENT_LAUNCH, as `request_epilogue`: everything that does not read the products runs before `gdc_wait`."""
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from ..factor_rows import _factor_columns
 from ._tree import _ancestor
-from .gates import _gated_rms_norm, _inverse_norm, _log_decay
-from .state_ops import _before_check, _factor_columns, _request_indices
+from .node_inputs import _before_check, _gated_rms_norm, _node_inputs, _request_indices
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _path_epilogue_kernel(
     live = local < n
     neg_exp_a_log = -tl.exp(a_log)
     i_h = i_hv // (HV // H)
-    # per path slot d: the node (local), its gates, raw key row and inverse norm, v row; zeros past the root
+    # per path slot d: the node (local), its gates, raw key row and inverse norm, v row (zeros past the root)
     path = ()
     g = ()
     beta = ()
@@ -79,22 +79,20 @@ def _path_epilogue_kernel(
         p = _ancestor(ancestors, bos, tl.where(live, local, -1), d, P, IS_CHAIN)
         on = p >= 0
         node = (bos + tl.maximum(p, 0)).to(tl.int64)
-        a_d = tl.load(a + node * stride_a + i_hv, mask=on, other=0.0).to(tl.float32)
-        g = g + (tl.where(on, _log_decay(a_d, bias, neg_exp_a_log), 0.0),)
-        beta = beta + (tl.sigmoid(tl.load(b + node * stride_b + i_hv, mask=on, other=0.0).to(tl.float32)),)
-        k_d = tl.load(qkv + node[:, None] * stride_qkv + H * K + i_h * K + o_k[None, :], mask=on[:, None],
-                      other=0.0).to(tl.float32)
+        g_d, beta_d, _, _, k_d, k_inv_d, v_d, _ = _node_inputs(
+            qkv, a, b, z, node, on, o_k, o_v, i_h, i_hv, bias, neg_exp_a_log, scale, stride_qkv, stride_a, stride_b,
+            stride_z, stride_zh, H, K, V, True, True, False)
+        g = g + (tl.where(on, g_d, 0.0),)
+        beta = beta + (beta_d,)
         k_rows = k_rows + (k_d,)
-        k_inv = k_inv + (_inverse_norm(k_d),)
-        v_rows = v_rows + (tl.load(qkv + node[:, None] * stride_qkv + 2 * H * K + i_hv * V + o_v[None, :],
-                                   mask=on[:, None], other=0.0).to(tl.float32),)
+        k_inv = k_inv + (k_inv_d,)
+        v_rows = v_rows + (v_d,)
         path = path + (p,)
+    # the node's own query row and z
     node_0 = (bos + tl.maximum(local, 0)).to(tl.int64)
-    q_0 = tl.load(qkv + node_0[:, None] * stride_qkv + i_h * K + o_k[None, :], mask=live[:, None],
-                  other=0.0).to(tl.float32)
-    q_inv = _inverse_norm(q_0) * scale
-    z_0 = tl.load(z + node_0[:, None] * stride_z + i_hv * stride_zh + o_v[None, :], mask=live[:, None],
-                  other=0.0).to(tl.float32)
+    _, _, q_0, q_inv, _, _, _, z_0 = _node_inputs(
+        qkv, a, b, z, node_0, live, o_k, o_v, i_h, i_hv, bias, neg_exp_a_log, scale, stride_qkv, stride_a, stride_b,
+        stride_z, stride_zh, H, K, V, True, False, True)
     path_c, decay = _slot_decays(g, P)
     # the solve's and the output's coefficients: at d * P + e (e > d) -beta_d exp(c_d - c_e) kk_de; per e >= 0
     # exp(c_0 - c_e) qk_0e
@@ -128,7 +126,7 @@ def _path_epilogue_kernel(
     o = (tl.exp(path_c[0]) * q_inv)[:, None] * hq
     for e in tl.static_range(P):
         o += attend[e][:, None] * u_above[e]
-    # gated RMSNorm over V, the core output rounded to the output dtype first (as the one-kernel step)
+    # gated RMSNorm over V, the core output rounded to the output dtype first (as vLLM's decode)
     o = o.to(out.dtype.element_ty).to(tl.float32)
     y = _gated_rms_norm(o, w[None, :], z_0, eps, V, ACT)
     tl.store(out + node_0[:, None] * stride_out + i_hv * stride_outh + o_v[None, :], y.to(out.dtype.element_ty),

@@ -1,29 +1,29 @@
-"""The fused GDN step after its state pass (`state_pass`), one program per request and value head, written per node:
-each node's per-node terms are scalars (every lane holds them), each node's per-row values a [V] vector over the
-lanes, so the solve and the outputs are elementwise over the rows and only K- and V-long sums cross lanes. Nodes
-are a static loop (at most 8): no [V, nodes] tiles padded to the tensor cores' 16 columns, no layout changes
-(kernels.md: the accumulator-layout epilogue took 2,872 SASS instructions a program at T=4 and was the step's
-latency-bound second half).
+"""The GDN step's second launch for chains and trees of up to 8 nodes, the request epilogue: one program per
+(value head, request) takes all of the request's nodes, read from the state pass's products (`state_pass`).
+Each node's per-node terms are scalars (every lane holds them), its per-row values a [V] vector over the lanes, so
+the solve and the outputs are elementwise over the rows and only K- and V-long sums cross lanes; the nodes are a
+static loop (hence at most 8: BT x BT pairs unroll), with no [V, nodes] tiles padded to a dot's 16 columns and no
+layout changes.
 
     r_i = beta_i (v_i - exp(c_i) k_inv_i (h k_raw_i)),   u_i = r_i - sum_{j < i} beta_i exp(c_i - c_j) kk_ij u_j
     o_i = exp(c_i) q_inv_i (h q_raw_i) + sum_{j <= i} exp(c_i - c_j) qk_ij u_j
 
 (h the committed state; kk, qk the normalised Gram matrices; exp(c_i - c_j) zero off i's path; forward
-substitution: ancestors precede their nodes.) Then the gated RMSNorm over V, and this step's factors into the
-slot's rows (`_factor_columns`: the raw key, its inverse norm, u, g).
+substitution: ancestors precede their nodes.) Then o rounded to the output dtype (as vLLM's decode rounds the core
+output), the gated RMSNorm over V, and this step's factors into the slot's rows (`factor_rows`).
 
 With DEPENDENT_LAUNCH the kernel is launched as a programmatic dependent of the state pass (Hopper): everything
 that does not read the products (gates, path decays, norms, Gram matrices, v and z) runs while the state pass
-drains, `gdc_wait` then orders the products' loads and the factor rows' stores (the state pass reads the previous
+drains; `gdc_wait` then orders the products' loads and the factor rows' stores (the state pass reads the previous
 step's rows) after the state pass's writes."""
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from ..factor_rows import _factor_columns
 from ._tree import _ancestor
-from .gates import _gated_rms_norm, _inverse_norm, _log_decay
-from .state_ops import _before_check, _factor_columns, _request_indices
+from .node_inputs import _before_check, _gated_rms_norm, _node_inputs, _request_indices
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def _append_node_products(hk, hq, p_columns, i, V: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes"])
-def _row_epilogue_kernel(
+def _request_epilogue_kernel(
     qkv, a, b, A_log, dt_bias, z, norm_weight, state_indices, ancestors, cu_nodes, out, factors, products,
     stride_qkv, stride_a, stride_b, stride_z, stride_zh, stride_out, stride_outh, stride_fslot, stride_frow,
     scale, eps,
@@ -104,21 +104,17 @@ def _row_epilogue_kernel(
     v_rows = ()
     z_rows = ()
     for t in tl.static_range(BT):
-        valid = t < n
-        node = (bos + t).to(tl.int64)
-        a_t = tl.load(a + node * stride_a + i_hv, mask=valid, other=0.0).to(tl.float32)
-        g_own = g_own + (_log_decay(a_t, bias, neg_exp_a_log),)
-        beta = beta + (tl.sigmoid(tl.load(b + node * stride_b + i_hv, mask=valid, other=0.0).to(tl.float32)),)
-        q_t = tl.load(qkv + node * stride_qkv + i_h * K + o_k, mask=valid, other=0.0).to(tl.float32)
-        k_t = tl.load(qkv + node * stride_qkv + H * K + i_h * K + o_k, mask=valid, other=0.0).to(tl.float32)
+        g_t, beta_t, q_t, q_inv_t, k_t, k_inv_t, v_t, z_t = _node_inputs(
+            qkv, a, b, z, (bos + t).to(tl.int64), t < n, o_k, o_v, i_h, i_hv, bias, neg_exp_a_log, scale, stride_qkv,
+            stride_a, stride_b, stride_z, stride_zh, H, K, V, False, True, True)
+        g_own = g_own + (g_t,)
+        beta = beta + (beta_t,)
         q_rows = q_rows + (q_t,)
         k_rows = k_rows + (k_t,)
-        q_inv = q_inv + (_inverse_norm(q_t) * scale,)
-        k_inv = k_inv + (_inverse_norm(k_t),)
-        v_rows = v_rows + (tl.load(qkv + node * stride_qkv + 2 * H * K + i_hv * V + o_v, mask=valid,
-                                   other=0.0).to(tl.float32),)
-        z_rows = z_rows + (tl.load(z + node * stride_z + i_hv * stride_zh + o_v, mask=valid,
-                                   other=0.0).to(tl.float32),)
+        q_inv = q_inv + (q_inv_t,)
+        k_inv = k_inv + (k_inv_t,)
+        v_rows = v_rows + (v_t,)
+        z_rows = z_rows + (z_t,)
     path_c, decay = _path_decays(ancestors, bos, n, g_own, BT, MAX_ANC, IS_CHAIN)
     # the solve's and the outputs' coefficients: per pair (i, j), at i * BT + j, -beta_i exp(c_i - c_j) kk_ij
     # (j < i) and exp(c_i - c_j) qk_ij (j <= i); zero past the path
@@ -138,10 +134,9 @@ def _row_epilogue_kernel(
     w = tl.load(norm_weight + o_v).to(tl.float32)
     if DEPENDENT_LAUNCH:
         gdc_wait()
-    # node i's products are loaded AHEAD nodes before its solve, before the stores in between (a load after a store
-    # is issued after it: loaded in its own iteration, each node waited an L2 round trip, 2026-12-02e SASS); all
-    # of them up front for up to 4 nodes. Offline sm_90 at 8 nodes: 230 registers four ahead, 242 all up front,
-    # against 147 in the loop (ptxas then also delays the stores); the H200 still ran T=8 3-5% faster (2026-12-03)
+    # node i's products are loaded AHEAD nodes before its solve, ahead of the stores in between (a load after a
+    # store is issued after it, so each node would wait an L2 round trip); all of them up front for up to 4 nodes
+    # (measured faster than in the loop at 8 nodes despite more registers: kernels.md, "Request epilogue")
     AHEAD: tl.constexpr = min(BT, 4)
     p_columns = products + ((i_b * HV + i_hv) * (2 * BT)).to(tl.int64) * V + o_v
     hk = ()
@@ -163,7 +158,7 @@ def _row_epilogue_kernel(
             o_i += attend[i * BT + j] * u_rows[j]
         o_i += attend[i * BT + i] * u_i
         u_rows = u_rows + (u_i,)
-        # gated RMSNorm over V, the core output rounded to the output dtype first (as the one-kernel step)
+        # gated RMSNorm over V, the core output rounded to the output dtype first (as vLLM's decode)
         o_i = o_i.to(out.dtype.element_ty).to(tl.float32)
         y = _gated_rms_norm(o_i, w, z_rows[i], eps, V, ACT)
         tl.store(out + node * stride_out + i_hv * stride_outh + o_v, y.to(out.dtype.element_ty), mask=valid)

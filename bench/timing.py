@@ -1,0 +1,66 @@
+"""How the kernel benchmarks time and describe the GPU: the median over CUDA-graph replays of many back-to-back calls
+(vLLM decodes under CUDA graphs), the device's copy bandwidth, and the device facts a result records."""
+
+import math
+import platform
+import statistics
+import subprocess
+
+import torch
+import triton
+
+
+def graph_time_us(calls, replays=7, min_calls=48):
+    """Median time of one call: capture all `calls` (repeated up to min_calls) in a CUDA graph, replay it."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    repeat = max(1, math.ceil(min_calls / len(calls)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            for call in calls:
+                call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (repeat * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    """Device-to-device copy of 1 GiB of bf16, bytes read + written per second: the best of a memcpy (eager and
+    in a CUDA graph) and an elementwise kernel (also graphed)."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    seconds = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) * 1e-3)
+    seconds.append(graph_time_us([lambda: dst.copy_(src)], min_calls=10) * 1e-6)
+    seconds.append(graph_time_us([lambda: torch.mul(src, 1, out=dst)], min_calls=10) * 1e-6)
+    del src, dst
+    return 2 * (1 << 30) / min(seconds)
+
+
+def device_facts():
+    props = torch.cuda.get_device_properties(0)
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total",
+         "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    return dict(
+        name=props.name, sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None),
+        memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}", nvidia_smi=smi,
+        torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+    )
