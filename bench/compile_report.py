@@ -23,6 +23,7 @@ import tempfile
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
@@ -43,7 +44,11 @@ STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def compile_launch(kernel, args, kwargs):
-    """One launch compiled for sm_90 as `kernel[grid](*args, **kwargs)` would compile it on an H200."""
+    """One launch compiled for sm_90 as `kernel[grid](*args, **kwargs)` would compile it on an H200 (the same
+    options and cache key as the JIT's: the result lands in Triton's cache, `TRITON_CACHE_DIR`, where the GPU's
+    run finds it)."""
+    kwargs = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
     backend = make_backend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
@@ -52,9 +57,9 @@ def compile_launch(kernel, args, kwargs):
                           options=options.__dict__)
 
 
-def step_case(state_dtype, tokens, batch, widths=None):
+def step_case(state_dtype, tokens, batch, widths=None, commit=True):
     """`step_launches`' launches for `batch` requests of a chain of `tokens` nodes (or the tree `widths` with its root),
-    committing the previous step's last node."""
+    committing the previous step's last node (`commit`; else a step with nothing to commit)."""
     tree = DraftTree.from_widths(widths).with_root() if widths else DraftTree.from_widths([1] * tokens)
     chain, nodes = not widths, tree.num_nodes
     packed = pack_trees([tree] * batch)
@@ -75,6 +80,8 @@ def step_case(state_dtype, tokens, batch, widths=None):
         one = pack_trees([tree])
         commit_ancestors = ancestor_table_torch(one.parents, one.cu_nodes, one.max_depth)
     out = torch.zeros(n, HV, V, dtype=torch.bfloat16)
+    if not commit:
+        commit_nodes = commit_ancestors = None
     launches, _ = step_launches(
         mixed_qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, packed.parents, packed.cu_nodes,
         factors, commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=nodes,
@@ -116,20 +123,22 @@ def main():
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 64, 256])
     parser.add_argument("--trees", nargs="*", default=["2,2,1", "4,2,2"])
     parser.add_argument("--tree-batches", type=int, nargs="*", default=[64])
+    parser.add_argument("--modes", nargs="*", default=["fused"],
+                        help="fused: with the previous step's commit; verify: nothing to commit")
     args = parser.parse_args()
     cases = [(state, T, B, None) for state in args.states for T in args.tokens for B in args.batches]
     cases += [(state, None, B, [int(w) for w in widths.split(",")]) for state in args.states
               for widths in args.trees for B in args.tree_batches]
-    for state, T, B, widths in cases:
-        for kernel, grid, kernel_args, kernel_kwargs in step_case(STATE_DTYPES[state], T, B, widths):
+    for (state, T, B, widths), mode in [(case, mode) for case in cases for mode in args.modes]:
+        for kernel, grid, kernel_args, kernel_kwargs in step_case(STATE_DTYPES[state], T, B, widths, mode == "fused"):
             compiled = compile_launch(kernel, kernel_args, kernel_kwargs)
-            row = dict(state=state, T=T, B=B, tree=widths, kernel=kernel.fn.__name__, grid=list(grid),
+            row = dict(state=state, T=T, B=B, tree=widths, mode=mode, kernel=kernel.fn.__name__, grid=list(grid),
                        num_warps=kernel_kwargs.get("num_warps"), **analyse(compiled))
             print(json.dumps(row), flush=True)
             if args.dump:
                 d = pathlib.Path(args.dump)
                 d.mkdir(parents=True, exist_ok=True)
-                stem = f"{state}_{'T%d' % T if T else 'tree' + ''.join(map(str, widths))}_B{B}_{kernel.fn.__name__}"
+                stem = f"{state}_{'T%d' % T if T else 'tree' + ''.join(map(str, widths))}_B{B}_{mode}_{kernel.fn.__name__}"
                 (d / f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
                 (d / f"{stem}.ptx").write_text(compiled.asm["ptx"])
                 (d / f"{stem}.sass").write_text(cuobjdump(compiled, "--dump-sass"))

@@ -1,43 +1,31 @@
-# One device call (H200): bench, the gated GPU tests, optionally one ncu profile. Run from a checkout root that
-# holds .gpu-vllm (carry it):  bash bench/device_gated.sh  (this tree), or with another tree copied under it,
-# bash .scratch/kernels/bench/device_gated.sh (that tree's code runs: the script changes to its own tree).
-# Env: BENCH_ARGS, BENCH_TIMEOUT, SKIP_BENCH, SKIP_TESTS, TEST_TIMEOUT, NCU_TIMEOUT, STEP_LAUNCHES (2; 1 for the one
-# kernel), NCU ("fp32 4 64 '{json config}'"),
-# NCU_SOURCE (the same arguments: a full profile with per-instruction stall samples, ncu_source.csv).
+# One device call (H200): the GPU suite, then the GDN step bench, from a checkout root that holds .gpu-vllm (carry
+# it):  set -o pipefail; bash bench/device_gated.sh 2>&1
+# Env: SKIP_TESTS, TEST_TIMEOUT (s), SHARDS (pytest processes on the one GPU), TEST_ARGS (pytest selection);
+# SKIP_BENCH, BENCH_TIMEOUT, BENCH_ARGS (bench/gated_bench.py's; default: every chain and tree row);
+# BASELINE_CMD: a command run before the bench, e.g. an older checkout's own bench on the same rows (carried under
+# an ignored folder), for a before/after table (bench/compare_gated.py); TRITON_CACHE_DIR: a carried Triton cache
+# (bench/compile_report.py --modes fused verify fills one offline), so the bench does not compile on the device.
+# Files back in $OUT: smi.txt, gpu_tests.log, gpu_shards.tgz, baseline.log, gated.log, gated.json (+ the
+# baseline's JSON where BASELINE_CMD writes it).
 set -o pipefail
 source .gpu-vllm/device-setup.sh
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH
-python3 -c "import vllm_treewy.kernels.triton.gated as g; print('kernel from', g.__file__)"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit \
   --format=csv > $OUT/smi.txt 2>&1
-if [ -z "$SKIP_BENCH" ]; then
-  timeout ${BENCH_TIMEOUT:-200} python3 bench/gated_bench.py --out $OUT ${BENCH_ARGS:-} 2>&1 | tee $OUT/gated.log | \
-    grep -E "^tune|^\| |done in|Error|error" | cut -c1-220
-fi
+status=0
 if [ -z "$SKIP_TESTS" ]; then
-  timeout ${TEST_TIMEOUT:-90} python3 -m pytest -m gpu tests/gpu -k gated -q -p no:cacheprovider 2>&1 | \
-    tee $OUT/gpu_tests.log | tail -5
+  timeout ${TEST_TIMEOUT:-240} bash tests/gpu/run_sharded.sh /tmp/gpu ${SHARDS:-8} ${TEST_ARGS:-} > $OUT/gpu_tests.log 2>&1
+  status=$?
+  tar czf $OUT/gpu_shards.tgz -C /tmp gpu
+  tail -n 12 $OUT/gpu_tests.log
 fi
-# bench/profile_gated.py launches 4 verify-only steps (the slot sets' previous step), then 4 fused ones; a step is
-# STEP_LAUNCHES kernel launches (2 where the launch is the state pass and the row epilogue, the defaults up to 8
-# nodes; 1 for the one kernel): skip 6 steps' launches, so the profiled ones are a fused step's with its states out
-# of L2
-STEP_LAUNCHES=${STEP_LAUNCHES:-2}
-NCU_STEP="-k regex:'_gated_step_kernel|_state_pass_kernel|_row_epilogue_kernel' --launch-skip $((6 * STEP_LAUNCHES)) \
-  --launch-count $STEP_LAUNCHES"
-if [ -n "$NCU" ]; then
-  eval "timeout ${NCU_TIMEOUT:-60} ncu --clock-control none $NCU_STEP \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section ComputeWorkloadAnalysis python3 bench/profile_gated.py $NCU" > $OUT/ncu.txt 2>&1
-  grep -E "Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Duration|Warp Cycles Per Issued" \
-    $OUT/ncu.txt | head -12
+if [ -n "$BASELINE_CMD" ]; then
+  timeout ${BENCH_TIMEOUT:-200} bash -c "$BASELINE_CMD" > $OUT/baseline.log 2>&1
+  grep -E "done in|Error|error" $OUT/baseline.log | cut -c1-200 | tail -5
 fi
-if [ -n "$NCU_SOURCE" ]; then
-  # where the warps stall, per SASS instruction (the source page of a full profile, as CSV): same launch as NCU's
-  eval "timeout ${NCU_TIMEOUT:-60} ncu --clock-control none $NCU_STEP \
-    --set full --import-source yes -f -o $OUT/gated_source python3 bench/profile_gated.py $NCU_SOURCE" \
-    > $OUT/ncu_source.log 2>&1
-  ncu -i $OUT/gated_source.ncu-rep --page source --csv --print-source sass > $OUT/ncu_source.csv 2>>$OUT/ncu_source.log
-  ls -la $OUT/gated_source.ncu-rep $OUT/ncu_source.csv; tail -3 $OUT/ncu_source.log
+if [ -z "$SKIP_BENCH" ]; then
+  timeout ${BENCH_TIMEOUT:-200} python3 bench/gated_bench.py --out $OUT ${BENCH_ARGS:-} > $OUT/gated.log 2>&1
+  grep -E "^\| |done in|Error|error" $OUT/gated.log | cut -c1-200
 fi
+exit $status

@@ -290,6 +290,7 @@ def main():
     parser.add_argument("--tree-batches", type=int, nargs="*", default=[64])
     parser.add_argument("--separate-batches", type=int, nargs="*", default=[64],
                         help="chain batches where verify, commit and each launch are also timed alone")
+    parser.add_argument("--no-fallback", action="store_true", help="leave vLLM's Triton fallback column out")
     parser.add_argument("--candidates", nargs="*", default=[],
                         help="StepLaunch fields as JSON, timed beside the launch table's at every row")
     args = parser.parse_args()
@@ -298,7 +299,7 @@ def main():
     started = time.time()
     facts = device_facts()
     hbm = copy_bandwidth()
-    op, fb = compiled_op(), fallback_op()
+    op, fb = compiled_op(), None if args.no_fallback else fallback_op()
     if op is not None:
         op = probe_compiled(op)
     print(json.dumps(facts), f"\ncopy bandwidth {hbm / 1e12:.3f} TB/s; compiled op {op is not None}", flush=True)
