@@ -1,0 +1,136 @@
+"""Draft trees from the fixture's own MTP head (`method: "mtp"` with `draft_tree_widths`) in vLLM's V1 runner on CPU.
+
+The fixture's blurred-head variant (`blurred_mtp_variant`: target unchanged, the head's top token right about half
+the time) is the model here: with it the trees accept other branches than the first often, as real heads make them.
+
+Every engine of this module runs in one module-scoped fixture: no-speculation references first, then the MTP
+chain and trees (reconstruct), then a raw-logits no-speculation engine judges every run tie-aware (a divergence
+counts only beyond one bf16 step, or where the fp64 fixture does not prefer the reference's token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.e2e.conftest import count_mixed_batches
+from vllm_treewy.fixture import PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, PREEMPTION_PROMPTS, fixture_prompts
+from vllm_treewy.fixture import blurred_mtp_variant, prompts_before_a_block_boundary
+from vllm_treewy.fixture.exact import ExactModel
+from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
+
+pytestmark = pytest.mark.e2e
+
+WIDTHS = ([2, 1, 1], [2, 2, 1], [3, 2, 2], [4, 2])
+CHAIN = [1, 1, 1]
+PREEMPTED_WIDTHS = ([2, 2, 1], [3, 2, 2])
+NUM_PROMPTS = 8
+NUM_CORPUS_PROMPTS = 32
+MAX_NUM_SEQS = 4  # prompts queue up and prefill beside speculative decodes
+# Two requests' blocks, none spare: MTP's lookahead slots make requests cross their attention block early, so with the
+# test drafter's spare block (PREEMPTION_NUM_BLOCKS) one request finishes before the other needs it.
+MTP_PREEMPTION_NUM_BLOCKS = PREEMPTION_NUM_BLOCKS - 1
+
+
+def _name(widths) -> str:
+    return "x".join(map(str, widths))
+
+
+def mtp_tree(widths) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": len(widths), "draft_tree_widths": list(widths),
+            "mamba_state_commit": "reconstruct"}
+
+
+@dataclass
+class MtpTreeRuns:
+    runs: dict = field(default_factory=dict)  # name -> GenerationRun
+    verdicts: dict = field(default_factory=dict)
+    mixed_batches: dict = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)  # workload -> outputs
+
+
+@pytest.fixture(scope="module")
+def blurred_model(fixture_model, tmp_path_factory) -> str:
+    return str(blurred_mtp_variant(fixture_model, tmp_path_factory.mktemp("blurred-mtp")))
+
+
+@pytest.fixture(scope="module")
+def mtp_trees(blurred_model) -> MtpTreeRuns:
+    fixture_model = blurred_model
+    prompts = fixture_prompts(AutoTokenizer.from_pretrained(fixture_model), NUM_CORPUS_PROMPTS)
+    tokens = [t for p in prompts for t in p]
+    workloads = {"standard": (prompts[:NUM_PROMPTS], [16 + (i * 5) % 9 for i in range(NUM_PROMPTS)])}
+    plan = {f"tree-{_name(w)}": ("standard", w, {}) for w in (CHAIN, *WIDTHS)}
+    results = MtpTreeRuns()
+    for name, (workload, widths, kwargs) in plan.items():
+        prompt_ids, max_tokens = workloads[workload]
+        with count_mixed_batches(results.mixed_batches.setdefault(name, {})):
+            results.runs[name] = run_greedy(fixture_model, prompt_ids, max_tokens, speculative_config=mtp_tree(widths),
+                                            max_num_seqs=MAX_NUM_SEQS, **kwargs)
+    # Preemption: prompts that cross an attention block while decoding (the block size vLLM chose for the width) in
+    # a KV cache too small for all of them.
+    for widths in PREEMPTED_WIDTHS:
+        block_size = results.runs[f"tree-{_name(widths)}"].kv_cache.attention_block_size
+        workload = f"long-{block_size}"
+        workloads[workload] = (prompts_before_a_block_boundary(tokens, block_size),
+                               [PREEMPTION_MAX_TOKENS] * PREEMPTION_PROMPTS)
+        name = f"preempted-{_name(widths)}"
+        plan[name] = (workload, widths, {})
+        results.runs[name] = run_greedy(fixture_model, *workloads[workload], speculative_config=mtp_tree(widths),
+                                        num_gpu_blocks_override=MTP_PREEMPTION_NUM_BLOCKS, max_num_seqs=PREEMPTION_PROMPTS)
+    _generate_references(results, fixture_model, workloads)
+    _judge(results, fixture_model, workloads, plan)
+    return results
+
+
+# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+def _generate_references(results: MtpTreeRuns, model: str, workloads: dict) -> None:
+    with engine(model, max_num_seqs=MAX_NUM_SEQS) as reference:
+        for workload, (prompt_ids, max_tokens) in workloads.items():
+            results.reference[workload] = generate_greedy(reference, prompt_ids, max_tokens)
+
+
+def _judge(results: MtpTreeRuns, model: str, workloads: dict, plan: dict) -> None:
+    exact = ExactModel(model)
+    with engine(model, logprobs_mode="raw_logits", max_num_seqs=MAX_NUM_SEQS) as reference:
+        for name, (workload, _, _) in plan.items():
+            prompt_ids, _ = workloads[workload]
+            results.verdicts[name] = compare_tie_aware(reference, prompt_ids, results.reference[workload],
+                                                       results.runs[name].outputs, exact.next_token_logits)
+
+
+def mean_accepted(run) -> float:
+    """Accepted drafts per speculative step (the bonus token not counted)."""
+    return run.acceptance.num_accepted_tokens / run.acceptance.num_drafts
+
+
+@pytest.mark.parametrize("widths", (CHAIN, *WIDTHS), ids=_name)
+def test_mtp_tree_is_equivalent_to_no_speculation(mtp_trees, widths):
+    name = f"tree-{_name(widths)}"
+    verdict = mtp_trees.verdicts[name]
+    assert verdict.passed, verdict.summary()
+    acceptance = mtp_trees.runs[name].acceptance
+    depth = len(widths)
+    # vLLM counts N drafts per step; accepted ones sit at the first `depth` positions (the accepted path's length).
+    assert acceptance.num_draft_tokens == acceptance.num_drafts * DraftTree.from_widths(widths).num_nodes
+    assert acceptance.accepted_per_position[depth - 1] > 0
+    assert not any(acceptance.accepted_per_position[depth:])
+    assert mtp_trees.mixed_batches[name]["mixed_batches"] > 0, "no batch mixed prefills with tree verifies"
+    assert set(mtp_trees.runs[name].kv_cache.gdn_blocks_per_request) == {1}
+
+
+def test_wider_trees_accept_more_at_equal_depth(mtp_trees):
+    """The head's second and third choices are sometimes the target's: [1,1,1] < [2,1,1] < [2,2,1] in accepted drafts
+    per step."""
+    chain, two, wider = (mean_accepted(mtp_trees.runs[f"tree-{_name(w)}"]) for w in (CHAIN, [2, 1, 1], [2, 2, 1]))
+    assert chain < two < wider, (chain, two, wider)
+
+
+@pytest.mark.parametrize("widths", PREEMPTED_WIDTHS, ids=_name)
+def test_mtp_tree_survives_preemption(mtp_trees, widths):
+    name = f"preempted-{_name(widths)}"
+    assert mtp_trees.runs[name].num_preemptions > 0, "the workload did not preempt any request"
+    assert mtp_trees.verdicts[name].passed, mtp_trees.verdicts[name].summary()
