@@ -27,9 +27,10 @@ def register() -> None:
     accepted_counts.install()
     tree_budget.install()
     if current_platform.is_cpu():
-        from vllm_treewy.vllm_plugin import gdn_cpu
+        from vllm_treewy.vllm_plugin import cpu_rejection_expand, gdn_cpu
 
         gdn_cpu.install()
+        cpu_rejection_expand.install()
     if current_platform.is_cuda():
         full_graph_batches.install()
         startup_memory.install()

@@ -205,6 +205,13 @@ CPU_UNPACKED_CONV_WEIGHT = PatchPoint(
     _CPU_GDN, "_unpacked_conv_weight", "calls", "vLLM packs the CPU conv weight for AMX in place", ("layer",),
 )
 
+CPU_REJECTION_EXPAND = PatchPoint(
+    "vllm.utils.cpu_triton_utils", "_expand_kernel_impl", "rebinds",
+    "vLLM's CPU stand-in for the rejection sampler's per-token expansion of temperature, top-k and top-p writes a "
+    "converted copy and leaves the real output uninitialized (cpu_rejection_expand)",
+    ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to"), only_on="cpu",
+)
+
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 RUNNER_PREPARE_INPUTS = PatchPoint(
     _RUNNER, "GPUModelRunner._prepare_inputs", "wraps",
@@ -307,6 +314,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     CPU_GDN_SPEC_FORWARD,
     CPU_SSM_STATE_VIEW,
     CPU_UNPACKED_CONV_WEIGHT,
+    CPU_REJECTION_EXPAND,
     RUNNER_PREPARE_INPUTS,
     RUNNER_BUILD_ATTENTION_METADATA,
     RUNNER_EAGLE_PROPOSER,
