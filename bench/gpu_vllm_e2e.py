@@ -443,9 +443,24 @@ def run_preemption_continuations(args) -> int:
     return 0
 
 
-def tree_spec(widths: list[int]) -> dict:
+def tree_spec(widths: list[int], drafter: str = "continuation") -> dict:
+    """The continuation test drafter, or the model's own MTP head (`--drafter mtp`; widths of 1: vLLM's chain)."""
+    if drafter == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": len(widths), "draft_tree_widths": widths,
+                "mamba_state_commit": "reconstruct", **gpu_site.SPECULATIVE}
     return {"method": "custom_class", "model": TREE_DRAFTER, "num_speculative_tokens": len(widths),
             "draft_tree_widths": widths, "mamba_state_commit": "reconstruct"}
+
+
+def tree_model(args) -> tuple[str, list]:
+    """The fixture, or its blurred-MTP variant (`--blurred-mtp`: same target, a head right about half the time)."""
+    from vllm_treewy.fixture import blurred_mtp_variant
+
+    model, prompts = prompts_and_model()
+    if getattr(args, "blurred_mtp", False):
+        blurred = Path(FIXTURE_DIR + "-blurred-mtp")
+        model = str(blurred if (blurred / "fixture.json").exists() else blurred_mtp_variant(model, blurred))
+    return model, prompts
 
 
 def run_preempted_tree(args) -> int:
@@ -504,13 +519,13 @@ def run_tree(args) -> int:
     out = Path(args.out_dir)
     known = json.loads((out / "continuations.json").read_text())
     widths = list(args.tree_widths)
-    name = tree_name(widths)
+    name = ("mtp-" if args.drafter == "mtp" else "") + tree_name(widths) + ("-blurred" if args.blurred_mtp else "")
     os.environ[DRAFTS_ENV] = write_drafts_file(out / f"{name}-drafts.json", known["sequences"], TRUE_BRANCH)
-    model, prompts = prompts_and_model()
+    model, prompts = tree_model(args)
     tree = DraftTree.from_widths(widths)
     exact_logits = ExactModel(model).next_token_logits
     start = time.perf_counter()
-    with engine(model, speculative_config=tree_spec(widths), logprobs_mode="raw_logits",
+    with engine(model, speculative_config=tree_spec(widths, args.drafter), logprobs_mode="raw_logits",
                 **engine_kwargs(args, 1 + tree.num_nodes)) as llm:
         started = time.perf_counter() - start
         before = read_acceptance(llm)
@@ -527,6 +542,7 @@ def run_tree(args) -> int:
     drafts = after.num_drafts - before.num_drafts
     result = {
         "name": name, "widths": widths, "num_nodes": tree.num_nodes, "engine_start_s": started,
+        "drafter": args.drafter, "blurred_mtp": args.blurred_mtp, "dtype": args.dtype,
         "mode": "eager (enforce_eager)" if args.eager else "default (torch.compile + CUDA graphs)",
         "concurrent": args.concurrent, "outputs": {str(b): o for b, o in outputs.items()},
         "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
@@ -590,11 +606,15 @@ def main(argv=None) -> int:
     cont = sub.add_parser("continuations", help="no speculation: the tree drafter's truth and the reference outputs")
     add_common_args(cont, runs=False)
     cont.add_argument("--out-dir", required=True)
-    tree = sub.add_parser("tree", help="one draft-tree engine (continuation drafter), judged against the reference")
+    tree = sub.add_parser("tree", help="one draft-tree engine (continuation drafter or MTP), judged against the "
+                                       "reference")
     add_common_args(tree, runs=False)
     tree.add_argument("--out-dir", required=True)
     tree.add_argument("--tree-widths", type=int, nargs="+", required=True)
     tree.add_argument("--self-check", action="store_true", help="also the teacher-forced check against itself")
+    tree.add_argument("--drafter", default="continuation", choices=["continuation", "mtp"],
+                      help="the continuation test drafter, or the model's own MTP head (widths of 1: vLLM's chain)")
+    tree.add_argument("--blurred-mtp", action="store_true", help="the fixture's blurred-MTP variant (same target)")
     tree.add_argument("--concurrent", action="store_true", help="recorded: other engines share the GPU meanwhile")
     tree.add_argument("--preemption", action="store_true",
                       help="the preemption prompts (preemption-continuations) in a KV cache that preempts")
