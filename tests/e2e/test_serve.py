@@ -231,3 +231,47 @@ def test_serve_bad_config_fails_at_startup(fixture_model, tmp_path):
     assert log.count("Input should be 'store_all' or 'reconstruct'") == 1, log[-LOG_TAIL_CHARS:]
     assert "mamba_state_commit" in log
     assert "EngineCore" not in log, log[-LOG_TAIL_CHARS:]
+
+
+MTP_TREE = {**RECONSTRUCT_K3, "draft_tree_widths": [2, 2, 1]}  # the README's command
+
+
+def test_serve_mtp_tree_samples_and_reports_acceptance_per_depth(fixture_model, tmp_path):
+    """The README's tree command behind `vllm serve` (separate engine core process): a chat request at temperature
+    0.8 is answered, and /metrics reports the acceptance at each depth of the tree (vLLM's per-position counter:
+    position i is depth i + 1; no path is deeper than the tree)."""
+    port = free_port()
+    base_url = f"http://{HOST}:{port}"
+    log_path = tmp_path / "vllm-serve-tree.log"
+    with vllm_server(serve_command(fixture_model, MTP_TREE, port), log_path) as proc:
+        wait_until_healthy(proc, base_url, log_path)
+        status, text = http("POST", f"{base_url}/v1/chat/completions", {
+            "model": fixture_model, "messages": [{"role": "user", "content": CHAT_MESSAGE}],
+            "max_tokens": 48, "temperature": 0.8, "seed": 11, "ignore_eos": True})
+        assert status == 200, f"HTTP {status}: {text[:2000]}\nserver log tail:\n{log_tail(log_path)}"
+        chat = json.loads(text)
+        assert chat["choices"][0]["message"]["content"], chat
+        assert chat["usage"]["completion_tokens"] == 48, chat
+        deadline = time.monotonic() + METRICS_TIMEOUT_S
+        while True:
+            status, metrics = http("GET", f"{base_url}/metrics")
+            assert status == 200, metrics[:2000]
+            per_depth = per_position(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
+            if sum(per_depth.values()) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        spec_lines = "\n".join(line for line in metrics.splitlines() if "spec_decode" in line or "treewy" in line)
+        assert per_depth.get(0, 0) > 0, f"no draft accepted at depth 1:\n{spec_lines}"
+        assert all(count == 0 for position, count in per_depth.items() if position >= 3), spec_lines
+        assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"
+
+
+def per_position(metrics_text: str, name: str) -> dict[int, float]:
+    """A per-position counter's samples by their `position` label."""
+    counts = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(f"{name}_total{{") or line.startswith(f"{name}{{"):
+            labels, value = line.rsplit(" ", 1)
+            position = labels.split('position="', 1)[1].split('"', 1)[0]
+            counts[int(position)] = counts.get(int(position), 0) + float(value)
+    return counts
