@@ -14,11 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 # First match wins; names lower-cased. Our kernels' names start with the Triton functions in
-# vllm_treewy/kernels/triton (the step: _conv_step_kernel, then _gated_step_kernel or _state_pass_kernel and
-# _row_epilogue_kernel).
+# vllm_treewy/kernels/triton (the step: _conv_step_kernel, then _state_pass_kernel and _request_epilogue_kernel or
+# _path_epilogue_kernel).
 KERNEL_KINDS = (
-    ("treewy GDN step", ("_gated_step_kernel", "_state_pass_kernel", "_row_epilogue_kernel", "_conv_step_kernel",
-                         "_verify_kernel", "_commit_kernel")),
+    ("treewy GDN step", ("_state_pass_kernel", "_request_epilogue_kernel", "_path_epilogue_kernel",
+                         "_conv_step_kernel")),
     ("vLLM GDN", ("gdn", "gated_delta", "delta_rule", "causal_conv1d", "chunk_", "fused_recurrent", "l2norm",
                   "rms_norm_gated", "layer_norm_fwd")),
     ("attention", ("attn", "attention")),

@@ -1,8 +1,9 @@
-"""One fused GDN step for ncu: `ncu --clock-control none -k regex:'_gated_step_kernel|_state_pass_kernel|
-_row_epilogue_kernel' --launch-skip 6L --launch-count L python3 bench/profile_gated.py [fp32|bf16] T B
-['{"block_k": 32, "state_dot": true, ...}']` with L the step's launches (2: the state pass and the row epilogue,
-the defaults up to 8 nodes; 1: the one kernel); the JSON: `gdn_step_triton`'s launch options, none = its defaults
-(`bench/device_gated.sh` runs it)."""
+"""One GDN step for ncu: `ncu --clock-control none -k regex:'_state_pass_kernel|_request_epilogue_kernel|
+_path_epilogue_kernel' --launch-skip 12 --launch-count 2 python3 bench/profile_gated.py [fp32|bf16] T B
+['{"state_rows": 64, "state_block_k": 64, "state_warps": 4, "epilogue_warps": 1}']`: 4 steps with nothing to
+commit (the slot sets' previous step), then 4 with the commit, two launches each (the state pass and the epilogue);
+skipping 6 steps' launches profiles a committing step with its states out of L2. The JSON: a `StepLaunch`, none =
+the launch table's."""
 
 import json
 import sys
@@ -10,12 +11,13 @@ import sys
 import torch
 
 from gated_bench import Step
+from vllm_treewy.kernels.triton import StepLaunch
 
 name, T, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-config = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+launch = StepLaunch(**json.loads(sys.argv[4])) if len(sys.argv) > 4 else None
 step = Step(T, B, {"fp32": torch.float32, "bf16": torch.bfloat16}[name], sets=4)
-step.fill_prev(config)  # 4 steps, then the profiled ones
+step.fill_prev(launch)
 for s in range(4):
-    step.ours(s, config)()
+    step.ours(s, launch)()
 torch.cuda.synchronize()
 print("ok")

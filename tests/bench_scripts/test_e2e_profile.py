@@ -7,8 +7,9 @@ from bench.e2e_profile import KernelEvent, busy_us, kind_of, summarize
 
 
 def test_kinds_by_name():
-    assert kind_of("_gated_step_kernel") == "treewy GDN step"
-    assert kind_of("_state_pass_kernel") == kind_of("_row_epilogue_kernel") == "treewy GDN step"
+    assert kind_of("_conv_step_kernel") == "treewy GDN step"
+    assert kind_of("_state_pass_kernel") == kind_of("_request_epilogue_kernel") == "treewy GDN step"
+    assert kind_of("_path_epilogue_kernel") == "treewy GDN step"
     assert kind_of("void fused_gdn_decode_post_conv_mtp_kernel<float>(...)") == "vLLM GDN"
     assert kind_of("kernel_unified_attention_3d") == "attention"
     assert kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "GEMM"
@@ -29,7 +30,7 @@ def test_busy_time_bounds(intervals):
 
 
 def test_summary_per_token():
-    events = [KernelEvent("_gated_step_kernel", 0, 30), KernelEvent("nvjet_gemm", 40, 50)]
+    events = [KernelEvent("_state_pass_kernel", 0, 30), KernelEvent("nvjet_gemm", 40, 50)]
     summary = summarize(events, wall_s=200e-6, output_tokens=2)
     assert summary["wall_us_per_token"] == 100.0
     assert summary["gpu_busy_us_per_token"] == 40.0

@@ -18,9 +18,9 @@ WIDTH, CHANNELS = 4, 80
 @settings(max_examples=12, deadline=None)
 @given(batch=st.lists(trees(max_nodes=9, max_depth=5), min_size=1, max_size=4), rows_per_slot=st.integers(1, 5),
        history_len=st.sampled_from([WIDTH - 1, WIDTH + 1]), transposed=st.booleans(), data=st.data())
-def test_conv_step_commits_the_pending_draft_then_convolves(batch, rows_per_slot, history_len, transposed, data):
+def test_conv_step_commits_the_previous_draft_then_convolves(batch, rows_per_slot, history_len, transposed, data):
     """conv_step = commit of each slot's previous draft (a chain over the slot's rows, or one static tree given as
-    an ancestor table, possibly with spare columns) at its pending node from the per-slot input rows, then the tree
+    an ancestor table, possibly with spare columns) at its commit node from the per-slot input rows, then the tree
     conv of this step; the step's inputs replace the rows. Triton vs torch twin vs the fp64 node-by-node reference;
     padding requests and slots outside the batch are untouched."""
     seed = data.draw(st.integers(0, 2**16))
@@ -38,15 +38,15 @@ def test_conv_step_commits_the_pending_draft_then_convolves(batch, rows_per_slot
         conv_state = torch.randn(num_slots, CHANNELS, history_len, generator=generator)
     inputs = torch.randn(num_slots, rows_per_slot, CHANNELS, generator=generator)
     slots = torch.randperm(num_slots, generator=generator)[: len(batch)].to(torch.int32)
-    pending_tree = data.draw(st.one_of(st.none(), trees(max_nodes=rows_per_slot, max_depth=rows_per_slot)))
-    if pending_tree is None:
-        pending_parents, commit_ancestors = tuple(range(-1, rows_per_slot - 1)), None
+    commit_tree = data.draw(st.one_of(st.none(), trees(max_nodes=rows_per_slot, max_depth=rows_per_slot)))
+    if commit_tree is None:
+        commit_parents, commit_ancestors = tuple(range(-1, rows_per_slot - 1)), None
     else:
-        depth = DraftTree(pending_tree).max_depth + data.draw(st.integers(0, 1))
-        pending_parents = pending_tree
-        commit_ancestors = ancestor_table_torch(torch.tensor(pending_tree, dtype=torch.int32),
-                                                 torch.tensor([0, len(pending_tree)]), depth)
-    pending = torch.tensor([data.draw(st.integers(-1, len(pending_parents) - 1)) for _ in batch], dtype=torch.int32)
+        depth = DraftTree(commit_tree).max_depth + data.draw(st.integers(0, 1))
+        commit_parents = commit_tree
+        commit_ancestors = ancestor_table_torch(torch.tensor(commit_tree, dtype=torch.int32),
+                                                 torch.tensor([0, len(commit_tree)]), depth)
+    commit = torch.tensor([data.draw(st.integers(-1, len(commit_parents) - 1)) for _ in batch], dtype=torch.int32)
     if len(batch) > 1 and data.draw(st.booleans()):
         slots[0] = -1  # a padding request
 
@@ -56,21 +56,21 @@ def test_conv_step_commits_the_pending_draft_then_convolves(batch, rows_per_slot
             continue
         s, r = int(slots[b]), rows(packed, b)
         history = conv_state[s]
-        if pending[b] >= 0:
-            history = reference_tree_conv(inputs[s, : len(pending_parents)], history, weight, bias,
-                                          pending_parents).history[pending[b]].float()
+        if commit[b] >= 0:
+            history = reference_tree_conv(inputs[s, : len(commit_parents)], history, weight, bias,
+                                          commit_parents).history[commit[b]].float()
         expected_state[s] = history
         expected_out[r] = reference_tree_conv(x[r], history, weight, bias, parents, activation).out.float()
         expected_inputs[s, : len(parents)] = x[r]
 
     twin_state, twin_inputs = conv_state.clone(), inputs.clone()
     twin_out = conv_step_packed(x, twin_state, slots, weight, bias, packed.parents, packed.cu_nodes, twin_inputs,
-                                pending, commit_ancestors=commit_ancestors, activation=activation)
+                                commit, commit_ancestors=commit_ancestors, activation=activation)
     state, step_inputs = conv_state.clone().to(DEVICE), inputs.clone().to(DEVICE)
     out = torch.full_like(x, float("nan")).to(DEVICE)
     device_bias = None if bias is None else bias.to(DEVICE)
     conv_step_triton(x.to(DEVICE), state, slots.to(DEVICE), weight.to(DEVICE), device_bias,
-                     packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), step_inputs, pending.to(DEVICE),
+                     packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), step_inputs, commit.to(DEVICE),
                      commit_ancestors=None if commit_ancestors is None else commit_ancestors.to(DEVICE),
                      activation=activation, out=out, block_nodes=4, block_d=32)
     live = slots.long()[node_requests(packed.cu_nodes)] >= 0

@@ -55,7 +55,7 @@ def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, s
                  mask=m)
 
 
-# integer arrays read as scalars or gathers: no alignment key (see `_gated_step_kernel`); D and the strides are
+# integer arrays read as scalars or gathers: no alignment key (as the GDN step's kernels); D and the strides are
 # model constants and stay specialised
 @triton.jit(do_not_specialize=["state_indices", "parents", "cu_nodes", "commit_nodes", "commit_ancestors"])
 def _conv_step_kernel(
