@@ -57,9 +57,10 @@ def compile_launch(kernel, args, kwargs):
                           options=options.__dict__)
 
 
-def step_case(state_dtype, tokens, batch, widths=None, commit=True):
-    """`step_launches`' launches for `batch` requests of a chain of `tokens` nodes (or the tree `widths` with its root),
-    committing the previous step's last node (`commit`; else a step with nothing to commit)."""
+def step_case(state_dtype, tokens, batch, widths=None, mode="fused"):
+    """`step_launches`' launches for `batch` requests of a chain of `tokens` nodes (or the tree `widths` with its root):
+    mode "fused" commits the previous step's last node in the step, "verify" has nothing to commit, "commit" is
+    that commit alone (`gdn_commit_triton`)."""
     tree = DraftTree.from_widths(widths).with_root() if widths else DraftTree.from_widths([1] * tokens)
     chain, nodes = not widths, tree.num_nodes
     packed = pack_trees([tree] * batch)
@@ -80,7 +81,11 @@ def step_case(state_dtype, tokens, batch, widths=None, commit=True):
         one = pack_trees([tree])
         commit_ancestors = ancestor_table_torch(one.parents, one.cu_nodes, one.max_depth)
     out = torch.zeros(n, HV, V, dtype=torch.bfloat16)
-    if not commit:
+    if mode == "commit":
+        return step_launches(None, None, None, None, None, None, None, state, state_indices, None, None, factors,
+                             commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=1, max_depth=None, chain=True,
+                             scale=None, norm_eps=0.0, activation="silu", ancestors=None, out=None, launch=None)[0]
+    if mode == "verify":
         commit_nodes = commit_ancestors = None
     launches, _ = step_launches(
         mixed_qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, packed.parents, packed.cu_nodes,
@@ -124,13 +129,13 @@ def main():
     parser.add_argument("--trees", nargs="*", default=["2,2,1", "4,2,2"])
     parser.add_argument("--tree-batches", type=int, nargs="*", default=[64])
     parser.add_argument("--modes", nargs="*", default=["fused"],
-                        help="fused: with the previous step's commit; verify: nothing to commit")
+                        help="fused: with the previous step's commit; verify: nothing to commit; commit: alone")
     args = parser.parse_args()
     cases = [(state, T, B, None) for state in args.states for T in args.tokens for B in args.batches]
     cases += [(state, None, B, [int(w) for w in widths.split(",")]) for state in args.states
               for widths in args.trees for B in args.tree_batches]
     for (state, T, B, widths), mode in [(case, mode) for case in cases for mode in args.modes]:
-        for kernel, grid, kernel_args, kernel_kwargs in step_case(STATE_DTYPES[state], T, B, widths, mode == "fused"):
+        for kernel, grid, kernel_args, kernel_kwargs in step_case(STATE_DTYPES[state], T, B, widths, mode):
             compiled = compile_launch(kernel, kernel_args, kernel_kwargs)
             row = dict(state=state, T=T, B=B, tree=widths, mode=mode, kernel=kernel.fn.__name__, grid=list(grid),
                        num_warps=kernel_kwargs.get("num_warps"), **analyse(compiled))
