@@ -334,15 +334,3 @@ def test_store_all_tree_starts_from_the_accepted_branch(tree_e2e):
     acceptance = tree_e2e.runs[name].acceptance
     assert acceptance.num_drafts > 0
     assert acceptance.accepted_per_position[:depth] == [acceptance.num_drafts] * depth
-
-
-def test_non_greedy_sampling_is_refused_with_trees(fixture_model, tmp_path):
-    """Tree verification is greedy; a sampled request reaching a tree step gets the reason, not a wrong answer."""
-    from vllm import SamplingParams
-
-    prompts = fixture_prompts(AutoTokenizer.from_pretrained(fixture_model), 1)
-    with continuation_drafts(tmp_path / "drafts.json", []), engine(
-            fixture_model, max_num_seqs=MAX_NUM_SEQS, speculative_config=tree_spec([2, 1])) as llm:
-        with pytest.raises(Exception, match="verifies draft trees greedily only"):
-            llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.8, max_tokens=8, seed=1),
-                         use_tqdm=False)

@@ -470,7 +470,7 @@ def test_the_cpu_layer_wrapper_hands_the_layers_settings_to_tree_attention(vllm_
     step = types.SimpleNamespace(request_indices=torch.arange(2), token_indices=torch.arange(batch.num_tree_rows),
                                  query_start_loc=batch.query_start_loc, block_ancestors=batch.ancestors(),
                                  block_len=max(batch.block_lens), attention_layers=[])
-    metadata = types.SimpleNamespace(**{tree_runner.TREE_STEP: step}, block_table=batch.block_table,
+    metadata = types.SimpleNamespace(tree_step=step, block_table=batch.block_table,
                                      seq_lens=batch.seq_lens, max_seq_len=int(batch.seq_lens.max()))
     layer = types.SimpleNamespace(isa=batch.isa)
     forward = tree_runner._attending_tree_rows(lambda self, layer, q, k, v, cache, metadata, output: output)

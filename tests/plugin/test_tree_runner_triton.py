@@ -9,6 +9,7 @@ for a mixed batch the tree rows are recomputed after it. Both against the fp64 r
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 import vllm.v1.attention.backends.triton_attn as triton_attn
 from hypothesis import given
 from hypothesis import strategies as st
+from vllm.forward_context import ForwardContext, override_forward_context
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
 
 from tests.plugin.paged_batches import make_batch, reference_attention
@@ -25,13 +27,15 @@ from tests.plugin.vllm_interpreted import interpreted_unified_attention
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import tree_runner
 from vllm_treewy.vllm_plugin.patch_points import TRITON_ATTENTION_FORWARD, TRITON_UNIFIED_ATTENTION
+from vllm_treewy.vllm_plugin.tree_metadata import tree_qq_bias_of, tree_step_of
+from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
 from vllm_treewy.vllm_plugin.tree_sampler import commit_accepted_path
 from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, find_tree_step
 
 torch.set_num_threads(1)
 
 
-def tree_step_of(batch):
+def tree_step_of_batch(batch):
     """The step `_prepare_inputs` finds in the batch (vLLM's per-request counts for its kinds)."""
     n = batch.tree.num_nodes
     num_decode_drafts = np.array([n if k == "tree" else 0 if k == "decode" else -1 for k in batch.kinds])
@@ -53,10 +57,21 @@ def triton_metadata(batch, max_query_len=None) -> TritonAttentionMetadata:
         causal=True)
 
 
-def fake_runner(tree, kv_cache):
-    return SimpleNamespace(
-        speculative_config=SimpleNamespace(is_draft_tree=True, draft_tree=tree), device=torch.device("cpu"),
-        compilation_config=SimpleNamespace(static_forward_context={"attn.0": SimpleNamespace(kv_cache=kv_cache)}))
+def hand_to_triton_layers(tree_state, layers, per_layer, step, prepared):
+    tree_runner._hand_to_triton_layers(tree_state, layers, per_layer, step, prepared, torch.device("cpu"))
+    return per_layer
+
+
+def one_layer(kv_cache) -> dict:
+    return {"attn.0": SimpleNamespace(kv_cache=kv_cache)}
+
+
+@contextlib.contextmanager
+def forward_context():
+    """vLLM's forward context, as the runner sets it around a forward (the tree bias travels in it)."""
+    context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+    with override_forward_context(context):
+        yield context
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +94,15 @@ def test_vllms_triton_forward_under_the_wrapper_is_tree_attention(interpreted_tr
     shape = data.draw(batch_shapes(with_prefills=with_prefills))
     shape["dtype"] = torch.float32
     batch = make_batch(**shape)
-    step = tree_step_of(batch)
+    step = tree_step_of_batch(batch)
     metadata = triton_metadata(batch)
-    runner = fake_runner(batch.tree, batch.kv_cache)
-    tree_runner._hand_to_triton_layers(runner, {"attn.0": metadata}, step, prepared=True)
+    state = TreeRunState(batch.tree)
+    metadata = hand_to_triton_layers(state, one_layer(batch.kv_cache), {"attn.0": metadata}, step, True)["attn.0"]
     covering = "prefill" not in batch.kinds or all(q <= 1 for k, q in zip(batch.kinds, batch.query_lens)
                                                     if k == "prefill")
     assert step.covers_batch == covering
-    assert (getattr(metadata, tree_runner.TREE_QQ_BIAS, None) is not None) == covering
-    assert (getattr(metadata, tree_runner.TREE_STEP, None) is step) == (not covering)
+    assert (tree_qq_bias_of(metadata) is not None) == covering
+    assert (tree_step_of(metadata) is step) == (not covering)
     assert [layer.kv_cache for layer in step.attention_layers] == [batch.kv_cache]
 
     num_heads, num_kv_heads, head_size = shape["num_heads"], shape["num_kv_heads"], shape["head_size"]
@@ -96,39 +111,36 @@ def test_vllms_triton_forward_under_the_wrapper_is_tree_attention(interpreted_tr
                                sinks=torch.randn(num_heads) if sinks else None)  # weights comparable to a key's
     layer = SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0), _q_scale=torch.tensor(1.0))
     output = torch.full_like(batch.query, float("nan"))  # vLLM's Attention layer hands [T, heads, head_size]
-    interpreted_triton_attention(impl, layer, batch.query, None, None, batch.kv_cache, metadata, output)
+    with forward_context() as context:
+        interpreted_triton_attention(impl, layer, batch.query, None, None, batch.kv_cache, metadata, output)
     torch.testing.assert_close(output.double(), reference_attention(batch, impl.sinks),
                                **tolerance(torch.float32))
-    assert tree_runner._active_qq_bias is None  # held only during the launch
+    assert tree_runner.QQ_BIAS_KEY not in context.additional_kwargs  # held only during the launch
 
 
 def test_a_capture_dummy_run_of_uniform_decodes_takes_the_bias_and_others_do_not():
     tree = DraftTree.from_widths([2, 2])
     batch = make_batch(tree, ["tree", "tree"], [4, 9], [0, 0], num_heads=2, num_kv_heads=1, head_size=32,
                        block_size=16, dtype=torch.float32, layout="NHD")
-    runner = fake_runner(tree, batch.kv_cache)
-    uniform, prefill = triton_metadata(batch), triton_metadata(batch, max_query_len=64)
-    tree_runner._hand_to_triton_layers(runner, {"a": uniform, "b": prefill}, None, prepared=False)
-    bias = getattr(uniform, tree_runner.TREE_QQ_BIAS)
-    assert bias.shape[1] == 1 + tree.num_nodes and not hasattr(prefill, tree_runner.TREE_QQ_BIAS)
+    state, layers = TreeRunState(tree), one_layer(batch.kv_cache)
+    built = hand_to_triton_layers(state, layers, {"a": triton_metadata(batch),
+                                                  "b": triton_metadata(batch, max_query_len=64)}, None, False)
+    bias = tree_qq_bias_of(built["a"])
+    assert bias.shape[1] == 1 + tree.num_nodes and tree_qq_bias_of(built["b"]) is None
     # A real step without tree rows (prepared) never takes it; the bias is built once per runner.
-    real = triton_metadata(batch)
-    tree_runner._hand_to_triton_layers(runner, {"a": real}, None, prepared=True)
-    assert not hasattr(real, tree_runner.TREE_QQ_BIAS)
-    again = triton_metadata(batch)
-    tree_runner._hand_to_triton_layers(runner, {"a": again}, None, prepared=False)
-    assert getattr(again, tree_runner.TREE_QQ_BIAS) is bias
+    assert tree_qq_bias_of(hand_to_triton_layers(state, layers, {"a": triton_metadata(batch)}, None, True)["a"]) is None
+    again = hand_to_triton_layers(state, layers, {"a": triton_metadata(batch)}, None, False)["a"]
+    assert tree_qq_bias_of(again) is bias
 
 
 def test_layers_sharing_a_cache_are_compacted_once():
     tree = DraftTree.from_widths([2])
     batch = make_batch(tree, ["tree"], [4], [0], num_heads=2, num_kv_heads=1, head_size=32, block_size=16,
                        dtype=torch.float32, layout="NHD")
-    runner = fake_runner(tree, batch.kv_cache)
-    runner.compilation_config.static_forward_context["attn.1"] = SimpleNamespace(kv_cache=batch.kv_cache)
-    step = tree_step_of(batch)
-    tree_runner._hand_to_triton_layers(runner, {"attn.0": triton_metadata(batch), "attn.1": triton_metadata(batch)},
-                                       step, prepared=True)
+    layers = {**one_layer(batch.kv_cache), "attn.1": SimpleNamespace(kv_cache=batch.kv_cache)}
+    step = tree_step_of_batch(batch)
+    hand_to_triton_layers(TreeRunState(tree), layers, {"attn.0": triton_metadata(batch),
+                                                       "attn.1": triton_metadata(batch)}, step, True)
     assert len(step.attention_layers) == 1
 
 
@@ -154,8 +166,18 @@ def test_backends_other_than_triton_and_full_graphs_for_mixed_batches_are_refuse
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    runner = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE))
+    plain = TritonAttentionImpl(num_heads=2, head_size=32, scale=1.0, num_kv_heads=1, alibi_slopes=None,
+                                sliding_window=None, kv_cache_dtype="bfloat16")
+    runner = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                                                                static_forward_context={"attn": SimpleNamespace(
+                                                                    impl=plain)}))
     tree_runner._check_tree_backends(runner, {"attn": object.__new__(TritonAttentionMetadata)})
+    runner.compilation_config.static_forward_context["attn"].impl = TritonAttentionImpl(
+        num_heads=2, head_size=32, scale=1.0, num_kv_heads=1, alibi_slopes=None, sliding_window=128,
+        kv_cache_dtype="bfloat16")
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        tree_runner._check_tree_backends(runner, {"attn": object.__new__(TritonAttentionMetadata)})
+    runner.compilation_config.static_forward_context["attn"].impl = plain
     with pytest.raises(ValueError, match="TRITON_ATTN"):
         tree_runner._check_tree_backends(runner, {"attn": SimpleNamespace()})
     runner.compilation_config.cudagraph_mode = CUDAGraphMode.FULL

@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
 
 DRAFTS_ENV = "VLLM_TREEWY_TEST_DRAFTS"
 PERTURBATION = 7  # > any sibling rank: a perturbed node's token still differs from its siblings'
@@ -70,6 +71,8 @@ class ContinuationTreeDrafter:
         self.sequences = [np.asarray(s, dtype=np.int64) for s in known["sequences"]]
         self.true_branch = int(known.get("true_branch", 0))
         self.perturbed_branch = known.get("perturbed_branch")
+        tree = DraftTree.from_widths(self.widths)
+        self.tree_state = TreeRunState(tree) if any(w > 1 for w in self.widths) else None  # the runner's tree state
 
     def _truth(self, tokens: np.ndarray) -> list[int] | None:
         depth = len(self.widths)

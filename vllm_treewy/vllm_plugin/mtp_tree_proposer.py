@@ -20,8 +20,8 @@ accepted path. Drafts are the head's deterministic top-w tokens at any temperatu
 acceptance (`spec_decode.tree_sampling`) needs. Every step of it is a fixed number of launches per level with shapes
 that follow from the batch size and the tree: no host sync.
 
-State across calls: the one `(step, acceptance)` pair that the step's sampling hands over (`hand_over_acceptance`)
-and this proposer consumes in the same step; nothing on vLLM's objects.
+State across calls: the runner's `TreeRunState` (`tree_state`), which this proposer owns; it consumes the step's
+`(step, acceptance)` that the step's sampling leaves there.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from vllm_treewy.spec_decode.tree_drafting import (
     top_children,
 )
 from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
 from vllm_treewy.vllm_plugin.tree_step import TreeStep, block_depths, uniform_tree_step
 
 PADDING_SLOT = -1  # vLLM's PADDING_SLOT_ID: the cache write skips the token
@@ -53,7 +54,7 @@ class TreeMtpProposer(EagleProposer):
         super().__init__(vllm_config, device, runner)
         tree = draft_tree_of(vllm_config.speculative_config)
         self.tree = tree if self.method == "mtp" else None
-        self._accepted: tuple[TreeStep, TreeAcceptance] | None = None
+        self.tree_state = TreeRunState(self.tree) if self.tree is not None else None
         self._level_output: torch.Tensor | None = None  # the first pass's head output at each request's root
         self._level_logits: torch.Tensor | None = None
         if self.tree is None:
@@ -67,12 +68,6 @@ class TreeMtpProposer(EagleProposer):
         self.widths = list(vllm_config.speculative_config.draft_tree_widths)
         self.levels = level_trees(self.widths)
         self.nodes_below = nodes_below_depth(self.widths)
-        self._level_biases: dict[int, torch.Tensor] = {}
-
-    # -- handed over by the step's sampling -------------------------------------------------------------------
-    def hand_over_acceptance(self, accepted: tuple[TreeStep, TreeAcceptance] | None) -> None:
-        """This step's tree rows and their acceptance (None: the step verified no tree), for `propose`."""
-        self._accepted = accepted
 
     # -- vLLM's entry points ----------------------------------------------------------------------------------
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
@@ -81,7 +76,7 @@ class TreeMtpProposer(EagleProposer):
             return super().propose(num_speculative_tokens, target_token_ids, target_positions,
                                    target_hidden_states, next_token_ids, token_indices_to_sample,
                                    common_attn_metadata, sampling_metadata, *args, **kwargs)
-        accepted, self._accepted = self._accepted, None
+        accepted, self.tree_state.accepted = self.tree_state.accepted, None
         if accepted is not None:
             target_token_ids, target_positions, target_hidden_states = _accepted_paths_as_chains(
                 *accepted, target_token_ids, target_positions, target_hidden_states)
@@ -180,13 +175,7 @@ class TreeMtpProposer(EagleProposer):
     def _level_bias(self, tree) -> torch.Tensor | None:
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            return None
-        if tree.num_nodes not in self._level_biases:
-            from vllm_treewy.vllm_plugin.tree_attention_triton import tree_qq_bias
-
-            self._level_biases[tree.num_nodes] = tree_qq_bias(tree, self.device)
-        return self._level_biases[tree.num_nodes]
+        return None if current_platform.is_cpu() else self.tree_state.qq_bias(tree, self.device)
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, max_model_len: int) -> torch.Tensor:

@@ -5,22 +5,25 @@ Per step, when the speculative config has a tree (`draft_tree_widths` with a wid
 
 1. `_prepare_inputs`: vLLM computes positions and slot mapping as for a chain of N drafts; the tree rows
    (`tree_step.find_tree_step`) get depth-based RoPE positions. The `TreeStep` rides on the step's
-   `SpecDecodeMetadata`, and on the runner only until `_build_attention_metadata`, which hands it to the step's
-   attention metadata and drops it. It also says whether the tree rows cover the batch (every other request a
-   one-token query).
+   `SpecDecodeMetadata` (a copy with the tree's fields, `tree_metadata`), and in the runner's tree state
+   (`tree_run_state`, owned by its drafter) only until `_build_attention_metadata`, which hands it to the step's
+   attention metadata. It also says whether the tree rows cover the batch (every other request a one-token query).
 2. CUDA: a batch that looks like a uniform decode (every request 1 + N tokens) but is not all tree rows (a prefill
    chunk of 1 + N tokens) is not given to a FULL CUDA graph (`full_graph_batches`, for chains too).
 3. `_build_attention_metadata`: CPU: the tree step rides on the CPU attention metadata. TRITON_ATTN: a covering step
    (and every uniform decode batch of a CUDA-graph capture, where `_prepare_inputs` did not run) gets the tree bias
-   on its metadata; a mixed step gets the tree step; the layers' caches are recorded for the compaction.
+   on its metadata; a mixed step gets the tree step; the layers' caches are recorded for the compaction. The first
+   build checks the layers' backends and settings.
 4. Attention `forward`: CPU: vLLM's kernel attends the whole batch causally, then `tree_attention` overwrites the
    tree rows' output; the layer's caches are recorded. TRITON_ATTN (`tree_attention_triton`): with the bias, vLLM's
-   own launch is tree attention (FULL CUDA graphs capture it); a mixed batch (PIECEWISE: attention runs eagerly)
+   own launch is tree attention (the bias reaches `unified_attention` through vLLM's forward context for the
+   launch's duration; FULL CUDA graphs capture it); a mixed batch (PIECEWISE: attention runs eagerly)
    runs vLLM's causal launch, then the tree rows alone with the bias overwrite their output.
 5. GDN layers: the step metadata carries the tree (`step_metadata`), reconstruct verifies it and commits the
    previous step's accepted leaf (`reconstruct.step_torch` on CPU, `step_triton` on CUDA).
-6. `_sample`: tree acceptance with vLLM's sampler (`tree_sampler`), the accepted path's K/V compacted, the accepted leaf written
-   into each GDN slot's count state for the next step's commit.
+6. `_sample`: tree acceptance with vLLM's sampler (`tree_sampler`), the accepted path's K/V compacted, the accepted
+   leaf written into each GDN slot's count state for the next step's commit; the acceptance left in the tree state
+   for the MTP proposer (`mtp_tree_proposer`), which drafts the next tree in the same step.
 
 CUDA graphs: FULL for uniform decode batches of tree rows (vLLM's FULL_AND_PIECEWISE or FULL_DECODE_ONLY), attention
 outside the graphs otherwise. `cudagraph_mode` FULL (mixed batches in full graphs too) is refused: a mixed batch's
@@ -36,8 +39,9 @@ import torch
 
 from vllm_treewy.vllm_plugin import tree_attention_triton
 from vllm_treewy.vllm_plugin.accepted_counts import gdn_slot_counts
-from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.mtp_tree_proposer import TreeMtpProposer
+from vllm_treewy.vllm_plugin.tree_metadata import tree_qq_bias_of, tree_step_of, with_tree
+from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState, tree_state_of
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_ATTENTION_FORWARD,
     RUNNER_BUILD_ATTENTION_METADATA,
@@ -57,17 +61,6 @@ from vllm_treewy.vllm_plugin.tree_step import (
     override_positions,
 )
 
-TREE_STEP = "treewy_tree_step"  # attribute name on the step's metadata objects
-TREE_QQ_BIAS = "treewy_tree_qq_bias"  # on a TRITON_ATTN metadata whose whole batch takes the tree bias
-_PENDING_TREE_STEP = "_treewy_pending_tree_step"  # on the runner, from _prepare_inputs to _build_attention_metadata
-_PREPARED = "_treewy_prepared"  # on the runner: _prepare_inputs ran for the metadata being built (not a dummy run)
-_QQ_BIAS = "_treewy_qq_bias"  # on the runner: the static tree's bias, built once (CUDA graphs keep its address)
-
-
-def _runner_tree(runner):
-    return draft_tree_of(runner.speculative_config) if runner.speculative_config is not None else None
-
-
 def covers_batch(step: TreeStep | None, query_start_loc: np.ndarray, num_reqs: int) -> bool:
     """Whether every request of the batch is a tree row or has a one-token query (`query_start_loc [num_reqs + 1]`
     numpy): then the tree bias is right for all of them (`tree_attention_triton`)."""
@@ -81,31 +74,31 @@ def _preparing_tree_rows(original):
     @functools.wraps(original)
     def prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = original(self, scheduler_output, num_scheduled_tokens)
-        setattr(self, _PENDING_TREE_STEP, None)
-        tree = _runner_tree(self)
-        spec_decode_metadata = result[1]
-        if tree is None:
+        state = tree_state_of(self)
+        if state is None:
             return result
-        setattr(self, _PREPARED, True)
+        state.pending_step, state.prepared = None, True
+        spec_decode_metadata = result[1]
         if spec_decode_metadata is None:
             return result
         num_reqs = self.input_batch.num_reqs
         step = find_tree_step(
-            tree, self.num_decode_draft_tokens.np[:num_reqs], np.asarray(spec_decode_metadata.num_draft_tokens),
+            state.tree, self.num_decode_draft_tokens.np[:num_reqs], np.asarray(spec_decode_metadata.num_draft_tokens),
             self.query_start_loc.np[: num_reqs + 1], self.input_batch.num_computed_tokens_cpu[:num_reqs],
             self.positions.device)
-        if step is not None:
-            step.covers_batch = covers_batch(step, self.query_start_loc.np, num_reqs)
-            override_positions(self.positions, step)
-            setattr(spec_decode_metadata, TREE_STEP, step)
-            setattr(self, _PENDING_TREE_STEP, step)
-        return result
+        if step is None:
+            return result
+        step.covers_batch = covers_batch(step, self.query_start_loc.np, num_reqs)
+        override_positions(self.positions, step)
+        state.pending_step = step
+        return (result[0], with_tree(spec_decode_metadata, tree_step=step), *result[2:])
 
     return prepare_inputs
 
 
 def _check_tree_backends(runner, per_layer: dict) -> None:
-    """Draft trees read the CPU or TRITON_ATTN KV layout; any other attention backend is refused with its name."""
+    """Draft trees read the CPU or TRITON_ATTN KV layout; any other attention backend is refused with its name, and
+    so are TRITON_ATTN layers with settings the tree bias leaves wrong (`check_triton_tree_support`)."""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
@@ -118,6 +111,8 @@ def _check_tree_backends(runner, per_layer: dict) -> None:
         if not isinstance(metadata, (Supported, GDNAttentionMetadata)):
             raise ValueError(f"draft_tree_widths: layer {name} runs {type(metadata).__name__}; draft trees need "
                              "attention_backend='TRITON_ATTN' on CUDA (vLLM's CPU attention on CPU)")
+        if not current_platform.is_cpu() and isinstance(metadata, Supported):
+            check_triton_tree_support(runner.compilation_config.static_forward_context[name].impl)
     mode = runner.compilation_config.cudagraph_mode
     if mode is not None and mode.mixed_mode() == CUDAGraphMode.FULL:
         raise ValueError(f"draft_tree_widths: cudagraph_mode {mode.name} puts batches with prefills in FULL CUDA "
@@ -125,73 +120,84 @@ def _check_tree_backends(runner, per_layer: dict) -> None:
                          "default), FULL_DECODE_ONLY, PIECEWISE or NONE")
 
 
-def tree_qq_bias_of(runner, tree) -> torch.Tensor:
-    bias = getattr(runner, _QQ_BIAS, None)
-    if bias is None:
-        bias = tree_attention_triton.tree_qq_bias(tree, runner.device)
-        setattr(runner, _QQ_BIAS, bias)
-    return bias
+def replace_metadata(attn_metadata, replacement) -> None:
+    """Replaces, in place, each layer's metadata in vLLM's per-layer dict (or list of them: one per micro-batch) by
+    `replacement(name, metadata)` (None: keep); layers that share one metadata object share its replacement."""
+    done = {}
+    for per_layer in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
+        for name, metadata in list(per_layer.items()):
+            if id(metadata) not in done:
+                done[id(metadata)] = replacement(name, metadata)
+            if done[id(metadata)] is not None:
+                per_layer[name] = done[id(metadata)]
 
 
-def _hand_to_triton_layers(runner, per_layer: dict, step: TreeStep | None, prepared: bool) -> None:
+def _hand_to_triton_layers(state: TreeRunState, layers: dict, attn_metadata, step: TreeStep | None,
+                           prepared: bool, device) -> None:
     """The tree bias or the tree step onto the TRITON_ATTN metadata, and each layer's cache into the step."""
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 
-    tree = _runner_tree(runner)
-    layers = runner.compilation_config.static_forward_context
+    tree = state.tree
     recorded = set()  # caches already recorded: a cache that layers share (KV sharing) is compacted once
     tree_rows_of = {}  # the tree rows of each block table: layers of one KV-cache group share theirs
     if step is not None:
-        step.qq_bias = tree_qq_bias_of(runner, tree)
-    for name, metadata in per_layer.items():
+        step.qq_bias = state.qq_bias(tree, device)
+
+    def record(name, metadata):
+        kv_cache = layers[name].kv_cache
+        if kv_cache.data_ptr() not in recorded:
+            recorded.add(kv_cache.data_ptr())
+            table = metadata.block_table
+            if id(table) not in tree_rows_of:
+                tree_rows_of[id(table)] = table.index_select(0, step.request_indices)
+            step.attention_layers.append(PagedLayerCaches(kv_cache, tree_rows_of[id(table)]))
+
+    def replacement(name, metadata):
         if not isinstance(metadata, TritonAttentionMetadata):
-            continue
+            return None
         if step is not None:
-            if step.covers_batch:
-                setattr(metadata, TREE_QQ_BIAS, step.qq_bias)
-            else:
-                setattr(metadata, TREE_STEP, step)
-            kv_cache = layers[name].kv_cache
-            if kv_cache.data_ptr() not in recorded:
-                recorded.add(kv_cache.data_ptr())
-                table = metadata.block_table
-                if id(table) not in tree_rows_of:
-                    tree_rows_of[id(table)] = table.index_select(0, step.request_indices)
-                step.attention_layers.append(PagedLayerCaches(kv_cache, tree_rows_of[id(table)]))
-        elif not prepared and metadata.max_query_len == 1 + tree.num_nodes:
+            return with_tree(metadata, **({"tree_qq_bias": step.qq_bias} if step.covers_batch else
+                                          {"tree_step": step}))
+        if not prepared and metadata.max_query_len == 1 + tree.num_nodes:
             # A dummy run (CUDA-graph capture): its uniform decode batch stands for steps of tree rows only (a batch
             # with a prefill is never replayed in a FULL graph: `full_graph_batches`).
-            setattr(metadata, TREE_QQ_BIAS, tree_qq_bias_of(runner, tree))
+            return with_tree(metadata, tree_qq_bias=state.qq_bias(tree, device))
+        return None
+
+    replace_metadata(attn_metadata, replacement)
+    if step is not None:
+        for per_layer in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
+            for name, metadata in per_layer.items():
+                if isinstance(metadata, TritonAttentionMetadata):
+                    record(name, metadata)
 
 
 def _handing_tree_step_to_attention(original):
     @functools.wraps(original)
     def build_attention_metadata(self, *args, **kwargs):
         attn_metadata, spec_common = original(self, *args, **kwargs)
-        step = getattr(self, _PENDING_TREE_STEP, None)
-        prepared = getattr(self, _PREPARED, False)
-        setattr(self, _PENDING_TREE_STEP, None)  # one step's: never seen by a later (e.g. dummy) build
-        setattr(self, _PREPARED, False)
-        tree = _runner_tree(self)
-        if tree is None:
+        state = tree_state_of(self)
+        if state is None:
             return attn_metadata, spec_common
-        per_layer = {}
-        for metadata in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
-            per_layer.update(metadata if isinstance(metadata, dict) else {})  # a list: one dict per micro-batch
-        if not getattr(self, "_treewy_backends_checked", False):
+        step, prepared = state.pending_step, state.prepared
+        state.pending_step, state.prepared = None, False  # one step's: never seen by a later (e.g. dummy) build
+        if not state.backends_checked:
+            per_layer = {}
+            for metadata in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
+                per_layer.update(metadata if isinstance(metadata, dict) else {})
             _check_tree_backends(self, per_layer)
-            self._treewy_backends_checked = bool(per_layer)
+            state.backends_checked = bool(per_layer)
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
             if step is not None:
                 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
-                for metadata in per_layer.values():
-                    if isinstance(metadata, CPUAttentionMetadata):
-                        setattr(metadata, TREE_STEP, step)
+                replace_metadata(attn_metadata, lambda name, metadata: with_tree(metadata, tree_step=step)
+                                 if isinstance(metadata, CPUAttentionMetadata) else None)
         else:
-            _hand_to_triton_layers(self, per_layer, step, prepared)
+            _hand_to_triton_layers(state, self.compilation_config.static_forward_context, attn_metadata, step,
+                                   prepared, self.device)
         return attn_metadata, spec_common
 
     return build_attention_metadata
@@ -201,7 +207,7 @@ def _attending_tree_rows(original):
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        step: TreeStep | None = getattr(attn_metadata, TREE_STEP, None)
+        step: TreeStep | None = tree_step_of(attn_metadata)
         if step is None:
             return output
         key_cache, value_cache = split_kv_cache(kv_cache)
@@ -222,14 +228,18 @@ def _attending_tree_rows(original):
     return forward
 
 
-_active_qq_bias: torch.Tensor | None = None  # set by the TRITON_ATTN forward wrapper around vLLM's forward
+QQ_BIAS_KEY = "treewy_tree_qq_bias"  # in vLLM's forward context (additional_kwargs) while a biased launch runs
 
 
 def _passing_qq_bias(original):
     @functools.wraps(original)
     def unified_attention(*args, **kwargs):
-        if _active_qq_bias is not None and kwargs.get("qq_bias") is None:
-            kwargs["qq_bias"] = _active_qq_bias
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if kwargs.get("qq_bias") is None and is_forward_context_available():
+            bias = get_forward_context().additional_kwargs.get(QQ_BIAS_KEY)
+            if bias is not None:
+                kwargs["qq_bias"] = bias
         return original(*args, **kwargs)
 
     return unified_attention
@@ -257,20 +267,18 @@ def check_triton_tree_support(impl) -> None:
 def _attending_tree_rows_triton(original):
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        global _active_qq_bias
-        bias = getattr(attn_metadata, TREE_QQ_BIAS, None)
-        step: TreeStep | None = getattr(attn_metadata, TREE_STEP, None)
+        bias, step = tree_qq_bias_of(attn_metadata), tree_step_of(attn_metadata)
         if bias is None and step is None:
             return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if not getattr(self, "_treewy_tree_support_checked", False):  # the layer's settings: once per layer
-            check_triton_tree_support(self)
-            self._treewy_tree_support_checked = True
-        if bias is not None:  # the whole batch: tree rows and one-token queries
-            _active_qq_bias = bias
+        if bias is not None:  # the whole batch: tree rows and one-token queries; vLLM's launch takes the bias
+            from vllm.forward_context import get_forward_context
+
+            extra = get_forward_context().additional_kwargs
+            extra[QQ_BIAS_KEY] = bias
             try:
                 return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
             finally:
-                _active_qq_bias = None
+                del extra[QQ_BIAS_KEY]
         output = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         key_cache, value_cache = tree_attention_triton.split_kv_cache(kv_cache, self.head_size)
         descale = layer._k_scale.expand(step.num_requests, key_cache.shape[2])
@@ -287,23 +295,20 @@ def _attending_tree_rows_triton(original):
 
 
 def attach_draft_level(per_layer: dict, step: TreeStep, qq_bias: torch.Tensor | None) -> None:
-    """A drafting level's tree (every request a tree row) onto the MTP head's attention metadata: the step for the
-    CPU post-pass, or the tree bias for vLLM's TRITON_ATTN launch."""
-    for metadata in per_layer.values():
-        if qq_bias is None:
-            setattr(metadata, TREE_STEP, step)
-        else:
-            setattr(metadata, TREE_QQ_BIAS, qq_bias)
+    """A drafting level's tree (every request a tree row) onto the MTP head's attention metadata, in place: the step
+    for the CPU post-pass, or the tree bias for vLLM's TRITON_ATTN launch."""
+    replace_metadata(per_layer, lambda name, metadata: with_tree(
+        metadata, **({"tree_step": step} if qq_bias is None else {"tree_qq_bias": qq_bias})))
 
 
 def _sampling_trees(original):
     @functools.wraps(original)
     def sample(self, logits, spec_decode_metadata):
-        step: TreeStep | None = getattr(spec_decode_metadata, TREE_STEP, None)
-        drafter = getattr(self, "drafter", None)
+        state = tree_state_of(self)
+        step: TreeStep | None = tree_step_of(spec_decode_metadata)
+        if state is not None:
+            state.accepted = None
         if step is None:
-            if isinstance(drafter, TreeMtpProposer):
-                drafter.hand_over_acceptance(None)
             return original(self, logits, spec_decode_metadata)
         from vllm.v1.outputs import SamplerOutput
 
@@ -311,8 +316,7 @@ def _sampling_trees(original):
                                                           self.input_batch.sampling_metadata)
         for counts, slots in gdn_slot_counts(self, step.request_indices):
             record_accepted_leaves(counts, slots, acceptance)
-        if isinstance(drafter, TreeMtpProposer):
-            drafter.hand_over_acceptance((step, acceptance))
+        state.accepted = (step, acceptance)  # for the MTP proposer's propose of this step
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     return sample
