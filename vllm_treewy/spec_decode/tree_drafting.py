@@ -44,11 +44,6 @@ def nodes_below_depth(widths: Sequence[int]) -> list[int]:
     return counts
 
 
-def parent_blocks(tree: DraftTree) -> list[int]:
-    """`[N]` the verified-block index of each node's parent (0 = the root)."""
-    return [parent + 1 for parent in tree.parents]
-
-
 def accepted_path_sources(accepted_nodes: torch.Tensor, block_len: int) -> torch.Tensor:
     """`[R, block_len]` int64: for each row i of a request's verified block laid out as a chain, the block index whose
     inputs it takes: 0 (the root) for row 0, 1 + the i-th accepted node for rows 1 .. accepted, and i itself for the

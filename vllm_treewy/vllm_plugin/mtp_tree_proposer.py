@@ -37,12 +37,11 @@ from vllm_treewy.spec_decode.tree_drafting import (
     accepted_path_sources,
     level_trees,
     nodes_below_depth,
-    parent_blocks,
     top_children,
 )
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
-from vllm_treewy.vllm_plugin.tree_step import TreeStep, block_depths, uniform_tree_step
+from vllm_treewy.vllm_plugin.tree_step import TreeConstants, TreeStep, uniform_tree_step
 
 PADDING_SLOT = -1  # vLLM's PADDING_SLOT_ID: the cache write skips the token
 
@@ -68,6 +67,7 @@ class TreeMtpProposer(EagleProposer):
         self.widths = list(vllm_config.speculative_config.draft_tree_widths)
         self.levels = level_trees(self.widths)
         self.nodes_below = nodes_below_depth(self.widths)
+        self._level_constants: dict[int, TreeConstants] = {}  # per level tree (by node count), on the device
 
     # -- vLLM's entry points ----------------------------------------------------------------------------------
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
@@ -121,20 +121,19 @@ class TreeMtpProposer(EagleProposer):
         num_reqs, block_len = root_positions.numel(), 1 + tree.num_nodes
         num_tokens = num_reqs * block_len
         device = root_positions.device
-        depths = torch.as_tensor(block_depths(tree), device=device)
-        positions = root_positions[:, None] + depths  # [R, 1 + n]
+        constants = self._constants(tree)
+        positions = root_positions[:, None] + constants.depths  # [R, 1 + n]
         block_positions = root_positions[:, None] + torch.arange(block_len, device=device)
         slots = _slots(cad.block_table_tensor, block_positions, self.block_size, self.max_model_len)
-        parents = torch.tensor(parent_blocks(tree), device=device)
 
         root_token, root_hidden = root_inputs
         self.input_ids[:num_tokens] = torch.cat([root_token[:, None].to(self.input_ids.dtype),
                                                  node_tokens.to(self.input_ids.dtype)], dim=1).view(-1)
         self.hidden_states[:num_tokens] = torch.cat(
-            [root_hidden[:, None], outputs[:, parents]], dim=1).view(num_tokens, -1)
+            [root_hidden[:, None], outputs[:, constants.parent_blocks]], dim=1).view(num_tokens, -1)
         self._set_positions(num_tokens, positions.clamp(max=self.max_model_len - 1).view(-1))
 
-        step = uniform_tree_step(tree, root_positions)
+        step = uniform_tree_step(tree, root_positions, constants)
         max_position = cad.max_seq_len + self.tree.num_nodes
         level_cad = dataclasses.replace(
             cad,
@@ -165,6 +164,11 @@ class TreeMtpProposer(EagleProposer):
                                  slot_mapping=self._get_slot_mapping(num_input_tokens, level_cad.slot_mapping)):
             hidden = self.model(**kwargs)
         return hidden[:num_tokens].view(num_reqs, block_len, -1)
+
+    def _constants(self, tree) -> TreeConstants:
+        if tree.num_nodes not in self._level_constants:
+            self._level_constants[tree.num_nodes] = TreeConstants.of(tree, self.device)
+        return self._level_constants[tree.num_nodes]
 
     def _attach_tree(self, per_layer: dict, step: TreeStep) -> None:
         """The level's tree onto the head's attention metadata, as `tree_runner` hands the target's."""

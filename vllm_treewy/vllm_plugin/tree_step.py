@@ -124,15 +124,31 @@ def override_positions(positions: torch.Tensor, step: TreeStep) -> None:
     positions[step.token_indices] -= step.position_shifts.to(positions.dtype)
 
 
-def uniform_tree_step(tree: DraftTree, root_positions: torch.Tensor) -> TreeStep:
+@dataclass(frozen=True)
+class TreeConstants:
+    """One tree's static per-request tensors on a device, built once (host-to-device copies would wait for the
+    device's queued work every step)."""
+
+    parents: torch.Tensor  # [N] int32 local parents
+    depths: torch.Tensor  # [1 + N] int64 depth of each verified-block token (root 0)
+    parent_blocks: torch.Tensor  # [N] int64 verified-block index of each node's parent (root 0)
+
+    @classmethod
+    def of(cls, tree: DraftTree, device) -> TreeConstants:
+        return cls(torch.tensor(tree.parents, dtype=torch.int32, device=device),
+                   torch.as_tensor(block_depths(tree), device=device),
+                   torch.tensor(tree.parents, dtype=torch.int64, device=device) + 1)
+
+
+def uniform_tree_step(tree: DraftTree, root_positions: torch.Tensor, constants: TreeConstants) -> TreeStep:
     """A step in which every request of the batch is a tree row, its verified block at query rows
     `r * (1 + N) ..` (`root_positions [R]` int64 on the device: each root's position). The MTP drafting levels run
-    such steps (`mtp_tree_proposer`). No host sync: every shape follows from R and the tree."""
+    such steps (`mtp_tree_proposer`). Device ops only: every shape follows from R and the tree."""
     device = root_positions.device
     num_requests, block_len = root_positions.numel(), 1 + tree.num_nodes
-    parents = torch.tensor(tree.parents, dtype=torch.int32, device=device).repeat(num_requests)
+    parents = constants.parents.repeat(num_requests)
     cu_nodes = torch.arange(num_requests + 1, dtype=torch.int32, device=device) * tree.num_nodes
-    shifts = torch.as_tensor(np.arange(block_len) - block_depths(tree), device=device).repeat(num_requests)
+    shifts = (torch.arange(block_len, device=device) - constants.depths).repeat(num_requests)
     return TreeStep(
         tree=tree,
         request_indices=torch.arange(num_requests, device=device),
