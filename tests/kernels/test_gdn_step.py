@@ -23,7 +23,7 @@ from vllm_treewy.kernels.triton import StepLaunch, gdn_commit_triton, gdn_step_t
 from vllm_treewy.kernels.triton import gdn_step as gdn_step_module  # noqa: E402
 
 # a fp32 state keeps fp32 accuracy end to end (the state products split to fp32 accuracy)
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 STATE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # a bf16 state is rounded once on the way out
 SPARE_SLOTS = 2
 
@@ -319,11 +319,12 @@ def test_state_products_mode():
        seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.1, 1.0, 3.0]))
 @example(batch=[(-1, 0, 1)], seed=0, gate_scale=3.0)
 @pytest.mark.parametrize("state_dtype, qkv_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-                                                    (torch.bfloat16, torch.bfloat16)])
+                                                    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
 def test_split_products_match_fp32_products(state_dtype, qkv_dtype, batch, seed, gate_scale):
-    """3xBF16 and 2xTF32 (an fp32 state against bf16 / fp16 q/k) and the one bf16 pass (a bf16 state): u within
-    2e-7 of the same step on the same values in fp32 q/k/v (tf32x3, which the interpreter runs as fp32 dots), the
-    bounds of `_state_products` (2^-27, 2^-22 per product; exact) with room for the fp32 sums; and vs fp64."""
+    """3xBF16 and 2xTF32 (an fp32 state against bf16 / fp16 q/k), the one bf16 pass (a bf16 state) and the one tf32
+    pass (an fp16 state): u within 2e-7 of the same step on the same values in fp32 q/k/v (tf32x3, which the
+    interpreter runs as fp32 dots), the bounds of `_state_products` (2^-27, 2^-22 per product; exact) with room for
+    the fp32 sums; and vs fp64."""
     packed, inputs, pool, slots = gated_inputs(batch, 2, 2, 32, 32, seed, gate_scale, dtype=qkv_dtype)
     state = pool.to(state_dtype).to(DEVICE)
     factors = slot_factor_page(state.shape[0], max(1, packed.max_nodes), 4, 32, 32, seed)
