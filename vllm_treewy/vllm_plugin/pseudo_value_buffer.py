@@ -47,8 +47,8 @@ class GDNPage(NamedTuple):
     def of(cls, kv_cache) -> GDNPage:
         """The layer's `kv_cache` tuple as vLLM binds it (the layer's `bind_kv_cache` appends the extra states)."""
         states = tuple(kv_cache)
-        if len(states) < 2:
-            return cls(None, None)
+        if len(states) < 2:  # a placeholder: what vLLM put there, as it is
+            return cls(states[0] if states else None, None)
         conv_state, ssm_state, *extra = states
         if len(extra) == 3:
             return cls(conv_state, ssm_state, *extra)
