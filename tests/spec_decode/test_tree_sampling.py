@@ -11,8 +11,8 @@ previous step's bonus, until EMITTED tokens are out. Their joint distribution is
 p(y1 | root) p(y2 | y1) p(y3 | y2) (VOCAB ** 3 cells). Pearson's chi-square against it, cells of expectation < 5
 pooled into one, and no token of probability 0 ever emitted.
 
-Threshold: p > P_MIN = 1e-3 for each of the module's exactness checks (16 of them: with an exact sampler the chance
-that any fails is below 2 %, Bonferroni; every generator is seeded, so the verdict is fixed). The planted bugs
+Threshold: p > P_MIN = 1e-3 for each of the module's exactness checks (12 of them: with an exact sampler the chance
+that any fails is below 1.2 %, Bonferroni; every generator is seeded, so the verdict is fixed). The planted bugs
 (first child accepted whenever p(c) > 0; a child drawn from its parent's distribution; one draw reused at every
 level) reach p < 1e-50 with the same trials.
 """

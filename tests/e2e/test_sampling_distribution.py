@@ -1,0 +1,373 @@
+"""Speculative sampling emits the model's distribution (issue 33): MTP tree [2,2,1], MTP chain k = 3 (both
+reconstruct) and no speculation, in vLLM on CPU, on the fixture's blurred-MTP variant (its head is right about half
+the time, so drafts are rejected often: a perfect head would make the test blind to what happens after a rejection).
+
+One prompt, NUM_SAMPLES requests of MAX_TOKENS tokens per engine and setting (temperature 1.0; temperature 0.7 with
+top-p 0.9), each request with its own seed (seeds differ between engines, so their samples are independent). The
+first emitted token comes from the prefill (plain sampling in every engine); the 2nd and 3rd from the first
+speculative step (the drafts verified at depth 1 and 2). Two judges:
+
+(i) Exact. The no-speculation engine, in `raw_logits` mode, returns the full logits at every context a sample
+    went through (prompt, prompt + y1, prompt + y1 + y2: one-token requests with `logprobs=-1`); the sampling
+    distribution p_j(. | context) is computed from them here in float64 by vLLM's rule (logits / T, then top-p:
+    ascending sort, drop the tokens whose cumulative probability is <= 1 - top_p, keep the largest), independently
+    of vLLM's sampler code. For position j = 1, 2, 3:
+    - `token{j}`: Pearson chi-square of the counts of y_j against their expectations sum_i p_j(t | context_i)
+      (cells of expectation < 5 pooled into one). Given the earlier tokens the y_j are independent draws, so the
+      counts are a sum of independent multinomials; the statistic is then at most as dispersed as chi-square with
+      cells - 1 degrees of freedom (the variance sum_i p_i (1 - p_i) is below the multinomial's): conservative.
+    - `pit{j}`: the randomized probability integral transform of y_j under p_j(. | context_i) (vocabulary ordered by
+      decreasing probability; U = mass before y_j + V * p_j(y_j), V uniform from a seeded generator) is uniform
+      on (0, 1) under exactness whatever the contexts; chi-square on PIT_BINS equal bins (exact expectations).
+      Too peaked (a lower temperature, favouring drafts) sends U towards 0, too flat towards 1.
+    - `impossible{j}`: tokens outside the top-p nucleus (computed with a tolerance TOP_P_SLACK, for the engine's
+      bf16 / float32 rounding of the logits) must never be emitted.
+(ii) Homogeneity against the no-speculation engine's own samples: chi-square test of homogeneity of the 2 x K table
+    of y_j counts, tokens whose two-engine count is below 10 pooled into one cell.
+
+Threshold: every p-value > P_MIN = 1e-4. The module computes 3 (engines) x 2 (settings) x 6 exactness p-values and
+2 x 2 x 3 homogeneity ones (48); with 1e-4 each, the chance that an exact sampler fails somewhere is below 0.5 %
+(Bonferroni), and since every request is seeded the verdict is a fixed function of the code. A real bug is far
+below: each planted one's smallest p-value is below 1e-50 (measured 2026-12-03: first-child 0 / 0, root-row
+8e-107 / 2e-55, vLLM's unfixed CPU expansion 3e-229 / 0 at T 1.0 / T 0.7 top-p 0.9), while the exact samplers'
+smallest is 3e-3 (the tree's homogeneity on token 3 at T 0.7; all their exactness p-values are above 0.05).
+
+Planted bugs (the same judges must fail them): `first-child` replaces each level's draw by the first child's token
+wherever the current node has children (issue 33's example: accept the first child whenever p(c) > 0; at
+temperature 1 every token has p > 0), `root-row` draws every level from the root's row (the distribution after
+the last committed token instead of after the path walked), and `chain-k3-vllm-expand` is the chain with the
+plugin's fix of vLLM's CPU rejection sampler left out (`cpu_rejection_expand`: vLLM 0.32's CPU `expand_kernel`
+override leaves the per-token temperature / top-p of the draft rows uninitialized,
+`bench/diagnostics/cpu_rejection_sampling.py`), i.e. vLLM's own chain sampling on CPU.
+
+Wall time: about 1.5 min on 2 idle cores (6 engines, 2 x 1000 requests each, about 20k one-token judge requests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from vllm_treewy.fixture import blurred_mtp_variant, fixture_prompts
+
+pytestmark = pytest.mark.e2e
+
+SETTINGS = {"t1.0": (1.0, 1.0), "t0.7-p0.9": (0.7, 0.9)}
+NUM_SAMPLES = 1000
+MAX_TOKENS = 3
+PROMPT_INDEX = 2  # fixture_prompts' third prompt (77 tokens): next-token entropy 3.8 nats at T = 1, 1.6 at T = 0.7
+MAX_NUM_SEQS = 64
+# Room for MAX_NUM_SEQS whole prompts in one step: vLLM 0.32 on CPU raises "CPU Generator does not use offset" when
+# a seeded request's prefill is chunked (the runner rewinds the discarded draw with `Generator.set_offset`).
+MAX_NUM_BATCHED_TOKENS = 8192
+P_MIN = 1e-4
+PIT_BINS = 10
+TOP_P_SLACK = 2e-3
+PIT_SEED = 33
+TREE_WIDTHS = [2, 2, 1]
+ENGINES = {  # name -> (speculative_config, planted bug); seeds of engine e: 100_000 * e + 10_000 * setting + i
+    "tree-2x2x1": ({"method": "mtp", "num_speculative_tokens": 3, "draft_tree_widths": TREE_WIDTHS,
+                    "mamba_state_commit": "reconstruct"}, None),
+    "chain-k3": ({"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"}, None),
+    "bug-first-child": ({"method": "mtp", "num_speculative_tokens": 3, "draft_tree_widths": TREE_WIDTHS,
+                         "mamba_state_commit": "reconstruct"}, "first-child"),
+    "bug-root-row": ({"method": "mtp", "num_speculative_tokens": 3, "draft_tree_widths": TREE_WIDTHS,
+                      "mamba_state_commit": "reconstruct"}, "root-row"),
+    "chain-k3-vllm-expand": ({"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"},
+                             "vllm-cpu-expand"),
+    "no-spec": (None, None),  # last: it also judges every run
+}
+SPECULATIVE = ("tree-2x2x1", "chain-k3")
+BUGS = ("bug-first-child", "bug-root-row", "chain-k3-vllm-expand")
+
+
+# -- statistics (no scipy: torch's regularized incomplete gamma) ---------------------------------------------------
+def chi2_sf(stat: float, dof: int) -> float:
+    if dof <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@dataclass(frozen=True)
+class ChiSquare:
+    stat: float
+    dof: int
+    p: float
+
+    def __str__(self) -> str:
+        return f"chi2={self.stat:.1f} dof={self.dof} p={self.p:.2e}"
+
+
+def goodness_of_fit(observed: np.ndarray, expected: np.ndarray, min_expected: float = 5.0) -> ChiSquare:
+    """Pearson's statistic; cells of expectation < min_expected pooled into one (dropped if it is still empty)."""
+    big = expected >= min_expected
+    o = np.append(observed[big], observed[~big].sum())
+    e = np.append(expected[big], expected[~big].sum())
+    keep = e > 0
+    o, e = o[keep].astype(np.float64), e[keep]
+    stat = float(((o - e) ** 2 / e).sum())
+    return ChiSquare(stat, len(e) - 1, chi2_sf(stat, len(e) - 1))
+
+
+def homogeneity(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> ChiSquare:
+    """Chi-square test of homogeneity of two samples of tokens; tokens seen fewer than min_count times in both
+    together pooled into one cell."""
+    tokens = np.union1d(a, b)
+    ca = np.array([(a == t).sum() for t in tokens])
+    cb = np.array([(b == t).sum() for t in tokens])
+    big = ca + cb >= min_count
+    table = np.array([np.append(ca[big], ca[~big].sum()), np.append(cb[big], cb[~big].sum())], dtype=np.float64)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = table.shape[1] - 1
+    return ChiSquare(stat, dof, chi2_sf(stat, dof))
+
+
+def sampling_distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """vLLM's sampling distribution from raw logits, float64: logits / T, then top-p (vLLM's rule: ascending sort,
+    drop cumulative probability <= 1 - top_p, always keep the largest)."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p >= 1.0:
+        return p
+    order = np.argsort(z, kind="stable")
+    dropped = np.cumsum(p[order]) <= 1 - top_p
+    dropped[-1] = False
+    p[order[dropped]] = 0.0
+    return p / p.sum()
+
+
+@dataclass
+class Exactness:
+    tests: dict  # name -> ChiSquare
+    impossible: dict  # position -> count of emitted tokens of probability 0
+
+    def failures(self) -> list[str]:
+        bad = [f"{name}: {t}" for name, t in self.tests.items() if not t.p > P_MIN]
+        bad += [f"impossible{j}: {n} tokens" for j, n in self.impossible.items() if n]
+        return bad
+
+    def summary(self) -> str:
+        return "; ".join(f"{n} {t}" for n, t in self.tests.items()) + f"; impossible {self.impossible}"
+
+
+def judge_exact(samples: np.ndarray, logits_at: dict, temperature: float, top_p: float, prompt: list[int]
+                ) -> Exactness:
+    """Judge (i) of the module docstring on `samples [N, 3]`; `logits_at`: context tuple -> raw logits."""
+    rng = np.random.default_rng(PIT_SEED)
+    tests, impossible = {}, {}
+    for j in range(samples.shape[1]):
+        rows = [sampling_distribution(logits_at[tuple(prompt) + tuple(s[:j])], temperature, top_p)
+                for s in samples.tolist()]
+        loose = [sampling_distribution(logits_at[tuple(prompt) + tuple(s[:j])], temperature,
+                                       min(top_p + TOP_P_SLACK, 1.0)) for s in samples.tolist()]
+        probs = np.stack(rows)  # [N, V]
+        tokens = samples[:, j]
+        n, vocab = probs.shape
+        observed = np.bincount(tokens, minlength=vocab)
+        tests[f"token{j + 1}"] = goodness_of_fit(observed, probs.sum(0))
+        mine = probs[np.arange(n), tokens]
+        order = np.argsort(-probs, axis=1, kind="stable")
+        rank = np.argsort(order, axis=1)[np.arange(n), tokens]
+        before = np.take_along_axis(probs, order, 1).cumsum(1)[np.arange(n), rank] - mine
+        u = np.clip(before + rng.random(n) * mine, 0.0, 1.0 - 1e-12)
+        pit = np.bincount((u * PIT_BINS).astype(int), minlength=PIT_BINS)
+        tests[f"pit{j + 1}"] = goodness_of_fit(pit, np.full(PIT_BINS, n / PIT_BINS))
+        impossible[j + 1] = int((np.stack(loose)[np.arange(n), tokens] == 0).sum())
+    return Exactness(tests, impossible)
+
+
+# -- planted bugs: tree_sampler's acceptance replaced --------------------------------------------------------------
+def _first_children(parents: torch.Tensor, cu_nodes: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """Packed index of each request's first child of its current node, num_nodes where it has none."""
+    from vllm_treewy.tree import node_requests
+
+    num_nodes = parents.numel()
+    request_of_node = node_requests(cu_nodes.long(), num_nodes)
+    node_ids = torch.arange(num_nodes)
+    is_child = parents.long() == current[request_of_node]
+    return torch.full_like(current, num_nodes).scatter_reduce(
+        0, request_of_node, torch.where(is_child, node_ids, num_nodes), reduce="amin")
+
+
+def planted_acceptance(bug: str):
+    from vllm_treewy.spec_decode.acceptance import verified_block_offsets, walk_tree
+
+    def acceptance(parents, cu_nodes, draft_tokens, max_depth, sample_rows):
+        block_start = verified_block_offsets(cu_nodes)[:-1]
+
+        def draw_at(level, current):
+            if bug == "root-row":
+                return sample_rows(level, block_start)
+            drawn = sample_rows(level, block_start + 1 + current)
+            first = _first_children(parents, cu_nodes, current)
+            has_child = first < parents.numel()
+            return torch.where(has_child, draft_tokens.long()[first.clamp(max=parents.numel() - 1)], drawn)
+
+        return walk_tree(parents, cu_nodes, draft_tokens, max_depth, draw_at)
+
+    return acceptance
+
+
+def vllm_cpu_expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """vLLM 0.32's `cpu_triton_utils._expand_kernel_impl` as installed (what `cpu_rejection_expand` replaces):
+    the C++ op writes into an int64 copy of a float32 / int32 output, which is never copied back."""
+    import vllm.utils.cpu_triton_utils as cpu_tl
+
+    torch.ops._C.expand_kernel_impl(cpu_tl._ensure_int64(output), cpu_tl._ensure_int64(input_val),
+                                    cpu_tl._ensure_int64(cu_num_tokens), replace_from, replace_to)
+
+
+@contextlib.contextmanager
+def planted(bug: str | None):
+    if bug is None:
+        yield
+        return
+    if bug == "vllm-cpu-expand":  # the plugin's fix left out: vLLM's own expansion in the worker's overrides
+        import vllm.utils.cpu_triton_utils as cpu_tl
+
+        from vllm_treewy.vllm_plugin import cpu_rejection_expand
+
+        fixed, install = cpu_tl._expand_kernel_impl, cpu_rejection_expand.install
+        cpu_rejection_expand.install = lambda: None  # the plugin's register() runs again at engine start
+        cpu_tl._expand_kernel_impl = vllm_cpu_expand
+        try:
+            yield
+        finally:
+            cpu_tl._expand_kernel_impl, cpu_rejection_expand.install = fixed, install
+        return
+    from vllm_treewy.vllm_plugin import tree_sampler
+
+    original = tree_sampler.sampled_tree_acceptance
+    tree_sampler.sampled_tree_acceptance = planted_acceptance(bug)
+    try:
+        yield
+    finally:
+        tree_sampler.sampled_tree_acceptance = original
+
+
+# -- the engines -----------------------------------------------------------------------------------------------------
+@dataclass
+class SamplingRuns:
+    prompt: list[int]
+    samples: dict = field(default_factory=dict)  # (engine, setting) -> [N, 3] int64
+    acceptance: dict = field(default_factory=dict)  # engine -> SpecDecodeAcceptance
+    exact: dict = field(default_factory=dict)  # (engine, setting) -> Exactness
+
+
+def _params(engine_index: int, setting_index: int, temperature: float, top_p: float) -> list:
+    from vllm import SamplingParams
+
+    base = 100_000 * engine_index + 10_000 * setting_index
+    return [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True,
+                           seed=base + i, detokenize=False) for i in range(NUM_SAMPLES)]
+
+
+def _sample(llm, runs: SamplingRuns, name: str, engine_index: int) -> None:
+    for s, (setting, (temperature, top_p)) in enumerate(SETTINGS.items()):
+        outs = llm.generate([{"prompt_token_ids": runs.prompt}] * NUM_SAMPLES,
+                            _params(engine_index, s, temperature, top_p), use_tqdm=False)
+        runs.samples[name, setting] = np.array([list(o.outputs[0].token_ids) for o in outs], dtype=np.int64)
+
+
+# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+def _speculative_run(model: str, runs: SamplingRuns, name: str, engine_index: int) -> None:
+    from vllm_treewy.vllm_plugin.equivalence import engine, read_acceptance
+
+    spec, bug = ENGINES[name]
+    with planted(bug), engine(model, speculative_config=spec, max_num_seqs=MAX_NUM_SEQS,
+                                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS) as llm:
+        _sample(llm, runs, name, engine_index)
+        runs.acceptance[name] = read_acceptance(llm)
+
+
+def _reference_run_and_judge(model: str, runs: SamplingRuns, engine_index: int) -> None:
+    from vllm import SamplingParams
+
+    from vllm_treewy.vllm_plugin.equivalence import engine
+
+    with engine(model, logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS) as llm:
+        _sample(llm, runs, "no-spec", engine_index)
+        contexts = sorted({tuple(runs.prompt) + tuple(s[:j]) for samples in runs.samples.values()
+                           for s in samples.tolist() for j in range(MAX_TOKENS)})
+        params = SamplingParams(temperature=1.0, max_tokens=1, logprobs=-1, detokenize=False, seed=0)
+        outs = llm.generate([{"prompt_token_ids": list(c)} for c in contexts], params, use_tqdm=False)
+        vocab = len(outs[0].outputs[0].logprobs[0])
+        logits_at = {}
+        for context, out in zip(contexts, outs):
+            row = np.full(vocab, -np.inf)
+            for token, logprob in out.outputs[0].logprobs[0].items():
+                row[token] = logprob.logprob
+            logits_at[context] = row
+    for (name, setting), samples in runs.samples.items():
+        runs.exact[name, setting] = judge_exact(samples, logits_at, *SETTINGS[setting], runs.prompt)
+
+
+@pytest.fixture(scope="module")
+def blurred_model(fixture_model, tmp_path_factory) -> str:
+    return str(blurred_mtp_variant(fixture_model, tmp_path_factory.mktemp("blurred-mtp-sampling")))
+
+
+@pytest.fixture(scope="module")
+def sampling_runs(blurred_model) -> SamplingRuns:
+    prompt = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), PROMPT_INDEX + 1)[PROMPT_INDEX]
+    runs = SamplingRuns(prompt)
+    for engine_index, name in enumerate(ENGINES):
+        if name != "no-spec":
+            _speculative_run(blurred_model, runs, name, engine_index)
+    _reference_run_and_judge(blurred_model, runs, list(ENGINES).index("no-spec"))
+    for key, verdict in runs.exact.items():
+        print(key, verdict.summary())
+    return runs
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("name", (*SPECULATIVE, "no-spec"))
+def test_emits_the_exact_distribution(sampling_runs, name, setting):
+    verdict = sampling_runs.exact[name, setting]
+    assert not verdict.failures(), f"{name} at {setting}: {verdict.failures()} ({verdict.summary()})"
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_homogeneous_with_no_speculation(sampling_runs, name, setting):
+    reference = sampling_runs.samples["no-spec", setting]
+    samples = sampling_runs.samples[name, setting]
+    tests = {f"token{j + 1}": homogeneity(reference[:, j], samples[:, j]) for j in range(MAX_TOKENS)}
+    print(name, setting, "homogeneity", {n: str(t) for n, t in tests.items()})
+    bad = {n: str(t) for n, t in tests.items() if not t.p > P_MIN}
+    assert not bad, f"{name} at {setting} vs no speculation: {bad} (all: {[str(t) for t in tests.values()]})"
+
+
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_speculation_ran_and_drafts_were_rejected(sampling_runs, name):
+    """Each request's first speculative step verified drafts, some accepted at every depth and many rejected:
+    otherwise the tokens judged above would not have come from speculative sampling."""
+    acceptance = sampling_runs.acceptance[name]
+    print(name, acceptance)
+    assert acceptance is not None and acceptance.num_drafts >= len(SETTINGS) * NUM_SAMPLES, acceptance
+    per_depth = [a / acceptance.num_drafts for a in acceptance.accepted_per_position[:3]]
+    assert 0.1 < per_depth[0] < 0.9 and per_depth[2] > 0.05, (acceptance, per_depth)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("bug", BUGS)
+def test_planted_bug_fails_the_judges(sampling_runs, bug, setting):
+    verdict = sampling_runs.exact[bug, setting]
+    reference = sampling_runs.samples["no-spec", setting]
+    samples = sampling_runs.samples[bug, setting]
+    homogeneous = [homogeneity(reference[:, j], samples[:, j]) for j in range(MAX_TOKENS)]
+    print(bug, setting, "homogeneity", [str(t) for t in homogeneous])
+    acceptance = sampling_runs.acceptance[bug]
+    assert acceptance is not None and acceptance.num_drafts >= len(SETTINGS) * NUM_SAMPLES, acceptance
+    assert verdict.failures(), f"{bug} at {setting} passed the exact judge: {verdict.summary()}"
+    assert any(not t.p > P_MIN for t in homogeneous), [str(t) for t in homogeneous]
