@@ -29,7 +29,8 @@ Threshold: every p-value > P_MIN = 1e-4. The module computes 3 (engines) x 2 (se
 2 x 2 x 3 homogeneity ones (48); with 1e-4 each, the chance that an exact sampler fails somewhere is below 0.5 %
 (Bonferroni), and since every request is seeded the verdict is a fixed function of the code. A real bug is far
 below: each planted one's smallest p-value is below 1e-50 (measured 2026-12-03: first-child 0 / 0, root-row
-8e-107 / 2e-55, vLLM's unfixed CPU expansion 3e-229 / 0 at T 1.0 / T 0.7 top-p 0.9), while the exact samplers'
+8e-107 / 2e-55, vLLM's unfixed CPU expansion below 1e-200 / 0 at T 1.0 / T 0.7 top-p 0.9; that one reads
+uninitialized memory, so its figures vary between runs), while the exact samplers'
 smallest is 3e-3 (the tree's homogeneity on token 3 at T 0.7; all their exactness p-values are above 0.05).
 
 Planted bugs (the same judges must fail them): `first-child` replaces each level's draw by the first child's token
@@ -40,7 +41,8 @@ plugin's fix of vLLM's CPU rejection sampler left out (`cpu_rejection_expand`: v
 override leaves the per-token temperature / top-p of the draft rows uninitialized,
 `bench/diagnostics/cpu_rejection_sampling.py`), i.e. vLLM's own chain sampling on CPU.
 
-Wall time: about 1.5 min on 2 idle cores (6 engines, 2 x 1000 requests each, about 20k one-token judge requests).
+Wall time: 88 s on 2 idle cores, 8 min beside the machine's other test runs (6 engines, 2 x 1000 requests each,
+about 20k one-token judge requests).
 """
 
 from __future__ import annotations
