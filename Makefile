@@ -38,4 +38,4 @@ lock:
 	  grep -v '^#' $(LOCK) | grep -v -E '$(CPU_ONLY_PINS)'; } > requirements/cuda.constraints.txt
 
 demo: install
-	$(PYTHON) -m vllm_treewy.vllm_plugin.demo
+	$(PYTHON) -m vllm_treewy.vllm_plugin.testing.demo

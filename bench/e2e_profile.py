@@ -92,7 +92,7 @@ def profile_generate(llm, prompts, max_tokens: int) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from vllm_treewy.vllm_plugin.equivalence import generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy
 
     # CUDA activity only: recording every CPU op would inflate the host time being measured
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

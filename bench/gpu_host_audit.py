@@ -483,7 +483,7 @@ def run_strategy(args) -> int:
 
     import vllm_treewy.vllm_plugin as plugin  # vLLM after the wait timers
     from bench import gpu_site, gpu_vllm_e2e
-    from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     gpu_site.seed_model_info_cache()
     plugin.register()

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     import vllm_treewy.vllm_plugin as plugin
     from bench import gpu_site
     from bench.sweep.models import prepare_qwen35_shape
-    from vllm_treewy.vllm_plugin.equivalence import engine, kv_cache_report, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()
     gpu_site.seed_model_info_cache()

@@ -137,7 +137,7 @@ def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:
     Tokens/s: the median of `--timing-repeats` passes, after one warm-up pass over the same batch sizes. A pass at
     B = 1 lasts a fraction of a second, so one pass alone moved by 1.4x between two calls (2026-12-01); the passes of
     all batch sizes alternate, so drift spreads over them."""
-    from vllm_treewy.vllm_plugin.equivalence import generate_greedy, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy, read_acceptance
 
     for b in args.batch_sizes:
         generate_greedy(llm, prompts[:b], [8] * b)
@@ -193,7 +193,7 @@ def batch_shape_control(reference, prompts, batch_sizes, max_tokens: int) -> dic
     the next smaller batch size): the same requests in other batch shapes, which vLLM's kernels are not invariant to.
     Judged against the reference outputs like a speculative run, their divergences beyond one bf16 step are the
     fixture's own floor for the tie-aware criterion."""
-    from vllm_treewy.vllm_plugin.equivalence import generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy
 
     sizes = sorted(batch_sizes)
     control = {}
@@ -204,7 +204,7 @@ def batch_shape_control(reference, prompts, batch_sizes, max_tokens: int) -> dic
 
 
 def teacher_forced_verdicts(llm, prompts, outputs, exact_logits) -> dict:
-    from vllm_treewy.vllm_plugin.equivalence import compare_teacher_forced
+    from vllm_treewy.vllm_plugin.testing.equivalence import compare_teacher_forced
 
     verdicts = {}
     for b, out in outputs.items():
@@ -216,7 +216,7 @@ def teacher_forced_verdicts(llm, prompts, outputs, exact_logits) -> dict:
 
 def run_spec(args) -> int:
     import vllm_treewy.vllm_plugin as plugin
-    from vllm_treewy.vllm_plugin.equivalence import engine, kv_cache_report, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()  # in-process engine: this process is the only vLLM process
     model, prompts = prompts_and_model()
@@ -289,7 +289,7 @@ def beside_store_all(runs: dict) -> list[str]:
 
 
 def run_reference(args) -> int:
-    from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, kv_cache_report
+    from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, kv_cache_report
 
     model, prompts = prompts_and_model()
     runs = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
@@ -340,7 +340,7 @@ def run_reference(args) -> int:
 
 # --- draft trees -------------------------------------------------------------------------------------------------
 
-TREE_DRAFTER = "vllm_treewy.vllm_plugin.continuation_drafter.ContinuationTreeDrafter"
+TREE_DRAFTER = "vllm_treewy.vllm_plugin.testing.continuation_drafter.ContinuationTreeDrafter"
 LOOKAHEAD = 4  # tokens past max_tokens in the drafter's truth: a whole depth of it at every step (depth <= 4 here)
 TRUE_BRANCH = 1  # the true path on a non-first child where the width allows (as the CPU e2e tests)
 
@@ -352,7 +352,7 @@ def tree_name(widths) -> str:
 def run_continuations(args) -> int:
     """No speculation: the reference outputs (the drafter's truth, LOOKAHEAD tokens longer) of all prompts in one
     batch, and tokens/s at every batch size. Writes `continuations.json` into `--out-dir`."""
-    from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     model, prompts = prompts_and_model()
     batch = prompts[: max(args.batch_sizes)]
@@ -417,7 +417,7 @@ def run_preemption_continuations(args) -> int:
     """No speculation, on the long-context fixture: for each tree shape, prompts that cross that shape's attention
     block boundary while decoding, and their greedy continuations (LOOKAHEAD longer: the drafter's truth). Writes
     `preemption.json` into `--out-dir`."""
-    from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     model, prompts = prompts_and_model()
     tokens = [t for p in prompts for t in p]
@@ -469,8 +469,8 @@ def run_preempted_tree(args) -> int:
     if vLLM chose another attention block size than the prompts were cut for (they would not cross it)."""
     import vllm_treewy.vllm_plugin as plugin
     from vllm_treewy.tree import DraftTree
-    from vllm_treewy.vllm_plugin.continuation_drafter import DRAFTS_ENV, write_drafts_file
-    from vllm_treewy.vllm_plugin.equivalence import (compare_tie_aware, engine, generate_greedy, kv_cache_report,
+    from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, write_drafts_file
+    from vllm_treewy.vllm_plugin.testing.equivalence import (compare_tie_aware, engine, generate_greedy, kv_cache_report,
                                                      read_acceptance, read_preemptions)
 
     plugin.register()
@@ -512,15 +512,18 @@ def run_tree(args) -> int:
     tie-aware verdict against the reference outputs at every batch size."""
     import vllm_treewy.vllm_plugin as plugin
     from vllm_treewy.tree import DraftTree
-    from vllm_treewy.vllm_plugin.continuation_drafter import DRAFTS_ENV, write_drafts_file
-    from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, kv_cache_report, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, write_drafts_file
+    from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, kv_cache_report, read_acceptance
 
     plugin.register()
     out = Path(args.out_dir)
-    known = json.loads((out / "continuations.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    # Without the no-speculation run (`continuations`): throughput and acceptance only, no verdicts.
+    known = json.loads((out / "continuations.json").read_text()) if (out / "continuations.json").exists() else None
     widths = list(args.tree_widths)
     name = ("mtp-" if args.drafter == "mtp" else "") + tree_name(widths) + ("-blurred" if args.blurred_mtp else "")
-    os.environ[DRAFTS_ENV] = write_drafts_file(out / f"{name}-drafts.json", known["sequences"], TRUE_BRANCH)
+    os.environ[DRAFTS_ENV] = write_drafts_file(out / f"{name}-drafts.json", known["sequences"] if known else [],
+                                               TRUE_BRANCH)
     model, prompts = tree_model(args)
     tree = DraftTree.from_widths(widths)
     exact_logits = ExactModel(model).next_token_logits
@@ -533,7 +536,7 @@ def run_tree(args) -> int:
         after = read_acceptance(llm)
         kv = kv_cache_report(llm)
         verdicts = {}
-        for b, got in outputs.items():
+        for b, got in outputs.items() if known else ():
             verdict = compare_tie_aware(llm, prompts[:b], known["reference_outputs"][:b], got, exact_logits)
             verdicts[str(b)] = verdict_record(verdict)
             print(f"  batch {b} tie-aware: {verdict.summary()}", flush=True)

@@ -45,7 +45,7 @@ def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> tuple[int, float
 
 
 def profile(strategy: str, model: str, prompts, args) -> dict:
-    from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": strategy}
     with engine(model, speculative_config=spec, max_num_seqs=args.batch) as llm:

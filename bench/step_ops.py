@@ -197,7 +197,7 @@ def fixture_engine_inputs(batch: int):
 def count_updates(args) -> None:
     """The adapter's two per-step count updates under reconstruct (the default mode)."""
     from vllm_treewy.vllm_plugin import accepted_counts, step_metadata
-    from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     model, prompts = fixture_engine_inputs(args.batch)
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": "reconstruct"}
@@ -229,7 +229,7 @@ def count_whole_step(args, strategy: str, model: str, prompts) -> SiteOps:
     """One engine's device ops outside the model forwards, by call site, for `strategy` (after a warm-up)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_treewy.vllm_plugin.equivalence import engine, generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     site_ops = SiteOps()
     originals = {name: getattr(GPUModelRunner, name) for name in ("execute_model", "sample_tokens")}

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 STRATEGIES = ("store_all", "reconstruct")
-DRAFTER = "vllm_treewy.vllm_plugin.continuation_drafter.ContinuationTreeDrafter"
+DRAFTER = "vllm_treewy.vllm_plugin.testing.continuation_drafter.ContinuationTreeDrafter"
 
 
 def main() -> int:
@@ -27,8 +27,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from vllm_treewy.fixture import build_fixture, fixture_prompts
-    from vllm_treewy.vllm_plugin.continuation_drafter import DRAFTS_ENV, write_drafts_file
-    from vllm_treewy.vllm_plugin.equivalence import run_greedy
+    from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, write_drafts_file
+    from vllm_treewy.vllm_plugin.testing.equivalence import run_greedy
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)

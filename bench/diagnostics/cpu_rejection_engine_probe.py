@@ -67,7 +67,7 @@ def main() -> int:
     from vllm import SamplingParams
 
     from vllm_treewy.fixture import build_fixture, fixture_prompts
-    from vllm_treewy.vllm_plugin.equivalence import engine
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine
 
     model = str(build_fixture(tempfile.mkdtemp()))
     prompts = fixture_prompts(AutoTokenizer.from_pretrained(model), args.requests)
@@ -108,7 +108,7 @@ def homogeneity(n: int, temperature: float, top_p: float, strategy: str) -> int:
 
     from cpu_rejection_sampling import fixed_expand_kernel_impl
     from vllm_treewy.fixture import build_fixture, fixture_prompts
-    from vllm_treewy.vllm_plugin.equivalence import engine
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine
 
     model = str(build_fixture(tempfile.mkdtemp()))
     prompt = fixture_prompts(AutoTokenizer.from_pretrained(model), 2)[1]  # 40 tokens

@@ -21,7 +21,7 @@ def main(strategy: str, budget: int, k: int) -> int:
     from vllm_treewy.fixture import build_fixture, fixture_prompts
     from vllm_treewy.fixture.exact import ExactModel
     from vllm_treewy.vllm_plugin import register
-    from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy
 
     register()
     model = str(build_fixture("/tmp/fixture-small-budget"))

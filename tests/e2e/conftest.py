@@ -16,7 +16,7 @@ from tests.e2e.planted_bugs import planted_state_commit_bug
 from vllm_treewy.fixture import build_fixture, fixture_prompts, prompts_before_a_block_boundary
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
-from vllm_treewy.vllm_plugin.equivalence import (
+from vllm_treewy.vllm_plugin.testing.equivalence import (
     EquivalenceVerdict,
     GenerationRun,
     compare_teacher_forced,

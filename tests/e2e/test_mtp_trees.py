@@ -20,7 +20,7 @@ from vllm_treewy.fixture import PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, PR
 from vllm_treewy.fixture import blurred_mtp_variant, prompts_before_a_block_boundary
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
+from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -143,7 +143,7 @@ NUM_LOGPROBS = 3
 def _generate_with(model: str, prompt_ids, speculative_config, **params):
     from vllm import SamplingParams
 
-    from vllm_treewy.vllm_plugin.equivalence import engine as make_engine
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine as make_engine
 
     kwargs = {} if speculative_config is None else {"speculative_config": speculative_config}
     with make_engine(model, max_num_seqs=MAX_NUM_SEQS, **kwargs) as llm:

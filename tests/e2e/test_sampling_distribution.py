@@ -282,7 +282,7 @@ def _sample(llm, runs: SamplingRuns, name: str, engine_index: int) -> None:
 
 # Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
 def _speculative_run(model: str, runs: SamplingRuns, name: str, engine_index: int) -> None:
-    from vllm_treewy.vllm_plugin.equivalence import engine, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, read_acceptance
 
     spec, bug = ENGINES[name]
     with planted(bug), engine(model, speculative_config=spec, max_num_seqs=MAX_NUM_SEQS,
@@ -294,7 +294,7 @@ def _speculative_run(model: str, runs: SamplingRuns, name: str, engine_index: in
 def _reference_run_and_judge(model: str, runs: SamplingRuns, engine_index: int) -> None:
     from vllm import SamplingParams
 
-    from vllm_treewy.vllm_plugin.equivalence import engine
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine
 
     with engine(model, logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=MAX_NUM_SEQS,
                 max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS) as llm:

@@ -208,7 +208,7 @@ def test_serve_reconstruct_answers_and_reports_spec_decode(fixture_model, tmp_pa
 
     # After the server is gone: the in-process no-speculation engine re-scores any divergence (raw logits).
     from vllm_treewy.fixture.exact import ExactModel
-    from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, generate_greedy
+    from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy
 
     with engine(fixture_model, logprobs_mode="raw_logits") as reference:
         expected = generate_greedy(reference, prompts, [SERVED_TOKENS] * len(prompts))

@@ -27,15 +27,15 @@ from vllm_treewy.fixture import (PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, P
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import tree_runner, tree_sampler
-from vllm_treewy.vllm_plugin.continuation_drafter import DRAFTS_ENV, write_drafts_file
-from vllm_treewy.vllm_plugin.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
+from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, write_drafts_file
+from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout
 from vllm_treewy.vllm_plugin.tree_budget import FALLBACK_METRIC
 
 pytestmark = pytest.mark.e2e
 
 WIDTHS = ([2, 1, 1], [2, 2, 1], [3, 2, 2], [4, 2])
-DRAFTER = "vllm_treewy.vllm_plugin.continuation_drafter.ContinuationTreeDrafter"
+DRAFTER = "vllm_treewy.vllm_plugin.testing.continuation_drafter.ContinuationTreeDrafter"
 NUM_PROMPTS = 8
 MAX_NUM_SEQS = 4  # prompts queue up and prefill beside speculative decodes
 # The reference runs this many tokens past each request's max_tokens, so the drafter knows the true continuation

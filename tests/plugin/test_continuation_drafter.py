@@ -5,7 +5,7 @@ import pytest
 
 from vllm_treewy.spec_decode.acceptance import greedy_tree_acceptance_reference
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.continuation_drafter import tree_drafts
+from vllm_treewy.vllm_plugin.testing.continuation_drafter import tree_drafts
 
 VOCAB = 512
 

@@ -13,7 +13,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_treewy.fixture import build_fixture
-from vllm_treewy.vllm_plugin.equivalence import ENGINE_DEFAULTS
+from vllm_treewy.vllm_plugin.testing.equivalence import ENGINE_DEFAULTS
 
 
 @pytest.fixture(scope="module")

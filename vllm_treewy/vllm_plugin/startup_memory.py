@@ -1,6 +1,6 @@
 """Start-up on CUDA: return cached memory before the real KV cache's metadata builders allocate (hybrid models).
 
-Measured on the H200 (Qwen3.5-27B shape, gpu_memory_utilization 0.9, no allocator settings, 2026-12-01): when
+On the H200 (Qwen3.5-27B shape, gpu_memory_utilization 0.9, no allocator settings; bench/results/gpu_vllm_e2e): when
 `initialize_kv_cache` builds the attention metadata builders, a freed 27-30 GiB block is still cached (most likely the
 profiling KV cache of vLLM's CUDA-graph memory profile, one block per sequence), and their first small buffers
 (TRITON_ATTN's 12 MiB) are carved out of it. That pins the whole segment past every later `empty_cache()`, so the KV

@@ -7,7 +7,7 @@ separates its own token from the speculative engine's token (or, if that token i
 second choice) by more than one bf16 step of the top logit, and, where an exact (fp64) evaluation of the model is
 at hand, only if that exact model also prefers the reference's token by more than one bf16 step: the bf16
 reference is itself rounded, and where it is the one that strays from the model, the speculative engine is right.
-Measured on the fixture (a CPU without AVX-512-BF16, 2026-11-30): the no-speculation engine chose token 284 over 46
+An example on the fixture (a CPU without AVX-512-BF16): the no-speculation engine chose token 284 over 46
 by 0.0625 (two bf16 steps) at prompt 7, token 14, where the fp64 model prefers 46 by 0.0946 and transformers' own
 bf16 evaluation has the two exactly tied; reconstruct chose 46.
 """

@@ -1,5 +1,5 @@
 """A deterministic draft-tree proposer for tests: vLLM loads it with method="custom_class" and
-model="vllm_treewy.vllm_plugin.continuation_drafter.ContinuationTreeDrafter".
+model="vllm_treewy.vllm_plugin.testing.continuation_drafter.ContinuationTreeDrafter".
 
 It knows the target's own greedy continuations (sequences computed with the no-speculation engine, read from the
 JSON file named by `$VLLM_TREEWY_TEST_DRAFTS`: {"sequences": [prompt + continuation, ...], "true_branch": b,

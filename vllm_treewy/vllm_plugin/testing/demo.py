@@ -14,7 +14,7 @@ import time
 
 from vllm_treewy.fixture import build_fixture, fixture_prompts
 from vllm_treewy.fixture.exact import ExactModel
-from vllm_treewy.vllm_plugin.equivalence import (
+from vllm_treewy.vllm_plugin.testing.equivalence import (
     GenerationRun,
     compare_tie_aware,
     engine,
