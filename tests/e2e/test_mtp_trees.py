@@ -185,3 +185,29 @@ def test_tree_applies_penalties_along_each_path(logprobs_and_penalties):
     unpenalized = [list(o.token_ids) for o in logprobs_and_penalties["logprobs", "no-spec"]]
     assert plain != unpenalized, "the penalties change nothing here: the check cannot see them"
     assert tree == plain
+
+
+SEEDED_TOKENS = 24
+
+
+def _seeded(model: str, prompt_ids, speculative_config) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    kwargs = {} if speculative_config is None else {"speculative_config": speculative_config}
+    with engine(model, max_num_seqs=MAX_NUM_SEQS, **kwargs) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                               [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=SEEDED_TOKENS,
+                                               ignore_eos=True) for i in range(len(prompt_ids))], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_seeded_requests_draw_as_without_speculation(blurred_model):
+    """A seeded request's generator advances once per emitted token, as without speculation (a request that does
+    not walk a level gets its generator's state back), so seeded outputs follow the no-speculation engine's until
+    bf16 logits of other batch shapes tip a near-equal draw: long common prefixes (drawing at every level instead
+    leaves a few tokens)."""
+    prompt_ids = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), NUM_PROMPTS)
+    tree = _seeded(blurred_model, prompt_ids, mtp_tree([2, 2, 1]))
+    plain = _seeded(blurred_model, prompt_ids, None)
+    common = [next((i for i, (a, b) in enumerate(zip(t, p)) if a != b), SEEDED_TOKENS) for t, p in zip(tree, plain)]
+    assert sum(common) / len(common) >= 16, common

@@ -6,8 +6,11 @@ the emitted tokens follow the target's sampling distribution): at each of the de
 `Sampler` over one logits row per request (a tree row: its walk's current node; any other request: its one row)
 draws a token with the request's own sampling parameters (temperature, top-k, top-p, min-p, logits processors,
 penalties, seeds; greedy requests take the argmax there, so greedy trees accept as `greedy_tree_acceptance` does).
-Penalties and bad words see the committed output plus the path walked so far (`spec_token_ids`): those need the
-path on the host, one device sync per level, only for batches that use them.
+Penalties and bad words see the committed output plus the path walked so far (`spec_token_ids`). A seeded request
+draws once per emitted token, as without speculation: at a level where it is not walking (it has no tree this step,
+or its walk stopped) its generator gets its state back after the level's call, so its seeded stream is the one it
+would have without speculation. Both need the path on the host: one device sync per level, only in batches with
+penalties, bad words or seeds.
 
 Each tree row's output becomes `[accepted path tokens..., bonus, -1...]`, so vLLM's bookkeeping counts
 num_accepted_tokens = accepted + 1 and advances num_computed_tokens past the root and the accepted path; its
@@ -49,7 +52,8 @@ def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, acceptance: Tre
 
 
 def _needs_path_on_host(sampling_metadata) -> bool:
-    return not sampling_metadata.no_penalties or bool(sampling_metadata.bad_words_token_ids)
+    return (not sampling_metadata.no_penalties or bool(sampling_metadata.bad_words_token_ids)
+            or bool(sampling_metadata.generators))
 
 
 class _LevelSampler:
@@ -62,7 +66,8 @@ class _LevelSampler:
         self.block_starts = sampled_end[step.request_indices] - step.block_len  # [R] each tree row's root row
         self.draws, self.logprobs = [], []
         self.path_on_host = _needs_path_on_host(sampling_metadata)
-        self.path: list[list[int]] = [[] for _ in range(sampled_end.numel())]  # per request, host: penalties
+        self.path: list[list[int]] = [[] for _ in range(sampled_end.numel())]  # per request, on the host
+        self.tree_rows = set(step.request_indices.tolist()) if self.path_on_host else set()
 
     def __call__(self, level: int, block_rows: torch.Tensor) -> torch.Tensor:
         # block_rows: each tree row's current token in the packed verified blocks (walk_tree's numbering); its
@@ -73,7 +78,12 @@ class _LevelSampler:
         metadata = self.sampling_metadata
         if self.path_on_host:
             metadata = dataclasses.replace(metadata, spec_token_ids=[list(p) for p in self.path])
+        # Seeded requests that do not walk this level: their generators' states, to give back after the draw.
+        held = {request: generator.get_state() for request, generator in metadata.generators.items()
+                if level > 0 and not self._walking(request, level)}
         output = self.sampler(self.logits[rows], metadata, predict_bonus_token=True)
+        for request, state in held.items():
+            metadata.generators[request].set_state(state)
         draws = output.sampled_token_ids.view(-1).long()
         self.draws.append(draws)
         self.logprobs.append(output.logprobs_tensors)
@@ -81,6 +91,10 @@ class _LevelSampler:
         if self.path_on_host and level < self.step.depth:
             self._extend_paths(level, within, tree_draws)
         return tree_draws
+
+    def _walking(self, request: int, level: int) -> bool:
+        """Whether a request's walk reached this level (it moved at every level before)."""
+        return request in self.tree_rows and len(self.path[request]) == level
 
     def _extend_paths(self, level: int, within: torch.Tensor, tree_draws: torch.Tensor) -> None:
         """The path each tree row walks next level: its tokens so far plus this level's draw where a child carries
