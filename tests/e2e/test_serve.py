@@ -275,3 +275,41 @@ def per_position(metrics_text: str, name: str) -> dict[int, float]:
             position = labels.split('position="', 1)[1].split('"', 1)[0]
             counts[int(position)] = counts.get(int(position), 0) + float(value)
     return counts
+
+
+def test_openai_client_against_serve_with_mtp_tree(fixture_model, tmp_path):
+    """What the people this serves run: the `openai` client against `vllm serve` with reconstruct and an MTP tree,
+    completions and chat, streamed and not, n > 1 at temperature 0.8; greedy streamed text equals greedy
+    non-streamed text."""
+    import openai
+
+    port = free_port()
+    base_url = f"http://{HOST}:{port}"
+    log_path = tmp_path / "vllm-serve-openai.log"
+    with vllm_server(serve_command(fixture_model, MTP_TREE, port), log_path) as proc:
+        wait_until_healthy(proc, base_url, log_path)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S)
+        messages = [{"role": "user", "content": CHAT_MESSAGE}]
+
+        greedy = client.completions.create(model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16,
+                                           temperature=0)
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16, temperature=0, stream=True)
+            if chunk.choices)
+        assert greedy.choices[0].text and streamed == greedy.choices[0].text, (greedy, streamed)
+
+        sampled = client.completions.create(model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16,
+                                            temperature=0.8, n=3, seed=5)
+        assert len(sampled.choices) == 3 and all(c.text for c in sampled.choices), sampled
+        assert sampled.usage.completion_tokens > 0
+
+        chat = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
+                                              temperature=0.8, n=2)
+        assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices), chat
+        chat_greedy = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
+                                                     temperature=0)
+        chunks = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
+                                                temperature=0, stream=True)
+        chat_streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        assert chat_streamed == chat_greedy.choices[0].message.content, (chat_streamed, chat_greedy)
+        assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"
