@@ -40,6 +40,7 @@ from vllm_treewy.spec_decode.tree_drafting import (
     top_children,
 )
 from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.tree_metadata import replace_metadata, with_tree
 from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
 from vllm_treewy.vllm_plugin.tree_step import TreeConstants, TreeStep, uniform_tree_step
 
@@ -171,10 +172,11 @@ class TreeMtpProposer(EagleProposer):
         return self._level_constants[tree.num_nodes]
 
     def _attach_tree(self, per_layer: dict, step: TreeStep) -> None:
-        """The level's tree onto the head's attention metadata, as `tree_runner` hands the target's."""
-        from vllm_treewy.vllm_plugin import tree_runner
-
-        tree_runner.attach_draft_level(per_layer, step, self._level_bias(step.tree))
+        """The level's tree (every request a tree row) onto the head's attention metadata, in place, as `tree_runner`
+        hands the target's: the step for the CPU post-pass, or the tree bias for vLLM's TRITON_ATTN launch."""
+        bias = self._level_bias(step.tree)
+        tree = {"tree_step": step} if bias is None else {"tree_qq_bias": bias}
+        replace_metadata(per_layer, lambda name, metadata: with_tree(metadata, **tree))
 
     def _level_bias(self, tree) -> torch.Tensor | None:
         from vllm.platforms import current_platform

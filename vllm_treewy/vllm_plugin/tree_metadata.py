@@ -1,7 +1,8 @@
 """vLLM's per-step metadata objects with the step's tree on them, as fields of a subclass (not attributes added to
 vLLM's objects): `with_tree(metadata, tree_step=..., tree_qq_bias=...)` returns a copy of vLLM's dataclass as a
 subclass that has the two fields; `tree_step_of` / `tree_qq_bias_of` read them from any metadata (None on vLLM's
-own). Used for the step's `SpecDecodeMetadata` (to `_sample`) and the attention metadata (to the forwards)."""
+own). Used for the step's `SpecDecodeMetadata` (to `_sample`) and the attention metadata (to the forwards);
+`replace_metadata` puts such copies into vLLM's per-layer metadata dicts."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def tree_step_of(metadata):
 
 def tree_qq_bias_of(metadata):
     return getattr(metadata, "tree_qq_bias", None)
+
+
+def replace_metadata(attn_metadata, replacement) -> None:
+    """Replaces, in place, each layer's metadata in vLLM's per-layer dict (or list of them: one per micro-batch) by
+    `replacement(name, metadata)` (None: keep); layers that share one metadata object share its replacement."""
+    done = {}
+    for per_layer in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
+        for name, metadata in list(per_layer.items()):
+            if id(metadata) not in done:
+                done[id(metadata)] = replacement(name, metadata)
+            if done[id(metadata)] is not None:
+                per_layer[name] = done[id(metadata)]

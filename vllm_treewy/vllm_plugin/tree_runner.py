@@ -40,7 +40,7 @@ import torch
 from vllm_treewy.vllm_plugin import tree_attention_triton
 from vllm_treewy.vllm_plugin.accepted_counts import gdn_slot_counts
 from vllm_treewy.vllm_plugin.mtp_tree_proposer import TreeMtpProposer
-from vllm_treewy.vllm_plugin.tree_metadata import tree_qq_bias_of, tree_step_of, with_tree
+from vllm_treewy.vllm_plugin.tree_metadata import replace_metadata, tree_qq_bias_of, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState, tree_state_of
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_ATTENTION_FORWARD,
@@ -118,18 +118,6 @@ def _check_tree_backends(runner, per_layer: dict) -> None:
         raise ValueError(f"draft_tree_widths: cudagraph_mode {mode.name} puts batches with prefills in FULL CUDA "
                          "graphs, where the tree rows' attention pass cannot run; use FULL_AND_PIECEWISE (vLLM's "
                          "default), FULL_DECODE_ONLY, PIECEWISE or NONE")
-
-
-def replace_metadata(attn_metadata, replacement) -> None:
-    """Replaces, in place, each layer's metadata in vLLM's per-layer dict (or list of them: one per micro-batch) by
-    `replacement(name, metadata)` (None: keep); layers that share one metadata object share its replacement."""
-    done = {}
-    for per_layer in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
-        for name, metadata in list(per_layer.items()):
-            if id(metadata) not in done:
-                done[id(metadata)] = replacement(name, metadata)
-            if done[id(metadata)] is not None:
-                per_layer[name] = done[id(metadata)]
 
 
 def _hand_to_triton_layers(state: TreeRunState, layers: dict, attn_metadata, step: TreeStep | None,
@@ -292,13 +280,6 @@ def _attending_tree_rows_triton(original):
         return output
 
     return forward
-
-
-def attach_draft_level(per_layer: dict, step: TreeStep, qq_bias: torch.Tensor | None) -> None:
-    """A drafting level's tree (every request a tree row) onto the MTP head's attention metadata, in place: the step
-    for the CPU post-pass, or the tree bias for vLLM's TRITON_ATTN launch."""
-    replace_metadata(per_layer, lambda name, metadata: with_tree(
-        metadata, **({"tree_step": step} if qq_bias is None else {"tree_qq_bias": qq_bias})))
 
 
 def _sampling_trees(original):
