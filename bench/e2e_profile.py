@@ -111,3 +111,46 @@ def print_summary(name: str, summary: dict) -> None:
     for kind, v in summary["kinds"].items():
         print(f"  {kind}: {v['us_per_token']:.2f} us/token, {v['launches_per_token']:.1f} launches/token, "
               f"{100 * v['share_of_gpu']:.0f}% of GPU", flush=True)
+
+
+HOST_TOP = 40  # functions kept per ordering
+
+
+def host_profile_generate(llm, prompts, max_tokens: int) -> dict:
+    """One `generate` under cProfile: the host's Python per engine step (an engine step: one `execute_model`),
+    the functions of most own time and of most cumulative time. cProfile's per-call cost inflates code of many
+    small calls: compare engines and versions, not absolutes."""
+    import cProfile
+    import pstats
+
+    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    outputs = generate_greedy(llm, prompts, [max_tokens] * len(prompts))
+    profiler.disable()
+    wall_s = time.perf_counter() - start
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
+    steps = sum(v[1] for k, v in stats.items() if k[2] == "execute_model" and k[0].endswith("gpu_model_runner.py"))
+
+    def row(key, value):
+        file, line, name = key
+        return {"function": f"{'/'.join(file.split('/')[-3:])}:{line}({name})", "calls_per_step": value[1] / max(steps, 1),
+                "own_us_per_step": 1e6 * value[2] / max(steps, 1), "cum_us_per_step": 1e6 * value[3] / max(steps, 1)}
+
+    def top(index):
+        return [row(k, v) for k, v in sorted(stats.items(), key=lambda kv: -kv[1][index])[:HOST_TOP]]
+
+    return {"wall_s": wall_s, "steps": steps, "output_tokens": sum(len(o) for o in outputs),
+            "wall_us_per_step": 1e6 * wall_s / max(steps, 1), "by_own_time": top(2), "by_cumulative_time": top(3)}
+
+
+def print_host_summary(name: str, host: dict) -> None:
+    print(f"{name} host profile (cProfile): {host['steps']} steps, {host['wall_us_per_step']:.0f} us/step wall",
+          flush=True)
+    for title, key in (("own time", "by_own_time"), ("cumulative", "by_cumulative_time")):
+        print(f"  by {title} (us/step, calls/step):", flush=True)
+        for r in host[key]:
+            print(f"    {r['own_us_per_step'] if key == 'by_own_time' else r['cum_us_per_step']:9.1f} "
+                  f"{r['calls_per_step']:7.1f}  {r['function']}", flush=True)

@@ -114,8 +114,9 @@ def add_common_args(parser, runs: bool = True):
     parser.add_argument("--cudagraph-mode", default=None, help="default: vLLM's (FULL_AND_PIECEWISE)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="a second opinion: vLLM's sync scheduler")
     parser.add_argument("--timing-repeats", type=int, default=3, help="timed passes per batch size (median)")
-    parser.add_argument("--profile-batch", type=int, default=None,
-                        help="after the timed batches, profile one generate of this many prompts (bench/e2e_profile.py)")
+    parser.add_argument("--profile-batch", type=int, nargs="+", default=None,
+                        help="after the timed batches, profile one generate of each many prompts: GPU kernels, then "
+                             "the host's Python under cProfile (bench/e2e_profile.py)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="fixed KV cache size (no memory profiling): for engines that share the GPU at once")
 
@@ -163,14 +164,19 @@ def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:
     return outputs, tokens_per_s, acceptance_length
 
 
-def maybe_profile(llm, prompts, args, name: str) -> dict | None:
+def maybe_profile(llm, prompts, args, name: str) -> list[dict] | None:
     if not args.profile_batch:
         return None
-    from bench.e2e_profile import print_summary, profile_generate
+    from bench.e2e_profile import host_profile_generate, print_host_summary, print_summary, profile_generate
 
-    summary = profile_generate(llm, prompts[: args.profile_batch], args.max_tokens)
-    print_summary(f"{name} B={args.profile_batch}", summary)
-    return {"batch": args.profile_batch, **summary}
+    profiles = []
+    for batch in args.profile_batch:
+        summary = profile_generate(llm, prompts[:batch], args.max_tokens)
+        print_summary(f"{name} B={batch}", summary)
+        host = host_profile_generate(llm, prompts[:batch], args.max_tokens)
+        print_host_summary(f"{name} B={batch}", host)
+        profiles.append({"batch": batch, **summary, "host": host})
+    return profiles
 
 
 def verdict_record(verdict) -> dict:
@@ -541,6 +547,7 @@ def run_tree(args) -> int:
             verdicts[str(b)] = verdict_record(verdict)
             print(f"  batch {b} tie-aware: {verdict.summary()}", flush=True)
         self_check = (teacher_forced_verdicts(llm, prompts, outputs, exact_logits) if args.self_check else None)
+        profile = maybe_profile(llm, prompts, args, name)
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     drafts = after.num_drafts - before.num_drafts
     result = {
@@ -552,7 +559,7 @@ def run_tree(args) -> int:
         "accepted_per_verify": accepted / max(drafts, 1),
         "acceptance_length": {str(b): n for b, n in acceptance_length.items()}, "accepted_per_position": [
             a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position)],
-        "kv_cache": asdict(kv), "verdicts": verdicts, "teacher_forced_verdicts": self_check,
+        "kv_cache": asdict(kv), "verdicts": verdicts, "teacher_forced_verdicts": self_check, "profile": profile,
     }
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "runs" / f"{name}.json").write_text(json.dumps(result))
