@@ -116,10 +116,11 @@ def print_summary(name: str, summary: dict) -> None:
 HOST_TOP = 40  # functions kept per ordering
 
 
-def host_profile_generate(llm, prompts, max_tokens: int) -> dict:
+def host_profile_generate(llm, prompts, max_tokens: int, dump_path: str | None = None) -> dict:
     """One `generate` under cProfile: the host's Python per engine step (an engine step: one `execute_model`),
-    the functions of most own time and of most cumulative time. cProfile's per-call cost inflates code of many
-    small calls: compare engines and versions, not absolutes."""
+    the functions of most own time and of most cumulative time; with `dump_path`, the whole profile there too
+    (`pstats` reads it: callers and callees). cProfile's per-call cost inflates code of many small calls: compare
+    engines and versions, not absolutes."""
     import cProfile
     import pstats
 
@@ -131,6 +132,8 @@ def host_profile_generate(llm, prompts, max_tokens: int) -> dict:
     outputs = generate_greedy(llm, prompts, [max_tokens] * len(prompts))
     profiler.disable()
     wall_s = time.perf_counter() - start
+    if dump_path is not None:
+        profiler.dump_stats(dump_path)
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
     steps = sum(v[1] for k, v in stats.items() if k[2] == "execute_model" and k[0].endswith("gpu_model_runner.py"))
 

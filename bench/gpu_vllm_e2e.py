@@ -173,7 +173,8 @@ def maybe_profile(llm, prompts, args, name: str) -> list[dict] | None:
     for batch in args.profile_batch:
         summary = profile_generate(llm, prompts[:batch], args.max_tokens)
         print_summary(f"{name} B={batch}", summary)
-        host = host_profile_generate(llm, prompts[:batch], args.max_tokens)
+        dump = (str(Path(args.out_dir) / f"{name}-B{batch}.pstats") if getattr(args, "out_dir", None) else None)
+        host = host_profile_generate(llm, prompts[:batch], args.max_tokens, dump)
         print_host_summary(f"{name} B={batch}", host)
         profiles.append({"batch": batch, **summary, "host": host})
     return profiles
