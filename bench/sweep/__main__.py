@@ -15,7 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a grid through `vllm bench sweep serve`, then write its report")
     run.add_argument("grid")
     run.add_argument("--out", required=True, help="output directory; one holding results resumes")
-    run.add_argument("--only", nargs="+", help="run only these servers (names as `STRATEGY-BUDGET`)")
+    run.add_argument("--only", nargs="+",
+                     help="run only these servers (names as `STRATEGY-BUDGET`), in this order")
+    run.add_argument("--points", nargs="+",
+                     help="run only these benchmark points (names as `WORKLOAD-cN` or `WORKLOAD-rRATE`)")
     run.add_argument("--port", type=int, help="server port on 127.0.0.1 (default: a free one)")
     run.add_argument("--dry-run", action="store_true", help="write the parameter files and print the commands")
     run.add_argument("--no-report", action="store_true")

@@ -8,6 +8,10 @@ points it runs against each (workload x concurrency, or x arrival rate for the b
   ../shared/tools/gpu-vllm (see `bench/sweep/README.md` for the device commands).
 - `h200-27b-core`: the same servers on one workload (chat) at concurrency 1, 8, 64, 256: a server per 10-minute
   device call, the whole grid within one session's device time.
+- `h200-a3b`: Qwen3.5-35B-A3B's shape (MoE, dummy weights, synthetic acceptance) on one H200 at KV-cache budgets
+  where store_all's concurrency binds (`bench.sweep.capacity` computes where, `bench/sweep/README.md` has the table);
+  decode-heavy and chat workloads at concurrency 1 to 512. `h200-a3b-core`: its speculative strategies at the budget
+  where store_all binds and reconstruct does not, split over two device calls with `--only` and `--points`.
 
 Memory budget: on CUDA `--gpu-memory-utilization`; on CPU the KV-cache bytes. vLLM's CPU platform turns
 `VLLM_CPU_KVCACHE_SPACE` (whole GiB) into `kv_cache_memory_bytes`; the fixture's state is so small that it binds
@@ -17,6 +21,7 @@ covers every budget; the env variable would need one sweep per budget and would 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -196,6 +201,26 @@ GRIDS = {
         bench_flags=BENCH_FLAGS,
         labels=("CPU, 27B vocabulary on small layers, dummy weights",),
     ),
+    # The same check for the A3B grid's model path: the MoE config class and architecture (Qwen3_5MoeForCausalLM,
+    # its Qwen3_5MoeMTP drafter) at a CPU size.
+    "cpu-dummy-a3b": Grid(
+        name="cpu-dummy-a3b",
+        description="the h200-a3b grid's model path on CPU: MoE shape with the 248,320 vocabulary, small layers, "
+                    "dummy weights; store_all and reconstruct, chat, concurrency 2",
+        model="qwen35-a3b-vocab-small",
+        max_model_len=512,
+        budgets=(CPU_BUDGETS[1],),
+        strategies=("store_all", "reconstruct"),
+        workloads=("chat",),
+        concurrencies=(2,),
+        request_rates=(),
+        burstiness=0.5,
+        lengths=CPU_LENGTHS,
+        min_prompts=4,
+        serve_flags=CPU_SERVE_FLAGS,
+        bench_flags=BENCH_FLAGS,
+        labels=("CPU, the A3B vocabulary and MoE layers at a small size, dummy weights",),
+    ),
     "h200-27b": Grid(
         name="h200-27b",
         description="Qwen3.5-27B shape, dummy weights, synthetic acceptance 2.8 of 4, one H200",
@@ -248,4 +273,67 @@ GRIDS["h200-27b-core"] = replace(
     GRIDS["h200-27b"], name="h200-27b-core",
     description="h200-27b on chat at concurrency 1/8/64/256, store_all and reconstruct: a server per device call",
     workloads=("chat",), strategies=("store_all", "reconstruct"), concurrencies=(1, 8, 64, 256), request_rates=(),
+)
+
+# Qwen3.5-35B-A3B (bench.sweep.models.QWEN35_35B_A3B, ~66 GiB of bf16 weights). KV-cache budgets as vLLM's
+# kv_cache_memory_bytes: exact, so vLLM's capacity is known before the run (`python3 -m bench.sweep.capacity
+# qwen35-35b-a3b --kv-gib 16 52 --max-model-len 1024`). Every request of these lengths fits one attention block
+# (1,072 tokens store_all, 1,184 reconstruct), so it holds 3 GDN groups x (1 + k) blocks + 1 under store_all and
+# 3 + 1 under reconstruct. 52 GiB is about what gmu 0.9 leaves beside the weights and start-up peak.
+A3B_MAX_MODEL_LEN = 1024
+A3B_BUDGETS = (
+    Budget("kv52GiB", {"kv_cache_memory_bytes": 52 * GiB},
+           "store_all binds (177.8 requests), reconstruct does not below 512 (523.2; no speculation 645.2)"),
+    Budget("kv16GiB", {"kv_cache_memory_bytes": 16 * GiB},
+           "both bind: store_all 54.7 requests, reconstruct 161.0 (no speculation 198.5)"),
+)
+# A decode batch of c requests is (1 + k) c tokens; vLLM's default capture sizes stop at 512 tokens (128 requests)
+# for k = 3, so without these the grid's 256 and 512 would decode outside CUDA graphs.
+A3B_CAPTURE_REQUESTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+GRIDS["h200-a3b"] = Grid(
+    name="h200-a3b",
+    description="Qwen3.5-35B-A3B shape (MoE), dummy weights, synthetic acceptance 2.8 of 4, one H200, KV budgets "
+                "where store_all binds",
+    model="qwen35-35b-a3b",
+    max_model_len=A3B_MAX_MODEL_LEN,
+    budgets=A3B_BUDGETS,
+    workloads=("generation_heavy", "chat"),
+    concurrencies=(1, 8, 32, 64, 128, 256, 512),
+    request_rates=(),
+    burstiness=0.5,
+    lengths=LengthProfile(
+        chat_input=256, chat_output=192,
+        mixed_short_input=128, mixed_long_input=512, mixed_output=192,
+        balanced=256,
+        generation_heavy_input=64, generation_heavy_output=640,
+        summarize_heavy_input=640, summarize_heavy_output=64,
+        bursty_input=256, bursty_output=192,
+        max_total=A3B_MAX_MODEL_LEN,
+        samples=1024,
+    ),  # fmt: skip
+    prompts_per_slot=1.5,
+    min_prompts=8,
+    max_prompts=768,
+    serve_flags=("--dtype", "bfloat16", "--no-enable-prefix-caching",
+                 "--max-model-len", str(A3B_MAX_MODEL_LEN), "--seed", "0", "--mamba-ssm-cache-dtype", "float32",
+                 "--attention-backend", "TRITON_ATTN", "--gdn-prefill-backend", "triton",
+                 # every budget's reconstruct and store_all hold at least this many GDN blocks (vLLM's FULL-graph
+                 # start-up check: max_num_seqs <= Mamba blocks)
+                 "--max-num-seqs", "512",
+                 "--compilation-config", json.dumps({"cudagraph_capture_sizes": [4 * r for r in A3B_CAPTURE_REQUESTS]}),
+                 ),  # fmt: skip
+    speculative_extra={"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.8,
+                       "attention_backend": "TRITON_ATTN"},  # fmt: skip
+    # V1 for both strategies: reconstruct makes vLLM pick V1, so store_all runs the same runner.
+    env={"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+    bench_flags=BENCH_FLAGS,
+    labels=("H200 through ../shared/tools/gpu-vllm: vLLM 0.32 default compilation with its compiled ops, "
+            "Triton attention, V1 runner, capture sizes up to 512 requests, dummy weights, synthetic acceptance",),
+)
+# What two device calls hold: store_all and reconstruct where only store_all binds. Call 1 runs the decisive points
+# (`--points generation_heavy-c256 generation_heavy-c512`), call 2 the rest of the decode-heavy concurrencies.
+GRIDS["h200-a3b-core"] = replace(
+    GRIDS["h200-a3b"], name="h200-a3b-core",
+    description="h200-a3b's store_all and reconstruct at kv52GiB (store_all binds, reconstruct does not)",
+    strategies=("store_all", "reconstruct"), budgets=A3B_BUDGETS[:1],
 )

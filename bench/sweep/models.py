@@ -44,7 +44,52 @@ QWEN35_27B_VOCAB_SMALL = dict(
     num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=64, linear_value_head_dim=64,
 )  # fmt: skip
-SHAPES = {"qwen35-27b": QWEN35_27B, "qwen35-27b-vocab-small": QWEN35_27B_VOCAB_SMALL}
+# Qwen3.5-35B-A3B's text model (config.json of Qwen/Qwen3.5-35B-A3B, text_config; sources in bench/sweep/README.md,
+# "The A3B shape"): 40 layers, 3 Gated DeltaNet : 1 full attention (full_attention_interval 4), hidden 2048, 256
+# experts of 512 with 8 routed per token and one shared expert of 512, GDN 16 key / 32 value heads of K = V = 128,
+# conv kernel 4, attention 16 query / 2 KV heads of 256 (output gate, partial rotary 0.25), one MTP layer, fp32 SSM
+# state. Left out: the vision tower and M-RoPE's sections (text-only serving: with one position per token,
+# interleaved M-RoPE rotates as 1D RoPE does).
+QWEN35_35B_A3B = dict(
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    attn_output_gate=True,
+    mtp_num_hidden_layers=1,
+    mamba_ssm_dtype="float32",
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)
+# Qwen3.5-122B-A10B's layer (hidden 3072, 256 experts of 1024, 8 routed + one shared of 1024, GDN 16 key / 64 value
+# heads of 128, attention 32 query / 2 KV heads of 256) on 16 of its 48 layers: the same 3 : 1 pattern and per-layer
+# sizes, 41.7 B parameters without the MTP layer (~82 GiB of bf16 weights with it), which leaves one H200 room for a
+# KV cache. The A3B shape: 34.7 B (~66 GiB with its MTP layer).
+QWEN35_122B_A10B_16L = dict(
+    QWEN35_35B_A3B, hidden_size=3072, num_hidden_layers=16, num_attention_heads=32, linear_num_value_heads=64,
+    moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+)  # fmt: skip
+# The A3B grid's model path (MoE config class, word-level tokenizer, dummy weights) at a CPU size.
+QWEN35_A3B_VOCAB_SMALL = dict(
+    QWEN35_35B_A3B, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=64, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=128, shared_expert_intermediate_size=128,
+)  # fmt: skip
+SHAPES = {"qwen35-27b": QWEN35_27B, "qwen35-27b-vocab-small": QWEN35_27B_VOCAB_SMALL, "qwen35-35b-a3b": QWEN35_35B_A3B,
+          "qwen35-122b-a10b-16l": QWEN35_122B_A10B_16L, "qwen35-a3b-vocab-small": QWEN35_A3B_VOCAB_SMALL}
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 FIXTURE_STREAM_PROMPTS = 64
 
@@ -98,23 +143,37 @@ def write_word_tokenizer(out_dir: Path, vocab_size: int) -> None:
     ).save_pretrained(out_dir)
 
 
-def prepare_qwen35_shape(out_dir: Path, shape: str) -> PreparedModel:
-    """config.json of a Qwen3.5 shape (weights come from `--load-format dummy`) and a matching tokenizer."""
-    from transformers import Qwen3_5TextConfig
+def is_moe(dims: dict) -> bool:
+    return "num_experts" in dims
+
+
+def write_shape_config(out_dir: Path, shape: str) -> Path:
+    """config.json (and shape.json, the dims as written) of a Qwen3.5 shape: the dense text model
+    (`Qwen3_5ForCausalLM`) or, for a shape with experts, the MoE one (`Qwen3_5MoeForCausalLM`)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     dims = SHAPES[shape]
     out_dir.mkdir(parents=True, exist_ok=True)
+    config_cls, architecture = ((Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM") if is_moe(dims)
+                                else (Qwen3_5TextConfig, "Qwen3_5ForCausalLM"))  # fmt: skip
     layer_types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-    config = Qwen3_5TextConfig(
+    config = config_cls(
         **dims,
         layer_types=layer_types * (dims["num_hidden_layers"] // len(layer_types)),
         eos_token_id=0,
         bos_token_id=0,
-        architectures=["Qwen3_5ForCausalLM"],
+        architectures=[architecture],
         dtype="bfloat16",
     )
     config.save_pretrained(out_dir)
     (out_dir / "shape.json").write_text(json.dumps({"shape": shape, **dims}, indent=1) + "\n")
+    return out_dir
+
+
+def prepare_qwen35_shape(out_dir: Path, shape: str) -> PreparedModel:
+    """config.json of a Qwen3.5 shape (weights come from `--load-format dummy`) and a matching tokenizer."""
+    dims = SHAPES[shape]
+    write_shape_config(out_dir, shape)
     write_word_tokenizer(out_dir, dims["vocab_size"])
     rng = random.Random(f"{shape}-prompts")
     stream = [rng.randrange(len(SPECIAL_TOKENS), dims["vocab_size"]) for _ in range(65536)]

@@ -65,10 +65,12 @@ class SweepPlan:
     worker_socket: str | None  # the warm benchmark worker's socket, None: one process per point
 
 
-def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, port: int | None = None,
-               dry_run: bool = False, show_bench_progress: bool = False,
+def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, only_points: list[str] | None = None,
+               port: int | None = None, dry_run: bool = False, show_bench_progress: bool = False,
                warm_worker: bool = True) -> SweepPlan:  # fmt: skip
-    """Prepares the model, the workload files and vLLM's parameter files; returns the commands to run."""
+    """Prepares the model, the workload files and vLLM's parameter files; returns the commands to run. `only_servers`
+    picks servers and the order vLLM's sweep starts them in (the first start of a call is the cold one);
+    `only_points` picks benchmark points."""
     out = out.resolve()
     model = prepare_model(grid.model, out / "model")
     workload_data = write_workloads(out / "workloads", grid.lengths, model.text, grid.workloads)
@@ -78,8 +80,14 @@ def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, 
         unknown = set(only_servers) - {r["_benchmark_name"] for r in serve_params}
         if unknown:
             raise SystemExit(f"no server named {sorted(unknown)} in grid {grid.name}")
-        serve_params = [r for r in serve_params if r["_benchmark_name"] in only_servers]
+        by_name = {r["_benchmark_name"]: r for r in serve_params}
+        serve_params = [by_name[name] for name in dict.fromkeys(only_servers)]
     bench_params = grid.bench_params(workload_data)
+    if only_points:
+        unknown = set(only_points) - {r["_benchmark_name"] for r in bench_params}
+        if unknown:
+            raise SystemExit(f"no point named {sorted(unknown)} in grid {grid.name}")
+        bench_params = [r for r in bench_params if r["_benchmark_name"] in only_points]
     params_dir = out / "params"
     params_dir.mkdir(parents=True, exist_ok=True)
     (params_dir / "serve.json").write_text(json.dumps(serve_params, indent=1) + "\n")
@@ -187,6 +195,52 @@ def point_headline(result_path: Path) -> str:
 
 
 _NAME = re.compile(r"'_benchmark_name': '([^']+)'")
+# What a server's log says about its start-up (vLLM 0.32's lines), as (field, pattern); a field of a drafter or other
+# compiled module gets its name as a prefix ("[eagle_head] torch.compile took ...": eagle_head_torch_compile_s).
+_START_PHASES = (
+    ("torch_compile_s", re.compile(r"\[(\w+)\] torch\.compile took ([\d.]+) s in total")),
+    ("profile_run_s", re.compile(r"\[(\w+)\] Initial profiling/warmup run took ([\d.]+) s")),
+    ("model_load_s", re.compile(r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds")),
+    ("jit_warmup_s", re.compile(r"JIT kernel warmup finished in ([\d.]+)s")),
+    ("graph_capture_s", re.compile(r"Graph capturing finished in ([\d.]+) secs")),
+    ("init_engine_s", re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")),
+    ("kv_cache_max_concurrency", re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")),
+)
+_READY = "Application startup complete."
+
+
+class ServerStarts:
+    """Each server's start-up as the sweep ran it: wall seconds from vLLM's sweep announcing the server to its API
+    server's "Application startup complete." (`ready_s`), the phases the engine logs (`_START_PHASES`), and its
+    place among the call's starts (the first start of a call is the cold one: the device starts bare). Kept in
+    OUT/server_starts.json, appended call by call."""
+
+    def __init__(self, path: Path, call: str):
+        self.path = path
+        self.call = call
+        self.records = json.loads(path.read_text()) if path.exists() else []
+        self.current: dict | None = None
+        self.started = 0.0
+        self.order = 0
+
+    def server(self, name: str, now: float) -> None:
+        self.order += 1
+        self.current = {"server": name, "call": self.call, "start_in_call": self.order}
+        self.started = now
+
+    def line(self, text: str, now: float) -> None:
+        if self.current is None or "ready_s" in self.current:
+            return
+        for field, pattern in _START_PHASES:
+            match = pattern.search(text)
+            if match:
+                *module, value = match.groups()
+                key = field if not module or module[0] == "backbone" else f"{module[0]}_{field}"
+                self.current[key] = float(value)
+        if _READY in text:
+            self.current["ready_s"] = round(now - self.started, 1)
+            self.records.append(self.current)
+            self.path.write_text(json.dumps(self.records, indent=1) + "\n")
 
 
 def run_sweep(plan: SweepPlan, log_path: Path, echo=print) -> int:
@@ -213,13 +267,19 @@ def _follow(proc, plan: SweepPlan, log, log_path: Path, start: float, echo) -> N
     done = 0
     server = point = "?"
     result_path = None
+    starts = ServerStarts(plan.out / "server_starts.json", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     for line in proc.stdout:  # ends when the sweep exits (the servers it starts are in their own sessions)
         log.write(line)
         text = line.rstrip("\n")
+        starts.line(text, time.monotonic())
         if text.startswith("Server overrides:"):
             match = _NAME.search(text)
             server = match.group(1) if match else text
+            starts.server(server, time.monotonic())
             echo(f"[sweep {_fmt_duration(time.monotonic() - start)}] starting server {server}", flush=True)
+        elif _READY in text:
+            echo(f"[sweep {_fmt_duration(time.monotonic() - start)}] server {server} ready after "
+                 f"{starts.records[-1]['ready_s'] if starts.records else '?'} s", flush=True)
         elif text.startswith("Benchmark overrides:"):
             match = _NAME.search(text)
             point = match.group(1) if match else text
@@ -271,10 +331,12 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     grid = GRIDS[args.grid]
-    plan = plan_sweep(grid, Path(args.out), only_servers=args.only, port=args.port, dry_run=args.dry_run,
-                      show_bench_progress=sys.stdout.isatty(), warm_worker=not args.process_per_point)  # fmt: skip
+    plan = plan_sweep(grid, Path(args.out), only_servers=args.only, only_points=args.points, port=args.port,
+                      dry_run=args.dry_run, show_bench_progress=sys.stdout.isatty(),
+                      warm_worker=not args.process_per_point)  # fmt: skip
     print(f"[sweep] grid {grid.name}: {plan.num_points} points "
-          f"({len(grid.budgets)} budgets x {len(grid.strategies)} strategies, filtered by --only: {args.only}), "
+          f"({len(grid.budgets)} budgets x {len(grid.strategies)} strategies, filtered by --only: {args.only}, "
+          f"--points: {args.points}), "
           f"output {plan.out}", flush=True)  # fmt: skip
     write_command_record(plan, argv)
     if not args.dry_run:

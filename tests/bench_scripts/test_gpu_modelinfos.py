@@ -10,7 +10,7 @@ from vllm.model_executor.models.registry import ModelRegistry, _ModelInfo
 
 from bench.gpu_site import MODEL_INFOS, seed_model_info_cache
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MTP")
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MTP", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeMTP")
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

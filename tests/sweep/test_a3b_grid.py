@@ -1,0 +1,138 @@
+"""The A3B grid before device time is spent: vLLM's KV-cache capacity computed on the CPU (`bench.sweep.capacity`)
+reproduces what the H200 reported for the 27B shape, the grid's budgets bind where its README says, every server's
+flags build vLLM's config with the plugin, `--only` / `--points` pick and order what a device call runs, and the
+sweep keeps each server's start-up from its log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.sweep.capacity import GiB, capacity
+from bench.sweep.grids import GRIDS
+from bench.sweep.models import SHAPES, write_shape_config
+from bench.sweep.run import ServerStarts, plan_sweep
+
+
+@pytest.mark.parametrize(("strategy", "kv_gib", "blocks", "concurrency"), [
+    # bench/results/sweeps/h200-27b-core, gmu 0.6: vLLM's "Available KV cache memory" and its report
+    ("store_all", 28.63, 551, 30.611),
+    ("reconstruct", 29.53, 517, 64.625),
+])  # fmt: skip
+def test_capacity_reproduces_the_h200_reports_of_the_27b_shape(strategy, kv_gib, blocks, concurrency):
+    got = capacity("qwen35-27b", strategy, int(kv_gib * GiB), max_model_len=4096)
+    assert got.num_blocks == blocks
+    assert got.max_concurrency == pytest.approx(concurrency, abs=1e-3)
+    # the attention block sizes that H200 logged ("Setting attention block size to 800 / 880 tokens")
+    assert got.attention_block_size == {"store_all": 800, "reconstruct": 880}[strategy]
+
+
+def test_a3b_budgets_bind_store_all_where_the_grid_says():
+    grid = GRIDS["h200-a3b"]
+    by_budget = {}
+    for budget in grid.budgets:
+        kv = budget.serve_params["kv_cache_memory_bytes"]
+        by_budget[budget.name] = {s: capacity(grid.model, s, kv, max_model_len=grid.max_model_len)
+                                  for s in ("no_spec", "store_all", "reconstruct")}  # fmt: skip
+    for caps in by_budget.values():
+        for cap in caps.values():
+            # each request of the grid's lengths holds one attention block: vLLM's report is the workload's bound
+            assert cap.attention_block_size >= grid.max_model_len
+            assert cap.num_blocks >= 512, "vLLM's FULL-graph check: max_num_seqs (512) <= the Mamba blocks"
+        assert caps["store_all"].gdn_blocks_per_request == 4 and caps["reconstruct"].gdn_blocks_per_request == 1
+    binding, tight = by_budget["kv52GiB"], by_budget["kv16GiB"]
+    assert binding["store_all"].max_concurrency < 256 <= 512 <= binding["reconstruct"].max_concurrency
+    assert binding["no_spec"].max_concurrency >= 512
+    assert tight["store_all"].max_concurrency < 64 and 128 < tight["reconstruct"].max_concurrency < 256
+    # what grids.py and the README state
+    assert round(binding["store_all"].max_concurrency, 1) == 177.8
+    assert round(binding["reconstruct"].max_concurrency, 1) == 523.2
+
+
+def test_every_a3b_server_builds_its_vllm_config(tmp_path):
+    """Each server's `vllm serve` flags (the grid's, then its record's, as vLLM's sweep applies them) parse with
+    vLLM's serve parser and build the engine config with the plugin: the budget, the speculative strategy, the cap."""
+    import vllm_treewy.vllm_plugin as plugin
+    from vllm.benchmarks.sweep.param_sweep import ParameterSweepItem
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    plugin.register()
+    grid = GRIDS["h200-a3b"]
+    model = write_shape_config(tmp_path / "model", grid.model)
+    seen = set()
+    for record in grid.serve_params():
+        cmd = ParameterSweepItem(record).apply_to_cmd(
+            ["--model", str(model), *grid.serve_flags, "--load-format", "dummy", "--skip-tokenizer-init"])
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd)
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+        assert config.model_config.architecture == "Qwen3_5MoeForCausalLM"
+        assert config.cache_config.kv_cache_memory_bytes == record["kv_cache_memory_bytes"]
+        assert config.scheduler_config.max_num_seqs == 512 and config.model_config.max_model_len == 1024
+        spec = config.speculative_config
+        strategy = record["_benchmark_name"].split("-")[0]
+        if strategy == "no_spec":
+            assert spec is None
+        else:
+            assert spec.num_speculative_tokens == 3 and spec.draft_model_config.architecture == "Qwen3_5MoeMTP"
+            assert spec.mamba_state_commit == strategy and spec.rejection_sample_method == "synthetic"
+        assert max(args.compilation_config.cudagraph_capture_sizes) == 4 * 512
+        seen.add(strategy)
+    assert seen == {"no_spec", "store_all", "reconstruct"}
+
+
+def test_a3b_shapes_are_the_published_layers():
+    a3b, a10b = SHAPES["qwen35-35b-a3b"], SHAPES["qwen35-122b-a10b-16l"]
+    assert (a3b["num_hidden_layers"], a3b["hidden_size"], a3b["num_experts"], a3b["num_experts_per_tok"]) == \
+        (40, 2048, 256, 8)
+    assert (a3b["linear_num_key_heads"], a3b["linear_num_value_heads"], a3b["linear_key_head_dim"]) == (16, 32, 128)
+    # the 122B shape keeps the 3 : 1 pattern (whole groups of four layers) and its own per-layer sizes
+    assert a10b["num_hidden_layers"] % 4 == 0 and a10b["linear_num_value_heads"] == 64 and a10b["hidden_size"] == 3072
+
+
+def test_only_orders_servers_and_points_filter(tmp_path):
+    grid = GRIDS["h200-a3b-core"]
+    plan = plan_sweep(grid, tmp_path / "out", only_servers=["reconstruct-kv52GiB", "store_all-kv52GiB"],
+                      only_points=["generation_heavy-c256", "generation_heavy-c512"], dry_run=True)  # fmt: skip
+    serve = json.loads((plan.out / "params" / "serve.json").read_text())
+    bench = json.loads((plan.out / "params" / "bench.json").read_text())
+    assert [r["_benchmark_name"] for r in serve] == ["reconstruct-kv52GiB", "store_all-kv52GiB"]
+    assert [r["_benchmark_name"] for r in bench] == ["generation_heavy-c256", "generation_heavy-c512"]
+    assert [r["num_prompts"] for r in bench] == [384, 768] and plan.num_points == 4
+    with pytest.raises(SystemExit, match="no point named"):
+        plan_sweep(grid, tmp_path / "out", only_points=["chat-c3"], dry_run=True)
+
+
+def test_server_starts_keep_each_start_up_from_the_log(tmp_path):
+    starts = ServerStarts(tmp_path / "server_starts.json", "call-1")
+    lines = [
+        (0.0, None, "store_all-kv52GiB"),
+        (1.0, "(EngineCore pid=7) INFO [monitor.py:62] [backbone] torch.compile took 34.15 s in total", None),
+        (2.0, "(EngineCore pid=7) INFO [monitor.py:62] [eagle_head] torch.compile took 8.15 s in total", None),
+        (3.0, "(EngineCore pid=7) INFO [monitor.py:91] [backbone] Initial profiling/warmup run took 86.37 s", None),
+        (4.0, "(EngineCore pid=7) INFO [kernel_warmup.py:189] JIT kernel warmup finished in 38.00s.", None),
+        (5.0, "(EngineCore pid=7) INFO [gpu_model_runner.py:6581] Graph capturing finished in 15 secs, took 0.7 GiB",
+         None),
+        (6.0, "(EngineCore pid=7) INFO [core.py:395] init engine (profile, create kv cache, warmup model) took "
+              "202.00 s (compilation: 42.30 s)", None),
+        (7.5, "INFO:     Application startup complete.", None),
+        (8.0, None, "reconstruct-kv52GiB"),
+        (9.0, "(EngineCore pid=9) INFO [core.py:395] init engine (profile, create kv cache, warmup model) took "
+              "63.26 s (compilation: 4.79 s)", None),
+    ]  # fmt: skip
+    for now, text, server in lines:
+        starts.server(server, now) if server else starts.line(text, now)
+    records = json.loads(Path(tmp_path / "server_starts.json").read_text())
+    assert records == [{"server": "store_all-kv52GiB", "call": "call-1", "start_in_call": 1, "torch_compile_s": 34.15,
+                        "eagle_head_torch_compile_s": 8.15, "profile_run_s": 86.37, "jit_warmup_s": 38.0,
+                        "graph_capture_s": 15.0, "init_engine_s": 202.0, "ready_s": 7.5}]  # fmt: skip
+    # a server that never got ready is not recorded; the next call appends to the same file
+    again = ServerStarts(tmp_path / "server_starts.json", "call-2")
+    again.server("reconstruct-kv52GiB", 0.0)
+    again.line("INFO:     Application startup complete.", 120.0)
+    records = json.loads(Path(tmp_path / "server_starts.json").read_text())
+    assert [(r["call"], r["server"], r["start_in_call"], r["ready_s"]) for r in records] == [
+        ("call-1", "store_all-kv52GiB", 1, 7.5), ("call-2", "reconstruct-kv52GiB", 1, 120.0)]
