@@ -1,7 +1,8 @@
 """The per-step count updates of the GDN slots: the one-launch kernels equal their torch twins and the per-row
-semantics of `vllm_plugin.step_metadata` / `accepted_counts`, on random batches: null-block rows (captures,
-padding), strided slot columns and counts (the count state lives inside each slot's KV-cache page), slots that a
-non-speculative row takes over, and stale block-table rows past the batch. And one compiled variant per kernel."""
+semantics of `vllm_plugin.step_metadata`, `accepted_counts` (V1) and `runner_v2`, on random batches: null-block rows
+(captures, padding), strided slot columns and counts (the count state lives inside each slot's KV-cache page), slots
+that a non-speculative row takes over, stale block-table rows past the batch, and V2's rows it skips (-1). And one
+compiled variant per kernel."""
 
 import torch
 from hypothesis import given, settings
@@ -14,6 +15,8 @@ from vllm_treewy.kernels.triton.slot_counts import (
     count_table,
     record_accepted_counts_torch,
     record_accepted_counts_triton,
+    record_sampled_counts_torch,
+    record_sampled_counts_triton,
 )
 
 from .test_jit_variants import specialization_key
@@ -147,6 +150,53 @@ def test_record_accepted_counts_kernel_equals_twin_and_semantics(step, block_row
     assert results[0] == results[1] == expected
 
 
+@st.composite
+def v2_sampled_steps(draw):
+    """Model Runner V2's batch after a step's sampling: `num_rows` rows, each mapped to a request state (its block
+    table row; -1: a row V2 skips), over one to three KV-cache groups with their own slots and block tables (rows per
+    request state, more than the batch's); each live row's slot holds the step's count (0 for a row that did not
+    speculate, else its node count) and a sampled count (0: a prompt chunk that samples nothing)."""
+    max_reqs = draw(st.integers(1, 10))
+    num_rows = draw(st.integers(0, max_reqs))
+    requests = draw(st.lists(st.integers(0, max_reqs - 1), unique=True, min_size=num_rows, max_size=num_rows))
+    idx_mapping = [r if draw(st.integers(0, 5)) else -1 for r in requests] + [-1] * draw(st.integers(0, 2))
+    num_sampled = [draw(st.integers(0, 5)) for _ in idx_mapping]
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        num_slots = draw(st.integers(max_reqs + 1, 16))
+        slots = draw(st.lists(st.integers(1, num_slots - 1), unique=True, min_size=max_reqs, max_size=max_reqs))
+        counts = draw(st.lists(st.integers(0, MAX_COUNT), min_size=num_slots, max_size=num_slots))
+        groups.append((counts, slots, draw(st.integers(1, 4)), draw(st.integers(1, 3))))
+    return num_rows, idx_mapping, num_sampled, groups
+
+
+@settings(max_examples=60, deadline=None)
+@given(step=v2_sampled_steps(), block_rows=st.sampled_from([4, 128]))
+def test_record_sampled_counts_kernel_equals_twin_and_semantics(step, block_rows):
+    num_rows, idx_mapping, num_sampled, groups = step
+    expected = []
+    for initial, slots, _, _ in groups:
+        counts = list(initial)
+        for row in range(num_rows):
+            request = idx_mapping[row]
+            # the rows that verified this step (their slot holds its count); the others keep their slot's count
+            if request >= 0 and counts[slots[request]] > 0:
+                counts[slots[request]] = max(num_sampled[row], 1)
+        expected.append(counts)
+    results = []
+    for kernel in (False, True):
+        tensors = [(_strided_counts(initial, page).to(DEVICE), _block_table(slots, width).to(DEVICE))
+                   for initial, slots, width, page in groups]
+        rows = torch.tensor(idx_mapping, dtype=torch.int64, device=DEVICE)
+        sampled = torch.tensor(num_sampled, dtype=torch.int32, device=DEVICE)
+        if kernel:
+            record_sampled_counts_triton(count_table(tensors), rows, sampled, num_rows, block_rows=block_rows)
+        else:
+            record_sampled_counts_torch(tensors, rows, sampled, num_rows)
+        results.append([counts.cpu().tolist() for counts, _ in tensors])
+    assert results[0] == results[1] == expected
+
+
 def _block_table(slots: list[int], width: int) -> torch.Tensor:
     """`[rows, width]` int32, the slots in column 0 (a request's one state block under reconstruct)."""
     table = torch.full((len(slots), width), 1000, dtype=torch.int32)  # other columns: blocks no row may touch
@@ -167,7 +217,8 @@ class _Launches:
 def test_one_compiled_variant_whatever_the_batch(monkeypatch):
     """Both kernels run every step outside the graphs: a batch of a new size, stride or buffer offset must not
     compile a new variant in the middle of serving (Triton's key: dtypes, alignment, ints == 1 or % 16)."""
-    kernels = {name: getattr(slot_counts, name) for name in ("_commit_nodes_kernel", "_record_accepted_counts_kernel")}
+    kernels = {name: getattr(slot_counts, name)
+               for name in ("_commit_nodes_kernel", "_record_accepted_counts_kernel", "_record_sampled_counts_kernel")}
     launches = {name: _Launches() for name in kernels}
     for name, recorder in launches.items():
         monkeypatch.setattr(slot_counts, name, recorder)
@@ -181,6 +232,8 @@ def test_one_compiled_variant_whatever_the_batch(monkeypatch):
             commit_nodes_and_counts_triton(counts, buffer[:rows], buffer, buffer[:rows], buffer[1:], table[:, 0],
                                            NULL_BLOCK)
             record_accepted_counts_triton(count_table([(counts, table)] * (1 + offset)), buffer, buffer[1:], rows)
+            idx_mapping = torch.zeros(rows + offset, dtype=torch.int64)[offset:]
+            record_sampled_counts_triton(count_table([(counts, table)] * (1 + offset)), idx_mapping, buffer[1:], rows)
     for name, kernel in kernels.items():
         keys = {specialization_key(kernel, *launch) for launch in launches[name].launches}
         assert len(keys) == 1, (name, keys)

@@ -14,6 +14,7 @@ def register() -> None:
         full_graph_batches,
         gdn_layer,
         pseudo_value_buffer,
+        runner_v2,
         startup_memory,
         step_metadata,
         tree_budget,
@@ -24,7 +25,8 @@ def register() -> None:
     gdn_layer.install()
     pseudo_value_buffer.install()
     step_metadata.install()
-    accepted_counts.install()
+    accepted_counts.install()  # V1 runner (vLLM's CPU backend runs V1)
+    runner_v2.install(runner_hooks=current_platform.is_cuda())  # Model Runner V2, vLLM's default on CUDA
     tree_budget.install()
     if current_platform.is_cpu():
         from vllm_treewy.vllm_plugin import cpu_rejection_expand, gdn_cpu

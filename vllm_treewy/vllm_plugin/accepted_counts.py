@@ -1,4 +1,5 @@
-"""Each speculative request's accepted count, recorded in its GDN slot right after sampling.
+"""Each speculative request's accepted count, recorded in its GDN slot right after sampling: the V1 runner's hook
+(vLLM's CPU backend runs V1; Model Runner V2's is `runner_v2.record_sampled_counts`).
 
 The next step's commit needs the node each slot accepted. vLLM's own per-row count (`num_accepted_tokens`) is not
 enough: a running request that a step leaves unscheduled (its token budget spent) leaves vLLM's persistent batch,
@@ -21,7 +22,7 @@ from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_sta
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 
 
-def _counted_gdn_groups(runner):
+def counted_gdn_groups(runner):
     """(group id, count state) per KV-cache group of GDN layers that keep slot counts (reconstruct, store_all draft
     trees): the count lives in the group's first layer, the one its GDN metadata builder reads
     (`step_metadata.verified_node_counts`)."""
@@ -40,7 +41,7 @@ def _counted_gdn_groups(runner):
 def gdn_slot_counts(runner, rows: torch.Tensor):
     """(count state, state slots of the batch `rows`) per KV-cache group of GDN layers that keep slot counts."""
     num_reqs = runner.input_batch.num_reqs
-    for group_id, counts in _counted_gdn_groups(runner):
+    for group_id, counts in counted_gdn_groups(runner):
         # Column 0 is the slot that holds the count (no prefix caching): reconstruct's one block per request, a
         # store_all tree's first of 1 + N.
         yield counts, runner.input_batch.block_table[group_id].get_device_tensor(num_reqs)[rows, 0]
@@ -50,7 +51,7 @@ def gdn_counts_and_block_tables(runner) -> list[tuple[torch.Tensor, torch.Tensor
     """(count state, the group's whole device block table) per KV-cache group of GDN layers that keep slot counts
     (reconstruct, store_all draft trees): column 0 of a batch row is its slot."""
     return [(counts, runner.input_batch.block_table[group_id].block_table.gpu)
-            for group_id, counts in _counted_gdn_groups(runner)]
+            for group_id, counts in counted_gdn_groups(runner)]
 
 
 def record_chain_accepted_counts(runner, num_reqs: int) -> None:
@@ -62,13 +63,14 @@ def record_chain_accepted_counts(runner, num_reqs: int) -> None:
         return
     draft_tokens, accepted = runner.num_decode_draft_tokens.gpu, runner.num_accepted_tokens.gpu
     if slot_counts.launches_triton(groups[0][0]):
-        slot_counts.record_accepted_counts_triton(_count_table(runner, groups), draft_tokens, accepted, num_reqs)
+        slot_counts.record_accepted_counts_triton(count_table_of(runner, groups), draft_tokens, accepted, num_reqs)
     else:
         slot_counts.record_accepted_counts_torch(groups, draft_tokens, accepted, num_reqs)
 
 
-def _count_table(runner, groups) -> torch.Tensor:
-    """The groups' `count_table`, kept on the runner while their tensors stay where they are (the KV cache's life)."""
+def count_table_of(runner, groups) -> torch.Tensor:
+    """The groups' `count_table`, kept on the runner (V1 or V2) while their tensors stay where they are (the KV
+    cache's life)."""
     addresses = tuple((counts.data_ptr(), block_table.data_ptr()) for counts, block_table in groups)
     if getattr(runner, "treewy_count_table_addresses", None) != addresses:
         runner.treewy_count_table, runner.treewy_count_table_addresses = slot_counts.count_table(groups), addresses

@@ -13,7 +13,6 @@ plugins. Invalid values fail while the config is built, in the front end, with o
 """
 
 # No `from __future__ import annotations`: vLLM's CLI builds its arguments from these field types at run time.
-import functools
 from typing import Literal
 
 from vllm.config.speculative import SpeculativeConfig
@@ -138,22 +137,7 @@ def draft_tree_of(speculative_config) -> DraftTree | None:
     return speculative_config.draft_tree if getattr(speculative_config, "is_draft_tree", False) else None
 
 
-def _v2_unsupported_with_reconstruct(original):
-    @functools.wraps(original)
-    def unsupported_features(self) -> list[str]:
-        features = original(self)
-        if reconstructs_mamba_state(self.speculative_config):
-            features.append("mamba_state_commit='reconstruct' (vllm-treewy hooks the V1 model runner)")
-        return features
-
-    return unsupported_features
-
-
 def install() -> None:
-    """Makes every place that builds a SpeculativeConfig build ours; reconstruct selects the V1 runner.
-
-    vLLM falls back to V1 with a warning naming the feature, or refuses an explicit VLLM_USE_V2_MODEL_RUNNER=1.
-    """
+    """Makes every place that builds a SpeculativeConfig build ours (which runner vLLM picks: `runner_v2`)."""
     for point in patch_points.SPECULATIVE_CONFIG:
         point.replace(TreewySpeculativeConfig)
-    patch_points.V2_UNSUPPORTED_FEATURES.wrap(_v2_unsupported_with_reconstruct)

@@ -139,7 +139,8 @@ SPECULATIVE_CONFIG = tuple(
 )
 V2_UNSUPPORTED_FEATURES = PatchPoint(
     "vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features", "wraps",
-    "reconstruct hooks the V1 runner: list it so vLLM falls back to V1 and says why", ("self",),
+    "draft trees hook the V1 runner: list them so vLLM falls back to V1 and says why (reconstruct chains run on V2)",
+    ("self",),
 )
 _GDN_BUILDER = "vllm.v1.attention.backends.gdn_attn"
 GDN_METADATA_BUILD = PatchPoint(
@@ -147,6 +148,12 @@ GDN_METADATA_BUILD = PatchPoint(
     "per step and KV-cache group (and per CUDA-graph capture), outside the graphs: which node each slot commits, "
     "and the slots' counts",
     ("self", "common_prefix_len", "common_attn_metadata", "num_accepted_tokens", "num_decode_draft_tokens_cpu"),
+)
+GDN_METADATA_UPDATE_BLOCK_TABLE = PatchPoint(
+    _GDN_BUILDER, "GDNAttentionMetadataBuilder.update_block_table", "wraps",
+    "Model Runner V2 builds the first GDN group's metadata and re-gathers each further group's state indices from it "
+    "(per step and per FULL-graph capture): each group's own commit nodes and counts, as build gives them",
+    ("self", "metadata", "blk_table", "slot_mapping"), only_on="cuda",
 )
 GDN_STAGES_SPEC_DECODE = PatchPoint(
     _GDN_BUILDER, "GDNAttentionMetadataBuilder._stage_spec_decode", "calls",
@@ -275,6 +282,14 @@ TRITON_UNIFIED_ATTENTION = PatchPoint(
      "window_size", "block_table", "softcap", "q_descale", "k_descale", "v_descale"), only_on="cuda",
 )
 
+_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
+V2_RUNNER_POSTPROCESS_SAMPLED = PatchPoint(
+    _RUNNER_V2, "GPUModelRunner.postprocess_sampled", "wraps",
+    "where Model Runner V2 hands on each batch row's sampled-token count (a device tensor) right after sampling: "
+    "record the speculative rows' counts in their GDN slots (runner_v2)",
+    ("self", "idx_mapping", "sampled_tokens", "num_sampled", "num_rejected"), only_on="cuda",
+)
+
 SCHEDULER_UPDATE_AFTER_SCHEDULE = PatchPoint(
     "vllm.v1.core.sched.scheduler", "Scheduler._update_after_schedule", "wraps",
     "draft trees: before the step is committed, a request whose whole tree does not fit keeps no drafts",
@@ -302,6 +317,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     *SPECULATIVE_CONFIG,
     V2_UNSUPPORTED_FEATURES,
     GDN_METADATA_BUILD,
+    GDN_METADATA_UPDATE_BLOCK_TABLE,
     GDN_STAGES_SPEC_DECODE,
     GDN_FORWARD_CORE_FUSED_NORM,
     GDN_FORWARD_CUDA,
@@ -325,6 +341,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_INITIALIZE_METADATA_BUILDERS,
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
+    V2_RUNNER_POSTPROCESS_SAMPLED,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
     *MODEL_STATE_SHAPES,
     *MODEL_STATE_DTYPES,
@@ -339,6 +356,19 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         "reads; sets positions",
         "the step's draft counts, accepted counts and positions (device and numpy buffers), the KV-cache groups and "
         "the layers (accepted_counts, tree_runner, full_graph_batches)",
+    ),
+    InternalAttributes(
+        _RUNNER_V2, "GPUModelRunner", ("block_tables", "kv_cache_config", "compilation_config", "speculative_config"),
+        "reads", "Model Runner V2: the GDN groups' block tables (rows per request state), the KV-cache groups and the "
+        "layers (runner_v2); the count-address table is kept on it, as on V1 (accepted_counts.count_table_of)",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.block_table", "BlockTables", ("block_tables",), "reads",
+        "Model Runner V2: one block table per KV-cache group, a row per request state for the request's life",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.buffer_utils", "StagedWriteTensor", ("gpu",), "reads",
+        "a V2 block table's device tensor, at a fixed address (the count-address table keeps it)",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu_input_batch", "InputBatch",

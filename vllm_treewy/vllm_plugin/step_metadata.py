@@ -14,6 +14,9 @@ launches it at the start of its forward (`update_counts`), before any layer of t
 FULL CUDA graph captures it and replays it for free; in a batch without any (prefills only), the builder runs it. One
 Triton launch on CUDA (`kernels.triton.slot_counts`), torch ops elsewhere; no host sync either way.
 
+Both runners call the builder's `build` (Model Runner V2 for the first GDN group of a spec; for each further group it
+re-gathers the state indices, which `runner_v2` follows with `with_commit_nodes` too: each group commits its own slots).
+
 Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
 block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
 the tree's one ancestor table. In FULL-graph batches the slots and commit nodes go to persistent buffers, like vLLM's

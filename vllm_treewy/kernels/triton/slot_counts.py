@@ -8,8 +8,11 @@ update) are the path on CPU.
   or, for a batch without speculative rows, in the metadata builder: each speculative row's commit node from its
   slot's count, then the step's counts: the speculative rows' node counts, 0 in the null block and in every
   non-speculative row's slot.
-- `record_accepted_counts_*`, after sampling: each speculative row's accepted count into its slot, for every
-  KV-cache group of GDN layers at once (each group has its own counts and block table: `count_table`).
+- `record_accepted_counts_*`, after sampling (vLLM's V1 runner): each speculative row's accepted count into its slot,
+  for every KV-cache group of GDN layers at once (each group has its own counts and block table: `count_table`).
+- `record_sampled_counts_*`, after sampling (vLLM's Model Runner V2): the same for V2's batch, whose rows reach their
+  request's block-table row through `idx_mapping` and whose speculative rows are the slots that hold a count (the
+  step's count update gave every speculative row its node count, >= 1, and every other row 0).
 
 A batch's rows hold distinct slots apart from the null block (CUDA-graph capture and padding rows), as vLLM's
 requests do: rows never race on a slot other than the null block, where every row writes the same 0. No host sync;
@@ -151,3 +154,46 @@ def record_accepted_counts_triton(table: torch.Tensor, draft_tokens: torch.Tenso
         return
     _record_accepted_counts_kernel[(triton.cdiv(num_rows, block_rows),)](
         table, table.shape[0], draft_tokens, accepted, num_rows, BLOCK=block_rows)
+
+
+def record_sampled_counts_torch(groups: Sequence[tuple[torch.Tensor, torch.Tensor]], idx_mapping: torch.Tensor,
+                                num_sampled: torch.Tensor, num_rows: int) -> None:
+    """For each group `(counts, block_table [max_reqs, max_blocks])`, block table rows per request state: for every
+    batch row < num_rows with `idx_mapping[row] >= 0` (V2 marks rows to skip with -1) whose slot
+    `block_table[idx_mapping[row], 0]` holds a count (> 0: the row verified this step), `counts[slot] =
+    max(num_sampled[row], 1)`: 1 + the accepted drafts; a one-token prompt chunk that ran as a decode samples
+    nothing but its token was verified (node 0), as vLLM's own `max(num_sampled, 1)` has it."""
+    requests = idx_mapping[:num_rows].long()
+    live = requests >= 0
+    requests, sampled = requests[live], num_sampled[:num_rows][live].clamp(min=1)
+    for counts, block_table in groups:
+        slots = block_table[requests, 0].long()
+        pending = counts[slots]
+        counts[slots] = torch.where(pending > 0, sampled.to(counts.dtype), pending)
+
+
+@triton.jit(do_not_specialize=["num_groups", "num_rows"],
+            do_not_specialize_on_alignment=["table", "idx_mapping", "num_sampled"])
+def _record_sampled_counts_kernel(table, num_groups, idx_mapping, num_sampled, num_rows, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < num_rows
+    request = tl.load(idx_mapping + rows, mask=live, other=-1).to(tl.int64)
+    live = live & (request >= 0)
+    count = tl.maximum(tl.load(num_sampled + rows, mask=live, other=1).to(tl.int32), 1)
+    for group in range(num_groups):
+        counts = tl.load(table + 4 * group).to(tl.pointer_type(tl.int32))
+        block_table = tl.load(table + 4 * group + 2).to(tl.pointer_type(tl.int32))
+        slot = tl.load(block_table + request * tl.load(table + 4 * group + 3), mask=live)
+        slot_count = counts + slot.to(tl.int64) * tl.load(table + 4 * group + 1)
+        pending = tl.load(slot_count, mask=live, other=0)
+        tl.store(slot_count, count, mask=live & (pending > 0))
+
+
+def record_sampled_counts_triton(table: torch.Tensor, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+                                 num_rows: int, *, block_rows: int = BLOCK_ROWS) -> None:
+    """`record_sampled_counts_torch` for the groups of a `count_table` (block tables per request state), in one
+    launch (none without rows)."""
+    if num_rows == 0:
+        return
+    _record_sampled_counts_kernel[(triton.cdiv(num_rows, block_rows),)](
+        table, table.shape[0], idx_mapping, num_sampled, num_rows, BLOCK=block_rows)

@@ -1,0 +1,107 @@
+"""The adapter's hooks in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`), the runner vLLM picks by default on CUDA.
+
+Reconstruct chains run there on the parts every runner shares: the GDN layer (`gdn_layer`: the fused step, the page's
+pseudo-value buffer and count state) and the per-step commit nodes and counts that vLLM's GDN metadata builder
+derives (`step_metadata`: V2 calls the same builder's `build`, at FULL-graph capture too). What V2 does its own way:
+
+- Further GDN groups: V2 builds the first GDN group's metadata and, for every further group of the same spec,
+  re-gathers only the state indices from it (`GDNAttentionMetadataBuilder.update_block_table`, at capture too, so
+  that the FULL graphs share the batch-level buffers). Each group has its own slots and count state (in its first
+  layer's pages), so the re-gathered metadata gets the group's own commit nodes and count update, as `build` gives
+  them (`step_metadata.with_commit_nodes`, into the group's builder's own persistent buffers).
+- The slot counts after sampling: V2 counts each batch row's sampled tokens on the device (`num_sampled`, accepted
+  drafts + 1) and hands them to `GPUModelRunner.postprocess_sampled` right after sampling, before the drafter
+  proposes. There every speculative row's count goes into its slot in every GDN group
+  (`slot_counts.record_sampled_counts_triton`, one launch). V2 keeps a request's block-table row for the request's
+  life (`idx_mapping` maps batch rows to them) and, under its default async scheduling, prepares the next step on
+  the host before this one's tokens are known: device tensors only, no host sync.
+- FULL decode graphs: V2 replays a FULL decode graph only for a batch whose rows all decode (a prefill keeps the
+  batch out, `decode_graph_eligible`; a one-token prompt tail that runs as a decode is a speculative row of the GDN
+  builder too), i.e. the batches the builder stages into its graph buffers, and the commit nodes with them. V1's
+  runner needed `full_graph_batches` for a prompt chunk of a decode's length; V2's dispatch never lets one in.
+- Draft trees stay on the V1 runner (their proposer, sampler and input hooks are V1's): vLLM's V2 feature check lists
+  them, so vLLM falls back to V1 and logs why, or refuses an explicit VLLM_USE_V2_MODEL_RUNNER=1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.vllm_plugin.accepted_counts import count_table_of, counted_gdn_groups
+from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts, reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.patch_points import (
+    GDN_METADATA_UPDATE_BLOCK_TABLE,
+    V2_RUNNER_POSTPROCESS_SAMPLED,
+    V2_UNSUPPORTED_FEATURES,
+)
+from vllm_treewy.vllm_plugin.step_metadata import with_commit_nodes
+
+
+def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor) -> None:
+    """After V2's sampler counted this step's tokens per batch row (`num_sampled [rows]`; `idx_mapping [rows]`: each
+    row's request state, -1 to skip): the speculative rows' counts into their slots in every GDN group that keeps slot
+    counts. A row speculated this step iff its slot holds a count (the step's count update gave it its node count,
+    every other row's slot 0), so no per-row flag is needed. Device tensors only; CUDA: one launch for every group."""
+    groups = [(counts, runner.block_tables.block_tables[group_id].gpu)
+              for group_id, counts in counted_gdn_groups(runner)]
+    if not groups:
+        return
+    num_rows = idx_mapping.shape[0]
+    if slot_counts.launches_triton(groups[0][0]):
+        slot_counts.record_sampled_counts_triton(count_table_of(runner, groups), idx_mapping, num_sampled, num_rows)
+    else:
+        slot_counts.record_sampled_counts_torch(groups, idx_mapping, num_sampled, num_rows)
+
+
+def _recording_sampled_counts(original):
+    @functools.wraps(original)
+    def postprocess_sampled(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs):
+        original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
+        config = self.speculative_config
+        if reconstructs_mamba_state(config) and draft_tree_of(config) is None:
+            record_sampled_counts(self, idx_mapping, num_sampled)
+
+    return postprocess_sampled
+
+
+def _regathering_commit_nodes(original):
+    @functools.wraps(original)
+    def update_block_table(self, metadata, blk_table, slot_mapping):
+        updated = original(self, metadata, blk_table, slot_mapping)
+        if not keeps_slot_counts(self.vllm_config.speculative_config):
+            return updated
+        return with_commit_nodes(self, updated)
+
+    return update_block_table
+
+
+def draft_trees_stay_on_v1(speculative_config) -> str | None:
+    """The feature vLLM's V2 check lists for a draft-tree config (None for chains), naming why."""
+    if draft_tree_of(speculative_config) is None:
+        return None
+    return (f"vllm-treewy draft trees (draft_tree_widths={speculative_config.draft_tree_widths}: the tree proposer, "
+            "sampler and input hooks are the V1 runner's)")
+
+
+def _v2_unsupported_with_draft_trees(original):
+    @functools.wraps(original)
+    def unsupported_features(self) -> list[str]:
+        features = original(self)
+        tree_feature = draft_trees_stay_on_v1(self.speculative_config)
+        if tree_feature is not None:
+            features.append(tree_feature)
+        return features
+
+    return unsupported_features
+
+
+def install(runner_hooks: bool) -> None:
+    """The V2 feature check (every process: the front end picks the runner); with `runner_hooks` (CUDA, where V2
+    runs) the metadata and sampling hooks."""
+    V2_UNSUPPORTED_FEATURES.wrap(_v2_unsupported_with_draft_trees)
+    if runner_hooks:
+        GDN_METADATA_UPDATE_BLOCK_TABLE.wrap(_regathering_commit_nodes)
+        V2_RUNNER_POSTPROCESS_SAMPLED.wrap(_recording_sampled_counts)
