@@ -34,10 +34,12 @@ from bench.gpu_vllm_e2e import (add_common_args, batch_shape_control, beside_sto
                                 prompts_and_model, timed_batches, verdict_record)
 from vllm_treewy.fixture.exact import ExactModel
 
-WAIT_S = 420  # longest wait for the other engines' starts, the previous turn, or the runs to judge
+# Longest waits (s) for the other engines' starts, the previous engine's timing (a turn takes well under a minute),
+# and the runs to judge: past them an engine goes on (timing.alone false), so that a hung engine holds up no verdict.
+START_WAIT_S, TURN_WAIT_S, RUNS_WAIT_S = 300, 90, 60
 
 
-def _wait(ready, timeout_s: float = WAIT_S) -> float | None:
+def _wait(ready, timeout_s: float) -> float | None:
     """Seconds until `ready()` held, None if it did not within `timeout_s`."""
     start = time.monotonic()
     while not ready():
@@ -57,12 +59,25 @@ class Turns:
     def mark(self, what: str) -> None:
         (self.dir / f"{what}-{self.turn}").touch()
 
+    def _wait_for_previous_turn(self) -> float | None:
+        """Seconds until the previous engine's timing was done; None once no engine finished its timing for
+        TURN_WAIT_S (one that hung)."""
+        start = last_progress = time.monotonic()
+        done = -1
+        while self.turn > 0 and not (self.dir / f"done-{self.turn - 1}").exists():
+            if len(list(self.dir.glob("done-*"))) != done:
+                done, last_progress = len(list(self.dir.glob("done-*"))), time.monotonic()
+            if time.monotonic() - last_progress > TURN_WAIT_S:
+                return None
+            time.sleep(0.5)
+        return time.monotonic() - start
+
     @contextmanager
     def timing(self):
         """Waits until every engine started and the previous turn is done; yields what it waited for."""
         self.mark("started")
-        all_started = _wait(lambda: len(list(self.dir.glob("started-*"))) >= self.engines)
-        previous = _wait(lambda: self.turn == 0 or (self.dir / f"done-{self.turn - 1}").exists())
+        all_started = _wait(lambda: len(list(self.dir.glob("started-*"))) >= self.engines, START_WAIT_S)
+        previous = self._wait_for_previous_turn()
         record = {"turn": self.turn, "engines": self.engines, "waited_s": [all_started, previous],
                   "alone": all_started is not None and previous is not None}
         try:
@@ -190,7 +205,7 @@ def run_reference(args, turns: Turns) -> int:
             b: verdict_record(compare_tie_aware(reference, prompts[:b], outputs[b], out, exact_logits))
             for b, out in batch_shape_control(reference, prompts, args.batch_sizes, args.max_tokens).items()}
         runs_dir = Path(args.runs)
-        report["waited_for_runs_s"] = _wait(lambda: len(list(runs_dir.glob("*.json"))) >= args.expect)
+        report["waited_for_runs_s"] = _wait(lambda: len(list(runs_dir.glob("*.json"))) >= args.expect, RUNS_WAIT_S)
         for path in sorted(runs_dir.glob("*.json")):
             run = json.loads(path.read_text())
             entry = {key: v for key, v in run.items() if key != "outputs"}

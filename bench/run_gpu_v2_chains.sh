@@ -6,7 +6,7 @@
 #   ENGINES: STRATEGY:K[:v1] separated by spaces (v1: forced onto the V1 runner), e.g.
 #            "reconstruct:3 store_all:3 reconstruct:1 store_all:1 reconstruct:3:v1"
 #   e.g.  bash bench/run_gpu_v2_chains.sh $OUT "reconstruct:3 store_all:3" --dtype float16
-# KV_BYTES (default 10 GiB) is each engine's fixed KV cache (store_all k = 3 needs ~9 GiB for B = 256 on the
+# KV_BYTES (default 12 GiB) is each engine's fixed KV cache (store_all k = 3 needs ~9 GiB for B = 256 on the
 # fixture); GPU_UTIL (default 0.1) its start-up memory check. Each engine runs under `timeout ${CALL_LIMIT_S:-540}`.
 # OUT_DIR gets three files: log.txt (the summary lines), gpu_v2_chains.json (the reference's report) and
 # engines.tar.gz (every engine's log and run JSON); the working folders stay in ${WORK:-/tmp/v2-chains}.
@@ -21,7 +21,7 @@ limit=${CALL_LIMIT_S:-540}
 # the fixture and vLLM's model-info cache first: the engines would otherwise write them at once
 python3 -c "from bench import gpu_site; from bench.gpu_vllm_e2e import prompts_and_model; gpu_site.seed_model_info_cache(); prompts_and_model()" >"$work/logs/fixture.log" 2>&1
 rc=$?; echo "=== fixture rc=$rc at $(( $(date +%s) - start )) s" >>"$log"
-common=(--kv-cache-memory-bytes "${KV_BYTES:-10737418240}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
+common=(--kv-cache-memory-bytes "${KV_BYTES:-12884901888}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
         --turns-dir "$work/turns" --engines "$n")
 turn=0 pids=()
 for e in $engines; do
