@@ -6,7 +6,8 @@ fused-norm GDN path (`_forward_core_fused_norm`, where vLLM would call its compi
 models) and takes the speculative tokens out of it; the prefills of the same batch stay with vLLM. FULL CUDA graphs
 capture decode batches: every step's inputs are tensors of the GDN metadata (`step_metadata`). On CPU the same
 happens through `gdn_cpu`, which also runs the store_all draft tree baseline (`store_all_tree`): vLLM's chain kernels
-cannot follow a tree's parents.
+cannot follow a tree's parents. Qwen3-Next's layer (the same class, its projections interleaved by key head) is
+unpacked into Qwen3.5's flat q/k/v, z, b, a before either path: by vLLM on CPU, here on CUDA.
 """
 
 from __future__ import annotations
@@ -68,8 +69,6 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         # (vLLM's own GDN prefill refuses float32 activations)
         if self.model_config.dtype not in (torch.bfloat16, torch.float16):
             reasons.append(f"a bfloat16 or float16 model (got {self.model_config.dtype})")
-        if self.gqa_interleaved_layout:
-            reasons.append("the Qwen3.5 (non-interleaved) q/k/v/z layout")
         if self.norm.activation not in GATE_ACTIVATIONS:
             reasons.append(f"a silu or sigmoid output gate (got {self.norm.activation})")
         for name, dim in (("head_k_dim", self.head_k_dim), ("head_v_dim", self.head_v_dim)):
@@ -93,6 +92,15 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                                                               layer_name=encode_layer_name(self.prefix))
         output, _ = self.out_proj(core_attn_out.flatten(-2))
         return output
+
+    def _forward_core_fused_norm_packed(self, mixed_qkvz, ba, core_attn_out):
+        if not self.gqa_interleaved_layout:
+            return super()._forward_core_fused_norm_packed(mixed_qkvz, ba, core_attn_out)
+        # vLLM's packed op splits Qwen3.5's flat [q, k, v, z] and [b, a]; Qwen3-Next's rows are grouped by key head:
+        # unpacked as vLLM's unfused path does (views and copies of static shapes), then the same fused-norm path.
+        query, key, value, z, b, a = self.fix_query_key_value_ordering(mixed_qkvz, ba)
+        mixed_qkv = torch.cat([t.flatten(1) for t in (query, key, value)], dim=-1)
+        self._forward_core_fused_norm(mixed_qkv, b, a, z, core_attn_out)
 
     def buffer_layout(self) -> BufferLayout:
         return BufferLayout.of_model(self.tp_size, self.num_k_heads, self.num_v_heads, self.head_k_dim,

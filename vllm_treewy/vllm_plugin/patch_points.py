@@ -171,6 +171,17 @@ GDN_FORWARD_CUDA = PatchPoint(
     "vLLM takes the fused-norm path for bf16 activations only: under reconstruct an fp16 model takes it too",
     ("self", "hidden_states"),
 )
+GDN_FORWARD_CORE_FUSED_NORM_PACKED = PatchPoint(
+    _GDN_LAYER, "QwenGatedDeltaNetAttention._forward_core_fused_norm_packed", "overrides",
+    "vLLM's fused-norm GDN op calls it with the projections as they come: it splits Qwen3.5's flat layout, so "
+    "Qwen3-Next's interleaved one is unpacked here first (CUDA)",
+    ("self", "mixed_qkvz", "ba", "core_attn_out"), only_on="cuda",
+)
+GDN_FIX_QKVZ_ORDERING = PatchPoint(
+    _GDN_LAYER, "QwenGatedDeltaNetAttention.fix_query_key_value_ordering", "calls",
+    "vLLM's unpacking of Qwen3-Next's interleaved projections into query, key, value, z, b, a",
+    ("self", "mixed_qkvz", "mixed_ba"), only_on="cuda",
+)
 GDN_FUSED_NORM_OP = PatchPoint(
     _GDN_LAYER, "qwen_gdn_attention_core_fused_norm_packed", "calls",
     "the fused-norm GDN op forward_cuda calls for bf16 (registered as torch.ops.vllm.*, a CUDA graph split point)",
@@ -321,6 +332,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     GDN_STAGES_SPEC_DECODE,
     GDN_FORWARD_CORE_FUSED_NORM,
     GDN_FORWARD_CUDA,
+    GDN_FORWARD_CORE_FUSED_NORM_PACKED,
+    GDN_FIX_QKVZ_ORDERING,
     GDN_FUSED_NORM_OP,
     ENCODE_LAYER_NAME,
     GDN_RMS_NORM_GATED,
