@@ -331,7 +331,7 @@ GRIDS["h200-a3b"] = Grid(
             "Triton attention, V1 runner, capture sizes up to 512 requests, dummy weights, synthetic acceptance",),
 )
 # What two device calls hold: store_all and reconstruct where only store_all binds. Call 1 runs the decisive points
-# (`--points generation_heavy-c256 generation_heavy-c512`), call 2 the rest of the decode-heavy concurrencies.
+# (`--points generation_heavy-c512 generation_heavy-c256`), call 2 the rest of the decode-heavy concurrencies.
 GRIDS["h200-a3b-core"] = replace(
     GRIDS["h200-a3b"], name="h200-a3b-core",
     description="h200-a3b's store_all and reconstruct at kv52GiB (store_all binds, reconstruct does not)",

@@ -99,6 +99,7 @@ class PreparedModel:
     path: Path
     load_format: str  # "auto" (weights on disk) or "dummy"
     text: TextSource
+    tokenizer: Path | None = None  # a tokenizer directory apart from the model's (`--tokenizer`); None: the model's
 
 
 def _tokenizer_text_source(model_dir: Path, token_stream: list[int]) -> TextSource:
@@ -171,13 +172,17 @@ def write_shape_config(out_dir: Path, shape: str) -> Path:
 
 
 def prepare_qwen35_shape(out_dir: Path, shape: str) -> PreparedModel:
-    """config.json of a Qwen3.5 shape (weights come from `--load-format dummy`) and a matching tokenizer."""
+    """config.json of a Qwen3.5 shape (weights come from `--load-format dummy`) and a matching tokenizer, in a
+    directory of its own (`out_dir/tokenizer`, no config.json): transformers 5 loads the tokenizer of a directory
+    whose config says qwen3_5* as its Qwen3.5 BPE class whatever tokenizer_config.json names, which would not be
+    the word-level one (its text would decode without spaces)."""
     dims = SHAPES[shape]
     write_shape_config(out_dir, shape)
-    write_word_tokenizer(out_dir, dims["vocab_size"])
+    tokenizer = out_dir / "tokenizer"
+    write_word_tokenizer(tokenizer, dims["vocab_size"])
     rng = random.Random(f"{shape}-prompts")
     stream = [rng.randrange(len(SPECIAL_TOKENS), dims["vocab_size"]) for _ in range(65536)]
-    return PreparedModel(out_dir, "dummy", _tokenizer_text_source(out_dir, stream))
+    return PreparedModel(out_dir, "dummy", _tokenizer_text_source(tokenizer, stream), tokenizer)
 
 
 def prepare_model(name: str, out_dir: Path) -> PreparedModel:

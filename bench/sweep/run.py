@@ -70,7 +70,7 @@ def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, 
                warm_worker: bool = True) -> SweepPlan:  # fmt: skip
     """Prepares the model, the workload files and vLLM's parameter files; returns the commands to run. `only_servers`
     picks servers and the order vLLM's sweep starts them in (the first start of a call is the cold one);
-    `only_points` picks benchmark points."""
+    `only_points` picks benchmark points and their order (the decisive ones first, before a call's limit)."""
     out = out.resolve()
     model = prepare_model(grid.model, out / "model")
     workload_data = write_workloads(out / "workloads", grid.lengths, model.text, grid.workloads)
@@ -87,7 +87,8 @@ def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, 
         unknown = set(only_points) - {r["_benchmark_name"] for r in bench_params}
         if unknown:
             raise SystemExit(f"no point named {sorted(unknown)} in grid {grid.name}")
-        bench_params = [r for r in bench_params if r["_benchmark_name"] in only_points]
+        by_name = {r["_benchmark_name"]: r for r in bench_params}
+        bench_params = [by_name[name] for name in dict.fromkeys(only_points)]
     params_dir = out / "params"
     params_dir.mkdir(parents=True, exist_ok=True)
     (params_dir / "serve.json").write_text(json.dumps(serve_params, indent=1) + "\n")
@@ -96,11 +97,12 @@ def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, 
     port = port or free_port()
     base_url = f"http://{HOST}:{port}"
     load_format = () if model.load_format == "auto" else ("--load-format", model.load_format)
-    serve_cmd = [*vllm_cli(), "serve", str(model.path), *grid.serve_flags, *load_format,
+    tokenizer = () if model.tokenizer is None else ("--tokenizer", str(model.tokenizer))
+    serve_cmd = [*vllm_cli(), "serve", str(model.path), *grid.serve_flags, *load_format, *tokenizer,
                  "--host", HOST, "--port", str(port)]  # fmt: skip
     worker_socket = f"/tmp/treewy-sweep-bench-{os.getpid()}-{port}.sock" if warm_worker and not dry_run else None
     bench_cmd = [sys.executable, "-m", "bench.sweep.point", *(("--worker", worker_socket) if worker_socket else ()),
-                 "--backend", "vllm", "--model", str(model.path), "--host", HOST, "--port", str(port),
+                 "--backend", "vllm", "--model", str(model.path), *tokenizer, "--host", HOST, "--port", str(port),
                  *grid.bench_flags]  # fmt: skip
     if not show_bench_progress:
         bench_cmd.append("--disable-tqdm")

@@ -96,12 +96,12 @@ def test_a3b_shapes_are_the_published_layers():
 def test_only_orders_servers_and_points_filter(tmp_path):
     grid = GRIDS["h200-a3b-core"]
     plan = plan_sweep(grid, tmp_path / "out", only_servers=["reconstruct-kv52GiB", "store_all-kv52GiB"],
-                      only_points=["generation_heavy-c256", "generation_heavy-c512"], dry_run=True)  # fmt: skip
+                      only_points=["generation_heavy-c512", "generation_heavy-c256"], dry_run=True)  # fmt: skip
     serve = json.loads((plan.out / "params" / "serve.json").read_text())
     bench = json.loads((plan.out / "params" / "bench.json").read_text())
     assert [r["_benchmark_name"] for r in serve] == ["reconstruct-kv52GiB", "store_all-kv52GiB"]
-    assert [r["_benchmark_name"] for r in bench] == ["generation_heavy-c256", "generation_heavy-c512"]
-    assert [r["num_prompts"] for r in bench] == [384, 768] and plan.num_points == 4
+    assert [r["_benchmark_name"] for r in bench] == ["generation_heavy-c512", "generation_heavy-c256"]
+    assert [r["num_prompts"] for r in bench] == [768, 384] and plan.num_points == 4
     with pytest.raises(SystemExit, match="no point named"):
         plan_sweep(grid, tmp_path / "out", only_points=["chat-c3"], dry_run=True)
 
