@@ -5,14 +5,14 @@ Every engine is one process and they all start at once, each with a fixed KV-cac
 other processes' allocations would disturb): a fresh H200 spends ~2 minutes in each engine's start, so one after the
 other they would not fit one call. Their timed batches do not overlap: each engine, once started, waits until every
 engine has started (none compiles any more) and the previous one's timing is done, then times its batches
-(`gpu_vllm_e2e.timed_batches`: B = 1 / 8 / 64 / 256 prompts at once, median of the passes) while the others wait idle;
-so tokens/s compare like for like, as in engines run one after the other. A run records whether it was timed so
-(`timing.alone`). The no-speculation reference has the last turn; it then judges every run's outputs tie-aware
-(`gpu_vllm_e2e.py`'s verdict: a divergence passes only within one bf16 step of the reference's top two logits, or
-where the fp64 fixture does not prefer the reference's token by more), and itself in smaller batches (the fixture's
-floor). Each engine records the runner vLLM picked (`use_v2_model_runner`: nothing forces V2; `--runner v1` sets
-VLLM_USE_V2_MODEL_RUNNER=0), and on V2 the FULL graphs its graph manager captured and how many of the timed passes'
-steps replayed one.
+(`gpu_vllm_e2e.timed_batches`: B = 1 / 8 / 64 / 256 prompts at once, median of the passes) while the others wait idle,
+and tears down only after the last engine timed; so tokens/s compare like for like, as in engines run one after the
+other. A run records whether it was timed so (`timing.alone`). The no-speculation reference has the last turn; it then
+judges every run's outputs tie-aware (`gpu_vllm_e2e.py`'s verdict: a divergence passes only within one bf16 step of
+the reference's top two logits, or where the fp64 fixture does not prefer the reference's token by more), and itself
+in smaller batches (the fixture's floor). Each engine records the runner vLLM picked (`use_v2_model_runner`: nothing
+forces V2; `--runner v1` sets VLLM_USE_V2_MODEL_RUNNER=0), and on V2 the FULL graphs its graph manager captured and
+how many of the timed passes' steps replayed one.
 
     python3 bench/gpu_v2_chains.py spec --strategy reconstruct --k 3 --runs R --turns-dir T --turn 0 --engines 3 ...
     python3 bench/gpu_v2_chains.py reference --runs R --expect 2 --out report.json --turns-dir T --turn 2 --engines 3
@@ -59,12 +59,12 @@ class Turns:
     def mark(self, what: str) -> None:
         (self.dir / f"{what}-{self.turn}").touch()
 
-    def _wait_for_previous_turn(self) -> float | None:
-        """Seconds until the previous engine's timing was done; None once no engine finished its timing for
-        TURN_WAIT_S (one that hung)."""
+    def _wait_for_turn_done(self, turn: int) -> float | None:
+        """Seconds until engine `turn`'s timing was done (at once for turn < 0); None once no engine finished its
+        timing for TURN_WAIT_S (one that hung)."""
         start = last_progress = time.monotonic()
         done = -1
-        while self.turn > 0 and not (self.dir / f"done-{self.turn - 1}").exists():
+        while turn >= 0 and not (self.dir / f"done-{turn}").exists():
             if len(list(self.dir.glob("done-*"))) != done:
                 done, last_progress = len(list(self.dir.glob("done-*"))), time.monotonic()
             if time.monotonic() - last_progress > TURN_WAIT_S:
@@ -77,13 +77,18 @@ class Turns:
         """Waits until every engine started and the previous turn is done; yields what it waited for."""
         self.mark("started")
         all_started = _wait(lambda: len(list(self.dir.glob("started-*"))) >= self.engines, START_WAIT_S)
-        previous = self._wait_for_previous_turn()
+        previous = self._wait_for_turn_done(self.turn - 1)
         record = {"turn": self.turn, "engines": self.engines, "waited_s": [all_started, previous],
                   "alone": all_started is not None and previous is not None}
         try:
             yield record
         finally:
             self.mark("done")
+
+    def hold_until_the_last_timing(self) -> None:
+        """An engine's teardown (freeing its KV cache, its CUDA context) would run beside the next engine's timing:
+        it waits until the last engine (the reference) has timed."""
+        self._wait_for_turn_done(self.engines - 1)
 
 
 def model_runner_of(llm):
@@ -155,6 +160,7 @@ def run_spec(args, turns: Turns) -> int:
             outputs, tokens_per_s, acceptance_length = timed_batches(llm, prompts, args)
             after = read_acceptance(llm)
         kv = kv_cache_report(llm)
+        turns.hold_until_the_last_timing()
     result = {
         "name": name, "strategy": args.strategy, "k": args.k, "engine_start_s": started, **facts, "timing": timing,
         "steps": steps, "outputs": {str(b): o for b, o in outputs.items()},
