@@ -520,7 +520,8 @@ def run_tree(args) -> int:
     import vllm_treewy.vllm_plugin as plugin
     from vllm_treewy.tree import DraftTree
     from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, write_drafts_file
-    from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, kv_cache_report, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import (compare_tie_aware, engine, generate_greedy,
+                                                                  kv_cache_report, read_acceptance)
 
     plugin.register()
     out = Path(args.out_dir)
@@ -534,11 +535,23 @@ def run_tree(args) -> int:
     model, prompts = tree_model(args)
     tree = DraftTree.from_widths(widths)
     exact_logits = ExactModel(model).next_token_logits
+    phases = None
+    if args.phase_timing:
+        from bench.phase_timing import install
+
+        phases = install()
     start = time.perf_counter()
     with engine(model, speculative_config=tree_spec(widths, args.drafter), logprobs_mode="raw_logits",
                 **engine_kwargs(args, 1 + tree.num_nodes)) as llm:
         started = time.perf_counter() - start
         before = read_acceptance(llm)
+        phase_times = {}
+        for b in args.batch_sizes if phases else ():  # per batch size, after a warm-up pass
+            generate_greedy(llm, prompts[:b], [8] * b)
+            phases.reset()
+            generate_greedy(llm, prompts[:b], [args.max_tokens] * b)
+            phase_times[str(b)] = phases.report()
+            print(f"  phases B={b}:", json.dumps(phase_times[str(b)]), flush=True)
         outputs, tokens_per_s, acceptance_length = timed_batches(llm, prompts, args)
         after = read_acceptance(llm)
         kv = kv_cache_report(llm)
@@ -561,6 +574,7 @@ def run_tree(args) -> int:
         "acceptance_length": {str(b): n for b, n in acceptance_length.items()}, "accepted_per_position": [
             a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position)],
         "kv_cache": asdict(kv), "verdicts": verdicts, "teacher_forced_verdicts": self_check, "profile": profile,
+        "phase_times": phase_times,
     }
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "runs" / f"{name}.json").write_text(json.dumps(result))
@@ -626,6 +640,8 @@ def main(argv=None) -> int:
     tree.add_argument("--drafter", default="continuation", choices=["continuation", "mtp"],
                       help="the continuation test drafter, or the model's own MTP head (widths of 1: vLLM's chain)")
     tree.add_argument("--blurred-mtp", action="store_true", help="the fixture's blurred-MTP variant (same target)")
+    tree.add_argument("--phase-timing", action="store_true",
+                      help="host time per engine step by phase over the timed passes (bench/phase_timing.py)")
     tree.add_argument("--concurrent", action="store_true", help="recorded: other engines share the GPU meanwhile")
     tree.add_argument("--preemption", action="store_true",
                       help="the preemption prompts (preemption-continuations) in a KV cache that preempts")

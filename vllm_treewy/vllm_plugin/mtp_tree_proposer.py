@@ -163,8 +163,12 @@ class TreeMtpProposer(EagleProposer):
         with set_forward_context(per_layer, self.vllm_config, num_tokens=num_input_tokens,
                                  num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
                                  slot_mapping=self._get_slot_mapping(num_input_tokens, level_cad.slot_mapping)):
-            hidden = self.model(**kwargs)
+            hidden = self._run_head(kwargs)
         return hidden[:num_tokens].view(num_reqs, block_len, -1)
+
+    def _run_head(self, kwargs: dict) -> torch.Tensor:
+        """The head's forward for one level, inside the level's forward context (vLLM's cudagraph dispatch)."""
+        return self.model(**kwargs)
 
     def _constants(self, tree) -> TreeConstants:
         if tree.num_nodes not in self._level_constants:

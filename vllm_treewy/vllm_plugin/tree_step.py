@@ -14,6 +14,8 @@ caches in it during the forward, for the accepted path's KV compaction after acc
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +50,6 @@ class TreeStep:
     request_indices: torch.Tensor  # [R] int64 batch rows that verify a whole tree, ascending
     token_indices: torch.Tensor  # [R * (1 + N)] int64 the step's token index of every verified-block token
     query_start_loc: torch.Tensor  # [R + 1] int32 the tree rows' blocks back to back: 0, 1 + N, ...
-    block_ancestors: torch.Tensor  # [R * (1 + N), depth + 1] int32 (`verified_block_ancestors`)
     root_positions: torch.Tensor  # [R] int64 committed length before each root (= the root's position)
     parents: torch.Tensor  # [R * N] int32 the tree rows' local draft parents (-1: child of the root), packed
     cu_nodes: torch.Tensor  # [R + 1] int32 the tree rows' draft nodes back to back: 0, N, ...
@@ -58,6 +59,12 @@ class TreeStep:
     # can take the tree as its qq_bias for the whole batch (`tree_attention_triton`).
     covers_batch: bool = False
     qq_bias: torch.Tensor | None = None  # TRITON_ATTN: the tree's `tree_qq_bias`, set with the step's metadata
+
+    @functools.cached_property
+    def block_ancestors(self) -> torch.Tensor:
+        """`[R * (1 + N), depth + 1]` int32 (`verified_block_ancestors`): the CPU tree attention's mask, built at its
+        first use (the TRITON_ATTN tree bias does not need it)."""
+        return verified_block_ancestors(self.parents, self.cu_nodes, self.tree.max_depth)
 
     @property
     def num_requests(self) -> int:
@@ -110,7 +117,6 @@ def find_tree_step(tree: DraftTree, num_decode_draft_tokens: np.ndarray, num_dra
         request_indices=request_indices,
         token_indices=token_indices,
         query_start_loc=torch.arange(rows.size + 1, dtype=torch.int32, device=device) * block_len,
-        block_ancestors=verified_block_ancestors(parents, cu_nodes, tree.max_depth),
         root_positions=root_positions,
         parents=parents,
         cu_nodes=cu_nodes,
@@ -127,11 +133,12 @@ def override_positions(positions: torch.Tensor, step: TreeStep) -> None:
 @dataclass(frozen=True)
 class TreeConstants:
     """One tree's static per-request tensors on a device, built once (host-to-device copies would wait for the
-    device's queued work every step)."""
+    device's queued work every step), and its uniform steps' batch-size-only tensors, built once per batch size."""
 
     parents: torch.Tensor  # [N] int32 local parents
     depths: torch.Tensor  # [1 + N] int64 depth of each verified-block token (root 0)
     parent_blocks: torch.Tensor  # [N] int64 verified-block index of each node's parent (root 0)
+    uniform_steps: dict = field(default_factory=dict, compare=False, repr=False)  # R -> TreeStep (no roots)
 
     @classmethod
     def of(cls, tree: DraftTree, device) -> TreeConstants:
@@ -143,21 +150,26 @@ class TreeConstants:
 def uniform_tree_step(tree: DraftTree, root_positions: torch.Tensor, constants: TreeConstants) -> TreeStep:
     """A step in which every request of the batch is a tree row, its verified block at query rows
     `r * (1 + N) ..` (`root_positions [R]` int64 on the device: each root's position). The MTP drafting levels run
-    such steps (`mtp_tree_proposer`). Device ops only: every shape follows from R and the tree."""
-    device = root_positions.device
-    num_requests, block_len = root_positions.numel(), 1 + tree.num_nodes
-    parents = constants.parents.repeat(num_requests)
-    cu_nodes = torch.arange(num_requests + 1, dtype=torch.int32, device=device) * tree.num_nodes
-    shifts = (torch.arange(block_len, device=device) - constants.depths).repeat(num_requests)
+    such steps (`mtp_tree_proposer`). Everything but the roots depends on R and the tree only: built at a batch
+    size's first step, then shared (a new `TreeStep` per call, so each records its own layers)."""
+    num_requests = root_positions.numel()
+    template = constants.uniform_steps.get(num_requests)
+    if template is None:
+        template = constants.uniform_steps[num_requests] = _uniform_template(tree, num_requests, constants)
+    return dataclasses.replace(template, root_positions=root_positions.long(), attention_layers=[])
+
+
+def _uniform_template(tree: DraftTree, num_requests: int, constants: TreeConstants) -> TreeStep:
+    device = constants.parents.device
+    block_len = 1 + tree.num_nodes
     return TreeStep(
         tree=tree,
         request_indices=torch.arange(num_requests, device=device),
         token_indices=torch.arange(num_requests * block_len, device=device),
         query_start_loc=torch.arange(num_requests + 1, dtype=torch.int32, device=device) * block_len,
-        block_ancestors=verified_block_ancestors(parents, cu_nodes, tree.max_depth),
-        root_positions=root_positions.long(),
-        parents=parents,
-        cu_nodes=cu_nodes,
-        position_shifts=shifts,
+        root_positions=torch.zeros(num_requests, dtype=torch.long, device=device),
+        parents=constants.parents.repeat(num_requests),
+        cu_nodes=torch.arange(num_requests + 1, dtype=torch.int32, device=device) * tree.num_nodes,
+        position_shifts=(torch.arange(block_len, device=device) - constants.depths).repeat(num_requests),
         covers_batch=True,
     )
