@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,9 +127,23 @@ def prompts_and_model():
 
     from vllm_treewy.fixture import build_fixture, fixture_prompts
 
-    model = FIXTURE_DIR if (Path(FIXTURE_DIR) / "fixture.json").exists() else str(
-        build_fixture(FIXTURE_DIR, shape="qwen35"))
+    model = built_once(FIXTURE_DIR, lambda out: build_fixture(out, shape="qwen35"))
     return model, fixture_prompts(AutoTokenizer.from_pretrained(model), 256)
+
+
+def built_once(path: str, build) -> str:
+    """`path`, which `build(dir)` makes once: into a folder of this process, then renamed into place, so engines
+    started at once (`--concurrent`) never read a model another process is still writing."""
+    if (Path(path) / "fixture.json").exists():
+        return path
+    staging = f"{path}.{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    build(staging)
+    try:
+        os.rename(staging, path)
+    except OSError:  # another process renamed its copy first
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
 
 
 def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:
@@ -463,11 +478,10 @@ def tree_model(args) -> tuple[str, list]:
     """The fixture, or its blurred-MTP variant (`--blurred-mtp`: same target, a head right about half the time)."""
     from vllm_treewy.fixture import blurred_mtp_variant
 
-    model, prompts = prompts_and_model()
+    base, prompts = prompts_and_model()
     if getattr(args, "blurred_mtp", False):
-        blurred = Path(FIXTURE_DIR + "-blurred-mtp")
-        model = str(blurred if (blurred / "fixture.json").exists() else blurred_mtp_variant(model, blurred))
-    return model, prompts
+        return built_once(FIXTURE_DIR + "-blurred-mtp", lambda out: blurred_mtp_variant(base, out)), prompts
+    return base, prompts
 
 
 def run_preempted_tree(args) -> int:
