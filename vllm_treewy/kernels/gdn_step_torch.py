@@ -55,19 +55,14 @@ def commit_paths(commit_nodes: torch.Tensor, rows_per_slot: int,
     return torch.where((node[:, None] >= 0) & (path >= 0), path, -1)
 
 
-def gdn_commit_packed(state, state_indices, factors, commit_nodes, commit_ancestors=None):
-    """In place, for each request b with slot s = state_indices[b] >= 0 and a = commit_nodes[b] >= 0: the state
-    after node a, whose path's factors are in rows factors[s, j] (`commit_paths`: 0..a for a chain, else the
-    previous step's tree as an ancestor table ``commit_ancestors [T, D]`` shared by every slot),
-
-        h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j k_scale_j) k_j^T,   c_j = sum of g root..j;
-
-    every decay is a running sum of g from a up to the child of j (the kernel's), never a difference."""
+def committed_states(state, slots, factors, commit_nodes, commit_ancestors=None) -> torch.Tensor:
+    """``[L, HV, V, K]`` (fp32, fp64 for fp64 inputs) the state after node ``commit_nodes[l] >= 0`` of each slot
+    ``slots[l] >= 0``'s previous step, from the slot's state and factor rows (paths as `gdn_commit_packed`);
+    nothing written. Every decay is a running sum of g from the node up to the child of j, never a difference."""
     _, num_value_heads, value_dim, key_dim = state.shape
     dtype = compute_dtype(state, factors)
-    live = (state_indices >= 0) & (commit_nodes >= 0)
-    slots = state_indices[live].long()
-    path = commit_paths(commit_nodes[live], factors.shape[1], commit_ancestors)  # [L, P]
+    slots = slots.long()
+    path = commit_paths(commit_nodes, factors.shape[1], commit_ancestors)  # [L, P]
     on = path >= 0
     path_rows = factors[slots[:, None], path.clamp(min=0)].to(dtype)  # [L, P, F]: rows off the path hold anything
     k, k_scale, u, g = split_slot_factors(path_rows, num_value_heads, key_dim, value_dim)
@@ -77,8 +72,19 @@ def gdn_commit_packed(state, state_indices, factors, commit_nodes, commit_ancest
     weight = torch.where(on[..., None], torch.exp(below_j) * k_scale, 0.0)
     u = torch.where(on[..., None, None], u, 0.0) * weight[..., None]  # NaN-safe: off-path rows are masked out
     k = torch.where(on[..., None, None], k, 0.0)
-    h = torch.exp(up_to_j[:, -1])[..., None, None] * state[slots].to(dtype) + torch.einsum("lphv,lphk->lhvk", u, k)
-    state[slots] = h.to(state.dtype)
+    return torch.exp(up_to_j[:, -1])[..., None, None] * state[slots].to(dtype) + torch.einsum("lphv,lphk->lhvk", u, k)
+
+
+def gdn_commit_packed(state, state_indices, factors, commit_nodes, commit_ancestors=None):
+    """In place, for each request b with slot s = state_indices[b] >= 0 and a = commit_nodes[b] >= 0: the state
+    after node a, whose path's factors are in rows factors[s, j] (`commit_paths`: 0..a for a chain, else the
+    previous step's tree as an ancestor table ``commit_ancestors [T, D]`` shared by every slot),
+
+        h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j k_scale_j) k_j^T,   c_j = sum of g root..j
+    (`committed_states`)."""
+    live = (state_indices >= 0) & (commit_nodes >= 0)
+    slots = state_indices[live].long()
+    state[slots] = committed_states(state, slots, factors, commit_nodes[live], commit_ancestors).to(state.dtype)
 
 
 def gdn_step_packed(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents,

@@ -13,6 +13,7 @@ def register() -> None:
         config,
         full_graph_batches,
         gdn_layer,
+        prefix_caching,
         pseudo_value_buffer,
         runner_v2,
         startup_memory,
@@ -26,6 +27,7 @@ def register() -> None:
     pseudo_value_buffer.install()
     step_metadata.install()
     accepted_counts.install()  # V1 runner (vLLM's CPU backend runs V1)
+    prefix_caching.install()  # V1 runner, mamba_cache_mode "align"
     runner_v2.install(runner_hooks=current_platform.is_cuda())  # Model Runner V2, vLLM's default on CUDA
     tree_budget.install()
     if current_platform.is_cpu():

@@ -18,6 +18,7 @@ import functools
 import torch
 
 from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.vllm_plugin import prefix_caching
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 
@@ -83,7 +84,10 @@ def _recording_accepted_counts(original):
         original(self, output_token_ids, scheduler_output)
         config = self.speculative_config
         if reconstructs_mamba_state(config) and draft_tree_of(config) is None:
-            record_chain_accepted_counts(self, output_token_ids.size(0))
+            if prefix_caching.caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
+                prefix_caching.record_after_sampling(self, output_token_ids.size(0))
+            else:
+                record_chain_accepted_counts(self, output_token_ids.size(0))
 
     return update_states_after_model_execute
 

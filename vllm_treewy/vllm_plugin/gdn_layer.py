@@ -24,8 +24,8 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import get_dtype_size
 
-from vllm_treewy.vllm_plugin import reconstruct, store_all_tree
-from vllm_treewy.vllm_plugin.config import keeps_slot_counts, reconstructs_mamba_state
+from vllm_treewy.vllm_plugin import prefix_caching, reconstruct, store_all_tree
+from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_SSM_STATE_VIEW,
     CPU_UNPACKED_CONV_WEIGHT,
@@ -52,12 +52,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         super().__init__(*args, **kwargs)
         self.reconstructs_state = reconstructs_mamba_state(self.speculative_config)
         self.keeps_slot_counts = keeps_slot_counts(self.speculative_config)
-        mamba_cache_mode = get_current_vllm_config().cache_config.mamba_cache_mode
-        if self.keeps_slot_counts and mamba_cache_mode != "none":
-            # Prefix caching moves a request's state between blocks as it grows; the slot's count lives in its block.
-            what = "mamba_state_commit='reconstruct'" if self.reconstructs_state else "draft_tree_widths"
-            raise ValueError(f"{what} requires --mamba-cache-mode none "
-                             f"(got {mamba_cache_mode!r}: no prefix caching of GDN states yet)")
+        _check_prefix_caching(get_current_vllm_config(), self.reconstructs_state, self.keeps_slot_counts)
         if self.reconstructs_state and current_platform.is_cuda_alike():
             self._check_cuda_support()
             # forward_cuda then takes vLLM's fused-norm path, whose speculative half `_forward_core_fused_norm` runs
@@ -225,6 +220,22 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             raise RuntimeError("mamba_state_commit='reconstruct' on CUDA verifies drafts on the fused-norm GDN path "
                                "only; this batch took the unfused path")
         return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+
+
+def _check_prefix_caching(vllm_config, reconstructs_state: bool, keeps_slot_counts: bool) -> None:
+    """Prefix caching of GDN states (align mode) runs reconstruct chains on the V1 runner (`prefix_caching`);
+    draft trees and Model Runner V2 are refused with it."""
+    mode = vllm_config.cache_config.mamba_cache_mode
+    if not keeps_slot_counts or mode == "none":
+        return
+    if mode != prefix_caching.ALIGN:
+        raise ValueError(f"vllm-treewy knows mamba_cache_mode 'none' and 'align', got {mode!r}")
+    if draft_tree_of(vllm_config.speculative_config) is not None:
+        raise ValueError("draft_tree_widths with prefix caching (mamba_cache_mode='align') is not supported yet: "
+                         "disable prefix caching (--no-enable-prefix-caching) or draft a chain")
+    if reconstructs_state and vllm_config.use_v2_model_runner:
+        raise ValueError("mamba_state_commit='reconstruct' with prefix caching runs on the V1 model runner: unset "
+                         "VLLM_USE_V2_MODEL_RUNNER=1 or disable prefix caching (--no-enable-prefix-caching)")
 
 
 def install() -> None:

@@ -301,6 +301,31 @@ V2_RUNNER_POSTPROCESS_SAMPLED = PatchPoint(
     ("self", "idx_mapping", "sampled_tokens", "num_sampled", "num_rejected"), only_on="cuda",
 )
 
+RUNNER_MAMBA_STATE_COPY_FUNCS = PatchPoint(
+    _RUNNER, "GPUModelRunner._get_mamba_state_copy_funcs", "wraps",
+    "prefix caching (align mode) under reconstruct: vLLM's copy of a request's GDN page into its next running block "
+    "takes the pseudo-value buffer's three states too (the pending commit moves with the slot)", ("self",),
+)
+RUNNER_MAMBA_BUFFERS = PatchPoint(
+    _RUNNER, "GPUModelRunner._get_mamba_bufs", "wraps",
+    "prefix caching under reconstruct: the runner's align buffers without vLLM's speculative post-processing "
+    "context, so that its per-request migration copy runs (the context's fused Triton copies do not exist on CPU)",
+    ("self",),
+)
+_MAMBA_WORKER_UTILS = "vllm.v1.worker.mamba_utils"
+MAMBA_ALIGN_POSTPROCESS = PatchPoint(
+    _MAMBA_WORKER_UTILS, "postprocess_mamba_align_gpu", "wraps",
+    "prefix caching under reconstruct: vLLM's post-sampling copy of store_all's boundary state is skipped (the "
+    "runner looks the module attribute up at call time; prefix_caching writes the boundary states) and the host's "
+    "accepted counts stay 1, so the next migration copies at offset 0",
+    ("bufs", "num_reqs", "num_accepted_tokens_gpu", "num_accepted_tokens_cpu_tensor"),
+)
+MAMBA_TEMPORAL_COPY_SPEC = PatchPoint(
+    "vllm.model_executor.layers.mamba.mamba_utils", "get_temporal_copy_spec", "calls",
+    "the whole-block copy function of vLLM's align-mode migration, for the pseudo-value buffer's states",
+    ("state", "block_ids", "cur_block_idx", "num_accepted_tokens"),
+)
+
 SCHEDULER_UPDATE_AFTER_SCHEDULE = PatchPoint(
     "vllm.v1.core.sched.scheduler", "Scheduler._update_after_schedule", "wraps",
     "draft trees: before the step is committed, a request whose whole tree does not fit keeps no drafts",
@@ -355,6 +380,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
     V2_RUNNER_POSTPROCESS_SAMPLED,
+    RUNNER_MAMBA_STATE_COPY_FUNCS,
+    RUNNER_MAMBA_BUFFERS,
+    MAMBA_ALIGN_POSTPROCESS,
+    MAMBA_TEMPORAL_COPY_SPEC,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
     *MODEL_STATE_SHAPES,
     *MODEL_STATE_DTYPES,
@@ -369,6 +398,15 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         "reads; sets positions",
         "the step's draft counts, accepted counts and positions (device and numpy buffers), the KV-cache groups and "
         "the layers (accepted_counts, tree_runner, full_graph_batches)",
+    ),
+    InternalAttributes(
+        _RUNNER, "GPUModelRunner", ("cache_config", "seq_lens", "_mamba_bufs"), "reads; sets _mamba_bufs",
+        "prefix caching (prefix_caching): the GDN cache mode, the step's device sequence lengths (the running "
+        "block column and the boundary of each row), the align buffers without the speculative context",
+    ),
+    InternalAttributes(
+        _MAMBA_WORKER_UTILS, "MambaBuffers", ("postprocess_align",), "reads and replaces",
+        "prefix caching under reconstruct: the runner's align buffers without the speculative context",
     ),
     InternalAttributes(
         _RUNNER_V2, "GPUModelRunner", ("block_tables", "kv_cache_config", "compilation_config", "speculative_config"),

@@ -284,7 +284,9 @@ class KVCacheReport:
 
     num_blocks: int
     max_concurrency: float  # requests of max_model_len that fit, as vLLM logs it
-    gdn_blocks_per_request: list[int]  # per GDN (Mamba) group: 1 + num_speculative_blocks
+    # per GDN (Mamba) group, the pages vLLM reserves a request: 1 + num_speculative_blocks, in align mode (prefix
+    # caching) 2 + num_speculative_blocks
+    gdn_blocks_per_request: list[int]
     gdn_state_bytes_per_request: int  # all GDN layers, at the pages vLLM allocates
     # all GDN layers: states on the page beyond vLLM's conv and SSM state (reconstruct's pseudo-value buffer)
     gdn_buffer_bytes_per_request: int = 0
@@ -306,7 +308,7 @@ def kv_cache_report(llm: LLM) -> KVCacheReport:
         if not isinstance(spec, MambaSpec):
             attention_block_size = spec.block_size
         if isinstance(spec, MambaSpec):
-            blocks.append(1 + spec.num_speculative_blocks)
+            blocks.append(spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
             state_bytes += len(group.layer_names) * spec.max_memory_usage_bytes(vllm_config)
             buffer_bytes += len(group.layer_names) * sum(
                 math.prod(shape) * get_dtype_size(dtype) for shape, dtype in zip(spec.shapes[2:], spec.dtypes[2:]))

@@ -1,0 +1,66 @@
+"""Which runner and which refusals prefix caching of GDN states brings (vLLM's `mamba_cache_mode="align"`): reconstruct
+with prefix caching stays on the V1 runner, whose hooks write the boundary states (vLLM's V2 feature check lists it,
+with the reason), while chains without prefix caching and vLLM's own MTP keep to vLLM's choice; draft trees with
+prefix caching, and reconstruct with prefix caching forced onto Model Runner V2, stop the engine at start-up with
+one message each."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_treewy.fixture import build_fixture
+from vllm_treewy.vllm_plugin.testing.equivalence import engine
+
+RECONSTRUCT = {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"}
+STORE_ALL = {"method": "mtp", "num_speculative_tokens": 3}
+TREE = {**RECONSTRUCT, "draft_tree_widths": [2, 2, 1]}
+
+
+@pytest.fixture(scope="module")
+def fixture_model(tmp_path_factory) -> str:
+    return str(build_fixture(tmp_path_factory.mktemp("qwen35-tiny")))
+
+
+def engine_config(model: str, speculative_config: dict, prefix_caching: bool):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, dtype="bfloat16", enable_prefix_caching=prefix_caching, max_model_len=512,
+                      speculative_config=dict(speculative_config)).create_engine_config()
+
+
+def _prefix_caching_features(config) -> list[str]:
+    return [f for f in config._get_v2_model_runner_unsupported_features() if "prefix caching" in f]
+
+
+def test_reconstruct_with_prefix_caching_stays_on_v1(fixture_model):
+    config = engine_config(fixture_model, RECONSTRUCT, prefix_caching=True)
+    assert config.cache_config.mamba_cache_mode == "align"
+    (feature,) = _prefix_caching_features(config)
+    assert "reconstruct" in feature and "V1 runner" in feature
+    assert not config.use_v2_model_runner
+    assert _prefix_caching_features(engine_config(fixture_model, RECONSTRUCT, prefix_caching=False)) == []
+    assert _prefix_caching_features(engine_config(fixture_model, STORE_ALL, prefix_caching=True)) == []
+
+
+def _start(model, speculative_config):
+    with engine(model, speculative_config=speculative_config, enable_prefix_caching=True):
+        pass
+
+
+def test_draft_trees_with_prefix_caching_are_refused(fixture_model):
+    with pytest.raises(ValueError, match=r"draft_tree_widths with prefix caching .*--no-enable-prefix-caching"):
+        _start(fixture_model, TREE)
+
+
+def test_reconstruct_with_prefix_caching_on_v2_is_refused(fixture_model):
+    """(vLLM's CPU backend has no Model Runner V2: the layer's check on a config that asks for it.)"""
+    from vllm_treewy.vllm_plugin.gdn_layer import _check_prefix_caching
+
+    config = engine_config(fixture_model, RECONSTRUCT, prefix_caching=True)
+    as_v2 = SimpleNamespace(cache_config=config.cache_config, speculative_config=config.speculative_config,
+                            use_v2_model_runner=True)
+    with pytest.raises(ValueError, match=r"reconstruct' with prefix caching runs on the V1 model runner"):
+        _check_prefix_caching(as_v2, reconstructs_state=True, keeps_slot_counts=True)
+    _check_prefix_caching(config, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs

@@ -1,0 +1,182 @@
+"""After sampling, with prefix caching of GDN states (align mode): every GDN layer's accepted counts and block-
+boundary states in one launch. The semantics, row by row, are `vllm_treewy.kernels.boundary_states`' (its torch
+twin, `record_accepted_and_boundaries_torch`).
+
+The layers come as a table (`boundary_table`): per layer the addresses of its state, factor rows, conv history, conv
+inputs and count state (views into its KV-cache page) and of its KV-cache group's block table; every layer shares
+the strides (one page layout). Grid (HV, layers, row blocks): program (hv, layer, block) writes the block's rows'
+counts (hv = 0), then for each of them whose accepted tokens reached a block boundary (rare: one step in about
+block_size / accepted tokens) the boundary node's state of value head hv, in BV x BK tiles, and the conv window of
+channels hv * DC .. (hv + 1) * DC - 1. The commit sums its terms in the order of the GDN step's state pass
+(`state_pass._commit_path`, `_committed_chunk`): the state written at a boundary is the one the next step's commit
+would make (bit for bit in the interpreter, tests/kernels/test_boundary_states.py). No host sync; one compiled
+variant per model (the row count, the block size and the strides are not specialised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..boundary_states import BoundaryLayer
+from ..factor_rows import _factor_columns, slot_factor_width
+from .state_pass import _commit_path, _committed_chunk
+
+BLOCK_ROWS = 128  # rows per program: a decode batch of up to 128 requests is one program per (head, layer)
+STATE_ROWS = 16  # value rows per tile (the state pass's common tile: 16 x 128)
+STATE_COLUMNS = 128
+CONV_CHANNELS = 64
+TABLE_COLUMNS = 6
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def boundary_table(layers: Sequence[BoundaryLayer]) -> torch.Tensor:
+    """`[L, 6]` int64 addresses per layer (state, factors, conv history, conv inputs, counts, block table), for
+    `record_accepted_and_boundaries_triton`. Build it once: the views live as long as the KV cache."""
+    first = layers[0]
+    for layer in layers:
+        for name, view in layer._asdict().items():
+            assert view.stride() == getattr(first, name).stride() and view.dtype == getattr(first, name).dtype, \
+                f"every layer's {name} must share the first's layout"
+    return torch.tensor([[view.data_ptr() for view in layer] for layer in layers], dtype=torch.int64,
+                        device=first.state.device)
+
+
+def record_accepted_and_boundaries_triton(layers: Sequence[BoundaryLayer], table: torch.Tensor,
+                                          seq_lens: torch.Tensor, draft_tokens: torch.Tensor,
+                                          accepted: torch.Tensor, num_rows: int, *, block_size: int,
+                                          null_block: int) -> None:
+    """`record_accepted_and_boundaries_torch` for the layers of `table` (`boundary_table(layers)`; `layers` give
+    the shapes and strides), in one launch (none without rows). seq_lens, draft_tokens, accepted: int32 `[>=
+    num_rows]`, contiguous."""
+    if num_rows == 0:
+        return
+    first = layers[0]
+    S, HV, V, K = first.state.shape
+    _, T, F = first.factors.shape
+    D, W1 = first.conv_history.shape[1:]
+    assert F == slot_factor_width(HV, K, V) and first.factors.stride(2) == 1 and first.conv_inputs.stride(2) == 1
+    assert first.state.stride(3) == 1 and first.factors.dtype == torch.float32
+    assert first.counts.dtype == torch.int32 and first.block_table.dtype == torch.int32
+    assert first.block_table.stride(1) == 1 and table.shape == (len(layers), TABLE_COLUMNS)
+    for x in (seq_lens, draft_tokens, accepted):
+        assert x.dtype == torch.int32 and x.stride(0) == 1
+    channels = triton.cdiv(D, HV)
+    _boundary_kernel[(HV, len(layers), triton.cdiv(num_rows, BLOCK_ROWS))](
+        table, seq_lens, draft_tokens, accepted, num_rows, block_size,
+        *first.state.stride()[:3], *first.factors.stride()[:2], *first.conv_history.stride(),
+        *first.conv_inputs.stride()[:2], first.counts.stride(0), first.block_table.stride(0),
+        HV=HV, K=K, V=V, T=T, D=D, W1=W1, DC=channels, STATE_DTYPE=_DTYPES[first.state.dtype],
+        CONV_DTYPE=_DTYPES[first.conv_history.dtype], NULL_BLOCK=null_block, BLOCK=BLOCK_ROWS,
+        BV=min(STATE_ROWS, V), BK=min(STATE_COLUMNS, K), BD=min(CONV_CHANNELS, triton.next_power_of_2(channels)),
+        num_warps=2)
+
+
+@triton.jit
+def _typed(address, DTYPE: tl.constexpr):
+    if DTYPE == "bf16":
+        return address.to(tl.pointer_type(tl.bfloat16))
+    elif DTYPE == "fp16":
+        return address.to(tl.pointer_type(tl.float16))
+    else:
+        return address.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _row(seq_lens, draft_tokens, accepted, rows, live, block_size):
+    """(speculative, slot column, boundary node (-1: none), boundary column, accepted) of `rows`."""
+    draft = tl.load(draft_tokens + rows, mask=live, other=-1)
+    spec = live & (draft >= 0)
+    seq_len = tl.load(seq_lens + rows, mask=spec, other=1)
+    accept = tl.load(accepted + rows, mask=spec, other=1)
+    running = seq_len - draft
+    boundary = (running + accept - 1) // block_size * block_size
+    reached = spec & (boundary >= running)
+    return spec, (seq_len - 1) // block_size, tl.where(reached, boundary - running, -1), boundary // block_size - 1, \
+        accept
+
+
+# the arrays are read as scalars or gathers, the row count and the block size vary: neither is specialised
+@triton.jit(do_not_specialize=["num_rows", "block_size"],
+            do_not_specialize_on_alignment=["table", "seq_lens", "draft_tokens", "accepted"])
+def _boundary_kernel(
+    table, seq_lens, draft_tokens, accepted, num_rows, block_size,
+    stride_slot, stride_head, stride_v, stride_fslot, stride_frow, stride_cslot, stride_cdim, stride_ccol,
+    stride_islot, stride_irow, stride_count, stride_bt,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T: tl.constexpr, D: tl.constexpr, W1: tl.constexpr,
+    DC: tl.constexpr, STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, NULL_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+):
+    i_hv, i_layer, i_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    entry = table + i_layer * 6  # a row of `boundary_table`
+    state = _typed(tl.load(entry), STATE_DTYPE)
+    factors = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
+    conv = _typed(tl.load(entry + 2), CONV_DTYPE)
+    inputs = _typed(tl.load(entry + 3), CONV_DTYPE)
+    counts = tl.load(entry + 4).to(tl.pointer_type(tl.int32))
+    block_table = tl.load(entry + 5).to(tl.pointer_type(tl.int32))
+
+    rows = i_block * BLOCK + tl.arange(0, BLOCK)
+    spec, slot_col, node, dest_col, accept = _row(seq_lens, draft_tokens, accepted, rows, rows < num_rows,
+                                                  block_size)
+    bt_rows = block_table + rows.to(tl.int64) * stride_bt
+    slot = tl.load(bt_rows + slot_col, mask=spec, other=NULL_BLOCK)
+    real = spec & (slot != NULL_BLOCK)
+    dest = tl.load(bt_rows + dest_col, mask=real & (node >= 0), other=NULL_BLOCK)
+    write = real & (node >= 0) & (dest != NULL_BLOCK)
+    if i_hv == 0:
+        # the slot's count first (0 where the boundary block is the slot: committed here), then the boundary block's
+        tl.store(counts + slot.to(tl.int64) * stride_count, tl.where(write & (dest == slot), 0, accept), mask=real)
+        tl.store(counts + dest.to(tl.int64) * stride_count, tl.zeros([BLOCK], tl.int32), mask=write)
+
+    o_v = tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    o_d = tl.arange(0, BD)
+    for i in range(0, BLOCK):
+        row = i_block * BLOCK + i
+        if row < num_rows:
+            spec_i, slot_col_i, node_i, dest_col_i, _ = _row(seq_lens, draft_tokens, accepted, row, row < num_rows,
+                                                            block_size)
+            if node_i >= 0:
+                bt_row = block_table + row.to(tl.int64) * stride_bt
+                src = tl.load(bt_row + slot_col_i).to(tl.int64)
+                dst = tl.load(bt_row + dest_col_i).to(tl.int64)
+                if (src != NULL_BLOCK) & (dst != NULL_BLOCK):
+                    # the state after the chain's node node_i: rows node_i, node_i - 1, .., 0 of the slot's factors
+                    f_k, f_kscale, f_u, f_g = _factor_columns(factors, src, stride_fslot, i_hv, HV, K, V)
+                    p_rows, p_on, p_weight, p_root = _commit_path(node_i, factors, f_kscale, f_g, stride_frow, T,
+                                                                  True)
+                    for v0 in tl.static_range(0, V, BV):
+                        v_rows = v0 + o_v
+                        p_wu = ()
+                        for d in tl.static_range(T):
+                            p_wu = p_wu + (tl.load(f_u + p_rows[d] + v_rows, mask=p_on[d], other=0.0) * p_weight[d],)
+                        for k0 in tl.static_range(0, K, BK):
+                            cols = k0 + o_k
+                            keys = ()
+                            for d in tl.static_range(T):
+                                keys = keys + (tl.load(f_k + p_rows[d] + cols, mask=p_on[d], other=0.0),)
+                            offsets = i_hv * stride_head + v_rows[:, None] * stride_v + cols[None, :]
+                            h = tl.load(state + src * stride_slot + offsets).to(tl.float32)
+                            h = _committed_chunk(h, p_root, p_wu, keys, T)
+                            tl.store(state + dst * stride_slot + offsets, h.to(state.dtype.element_ty))
+                    # the conv window after it: the last W1 of (history, inputs 0..node_i), channels of this head
+                    for c0 in tl.static_range(0, DC, BD):
+                        ch = i_hv * DC + c0 + o_d
+                        on = (c0 + o_d < DC) & (ch < D)
+                        window = ()
+                        for c in tl.static_range(W1):
+                            position = node_i + 1 + c
+                            from_history = tl.load(conv + src * stride_cslot + ch * stride_cdim
+                                                   + tl.minimum(position, W1 - 1) * stride_ccol,
+                                                   mask=on & (position < W1), other=0.0)
+                            from_inputs = tl.load(inputs + src * stride_islot
+                                                  + tl.maximum(position - W1, 0) * stride_irow + ch,
+                                                  mask=on & (position >= W1), other=0.0)
+                            window = window + (from_history + from_inputs,)
+                        for c in tl.static_range(W1):
+                            tl.store(conv + dst * stride_cslot + ch * stride_cdim + c * stride_ccol, window[c],
+                                     mask=on)

@@ -1,0 +1,189 @@
+"""Reconstruct under vLLM's prefix caching of GDN states (`mamba_cache_mode="align"`, vLLM's default for Qwen3.5 /
+Qwen3-Next whenever prefix caching is on, as it is by default on GPU), in vLLM's V1 runner.
+
+What vLLM 0.32 does in align mode (V1, its own MTP: store_all; `v1/core/single_type_kv_cache_manager.MambaManager`,
+`v1/worker/mamba_utils`, `v1/attention/backends/utils.mamba_get_block_table_tensor`):
+- A request's GDN block table is indexed by position: column c stands for the state after (c + 1) * block_size
+  tokens, the block whose hash a later request's prefix-cache hit finds (with MTP vLLM drops the last matching
+  block). The request holds the running block (column (seq_len - 1) // block_size of the step's tokens, drafts
+  included), the previous step's one until the request passes it, and store_all's k speculative blocks after the
+  running one: 2 + k pages per request in vLLM's report (2 without speculation). Prefill chunks end on boundaries,
+  so a chunk's final state is a boundary state in place.
+- Before each forward (`preprocess_mamba`), a request whose running column moved copies its state into the new
+  running block: conv and SSM state from column `prev + num_accepted - 1` (store_all's block of the accepted
+  token; the conv window shifted by as much). A hit restores the same way: the hit block is the previous column.
+- After sampling (`postprocess_mamba_align_gpu`, one launch), a row whose accepted tokens reached a boundary copies
+  the state after the boundary token (store_all's block of that draft position) into the boundary's block, and a
+  row whose boundary block is its running block gets num_accepted = 1 for the next step's offset. The GDN metadata
+  (`gdn_attn`) carries the running column and the k after it as `spec_state_indices_tensor` and the accepted
+  counts as `num_accepted_tokens`; it has no block-index fields of its own.
+
+What reconstruct does instead (one state block per request, as align mode keeps without speculation: 2 pages in
+vLLM's report):
+- The migration to a new running block is vLLM's own copy, at offset 0 (the slot holds the committed state and
+  the last verify's pseudo-value buffer, not a state per draft position), of every state on the page: the runner's
+  copy functions (`GPUModelRunner._get_mamba_state_copy_funcs`) get the buffer's three states (factors, conv
+  inputs, count) after the conv and SSM states, so the pending commit travels with the slot. vLLM's per-request
+  path of that copy (its batch memcpy) runs: the runner's align buffers are made without the speculative
+  post-processing context (`_get_mamba_bufs`), whose fused Triton copies vLLM's CPU backend does not have.
+- After sampling, right where vLLM's post-processing ran and before the scheduler can hand a boundary block to a
+  hit, every GDN layer's accepted counts and boundary states in one launch (`kernels.triton.boundary_states`; on CPU
+  its torch twin): the state after the boundary's node, rebuilt from the slot's committed state and the step's
+  factors by the closed form (the commit of a node on the accepted path), and its conv window, into the boundary's
+  block. Where that block is the slot itself (the row accepted a whole block's last token) the commit happens
+  there and then, and the slot's count says nothing is pending. vLLM's own post-processing is skipped; the
+  accepted counts it keeps on the host stay 1, so its migration copies at offset 0. The commit of the accepted node
+  itself stays fused into the next verify.
+- A cache hit restores through vLLM's migration copy and prefill, as without speculation; the restored page's count
+  is zeroed by the prefill row (`step_metadata`), and a boundary block is written with count 0 anyway.
+
+Draft trees with prefix caching are refused (`gdn_layer`), and reconstruct with prefix caching keeps to the V1
+runner (vLLM's V2 feature check lists it) until its hooks exist for V2. The runner-independent parts (the kernels,
+`boundary_layers`) take tensors only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch
+from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.patch_points import (
+    MAMBA_ALIGN_POSTPROCESS,
+    MAMBA_TEMPORAL_COPY_SPEC,
+    RUNNER_MAMBA_BUFFERS,
+    RUNNER_MAMBA_STATE_COPY_FUNCS,
+    V2_UNSUPPORTED_FEATURES,
+)
+from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout, GDNPage
+
+ALIGN = "align"
+
+
+def caches_gdn_prefixes(cache_config) -> bool:
+    """True if vLLM caches GDN states at block boundaries (prefix caching on a hybrid model: align mode)."""
+    return cache_config.mamba_cache_mode == ALIGN
+
+
+def boundary_layers(layers, block_tables) -> list[BoundaryLayer]:
+    """`BoundaryLayer` views of reconstruct GDN layers (`ReconstructGatedDeltaNetAttention`), each beside its
+    KV-cache group's device block table (batch rows)."""
+    return [BoundaryLayer(layer.ssm_state(), layer.pseudo_value_buffer().factors, layer.conv_history(),
+                          layer.pseudo_value_buffer().conv_inputs, GDNPage.of(layer.kv_cache).counts.view(-1),
+                          block_table)
+            for layer, block_table in zip(layers, block_tables)]
+
+
+def _runner_boundary_layers(runner):
+    """(the V1 runner's reconstruct GDN layers as `BoundaryLayer`s, their Triton table or None on CPU, the GDN
+    block size), kept on the runner while the KV cache's tensors stay where they are."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    layers, block_tables, block_size = [], [], None
+    forward_context = runner.compilation_config.static_forward_context
+    for group_id, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if not isinstance(group.kv_cache_spec, MambaSpec):
+            continue
+        block_size = group.kv_cache_spec.block_size
+        for name in group.layer_names:
+            if getattr(forward_context[name], "reconstructs_state", False):
+                layers.append(forward_context[name])
+                block_tables.append(runner.input_batch.block_table[group_id].block_table.gpu)
+    key = tuple(t.data_ptr() for t in (*(GDNPage.of(layer.kv_cache).ssm_state for layer in layers), *block_tables))
+    cached = getattr(runner, "treewy_boundary_layers", None)
+    if cached is None or cached[0] != key:
+        views = boundary_layers(layers, block_tables)
+        table = None
+        if views and views[0].state.is_cuda:
+            from vllm_treewy.kernels.triton.boundary_states import boundary_table
+
+            table = boundary_table(views)
+        runner.treewy_boundary_layers = cached = (key, views, table, block_size)
+    return cached[1:]
+
+
+def record_after_sampling(runner, num_reqs: int) -> None:
+    """After vLLM counted this step's accepted tokens per row: each speculative row's count into its slot and the
+    boundary states its accepted tokens reached, in every GDN layer (one launch on CUDA). Device tensors only."""
+    from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+    views, table, block_size = _runner_boundary_layers(runner)
+    if not views:
+        return
+    args = (runner.seq_lens, runner.num_decode_draft_tokens.gpu, runner.num_accepted_tokens.gpu, num_reqs)
+    if table is None:
+        record_accepted_and_boundaries_torch(views, *args, block_size=block_size, null_block=NULL_BLOCK_ID)
+    else:
+        from vllm_treewy.kernels.triton.boundary_states import record_accepted_and_boundaries_triton
+
+        record_accepted_and_boundaries_triton(views, table, *args, block_size=block_size, null_block=NULL_BLOCK_ID)
+
+
+def _copying_pseudo_value_buffer(original):
+    @functools.wraps(original)
+    def get_mamba_state_copy_funcs(self):
+        funcs = original(self)
+        if not reconstructs_mamba_state(self.speculative_config):
+            return funcs
+        # the pseudo-value buffer's factors, conv inputs and count: each a whole-block copy (at offset 0: the runner's
+        # accepted counts stay 1)
+        extra = (MAMBA_TEMPORAL_COPY_SPEC.resolve(),) * len(BufferLayout.dtypes(torch.float32))
+        return {mamba_type: (*copy_funcs, *extra) for mamba_type, copy_funcs in funcs.items()}
+
+    return get_mamba_state_copy_funcs
+
+
+def _without_speculative_postprocess(original):
+    @functools.wraps(original)
+    def get_mamba_bufs(self):
+        buffers = original(self)
+        if reconstructs_mamba_state(self.speculative_config) and buffers.postprocess_align is not None:
+            self._mamba_bufs = buffers = dataclasses.replace(buffers, postprocess_align=None)
+        return buffers
+
+    return get_mamba_bufs
+
+
+def _keeping_offset_zero(original):
+    @functools.wraps(original)
+    def postprocess_mamba_align_gpu(*, bufs, num_reqs, num_accepted_tokens_cpu_tensor, **kwargs):
+        if bufs.postprocess_align is not None:  # vLLM's own (store_all); reconstruct's buffers have none
+            return original(bufs=bufs, num_reqs=num_reqs, num_accepted_tokens_cpu_tensor=num_accepted_tokens_cpu_tensor,
+                            **kwargs)
+        # reconstruct: the boundary states are `record_after_sampling`'s; the next migration copies at offset 0
+        num_accepted_tokens_cpu_tensor[:num_reqs].fill_(1)
+
+    return postprocess_mamba_align_gpu
+
+
+def v2_unsupported_with_prefix_caching(vllm_config) -> str | None:
+    """The feature vLLM's V2 check lists for reconstruct with prefix caching of GDN states (None otherwise)."""
+    cache_config = vllm_config.cache_config
+    if not reconstructs_mamba_state(vllm_config.speculative_config):
+        return None
+    if not (cache_config.enable_prefix_caching or caches_gdn_prefixes(cache_config)):
+        return None
+    return ("mamba_state_commit='reconstruct' with prefix caching (vllm-treewy writes the GDN block-boundary states "
+            "from its V1 runner hooks)")
+
+
+def _v2_unsupported_with_prefix_caching(original):
+    @functools.wraps(original)
+    def unsupported_features(self) -> list[str]:
+        features = original(self)
+        feature = v2_unsupported_with_prefix_caching(self)
+        if feature is not None:
+            features.append(feature)
+        return features
+
+    return unsupported_features
+
+
+def install() -> None:
+    V2_UNSUPPORTED_FEATURES.wrap(_v2_unsupported_with_prefix_caching)
+    RUNNER_MAMBA_STATE_COPY_FUNCS.wrap(_copying_pseudo_value_buffer)
+    RUNNER_MAMBA_BUFFERS.wrap(_without_speculative_postprocess)
+    MAMBA_ALIGN_POSTPROCESS.wrap(_keeping_offset_zero)
