@@ -1,0 +1,354 @@
+"""Prefix caching of GDN states (vLLM's `mamba_cache_mode="align"`, its default for Qwen3.5 whenever prefix caching is
+on, as it is by default on GPU) with reconstruct, store_all and no speculation, in real vLLM 0.32 on the H200, all
+engines at once in one device call (`bench/run_gpu_prefix_caching.sh`).
+
+Engines (one process each, started at once with a fixed KV budget; `--kv-cache-memory-bytes` skips vLLM's memory
+profiling, which the others' allocations would disturb; tokens/s are not measured):
+- `spec --strategy reconstruct|store_all|none`: MTP k = 3 (or none) with vLLM's default prefix caching (its default
+  retention: the prompts' replay boundaries), on the runner vLLM picks (reconstruct with prefix caching keeps to V1).
+  The shared-prefix workload: 64 requests over 8 prefixes of 15,000 tokens (past two attention blocks of every engine:
+  5,000-7,000 tokens with the fp32 state, so hits happen; the long-context fixture copy, 16,384 positions), each with
+  its own suffix, 48 greedy tokens, at B = 1 (16 requests, one at a time), 8 (64, eight at a time) and 64 (all at
+  once), the prefix cache reset before each B. Records the outputs, vLLM's `vllm:prefix_cache_hits` / `_queries` per
+  B and each request's cached tokens, the KV report (GDN pages per request) and the runner.
+- `spec --strategy reconstruct --dense`: reconstruct keeping every boundary state (`prefix_cache_retention_interval`
+  None): two turns of 8 chats whose first turn's prompt ends 1-8 tokens before the first boundary of this engine's
+  block size and decodes past the second, so that the second turn (prompt + the first turn's output + 64 tokens)
+  resumes from the GDN state reconstruct wrote at a boundary while decoding (its `boundary_states` kernel).
+- `reference`: no speculation, prefix caching off, raw logits: the same batches, then it judges every run that
+  arrives (tie-aware: a divergence passes within one bf16 step of the reference's top two logits, or where the fp64
+  fixture, on the GPU, does not prefer the reference's token by more), generating the dense run's two turns' references
+  from that run's own prompts.
+
+    python3 bench/gpu_prefix_caching.py spec --strategy reconstruct --runs R --dtype float16 ...
+    python3 bench/gpu_prefix_caching.py reference --runs R --expect 4 --out report.json --dtype float16 ...
+    python3 bench/gpu_prefix_caching.py serve-check --out serve.json ...     # the README's `vllm serve` command
+
+The runs are fp16 (activations): fp16 rounds 8x finer than bf16, so the batch shape stays within the verdict's one
+bf16 step at B = 64 and a divergence beyond it is a wrong state (bench/results/gpu_vllm_e2e/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+from bench import gpu_site
+from bench.gpu_vllm_e2e import (LONG_CONTEXT_POSITIONS, add_common_args, device_facts, engine_kwargs,
+                                long_context_model, prompts_and_model, verdict_record)
+
+K = 3
+PREFIXES, PREFIX_TOKENS, MAX_TOKENS = 8, 15000, 48
+BATCHES = {1: 16, 8: 64, 64: 64}  # B -> requests, B at a time
+TURNS, NEXT_TURN_TOKENS, SECOND_TOKENS = 8, 64, 16
+RUNS_WAIT_S = 420  # the reference's longest wait for the runs
+
+
+def corpus(prompts, length: int) -> list[int]:
+    tokens = [t for p in prompts for t in p]
+    return (tokens * (1 + length // len(tokens)))[:length]
+
+
+def shared_prefix_workload(tokens: list[int], prefix_tokens: int, num_requests: int) -> list[list[int]]:
+    """Prompts i = 0, 1, ...: prefix i % 8 (8 cuts of `prefix_tokens`, 997 apart) + suffix i (16-63 tokens from
+    elsewhere)."""
+    prefixes = [tokens[997 * j: 997 * j + prefix_tokens] for j in range(PREFIXES)]
+    base = 997 * PREFIXES + prefix_tokens
+    return [prefixes[i % PREFIXES] + tokens[base + 61 * i: base + 61 * i + 16 + (7 * i) % 48]
+            for i in range(num_requests)]
+
+
+def prefix_cache_counts(llm) -> tuple[int, int]:
+    metrics = {m.name: m for m in llm.get_metrics()}
+    return tuple(int(metrics[f"vllm:prefix_cache_{n}"].value) if f"vllm:prefix_cache_{n}" in metrics else 0
+                 for n in ("hits", "queries"))
+
+
+def generate(llm, prompts, max_tokens: int):
+    from vllm_treewy.vllm_plugin.testing.equivalence import greedy_params
+
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], [o.num_cached_tokens or 0 for o in outputs]
+
+
+def run_batches(llm, prompts, batches: dict[int, int], max_tokens: int, caching: bool) -> dict:
+    """Per B: the outputs of `batches[B]` requests submitted B at a time, each request's cached tokens and the hit
+    rate vLLM counted (the prefix cache reset first)."""
+    results = {}
+    for b, n in batches.items():
+        if caching:
+            llm.reset_prefix_cache()
+        hits, queries = prefix_cache_counts(llm)
+        start = time.perf_counter()
+        outputs, cached = [], []
+        for first in range(0, n, b):
+            out, hit = generate(llm, prompts[first: first + b], max_tokens)
+            outputs += out
+            cached += hit
+        hits_after, queries_after = prefix_cache_counts(llm)
+        results[str(b)] = {"outputs": outputs, "cached_tokens": cached, "prefix_cache_hits": hits_after - hits,
+                           "prefix_cache_queries": queries_after - queries,
+                           "hit_rate": (hits_after - hits) / max(queries_after - queries, 1),
+                           "seconds": time.perf_counter() - start}
+        print(f"  batch {b}: {n} requests, hit rate {results[str(b)]['hit_rate']:.3f} "
+              f"({hits_after - hits:,} of {queries_after - queries:,} tokens), "
+              f"{sum(c > 0 for c in cached)} requests hit", flush=True)
+    return results
+
+
+def two_turns(llm, tokens: list[int], block: int) -> dict:
+    """The dense run's chats: first turns end 1..TURNS tokens before `block` and decode block + 64 tokens; second
+    turns are each first turn's prompt + output + NEXT_TURN_TOKENS more."""
+    first = [tokens[131 * i: 131 * i + block - 1 - i] for i in range(TURNS)]
+    out1, cached1 = generate(llm, first, block + 64)
+    second = [p + o + tokens[50000 + 89 * i: 50000 + 89 * i + NEXT_TURN_TOKENS] for i, (p, o) in enumerate(zip(first,
+                                                                                                           out1))]
+    out2, cached2 = generate(llm, second, SECOND_TOKENS)
+    past = sum(c > len(p) for c, p in zip(cached2, first))
+    print(f"  two turns: {past} of {TURNS} second turns resumed past their first turn's prompt {cached2}", flush=True)
+    return {"block": block, "first": first, "first_outputs": out1, "second": second, "second_outputs": out2,
+            "second_cached_tokens": cached2, "resumed_past_first_prompt": past}
+
+
+def run_name(args) -> str:
+    return f"{args.strategy}-k{K}-dense" if args.dense else (args.strategy if args.strategy == "none" else
+                                                              f"{args.strategy}-k{K}")
+
+
+def run_spec(args) -> int:
+    import vllm_treewy.vllm_plugin as plugin
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
+
+    plugin.register()  # in-process engine: this process is the only vLLM process
+    model, prompts = prompts_and_model()
+    model = long_context_model(model)
+    name = run_name(args)
+    kwargs = engine_kwargs(args, 1 + (0 if args.strategy == "none" else K))
+    kwargs.update(enable_prefix_caching=True, max_model_len=LONG_CONTEXT_POSITIONS)
+    if args.strategy != "none":
+        kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": K,
+                                        "mamba_state_commit": args.strategy, **gpu_site.SPECULATIVE}
+    if args.dense:
+        kwargs["prefix_cache_retention_interval"] = None
+    tokens = corpus(prompts, 60000)
+    result = {"name": name, "strategy": args.strategy, "dense": args.dense}
+    start = time.perf_counter()
+    try:
+        with engine(model, **kwargs) as llm:
+            config = llm.llm_engine.vllm_config
+            result.update(engine_start_s=time.perf_counter() - start,
+                          mamba_cache_mode=config.cache_config.mamba_cache_mode,
+                          prefix_cache_retention_interval=config.cache_config.prefix_cache_retention_interval,
+                          model_runner="V2" if config.use_v2_model_runner else "V1",
+                          kv_cache=asdict(kv_cache_report(llm)))
+            print(name, "started", json.dumps({k: v for k, v in result.items() if k != "kv_cache"}),
+                  result["kv_cache"], flush=True)
+            if args.dense:
+                result["two_turns"] = two_turns(llm, tokens, args.turn_block or result["kv_cache"]["attention_block_size"])
+            else:
+                result["batches"] = run_batches(llm, shared_prefix_workload(tokens, args.prefix_tokens,
+                                                                            max(args.batches.values())),
+                                                args.batches, args.max_tokens, caching=True)
+            acceptance = read_acceptance(llm)
+            result["acceptance_rate"] = None if acceptance is None else acceptance.acceptance_rate
+    except Exception:  # recorded for the reference's report (vLLM's CPU backend cannot run store_all with caching)
+        result["error"] = traceback.format_exc()[-3000:]
+        print(name, "FAILED", result["error"], flush=True)
+    Path(args.runs).mkdir(parents=True, exist_ok=True)
+    (Path(args.runs) / f"{name}.json").write_text(json.dumps(result))
+    print(name, "done", flush=True)
+    return 0
+
+
+def exact_logits_on(model: str):
+    """The fp64 fixture's next-token logits, on the GPU where there is one (a 15,000-token context in fp64 on the
+    host would take tens of seconds a divergence)."""
+    import torch
+
+    from vllm_treewy.fixture.exact import ExactModel
+
+    exact = ExactModel(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @torch.no_grad()
+    def next_token_logits(token_ids):
+        module = exact._model.to(device)
+        return module(torch.tensor([token_ids], device=device)).logits[0, -1].cpu()
+
+    return next_token_logits
+
+
+def _wait_for_runs(runs: Path, expect: int, deadline: float) -> list[Path]:
+    while len(list(runs.glob("*.json"))) < expect and time.monotonic() < deadline:
+        time.sleep(2)
+    return sorted(runs.glob("*.json"))
+
+
+def run_reference(args) -> int:
+    from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, kv_cache_report
+
+    model, prompts = prompts_and_model()
+    model = long_context_model(model)
+    tokens = corpus(prompts, 60000)
+    workload = shared_prefix_workload(tokens, args.prefix_tokens, max(args.batches.values()))
+    report = {"command": args.command or " ".join([sys.executable, *sys.argv]), **device_facts(),
+              "mode": "eager (enforce_eager), compiled ops" if args.eager else
+              "default (torch.compile + CUDA graphs), compiled ops", "model_dtype": args.dtype,
+              "ssm_cache_dtype": args.ssm_cache_dtype, "prefix_tokens": args.prefix_tokens,
+              "max_tokens": args.max_tokens, "batches": {str(b): n for b, n in args.batches.items()}, "runs": {}}
+    exact_logits = exact_logits_on(model)
+    kwargs = engine_kwargs(args, 1)
+    kwargs.update(enable_prefix_caching=False, max_model_len=LONG_CONTEXT_POSITIONS)
+    deadline = time.monotonic() + args.runs_wait_s
+    with engine(model, logprobs_mode="raw_logits", **kwargs) as reference:
+        report["reference_kv_cache"] = asdict(kv_cache_report(reference))
+        expected = run_batches(reference, workload, args.batches, args.max_tokens, caching=False)
+        report["reference_seconds"] = {b: r["seconds"] for b, r in expected.items()}
+        for path in _wait_for_runs(Path(args.runs), args.expect, deadline):
+            run = json.loads(path.read_text())
+            entry = {k: v for k, v in run.items() if k not in ("batches", "two_turns")}
+            if "batches" in run:
+                entry["batches"] = {}
+                for b, r in run["batches"].items():
+                    n = args.batches[int(b)]
+                    verdict = compare_tie_aware(reference, workload[:n], expected[b]["outputs"], r["outputs"],
+                                                exact_logits)
+                    entry["batches"][b] = {**{k: v for k, v in r.items() if k != "outputs"},
+                                           "verdict": verdict_record(verdict)}
+                    print(f"{run['name']} batch {b}: hit rate {r['hit_rate']:.3f}; {verdict.summary()}", flush=True)
+            if "two_turns" in run:
+                turns = run["two_turns"]
+                entry["two_turns"] = {k: v for k, v in turns.items() if k in ("block", "second_cached_tokens",
+                                                                               "resumed_past_first_prompt")}
+                for key, prompts_key, outputs_key, n in (("first", "first", "first_outputs", turns["block"] + 64),
+                                                         ("second", "second", "second_outputs", SECOND_TOKENS)):
+                    ref = generate_greedy(reference, turns[prompts_key], [n] * len(turns[prompts_key]))
+                    verdict = compare_tie_aware(reference, turns[prompts_key], ref, turns[outputs_key], exact_logits)
+                    entry["two_turns"][f"{key}_turn_verdict"] = verdict_record(verdict)
+                    print(f"{run['name']} {key} turn: {verdict.summary()}", flush=True)
+            report["runs"][run["name"]] = entry
+    report["gdn_pages_per_request"] = {name: e.get("kv_cache", {}).get("gdn_blocks_per_request")
+                                       for name, e in report["runs"].items()}
+    report["hit_rates"] = {name: {b: r["hit_rate"] for b, r in e.get("batches", {}).items()}
+                           for name, e in report["runs"].items()}
+    print("GDN pages per request:", report["gdn_pages_per_request"], flush=True)
+    print("hit rates:", report["hit_rates"], flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    verdicts = [b["verdict"] for name, e in report["runs"].items() if name.startswith("reconstruct")
+                for b in e.get("batches", {}).values()]
+    verdicts += [v for name, e in report["runs"].items() if name.startswith("reconstruct")
+                 for key, v in e.get("two_turns", {}).items() if key.endswith("_verdict")]
+    hits = all(r["prefix_cache_hits"] > 0 for name, e in report["runs"].items() if name.startswith("reconstruct")
+               for b, r in e.get("batches", {}).items() if args.batches[int(b)] > PREFIXES)
+    ok = bool(verdicts) and all(v["passed"] for v in verdicts) and hits
+    print("RECONSTRUCT PASSES WITH PREFIX CACHING" if ok else "RECONSTRUCT FAILS", flush=True)
+    return 0 if ok else 1
+
+
+README_SPEC = {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"}
+
+
+def run_serve_check(args) -> int:
+    """The README's `vllm serve MODEL --speculative-config '{...reconstruct}'` (prefix caching left to vLLM: on), with
+    the gpu-vllm site's backends and a small KV budget (the GPU is shared): starts, answers one completion, stops."""
+    model, _ = prompts_and_model()
+    scratch = Path(args.out).parent / "serve-plugin-metadata"
+    metadata = gpu_site.plugin_metadata_dir(scratch)
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, str(metadata or ""), env.get("PYTHONPATH", "")) if p)
+    import torch
+
+    on_gpu = torch.cuda.is_available()  # else a dry run of the flow on vLLM's CPU backend
+    spec = {**README_SPEC, **(gpu_site.SPECULATIVE if on_gpu else {})}
+    site = ["--attention-backend", gpu_site.ENGINE["attention_backend"], "--gdn-prefill-backend",
+            gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes",
+            str(args.kv_cache_memory_bytes or 4 << 30)] if on_gpu else []
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--speculative-config",
+               json.dumps(spec), *site, "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--port",
+               str(args.port), "--max-num-seqs", "8", "--dtype", args.dtype]
+    log_path = Path(args.out).with_suffix(".log")
+    result = {"command": command, "started": False}
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while time.monotonic() - start < args.timeout_s and server.poll() is None:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models", timeout=2).read()
+                    result.update(started=True, start_s=time.monotonic() - start)
+                    break
+                except OSError:
+                    time.sleep(2)
+            if result["started"]:
+                body = json.dumps({"model": model, "prompt": "Beautiful is better than", "max_tokens": 16,
+                                   "temperature": 0}).encode()
+                request = urllib.request.Request(f"http://127.0.0.1:{args.port}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                result["completion"] = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        except Exception:
+            result["error"] = traceback.format_exc()[-2000:]
+        finally:
+            result["exit_code_before_stop"] = server.poll()
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGTERM)  # the server's own process group (start_new_session)
+                try:
+                    server.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(server.pid, signal.SIGKILL)
+                    server.wait()
+    log_text = log_path.read_text()
+    result["log_lines"] = [line[:300] for line in log_text.splitlines() if any(
+        s in line for s in ("Mamba cache mode", "model runner", "Model Runner", "Maximum concurrency", "Error",
+                            "mamba_state_commit"))][-20:]
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    ok = result["started"] and "completion" in result
+    print("SERVE STARTS AND ANSWERS" if ok else "SERVE FAILS", json.dumps(result.get("log_lines")), flush=True)
+    return 0 if ok else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command_name", required=True)
+    spec = sub.add_parser("spec")
+    add_common_args(spec)
+    spec.add_argument("--strategy", required=True, choices=["reconstruct", "store_all", "none"])
+    spec.add_argument("--dense", action="store_true", help="keep every boundary state; the two-turn chats")
+    reference = sub.add_parser("reference")
+    add_common_args(reference)
+    reference.add_argument("--out", required=True)
+    reference.add_argument("--expect", type=int, required=True, help="runs to wait for")
+    reference.add_argument("--command", default=None)
+    serve = sub.add_parser("serve-check")
+    add_common_args(serve, runs=False)
+    serve.add_argument("--out", required=True)
+    serve.add_argument("--port", type=int, default=8321)
+    serve.add_argument("--timeout-s", type=float, default=420)
+    for p in (spec, reference, serve):  # every process of the shell script gets the same arguments
+        p.add_argument("--prefix-tokens", type=int, default=PREFIX_TOKENS)
+        p.add_argument("--batches", default=" ".join(f"{b}:{n}" for b, n in BATCHES.items()),
+                       help="B:REQUESTS, space-separated (REQUESTS submitted B at a time)")
+        p.add_argument("--turn-block", type=int, default=None,
+                       help="the dense run's first turns end this many tokens in (default: the engine's block size)")
+        p.add_argument("--runs-wait-s", type=float, default=RUNS_WAIT_S, help="the reference's wait for the runs")
+    args = parser.parse_args()
+    if args.command_name != "serve-check" and args.max_tokens == 128:  # add_common_args' default
+        args.max_tokens = MAX_TOKENS
+    args.batches = dict(tuple(map(int, pair.split(":"))) for pair in args.batches.split())
+    args.batch_sizes = sorted(args.batches)
+    return {"spec": run_spec, "reference": run_reference, "serve-check": run_serve_check}[args.command_name](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

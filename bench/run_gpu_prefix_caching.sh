@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Prefix caching of GDN states with reconstruct, store_all and no speculation (bench/gpu_prefix_caching.py), every
+# engine at once, judged by the no-speculation engine without prefix caching; and the README's `vllm serve` command.
+# Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
+#   bash bench/run_gpu_prefix_caching.sh OUT_DIR [args for every engine]      e.g. ... $OUT --dtype float16
+# RUNS (default "reconstruct store_all none reconstruct:dense") picks the runs; SERVE=0 skips the serve check.
+# KV_BYTES (default 8 GiB) is each engine's fixed KV cache, GPU_UTIL (default 0.08) its start-up memory check; every
+# process runs under `timeout ${CALL_LIMIT_S:-530}`. OUT_DIR gets log.txt (the summary lines), gpu_prefix_caching.json
+# (the reference's report), serve.json and engines.tar.gz (every engine's log and run JSON).
+set -u
+out=$1; shift
+work=${WORK:-/tmp/prefix-caching}
+runs_list=${RUNS:-reconstruct store_all none reconstruct:dense}
+rm -rf "$work"; mkdir -p "$out" "$work/runs" "$work/logs"
+log=$out/log.txt; : >"$log"
+start=$(date +%s)
+limit=${CALL_LIMIT_S:-530}
+# the fixtures (and the long-context copy) and vLLM's model-info cache first: the engines would write them at once
+python3 -c "from bench import gpu_site; from bench.gpu_vllm_e2e import prompts_and_model, long_context_model; gpu_site.seed_model_info_cache(); long_context_model(prompts_and_model()[0])" >"$work/logs/fixture.log" 2>&1
+echo "=== fixture rc=$? at $(( $(date +%s) - start )) s" >>"$log"
+common=(--kv-cache-memory-bytes "${KV_BYTES:-8589934592}" --gpu-memory-utilization "${GPU_UTIL:-0.08}")
+pids=() n=0
+for r in $runs_list; do
+  IFS=: read -r strategy dense <<<"$r"
+  name=$strategy${dense:+-$dense}
+  VLLM_CACHE_ROOT=$work/cache-$name timeout "$limit" python3 bench/gpu_prefix_caching.py spec --strategy "$strategy" \
+    ${dense:+--dense} --runs "$work/runs" "${common[@]}" "$@" >"$work/logs/$name.log" 2>&1 &
+  pids+=($!); n=$((n + 1)); echo "=== $name started at $(( $(date +%s) - start )) s" >>"$log"; sleep 3
+done
+VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/gpu_prefix_caching.py reference \
+  --runs "$work/runs" --expect "$n" --out "$out/gpu_prefix_caching.json" \
+  --command "bash bench/run_gpu_prefix_caching.sh \$OUT $*" "${common[@]}" "$@" >"$work/logs/reference.log" 2>&1 &
+pids+=($!); echo "=== reference started at $(( $(date +%s) - start )) s" >>"$log"
+if [ "${SERVE:-1}" = 1 ]; then
+  VLLM_CACHE_ROOT=$work/cache-serve timeout "$limit" python3 bench/gpu_prefix_caching.py serve-check \
+    --out "$out/serve.json" --kv-cache-memory-bytes 4294967296 --gpu-memory-utilization "${GPU_UTIL:-0.08}" "$@" \
+    >"$work/logs/serve.log" 2>&1 &
+  pids+=($!); echo "=== serve check started at $(( $(date +%s) - start )) s" >>"$log"
+fi
+for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
+tar czf "$out/engines.tar.gz" -C "$work" logs runs
+grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Mamba cache mode|Maximum concurrency| started | done |FAILED|batch [0-9]+|turn|hit rate|GDN pages|hit rates|PASS|FAIL|SERVE|Traceback|Error" \
+  "$work"/logs/*.log | cut -c1-400 >>"$log"
+grep -E "^===|PASS|FAIL|SERVE|Traceback|Error|batch [0-9]+|turn|GDN pages|hit rates|started " "$log" | cut -c1-400 | tail -80
