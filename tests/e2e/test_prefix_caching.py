@@ -14,8 +14,9 @@ replay boundaries, which prefill writes. First turn: prompts ending 1 to 6 token
 first turn's prompt + its own output + more text (a chat's next turn), which hits the cache at a boundary the first
 turn reached while decoding. Both turns are tie-aware equivalent to the no-speculation engine without prefix caching;
 every boundary state reconstruct wrote (SSM state and conv window, every GDN layer) is the fp64 model's state after
-the same tokens within bf16 rounding (a stale or off-by-one state is 15x further off), and vLLM's KV report reserves
-two GDN pages per request, as align mode does without speculation.
+the same tokens within bf16 rounding (a stale state is over ten times further off), and vLLM's KV report reserves
+two GDN pages per request, as align mode does without speculation. Draft trees with prefix caching stop the engine
+at start-up with one message.
 """
 
 from __future__ import annotations
@@ -149,3 +150,10 @@ def test_two_gdn_pages_per_request(two_turns):
     speculation (store_all adds one per draft position)."""
     assert set(two_turns["report"].gdn_blocks_per_request) == {2}
 
+
+
+def test_draft_trees_with_prefix_caching_are_refused(fixture_model):
+    tree = {**MTP_K3, "draft_tree_widths": [2, 2, 1]}
+    with pytest.raises(ValueError, match=r"draft_tree_widths with prefix caching .*--no-enable-prefix-caching"):
+        with engine(fixture_model, speculative_config=tree, enable_prefix_caching=True):
+            pass

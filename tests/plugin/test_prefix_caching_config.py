@@ -1,8 +1,8 @@
-"""Which runner and which refusals prefix caching of GDN states brings (vLLM's `mamba_cache_mode="align"`): reconstruct
-with prefix caching stays on the V1 runner, whose hooks write the boundary states (vLLM's V2 feature check lists it,
-with the reason), while chains without prefix caching and vLLM's own MTP keep to vLLM's choice; draft trees with
-prefix caching, and reconstruct with prefix caching forced onto Model Runner V2, stop the engine at start-up with
-one message each."""
+"""Which runner prefix caching of GDN states brings (vLLM's `mamba_cache_mode="align"`): reconstruct with prefix caching
+stays on the V1 runner, whose hooks write the boundary states (vLLM's V2 feature check lists it, with the reason),
+while chains without prefix caching and vLLM's own MTP keep to vLLM's choice; reconstruct with prefix caching forced
+onto Model Runner V2 is refused at start-up with one message. Configs only, no engine (draft trees with prefix
+caching: tests/e2e/test_prefix_caching.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_treewy.fixture import build_fixture
-from vllm_treewy.vllm_plugin.testing.equivalence import engine
 
 RECONSTRUCT = {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"}
 STORE_ALL = {"method": "mtp", "num_speculative_tokens": 3}
-TREE = {**RECONSTRUCT, "draft_tree_widths": [2, 2, 1]}
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +40,6 @@ def test_reconstruct_with_prefix_caching_stays_on_v1(fixture_model):
     assert not config.use_v2_model_runner
     assert _prefix_caching_features(engine_config(fixture_model, RECONSTRUCT, prefix_caching=False)) == []
     assert _prefix_caching_features(engine_config(fixture_model, STORE_ALL, prefix_caching=True)) == []
-
-
-def _start(model, speculative_config):
-    with engine(model, speculative_config=speculative_config, enable_prefix_caching=True):
-        pass
-
-
-def test_draft_trees_with_prefix_caching_are_refused(fixture_model):
-    with pytest.raises(ValueError, match=r"draft_tree_widths with prefix caching .*--no-enable-prefix-caching"):
-        _start(fixture_model, TREE)
 
 
 def test_reconstruct_with_prefix_caching_on_v2_is_refused(fixture_model):
