@@ -3,7 +3,8 @@
 # engine at once, judged by the no-speculation engine without prefix caching; and the README's `vllm serve` command.
 # Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
 #   bash bench/run_gpu_prefix_caching.sh OUT_DIR [args for every engine]      e.g. ... $OUT --dtype float16
-# RUNS (default "reconstruct store_all none reconstruct:dense") picks the runs; SERVE=0 skips the serve check.
+# RUNS (default "reconstruct store_all none reconstruct:dense") picks the runs; SERVE=0 skips the serve check,
+# KERNEL_TEST=0 the compiled boundary-kernel test (tests/gpu/test_boundary_states_gpu.py, log: kernel_test.log).
 # KV_BYTES (default 8 GiB) is each engine's fixed KV cache, GPU_UTIL (default 0.08) its start-up memory check; every
 # process runs under `timeout ${CALL_LIMIT_S:-530}`. OUT_DIR gets log.txt (the summary lines), gpu_prefix_caching.json
 # (the reference's report), serve.json and engines.tar.gz (every engine's log and run JSON).
@@ -31,6 +32,11 @@ VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/gpu_prefix_
   --runs "$work/runs" --expect "$n" --out "$out/gpu_prefix_caching.json" \
   --command "bash bench/run_gpu_prefix_caching.sh \$OUT $*" "${common[@]}" "$@" >"$work/logs/reference.log" 2>&1 &
 pids+=($!); echo "=== reference started at $(( $(date +%s) - start )) s" >>"$log"
+if [ "${KERNEL_TEST:-1}" = 1 ]; then  # the boundary kernel compiled, against its twin (tests/gpu)
+  timeout "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_boundary_states_gpu.py \
+    >"$out/kernel_test.log" 2>&1 &
+  pids+=($!); echo "=== kernel test started at $(( $(date +%s) - start )) s" >>"$log"
+fi
 if [ "${SERVE:-1}" = 1 ]; then
   VLLM_CACHE_ROOT=$work/cache-serve timeout "$limit" python3 bench/gpu_prefix_caching.py serve-check \
     --out "$out/serve.json" --kv-cache-memory-bytes 4294967296 --gpu-memory-utilization "${GPU_UTIL:-0.08}" "$@" \
@@ -41,4 +47,5 @@ for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $((
 tar czf "$out/engines.tar.gz" -C "$work" logs runs
 grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Mamba cache mode|Maximum concurrency| started | done |FAILED|batch [0-9]+|turn|hit rate|GDN pages|hit rates|PASS|FAIL|SERVE|Traceback|Error" \
   "$work"/logs/*.log | cut -c1-400 >>"$log"
-grep -E "^===|PASS|FAIL|SERVE|Traceback|Error|batch [0-9]+|turn|GDN pages|hit rates|started " "$log" | cut -c1-400 | tail -80
+tail -n 3 "$out/kernel_test.log" 2>/dev/null | sed 's/^/kernel test: /' >>"$log"
+grep -E "^===|PASS|FAIL|SERVE|Traceback|Error|batch [0-9]+|turn|GDN pages|hit rates|started |kernel test" "$log" | cut -c1-400 | tail -80
