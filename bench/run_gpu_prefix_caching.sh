@@ -6,7 +6,7 @@
 # RUNS (default "reconstruct store_all none reconstruct:dense") picks the runs; SERVE=0 skips the serve check,
 # KERNEL_TEST=0 the compiled boundary-kernel test (tests/gpu/test_boundary_states_gpu.py, log: kernel_test.log).
 # KV_BYTES (default 8 GiB) is each engine's fixed KV cache, GPU_UTIL (default 0.08) its start-up memory check; every
-# process runs under `timeout ${CALL_LIMIT_S:-530}`. OUT_DIR gets log.txt (the summary lines), gpu_prefix_caching.json
+# process runs under `timeout ${CALL_LIMIT_S:-520}`. OUT_DIR gets log.txt (the summary lines), gpu_prefix_caching.json
 # (the reference's report), serve.json and engines.tar.gz (every engine's log and run JSON).
 set -u
 out=$1; shift
@@ -15,7 +15,7 @@ runs_list=${RUNS:-reconstruct store_all none reconstruct:dense}
 rm -rf "$work"; mkdir -p "$out" "$work/runs" "$work/logs"
 log=$out/log.txt; : >"$log"
 start=$(date +%s)
-limit=${CALL_LIMIT_S:-530}
+limit=${CALL_LIMIT_S:-520}
 # the fixtures (and the long-context copy) and vLLM's model-info cache first: the engines would write them at once
 python3 -c "from bench import gpu_site; from bench.gpu_vllm_e2e import prompts_and_model, long_context_model; gpu_site.seed_model_info_cache(); long_context_model(prompts_and_model()[0])" >"$work/logs/fixture.log" 2>&1
 echo "=== fixture rc=$? at $(( $(date +%s) - start )) s" >>"$log"
