@@ -51,9 +51,12 @@ def test_a3b_budgets_bind_store_all_where_the_grid_says():
     assert round(binding["reconstruct"].max_concurrency, 1) == 523.2
 
 
-def test_every_a3b_server_builds_its_vllm_config(tmp_path):
+def test_every_a3b_server_builds_its_vllm_config(tmp_path, monkeypatch):
     """Each server's `vllm serve` flags (the grid's, then its record's, as vLLM's sweep applies them) parse with
-    vLLM's serve parser and build the engine config with the plugin: the budget, the speculative strategy, the cap."""
+    vLLM's serve parser and build the engine config with the plugin: the budget, the speculative strategy, the cap.
+    vLLM's CPU platform would replace the budget by VLLM_CPU_KVCACHE_SPACE, which the e2e harness sets when
+    imported (by an earlier test of the same process): a server of the grid is started without it."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     import vllm_treewy.vllm_plugin as plugin
     from vllm.benchmarks.sweep.param_sweep import ParameterSweepItem
     from vllm.engine.arg_utils import EngineArgs
