@@ -46,14 +46,17 @@ ENGINE_DEFAULTS = dict(
 
 @contextlib.contextmanager
 def engine(model: str, **kwargs):
-    """An in-process `LLM`, torn down on exit so the next one can start in the same process.
+    """An in-process `LLM`, torn down on exit so the next one can start in the same process, also when it fails
+    to start (vLLM's distributed state is set up before a start-up check can refuse the configuration; a next engine
+    would find it and keep it, e.g. without the expert-parallel group a MoE model needs).
 
     Engines in one process share vLLM's distributed state: run them one after another, never nested.
     """
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    llm = LLM(model=model, **{**ENGINE_DEFAULTS, **kwargs})
+    llm = None
     try:
+        llm = LLM(model=model, **{**ENGINE_DEFAULTS, **kwargs})
         yield llm
     finally:
         del llm
