@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench import gpu_site
 from bench.gpu_vllm_e2e import (add_common_args, batch_shape_control, beside_store_all, device_facts, engine_kwargs,
-                                prompts_and_model, timed_batches, verdict_record)
+                                judged, print_runs, prompts_and_model, timed_batches, verdict_record)
 from vllm_treewy.fixture.exact import ExactModel
 
 # Longest waits (s) for the other engines' starts, the previous engine's timing (a turn takes well under a minute),
@@ -215,18 +215,9 @@ def run_reference(args, turns: Turns) -> int:
         for path in sorted(runs_dir.glob("*.json")):
             run = json.loads(path.read_text())
             entry = {key: v for key, v in run.items() if key != "outputs"}
-            entry["tokens_per_s"] = {int(b): t for b, t in run["tokens_per_s"].items()}
-            entry["speedup_vs_no_spec"] = {b: t / tokens_per_s[b] for b, t in entry["tokens_per_s"].items()}
-            entry["verdicts"] = {b: verdict_record(compare_tie_aware(reference, prompts[:b], outputs[b],
-                                                                     run["outputs"][str(b)], exact_logits))
-                                 for b in args.batch_sizes}
-            report["runs"][run["name"]] = entry
-    for name, entry in report["runs"].items():
-        print(name, json.dumps({k: v for k, v in entry.items() if k != "verdicts"}), flush=True)
-        for b, v in entry.get("verdicts", {}).items():
-            print(f"  batch {b}: {v['summary']}", flush=True)
-    for b, v in report["no_spec_in_smaller_batches"].items():
-        print(f"  no speculation, batch {b} in smaller batches: {v['summary']}", flush=True)
+            report["runs"][run["name"]] = judged(entry, run, reference, prompts, outputs, tokens_per_s, exact_logits,
+                                                 args.batch_sizes)
+    print_runs(report)
     report["beside_store_all"] = beside_store_all(report["runs"])
     report["beside_v1"] = beside_v1({n: r for n, r in report["runs"].items() if n != "no-spec"})
     for line in report["beside_store_all"] + report["beside_v1"]:

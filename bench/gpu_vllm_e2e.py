@@ -310,6 +310,29 @@ def beside_store_all(runs: dict) -> list[str]:
     return lines
 
 
+def judged(entry: dict, run: dict, reference, prompts, outputs: dict, tokens_per_s: dict, exact_logits,
+           batch_sizes) -> dict:
+    """A speculative run's report entry with its tokens/s beside no speculation's and its tie-aware verdict against
+    the reference outputs at every batch size."""
+    from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware
+
+    entry["tokens_per_s"] = {int(b): t for b, t in run["tokens_per_s"].items()}
+    entry["speedup_vs_no_spec"] = {b: t / tokens_per_s[b] for b, t in entry["tokens_per_s"].items()}
+    entry["verdicts"] = {b: verdict_record(compare_tie_aware(reference, prompts[:b], outputs[b],
+                                                             run["outputs"][str(b)], exact_logits))
+                         for b in batch_sizes}
+    return entry
+
+
+def print_runs(report: dict) -> None:
+    for name, entry in report["runs"].items():
+        print(name, json.dumps({k: v for k, v in entry.items() if k != "verdicts"}), flush=True)
+        for b, v in entry.get("verdicts", {}).items():
+            print(f"  batch {b}: {v['summary']}", flush=True)
+    for b, v in report["no_spec_in_smaller_batches"].items():
+        print(f"  no speculation, batch {b} in smaller batches: {v['summary']}", flush=True)
+
+
 def run_reference(args) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, kv_cache_report
 
@@ -335,19 +358,9 @@ def run_reference(args) -> int:
         for run in runs:
             entry = {key: run.get(key) for key in ("strategy", "k", "engine_start_s", "acceptance_rate",
                                                    "acceptance_length", "kv_cache", "profile")}
-            entry["tokens_per_s"] = {int(b): t for b, t in run["tokens_per_s"].items()}
-            entry["speedup_vs_no_spec"] = {b: t / tokens_per_s[b] for b, t in entry["tokens_per_s"].items()}
-            entry["verdicts"] = {}
-            for b in args.batch_sizes:
-                verdict = compare_tie_aware(reference, prompts[:b], outputs[b], run["outputs"][str(b)], exact_logits)
-                entry["verdicts"][b] = verdict_record(verdict)
-            report["runs"][run["name"]] = entry
-    for name, entry in report["runs"].items():
-        print(name, json.dumps({k: v for k, v in entry.items() if k != "verdicts"}), flush=True)
-        for b, v in entry.get("verdicts", {}).items():
-            print(f"  batch {b}: {v['summary']}", flush=True)
-    for b, v in report["no_spec_in_smaller_batches"].items():
-        print(f"  no speculation, batch {b} in smaller batches: {v['summary']}", flush=True)
+            report["runs"][run["name"]] = judged(entry, run, reference, prompts, outputs, tokens_per_s, exact_logits,
+                                                 args.batch_sizes)
+    print_runs(report)
     report["beside_store_all"] = beside_store_all(report["runs"])
     for line in report["beside_store_all"]:
         print(line, flush=True)
@@ -551,9 +564,9 @@ def run_tree(args) -> int:
     exact_logits = ExactModel(model).next_token_logits
     phases = None
     if args.phase_timing:
-        from bench.phase_timing import install
+        from bench import phase_timing
 
-        phases = install()
+        phases = phase_timing.install()
     start = time.perf_counter()
     with engine(model, speculative_config=tree_spec(widths, args.drafter), logprobs_mode="raw_logits",
                 **engine_kwargs(args, 1 + tree.num_nodes)) as llm:
@@ -562,9 +575,9 @@ def run_tree(args) -> int:
         phase_times = {}
         for b in args.batch_sizes if phases else ():  # per batch size, after a warm-up pass
             generate_greedy(llm, prompts[:b], [8] * b)
-            phases.reset()
+            phases.clear()
             generate_greedy(llm, prompts[:b], [args.max_tokens] * b)
-            phase_times[str(b)] = phases.report()
+            phase_times[str(b)] = phase_timing.report(phases)
             print(f"  phases B={b}:", json.dumps(phase_times[str(b)]), flush=True)
         outputs, tokens_per_s, acceptance_length = timed_batches(llm, prompts, args)
         after = read_acceptance(llm)

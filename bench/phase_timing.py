@@ -1,53 +1,19 @@
-"""Host time per engine step, by phase, without a profiler: named functions wrapped with `time.perf_counter`
-(no device syncs, so nothing changes how the host queues work; on a host-bound step the host's time is the step's).
+"""Host time per engine step, by phase, of the draft-tree path (no profiler, no device syncs): `gpu_host_audit`'s
+`StepTimers` over vLLM's runner step and sampling, vLLM's MTP proposer, and the tree path's drafting levels, head
+forwards and sampling, plus the CUDA-graph mode vLLM dispatched each level's head forward to.
 
-`install()` wraps, in this process only, vLLM's runner step and sampling, vLLM's MTP proposer, and the tree
-path's drafting levels, head forwards and sampling; `PhaseTimes.report(steps)` gives each phase's mean host
-microseconds per engine step (an engine step: one `execute_model`) and, for the drafting levels' head forwards,
-the CUDA-graph runtime modes vLLM dispatched them to. Nested phases overlap (a level's time includes its head's).
+`install()` wraps them in this process; `report(timers)` gives each phase's host microseconds and calls per engine
+step (an engine step: one `execute_model`). Nested phases overlap (a level's time includes its head's).
 """
 
 from __future__ import annotations
 
-import functools
-import time
-from collections import Counter, defaultdict
+from bench.gpu_host_audit import StepTimers
+
+STEP = "engine step (execute_model)"
 
 
-class PhaseTimes:
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: Counter = Counter()
-        self.head_modes: Counter = Counter()
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - start
-                self.calls[label] += 1
-
-        setattr(owner, name, timed)
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-        self.head_modes.clear()
-
-    def report(self) -> dict:
-        steps = max(self.calls["engine step (execute_model)"], 1)
-        return {"steps": steps,
-                "us_per_step": {k: 1e6 * v / steps for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])},
-                "calls_per_step": {k: v / steps for k, v in self.calls.items()},
-                "head_cudagraph_modes": dict(self.head_modes)}
-
-
-def install() -> PhaseTimes:
+def install() -> StepTimers:
     from vllm.forward_context import get_forward_context
     from vllm.v1.spec_decode.eagle import EagleProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -55,20 +21,27 @@ def install() -> PhaseTimes:
     from vllm_treewy.vllm_plugin import tree_runner
     from vllm_treewy.vllm_plugin.mtp_tree_proposer import TreeMtpProposer
 
-    times = PhaseTimes()
-    times.wrap(GPUModelRunner, "execute_model", "engine step (execute_model)")
-    times.wrap(GPUModelRunner, "sample_tokens", "sample_tokens (sampling + drafting)")
-    times.wrap(GPUModelRunner, "_sample", "sampling (runner _sample)")
-    times.wrap(EagleProposer, "propose", "vLLM MTP propose (chain, or the tree's first pass)")
-    times.wrap(TreeMtpProposer, "_draft_levels", "tree levels")
-    times.wrap(TreeMtpProposer, "_forward_level", "tree level forward")
+    timers = StepTimers()
     original_head = TreeMtpProposer._run_head
 
     def run_head(self, kwargs):
-        times.head_modes[str(get_forward_context().cudagraph_runtime_mode)] += 1
+        timers.cudagraph_modes[f"tree level head: {get_forward_context().cudagraph_runtime_mode}"] += 1
         return original_head(self, kwargs)
 
     TreeMtpProposer._run_head = run_head
-    times.wrap(TreeMtpProposer, "_run_head", "tree level head forward")
-    times.wrap(tree_runner, "sample_with_trees", "tree sampling (sample_with_trees)")
-    return times
+    for owner, name, label in (
+            (GPUModelRunner, "execute_model", STEP),
+            (GPUModelRunner, "sample_tokens", "sample_tokens (sampling + drafting)"),
+            (GPUModelRunner, "_sample", "sampling (runner _sample)"),
+            (EagleProposer, "propose", "vLLM MTP propose (chain, or the tree's first pass)"),
+            (TreeMtpProposer, "_draft_levels", "tree levels"),
+            (TreeMtpProposer, "_forward_level", "tree level forward"),
+            (TreeMtpProposer, "_run_head", "tree level head forward"),
+            (tree_runner, "sample_with_trees", "tree sampling (sample_with_trees)")):
+        timers.wrap(owner, name, label)
+    return timers
+
+
+def report(timers: StepTimers) -> dict:
+    steps = max(timers.calls[STEP], 1)
+    return {"steps": steps, "phases": timers.per_step(steps), "cudagraph_modes": dict(timers.cudagraph_modes)}
