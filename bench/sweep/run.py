@@ -75,20 +75,8 @@ def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, 
     model = prepare_model(grid.model, out / "model")
     workload_data = write_workloads(out / "workloads", grid.lengths, model.text, grid.workloads)
 
-    serve_params = grid.serve_params()
-    if only_servers:
-        unknown = set(only_servers) - {r["_benchmark_name"] for r in serve_params}
-        if unknown:
-            raise SystemExit(f"no server named {sorted(unknown)} in grid {grid.name}")
-        by_name = {r["_benchmark_name"]: r for r in serve_params}
-        serve_params = [by_name[name] for name in dict.fromkeys(only_servers)]
-    bench_params = grid.bench_params(workload_data)
-    if only_points:
-        unknown = set(only_points) - {r["_benchmark_name"] for r in bench_params}
-        if unknown:
-            raise SystemExit(f"no point named {sorted(unknown)} in grid {grid.name}")
-        by_name = {r["_benchmark_name"]: r for r in bench_params}
-        bench_params = [by_name[name] for name in dict.fromkeys(only_points)]
+    serve_params = _selected(grid.serve_params(), only_servers, "server", grid.name)
+    bench_params = _selected(grid.bench_params(workload_data), only_points, "point", grid.name)
     params_dir = out / "params"
     params_dir.mkdir(parents=True, exist_ok=True)
     (params_dir / "serve.json").write_text(json.dumps(serve_params, indent=1) + "\n")
@@ -352,3 +340,14 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
 
     write_report(plan.out)
     return returncode
+
+
+def _selected(records: list[dict], names, what: str, grid_name: str) -> list[dict]:
+    """The records named in `names`, in that order (each once); all of them when `names` is empty."""
+    if not names:
+        return records
+    by_name = {r["_benchmark_name"]: r for r in records}
+    unknown = set(names) - set(by_name)
+    if unknown:
+        raise SystemExit(f"no {what} named {sorted(unknown)} in grid {grid_name}")
+    return [by_name[name] for name in dict.fromkeys(names)]
