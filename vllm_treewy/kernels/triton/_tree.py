@@ -61,6 +61,9 @@ def ancestor_table_triton(parents: torch.Tensor, cu_nodes: torch.Tensor, max_dep
 @triton.jit
 def _ancestor(ancestors, bos, node, d, D: tl.constexpr, IS_CHAIN: tl.constexpr):
     """d-th ancestor of local `node` (-1 past the root, and for node = -1)."""
+    # if / else, not an early return: the compiler types every return it reaches, and a chain's `ancestors` may be
+    # any placeholder pointer (the dead load's type would clash with the chain's int32).
     if IS_CHAIN:
         return tl.where((node >= 0) & (node - d >= 0), node - d, -1)
-    return tl.load(ancestors + (bos + node) * D + d, mask=node >= 0, other=-1)
+    else:
+        return tl.load(ancestors + (bos + node) * D + d, mask=node >= 0, other=-1)
