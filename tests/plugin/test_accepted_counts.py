@@ -1,7 +1,7 @@
 """Right after sampling, each speculative row's accepted count goes into its slot in every KV-cache group of
 reconstruct GDN layers (each group has its own count state and block table); rows that verified no drafts keep
-their slot's count. On CUDA one launch covers all groups, through a table of the groups' addresses kept on the
-runner while the KV cache stays where it is."""
+their slot's count. On CUDA one launch covers all groups, through a table of the groups' addresses that the model's
+first GDN layer keeps (`sampling_tables`) while the KV cache stays where it is."""
 
 from types import SimpleNamespace
 
@@ -10,7 +10,12 @@ import torch
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_treewy.kernels.triton import slot_counts
-from vllm_treewy.vllm_plugin.accepted_counts import record_chain_accepted_counts
+from vllm_treewy.vllm_plugin.accepted_counts import (
+    count_table_of,
+    gdn_counts_and_block_tables,
+    record_chain_accepted_counts,
+)
+from vllm_treewy.vllm_plugin.sampling_tables import SamplingTables
 
 NUM_SLOTS, MAX_REQS = 8, 6
 
@@ -25,7 +30,7 @@ def count_updates(request, monkeypatch):
 def _gdn_layer():
     # the count state inside each slot's KV-cache page, after the slot's other states: strided
     counts = torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2]
-    return SimpleNamespace(keeps_slot_counts=True, verified_node_counts=lambda: counts)
+    return SimpleNamespace(keeps_slot_counts=True, verified_node_counts=lambda: counts, sampling_tables=SamplingTables())
 
 
 def _runner(block_tables):
@@ -67,16 +72,19 @@ def test_speculative_rows_record_their_accepted_counts_in_every_gdn_group():
 
 
 def test_the_kernel_follows_a_kv_cache_that_moved(count_updates):
-    """The address table is built once and kept on the runner; a rebound KV cache (new count tensors) rebuilds it."""
+    """The address table is built once and kept by the first GDN layer; a rebound KV cache (new count tensors)
+    rebuilds it."""
     runner = _runner([_block_table([], 1), _block_table([3], 2), _block_table([4], 2)])
     runner.num_decode_draft_tokens.gpu[0] = 3
     runner.num_accepted_tokens.gpu[0] = 2
     record_chain_accepted_counts(runner, 1)
     if count_updates == "triton":
-        table = runner.treewy_count_table
+        groups = gdn_counts_and_block_tables(runner)
+        table = count_table_of(runner, groups)
         record_chain_accepted_counts(runner, 1)
-        assert runner.treewy_count_table is table
+        assert count_table_of(runner, groups) is table
     runner.compilation_config.static_forward_context["gdn.1"] = _gdn_layer()
     runner.num_accepted_tokens.gpu[0] = 3
     record_chain_accepted_counts(runner, 1)
     assert _counts(runner, "gdn.0")[3] == 3 and _counts(runner, "gdn.1")[4] == 3
+    assert [name for name in vars(runner) if "treewy" in name] == []  # nothing kept on vLLM's runner

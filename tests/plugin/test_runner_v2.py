@@ -16,7 +16,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from tests.plugin.test_step_metadata import FakeGDNLayer
+from tests.plugin.test_step_metadata import FakeGDNLayer, staged_buffers
 from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin import runner_v2
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_UPDATE_BLOCK_TABLE
@@ -126,7 +126,7 @@ def test_each_gdn_group_commits_its_own_slots_when_v2_regathers_its_metadata(v2_
     assert first.spec_slots.tolist() == [7, 2, 5] and first.commit_nodes.tolist() == [1, 3, -1]
     assert second.spec_slots.tolist() == [3, 6, 1] and second.commit_nodes.tolist() == [2, 0, -1]
     # each group's FULL-graph buffers are its own builder's (a graph replays them at a fixed address)
-    assert second.spec_slots.data_ptr() == builders[1].treewy_spec_slots.data_ptr() != first.spec_slots.data_ptr()
+    assert second.spec_slots.data_ptr() == staged_buffers(builders[1])[0].data_ptr() != first.spec_slots.data_ptr()
     assert second.spec_state_indices_tensor.data_ptr() == builders[1].spec_state_indices_tensor.data_ptr()
     assert second.counts_layer == "gdn.1" and first.counts_layer == "gdn.0"
     # the step's counts: every speculative row's node count in its own group's slots

@@ -13,7 +13,13 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttenti
 from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
-from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata, with_commit_nodes
+from vllm_treewy.vllm_plugin.sampling_tables import SamplingTables
+from vllm_treewy.vllm_plugin.step_metadata import (
+    GroupStepBuffers,
+    ReconstructGDNAttentionMetadata,
+    counts_layer,
+    with_commit_nodes,
+)
 from vllm_treewy.vllm_plugin.tree_sampler import record_accepted_leaves
 
 NUM_SLOTS, MAX_ROWS = 8, 16
@@ -27,13 +33,24 @@ def count_updates(request, monkeypatch):
 
 
 class FakeGDNLayer:
-    """A reconstruct GDN layer as the builder sees it: its KV-cache entries, read through the layer's own method."""
+    """A reconstruct GDN layer as the builder and the runner's hooks see it: its KV-cache entries, read through the
+    layer's own method, and what it keeps across steps."""
 
     verified_node_counts = ReconstructGatedDeltaNetAttention.verified_node_counts
     keeps_slot_counts = True
 
     def __init__(self, kv_cache):
         self.kv_cache = kv_cache
+        self.step_buffers, self.sampling_tables = GroupStepBuffers(), SamplingTables()
+
+
+class FakeBuilder(SimpleNamespace):
+    """vLLM's GDN metadata builder as `with_commit_nodes` sees it (weakly referenced, as vLLM's is)."""
+
+
+def staged_buffers(builder) -> tuple[torch.Tensor, torch.Tensor]:
+    """The builder's persistent slots and commit nodes (FULL graphs), kept by its group's counts layer."""
+    return counts_layer(builder).step_buffers.staged(builder, builder.num_accepted_tokens.shape[0])
 
 
 def _builder(full_graphs: bool, widths=None):
@@ -42,7 +59,7 @@ def _builder(full_graphs: bool, widths=None):
     layer = FakeGDNLayer((None, None, None, None, counts))
     tree = None if widths is None else DraftTree.from_widths(widths)
     speculative_config = SimpleNamespace(is_draft_tree=tree is not None, draft_tree=tree)
-    builder = SimpleNamespace(
+    builder = FakeBuilder(
         layer_names=["gdn.0"], use_full_cuda_graph=full_graphs, decode_cudagraph_max_bs=MAX_ROWS,
         num_accepted_tokens=torch.ones(MAX_ROWS, dtype=torch.int32),
         vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn.0": layer}),
@@ -166,11 +183,25 @@ def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
     first = _build(builder, _spec_step([3], [4], [1], padding_rows=2))
     _sampled(counts, [3], [3])
     second = _build(builder, _spec_step([3], [4], [3], padding_rows=2))
-    assert first.commit_nodes.data_ptr() == second.commit_nodes.data_ptr() == builder.treewy_commit_nodes.data_ptr()
-    assert first.spec_slots.data_ptr() == second.spec_slots.data_ptr() == builder.treewy_spec_slots.data_ptr()
+    slots, commit_nodes = staged_buffers(builder)
+    assert first.commit_nodes.data_ptr() == second.commit_nodes.data_ptr() == commit_nodes.data_ptr()
+    assert first.spec_slots.data_ptr() == second.spec_slots.data_ptr() == slots.data_ptr()
     assert second.commit_nodes.tolist() == [2, -1, -1]  # padding rows (the null slot) commit nothing
     assert second.spec_slots.tolist() == [3, 0, 0] and second.spec_slots.is_contiguous()
     assert counts[0] == 0  # nor are they counted
+
+
+def test_each_builder_of_a_group_stages_into_its_own_buffers():
+    """vLLM makes one builder per microbatch where it splits batches: each captures graphs on its own buffers, so
+    the group's counts layer keeps a set per builder, and nothing on the builders."""
+    builder, _ = _builder(full_graphs=True)
+    other = FakeBuilder(**vars(builder))
+    other._stage_spec_decode = functools.partial(GDNAttentionMetadataBuilder._stage_spec_decode, other)
+    first, second = _build(builder, _spec_step([3], [4], [1])), _build(other, _spec_step([5], [4], [1]))
+    assert first.commit_nodes.data_ptr() != second.commit_nodes.data_ptr()
+    assert first.spec_slots.tolist() == [3] and second.spec_slots.tolist() == [5]
+    assert _build(builder, _spec_step([3], [4], [1])).spec_slots.data_ptr() == first.spec_slots.data_ptr()
+    assert [name for name in vars(builder) if "treewy" in name] == []
 
 
 def test_the_null_block_never_commits():
@@ -262,7 +293,8 @@ def test_tree_tables_of_a_node_are_derived_in_the_forward_from_the_staged_batch(
     assert metadata.parents.tolist()[:6] == [-1, -1, 0, 0, 1, 2]
     assert metadata.ancestors[5].tolist() == [4, 2, 0]
     assert metadata.ancestors.shape == (10, 3) and bool((metadata.ancestors[6:] < 5).all())
-    assert metadata.tree_ancestors is builder.treewy_tree_ancestors  # one table per builder: a stable address
+    again = _build(builder, step)
+    assert again.tree_ancestors is metadata.tree_ancestors  # one table per group: a stable address
 
 
 def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_path):
@@ -302,5 +334,5 @@ def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_p
     metadata.update_counts("gdn.0")  # the first GDN layer's forward
     assert metadata.spec_state_indices_tensor.stride(0) == 1 + k  # vLLM's staged buffer, strided column 0
     assert metadata.spec_slots.tolist() == [7, 2, 5] and metadata.spec_slots.is_contiguous()
-    assert metadata.spec_slots.data_ptr() == builder.treewy_spec_slots.data_ptr()
+    assert metadata.spec_slots.data_ptr() == staged_buffers(builder)[0].data_ptr()
     assert metadata.commit_nodes.tolist() == [1, 3, -1]

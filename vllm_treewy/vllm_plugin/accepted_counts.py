@@ -18,7 +18,7 @@ import functools
 import torch
 
 from vllm_treewy.kernels.triton import slot_counts
-from vllm_treewy.vllm_plugin import prefix_caching
+from vllm_treewy.vllm_plugin import prefix_caching, sampling_tables
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 
@@ -26,7 +26,7 @@ from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 def counted_gdn_groups(runner):
     """(group id, count state) per KV-cache group of GDN layers that keep slot counts (reconstruct, store_all draft
     trees): the count lives in the group's first layer, the one its GDN metadata builder reads
-    (`step_metadata.verified_node_counts`)."""
+    (`step_metadata.counts_layer`)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     layers = runner.compilation_config.static_forward_context
@@ -70,12 +70,10 @@ def record_chain_accepted_counts(runner, num_reqs: int) -> None:
 
 
 def count_table_of(runner, groups) -> torch.Tensor:
-    """The groups' `count_table`, kept on the runner (V1 or V2) while their tensors stay where they are (the KV
-    cache's life)."""
+    """The groups' `count_table`, one of the runner's `SamplingTables` (V1 or V2 runner): built again only where a
+    count state or block table moved."""
     addresses = tuple((counts.data_ptr(), block_table.data_ptr()) for counts, block_table in groups)
-    if getattr(runner, "treewy_count_table_addresses", None) != addresses:
-        runner.treewy_count_table, runner.treewy_count_table_addresses = slot_counts.count_table(groups), addresses
-    return runner.treewy_count_table
+    return sampling_tables.of_runner(runner).get("count", addresses, lambda: slot_counts.count_table(groups))
 
 
 def _recording_accepted_counts(original):

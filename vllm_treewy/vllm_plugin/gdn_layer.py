@@ -39,7 +39,8 @@ from vllm_treewy.vllm_plugin.pseudo_value_buffer import (
     extra_page_dtypes,
     extra_page_shapes,
 )
-from vllm_treewy.vllm_plugin.step_metadata import ReconstructGDNAttentionMetadata
+from vllm_treewy.vllm_plugin.sampling_tables import SamplingTables
+from vllm_treewy.vllm_plugin.step_metadata import GroupStepBuffers, ReconstructGDNAttentionMetadata
 
 GATE_ACTIVATIONS = ("silu", "sigmoid")
 encode_layer_name = ENCODE_LAYER_NAME.resolve()  # at import: torch.compile traces forward_cuda, not importlib
@@ -52,6 +53,10 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         super().__init__(*args, **kwargs)
         self.reconstructs_state = reconstructs_mamba_state(self.speculative_config)
         self.keeps_slot_counts = keeps_slot_counts(self.speculative_config)
+        # What the step bookkeeping keeps across vLLM's calls, used where this layer is its group's first
+        # (`step_metadata.counts_layer`) or the model's first GDN layer (`sampling_tables.of_runner`).
+        self.step_buffers = GroupStepBuffers() if self.keeps_slot_counts else None
+        self.sampling_tables = SamplingTables() if self.keeps_slot_counts else None
         _check_prefix_caching(get_current_vllm_config(), self.reconstructs_state, self.keeps_slot_counts)
         if self.reconstructs_state and current_platform.is_cuda_alike():
             self._check_cuda_support()

@@ -411,7 +411,7 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes(
         _RUNNER_V2, "GPUModelRunner", ("block_tables", "kv_cache_config", "compilation_config", "speculative_config"),
         "reads", "Model Runner V2: the GDN groups' block tables (rows per request state), the KV-cache groups and the "
-        "layers (runner_v2); the count-address table is kept on it, as on V1 (accepted_counts.count_table_of)",
+        "layers (runner_v2)",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu.block_table", "BlockTables", ("block_tables",), "reads",
@@ -509,6 +509,15 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes("vllm.v1.engine.core", "EngineCore", ("scheduler",), "reads", "the KV report: its scheduler"),
     InternalAttributes("vllm.v1.core.sched.scheduler", "Scheduler", ("kv_cache_config", "vllm_config"), "reads",
                        "the KV report's blocks and pages; draft trees: the speculative config in the schedule hook"),
+    # the equivalence harness's check that the adapter keeps no state on vLLM's objects (attributes_added_to_vllm)
+    InternalAttributes("vllm.v1.worker.gpu_worker", "Worker", ("model_runner",), "reads",
+                       "the added-attributes check: each worker's model runner (the CPU worker inherits it)"),
+    InternalAttributes(_RUNNER, "GPUModelRunner", ("attn_groups", "drafter"), "reads",
+                       "the added-attributes check: the runner's attention groups and drafter"),
+    InternalAttributes("vllm.v1.worker.utils", "AttentionGroup", ("metadata_builders",), "reads",
+                       "the added-attributes check: a group's metadata builders (one per microbatch)"),
+    InternalAttributes("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", ("draft_attn_groups",),
+                       "reads", "the added-attributes check: the drafter's attention groups"),
     InternalAttributes(
         "vllm.model_executor.custom_op", "", ("op_registry_oot", "PluggableLayer"), "reads",
         "the GDN layer class replaces vLLM's through PluggableLayer.register_oot, once (the registry says whether)",

@@ -50,6 +50,7 @@ import functools
 import torch
 
 from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch
+from vllm_treewy.vllm_plugin import sampling_tables
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import (
     MAMBA_ALIGN_POSTPROCESS,
@@ -79,7 +80,8 @@ def boundary_layers(layers, block_tables) -> list[BoundaryLayer]:
 
 def _runner_boundary_layers(runner):
     """(the V1 runner's reconstruct GDN layers as `BoundaryLayer`s, their Triton table or None on CPU, the GDN
-    block size), kept on the runner while the KV cache's tensors stay where they are."""
+    block size): one of the runner's `SamplingTables`, built again only where a layer's state or a block table
+    moved."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     layers, block_tables, block_size = [], [], None
@@ -92,17 +94,21 @@ def _runner_boundary_layers(runner):
             if getattr(forward_context[name], "reconstructs_state", False):
                 layers.append(forward_context[name])
                 block_tables.append(runner.input_batch.block_table[group_id].block_table.gpu)
-    key = tuple(t.data_ptr() for t in (*(GDNPage.of(layer.kv_cache).ssm_state for layer in layers), *block_tables))
-    cached = getattr(runner, "treewy_boundary_layers", None)
-    if cached is None or cached[0] != key:
+    if not layers:
+        return [], None, block_size
+
+    def build():
         views = boundary_layers(layers, block_tables)
         table = None
-        if views and views[0].state.is_cuda:
+        if views[0].state.is_cuda:
             from vllm_treewy.kernels.triton.boundary_states import boundary_table
 
             table = boundary_table(views)
-        runner.treewy_boundary_layers = cached = (key, views, table, block_size)
-    return cached[1:]
+        return views, table, block_size
+
+    addresses = tuple(t.data_ptr() for t in (*(GDNPage.of(layer.kv_cache).ssm_state for layer in layers),
+                                             *block_tables))
+    return sampling_tables.of_runner(runner).get("boundary", addresses, build)
 
 
 def record_after_sampling(runner, num_reqs: int) -> None:

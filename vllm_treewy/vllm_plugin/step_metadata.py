@@ -20,7 +20,8 @@ re-gathers the state indices, which `runner_v2` follows with `with_commit_nodes`
 Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
 block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
 the tree's one ancestor table. In FULL-graph batches the slots and commit nodes go to persistent buffers, like vLLM's
-own GDN metadata.
+own GDN metadata. What the builds keep across steps (those buffers, the tree's table) is the group's
+`GroupStepBuffers`, which the group's counts layer owns: nothing is added to vLLM's builders.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
@@ -53,7 +55,8 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     # commit: a new request, or a padding row).
     commit_nodes: torch.Tensor | None = None
     # [1 + num_nodes, D] int32 ancestor table of the static tree's verified block (root, then the nodes), which every
-    # slot's pending commit follows; None for chains. One per builder: a FULL CUDA graph keeps its address.
+    # slot's pending commit follows; None for chains. One per GDN group (`GroupStepBuffers`): a FULL CUDA graph keeps
+    # its address.
     tree_ancestors: torch.Tensor | None = None
     # The step's count update (`commit_nodes_and_counts` on this metadata's tensors), left for `counts_layer`, the
     # group's first GDN layer, to run in its forward; None where the builder ran it.
@@ -127,21 +130,56 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
 _GDN_METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(GDNAttentionMetadata))
 
 
-def verified_node_counts(builder) -> torch.Tensor | None:
-    """`[S]` int32 of the builder's first GDN layer's buffer; None before vLLM binds the KV cache (profile run)."""
-    return builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]].verified_node_counts()
+class GroupStepBuffers:
+    """What a GDN KV-cache group's step metadata keeps from one build to the next outside vLLM's KV cache. Owned by
+    the group's counts layer (`counts_layer`: our GDN layer, as its `step_buffers`), so nothing is added to vLLM's
+    metadata builders; it lives as long as the layer (the model). It holds:
+
+    - per metadata builder of the group (vLLM makes one per group, or one per microbatch), the FULL-graph buffers
+      of the spec slots and commit nodes (`staged`): made at the builder's first staged batch, the size of the
+      builder's own persistent `num_accepted_tokens`, never replaced, since captured graphs read them at their
+      address; they go with the builder;
+    - the static tree's ancestor table (`tree_ancestors`, draft trees): made at the first speculative batch, read
+      at the same address by every step's forward;
+    - whether the counts layer was checked to run first of the group's layers (`order_checked`, once).
+    """
+
+    def __init__(self):
+        self._staged = WeakIdKeyDictionary()  # builder -> (slots, commit nodes), each [builder's max rows] int32
+        self._tree_ancestors: torch.Tensor | None = None
+        self.order_checked = False
+
+    def staged(self, builder, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `rows` of `builder`'s persistent slots and commit nodes (made at first use, filled with -1)."""
+        buffers = self._staged.get(builder)
+        if buffers is None:
+            buffers = tuple(torch.full_like(builder.num_accepted_tokens, -1) for _ in range(2))
+            self._staged[builder] = buffers
+        return buffers[0][:rows], buffers[1][:rows]
+
+    def tree_ancestors(self, tree: DraftTree, device) -> torch.Tensor:
+        """The static tree's verified-block ancestor table (`verified_tree_ancestors`), built once."""
+        if self._tree_ancestors is None:
+            self._tree_ancestors = verified_tree_ancestors(tree, device)
+        return self._tree_ancestors
 
 
-def counts_layer(builder) -> str:
-    """The builder's first GDN layer, which holds the group's count state and runs the step's count update. vLLM
-    assigns a group the model's layers `i, i + n, i + 2n, ...` in order, so it runs first of the group's layers:
-    checked once per builder, since a layer that ran before it would read the previous step's commit nodes."""
+def counts_layer(builder):
+    """The builder's first GDN layer (our `ReconstructGatedDeltaNetAttention`): it holds the group's count state and
+    `GroupStepBuffers`, and runs the step's count update."""
+    return builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]]
+
+
+def _checked_counts_layer_name(builder, buffers: GroupStepBuffers) -> str:
+    """The counts layer's name. vLLM assigns a group the model's layers `i, i + n, i + 2n, ...` in order, so it runs
+    first of the group's layers: checked once per group, since a layer that ran before it would read the previous
+    step's commit nodes."""
     name = builder.layer_names[0]
-    if not getattr(builder, "treewy_counts_layer_checked", False):
+    if not buffers.order_checked:
         first = min(builder.layer_names, key=extract_layer_index)
         if first != name:
             raise RuntimeError(f"reconstruct: the GDN group's count state is in {name}, but {first} runs first")
-        builder.treewy_counts_layer_checked = True
+        buffers.order_checked = True
     return name
 
 
@@ -155,7 +193,8 @@ def verified_tree_ancestors(tree: DraftTree, device) -> torch.Tensor:
 
 def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDNAttentionMetadata:
     result = ReconstructGDNAttentionMetadata(**{name: getattr(metadata, name) for name in _GDN_METADATA_FIELDS})
-    counts = verified_node_counts(builder)
+    layer = counts_layer(builder)
+    counts, buffers = layer.verified_node_counts(), layer.step_buffers
     tree = draft_tree_of(builder.vllm_config.speculative_config)
     batch_slots = slots = commit_nodes = None
     if metadata.num_spec_decodes > 0:
@@ -166,15 +205,12 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
         # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
         if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, metadata.num_spec_decodes,
                                       metadata.num_spec_decode_tokens):
-            slots = _persistent(builder, "treewy_spec_slots", rows)
-            commit_nodes = _persistent(builder, "treewy_commit_nodes", rows)
+            slots, commit_nodes = buffers.staged(builder, rows)
         else:
             slots = torch.empty(rows, dtype=batch_slots.dtype, device=batch_slots.device)
             commit_nodes = torch.empty_like(slots)
-        if tree is not None:
-            if not hasattr(builder, "treewy_tree_ancestors"):  # the shape is static: built once per builder
-                builder.treewy_tree_ancestors = verified_tree_ancestors(tree, slots.device)
-            result.tree_ancestors = builder.treewy_tree_ancestors  # `ancestors` and `parents` follow in the forward
+        if tree is not None:  # `ancestors` and `parents` follow in the forward
+            result.tree_ancestors = buffers.tree_ancestors(tree, slots.device)
         if counts is None:
             slots.copy_(batch_slots)
             commit_nodes.fill_(-1)
@@ -192,18 +228,10 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
             slots=slots, commit_nodes=commit_nodes, non_spec_slots=metadata.non_spec_state_indices_tensor,
             null_block=NULL_BLOCK_ID)
         if metadata.num_spec_decodes > 0:
-            result.count_update, result.counts_layer = update, counts_layer(builder)
+            result.count_update, result.counts_layer = update, _checked_counts_layer_name(builder, buffers)
         else:
             update()  # no speculative step runs in this batch's forward
     return result
-
-
-def _persistent(builder, name: str, rows: int) -> torch.Tensor:
-    """The first `rows` of the builder's persistent int32 buffer `name` (made at first use): the FULL CUDA graphs
-    read them at a fixed address, like the builder's own spec buffers."""
-    if not hasattr(builder, name):
-        setattr(builder, name, torch.full_like(builder.num_accepted_tokens, -1))
-    return getattr(builder, name)[:rows]
 
 
 def _building_commit_nodes(original):

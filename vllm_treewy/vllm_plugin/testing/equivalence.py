@@ -112,13 +112,46 @@ class GenerationRun:
     acceptance: SpecDecodeAcceptance | None
     kv_cache: KVCacheReport | None = None
     num_preemptions: int = 0
+    added_attributes: list[str] = field(default_factory=list)  # `attributes_added_to_vllm` after the generation
 
 
 def run_greedy(model: str, prompt_ids: list[list[int]], max_tokens: list[int], **engine_kwargs) -> GenerationRun:
-    """Starts an engine, generates greedily, reads its counters and KV-cache report, tears it down."""
+    """Starts an engine, generates greedily, reads its counters, KV-cache report and the attributes the adapter
+    added to vLLM's objects, tears it down."""
     with engine(model, **engine_kwargs) as llm:
         outputs = generate_greedy(llm, prompt_ids, max_tokens)
-        return GenerationRun(outputs, read_acceptance(llm), kv_cache_report(llm), read_preemptions(llm))
+        return GenerationRun(outputs, read_acceptance(llm), kv_cache_report(llm), read_preemptions(llm),
+                             attributes_added_to_vllm(llm))
+
+
+# The adapter's names contain this; none may be set on vLLM's objects (state that crosses steps lives in buffers
+# vLLM allocates or in objects of the adapter: the GDN layers' `step_buffers` and `sampling_tables`, the tree
+# drafter's `tree_state`).
+ADAPTER_MARK = "treewy"
+# Set on vLLM's scheduler by tree_budget's fallback log until that moves into an object of the adapter.
+SCHEDULER_ATTRIBUTES_NOT_MOVED_YET = ("treewy_unlogged_tree_fallbacks", "treewy_tree_fallbacks_logged_at")
+
+
+def _runner_attributes_added(worker) -> list[str]:
+    """On one worker (`LLM.collective_rpc`): `object.name` of each attribute named with `ADAPTER_MARK` on its model
+    runner and on the runner's and its drafter's attention metadata builders."""
+    runner = worker.model_runner
+    objects = {"runner": runner}
+    for group_id, groups in enumerate(getattr(runner, "attn_groups", ())):
+        for i, group in enumerate(groups):
+            objects.update({f"builder[{group_id}][{i}][{u}]": b for u, b in enumerate(group.metadata_builders)})
+    for i, group in enumerate(getattr(getattr(runner, "drafter", None), "draft_attn_groups", ())):
+        objects.update({f"drafter builder[{i}][{u}]": b for u, b in enumerate(group.metadata_builders)})
+    return [f"{owner}.{name}" for owner, obj in objects.items() for name in vars(obj) if ADAPTER_MARK in name]
+
+
+def attributes_added_to_vllm(llm: LLM) -> list[str]:
+    """`object.name` of each attribute named with `ADAPTER_MARK` on vLLM's scheduler (an in-process engine core),
+    each worker's model runner and its attention metadata builders: empty unless the adapter keeps state on them."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    added = [f"scheduler.{name}" for name in vars(scheduler)
+             if ADAPTER_MARK in name and name not in SCHEDULER_ATTRIBUTES_NOT_MOVED_YET]
+    return added + [name for worker in llm.collective_rpc(_runner_attributes_added) for name in worker]
 
 
 def read_preemptions(llm: LLM) -> int:
