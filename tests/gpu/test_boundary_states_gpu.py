@@ -2,8 +2,10 @@
 K=V=128, conv 8192 channels, k = 3): three layers in two KV-cache groups, 64 rows of every kind (boundaries at the
 root, inside the drafts and at the last accepted node, in place, freed boundary columns, rows that do not
 speculate), fp32 and bf16 states. Equal to its torch twin (counts and conv windows exactly, states within fp32
-rounding) and to the GDN step's own commit (`gdn_commit_triton`) of the same node; nothing else written. Run on the
-H200: `pytest -m gpu tests/gpu` (bench/run_gpu_prefix_caching.sh runs this file beside its engines)."""
+rounding) and to the GDN step's own commit (`gdn_commit_triton`) of the same node: an fp32 state within 1e-6, a bf16
+state within one bf16 step per element (two compiled kernels may contract their fp32 sums differently before the
+rounding; the interpreter's bit-for-bit equality does not carry over); nothing else written. Run on the H200:
+`pytest -m gpu tests/gpu` (bench/run_gpu_prefix_caching.sh runs this file beside its engines)."""
 
 import pytest
 import torch
@@ -94,6 +96,10 @@ def test_boundary_kernel_matches_twin_and_commit(state_dtype):
             committed = old.state.clone()
             gdn_commit_triton(committed, torch.tensor([slot], dtype=torch.int32, device="cuda"), old.factors,
                               torch.tensor([int(info.nodes[i])], dtype=torch.int32, device="cuda"), num_key_heads=H)
-            difference = (layer.state[dest].double() - committed[slot].double()).abs().max()
-            assert float(difference / committed[slot].double().abs().max()) <= 1e-6
+            written, expected = layer.state[dest].double(), committed[slot].double()
+            if state_dtype == torch.float32:
+                assert float((written - expected).abs().max() / expected.abs().max()) <= 1e-6
+            else:  # the same fp32 sums up to the compiler's contractions, each rounded to bf16: one ulp apart at most
+                ulp = torch.finfo(state_dtype).eps * torch.maximum(written.abs(), expected.abs())
+                assert bool(((written - expected).abs() <= ulp).all())
     assert written_rows >= ROWS // 3  # most speculating rows reached a boundary
