@@ -3,9 +3,9 @@ K=V=128, conv 8192 channels, k = 3): three layers in two KV-cache groups, 64 row
 root, inside the drafts and at the last accepted node, in place, freed boundary columns, rows that do not
 speculate), fp32 and bf16 states. Equal to its torch twin (counts and conv windows exactly, states within fp32
 rounding) and to the GDN step's own commit (`gdn_commit_triton`) of the same node: an fp32 state within 1e-6, a bf16
-state within one bf16 step per element (two compiled kernels may contract their fp32 sums differently before the
-rounding; the interpreter's bit-for-bit equality does not carry over); nothing else written. Run on the H200:
-`pytest -m gpu tests/gpu` (bench/run_gpu_prefix_caching.sh runs this file beside its engines)."""
+state within one bf16 step per element plus 1e-6 of its scale (two compiled kernels may contract their fp32 sums
+differently before the rounding; the interpreter's bit-for-bit equality does not carry over); nothing else written.
+Run on the H200: `pytest -m gpu tests/gpu` (bench/run_gpu_prefix_caching.sh runs this file beside its engines)."""
 
 import pytest
 import torch
@@ -99,7 +99,11 @@ def test_boundary_kernel_matches_twin_and_commit(state_dtype):
             written, expected = layer.state[dest].double(), committed[slot].double()
             if state_dtype == torch.float32:
                 assert float((written - expected).abs().max() / expected.abs().max()) <= 1e-6
-            else:  # the same fp32 sums up to the compiler's contractions, each rounded to bf16: one ulp apart at most
-                ulp = torch.finfo(state_dtype).eps * torch.maximum(written.abs(), expected.abs())
-                assert bool(((written - expected).abs() <= ulp).all())
+            else:  # fp32 sums equal up to the compilers' contractions (1e-6 of the state's scale), then one rounding
+                scale = expected.abs().max()
+                bound = torch.finfo(state_dtype).eps * torch.maximum(written.abs(), expected.abs()) + 1e-6 * scale
+                excess = (written - expected).abs() - bound
+                assert bool((excess <= 0).all()), (
+                    f"{int((excess > 0).sum())} of {excess.numel()} elements beyond one bf16 step; largest difference "
+                    f"{float((written - expected).abs().max() / scale):.2e} of the state's scale")
     assert written_rows >= ROWS // 3  # most speculating rows reached a boundary
