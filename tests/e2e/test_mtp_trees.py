@@ -107,6 +107,12 @@ def mean_accepted(run) -> float:
     return run.acceptance.num_accepted_tokens / run.acceptance.num_drafts
 
 
+def test_no_state_is_kept_on_vllms_objects(mtp_trees):
+    """The tree path's state across vLLM's calls is the drafter's `TreeRunState` and the GDN layers' own objects:
+    nothing is added to vLLM's runner, metadata builders or scheduler in any tree engine, preempted ones included."""
+    assert {name: run.added_attributes for name, run in mtp_trees.runs.items() if run.added_attributes} == {}
+
+
 @pytest.mark.parametrize("widths", (CHAIN, *WIDTHS), ids=_name)
 def test_mtp_tree_is_equivalent_to_no_speculation(mtp_trees, widths):
     name = f"tree-{_name(widths)}"

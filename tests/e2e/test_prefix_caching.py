@@ -30,6 +30,7 @@ from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.kernels.boundary_states import boundary_rows
 from vllm_treewy.vllm_plugin import prefix_caching
 from vllm_treewy.vllm_plugin.testing.equivalence import (
+    attributes_added_to_vllm,
     compare_tie_aware,
     engine,
     generate_greedy,
@@ -103,6 +104,7 @@ def two_turns(fixture_model):
             second = [p + o + corpus[900 + 7 * i: 900 + 7 * i + NEXT_TURN_TOKENS]
                       for i, (p, o) in enumerate(zip(first, out1))]
             out2, cached2 = _generate(llm, second, SECOND_TOKENS)
+            added = attributes_added_to_vllm(llm)
     exact = ExactModel(fixture_model)
     with engine(fixture_model, logprobs_mode="raw_logits", **ENGINE) as reference:
         verdicts = [compare_tie_aware(reference, prompts, generate_greedy(reference, prompts, [n] * NUM_PROMPTS),
@@ -110,7 +112,7 @@ def two_turns(fixture_model):
                     for prompts, outputs, n in ((first, out1, FIRST_TOKENS), (second, out2, SECOND_TOKENS))]
     tokens = {str(i): p + o for i, (p, o) in enumerate(zip(first, out1))}
     return dict(mode=mode, report=report, first=first, cached2=cached2, verdicts=verdicts, captured=captured,
-                tokens=tokens, exact=exact)
+                tokens=tokens, exact=exact, added=added)
 
 
 def test_turns_equal_no_speculation_without_caching(two_turns):
@@ -143,6 +145,12 @@ def test_boundary_states_are_the_models(two_turns):
             errors = (float((state - expected_state).norm() / expected_state.norm()),
                       float((conv - expected_conv).norm() / expected_conv.norm()))
             assert max(errors) <= STATE_TOLERANCE, (request, position, node, layer, errors)
+
+
+def test_no_state_is_kept_on_vllms_objects(two_turns):
+    """The boundary tables live in the model's first GDN layer (`sampling_tables`), not on vLLM's runner; nothing is
+    added to its metadata builders or scheduler either."""
+    assert two_turns["added"] == []
 
 
 def test_two_gdn_pages_per_request(two_turns):

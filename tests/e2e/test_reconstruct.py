@@ -73,3 +73,24 @@ def test_commit_does_not_read_what_verify_was_handed(e2e):
     assert e2e.mixed_batches[name]["overwritten"] > 0
     assert e2e.verdict(name).passed, e2e.verdict(name).summary()
     assert e2e.run(name).outputs == e2e.run("reconstruct-k3").outputs
+
+
+def test_no_state_is_kept_on_vllms_objects(e2e):
+    """State that crosses vLLM's calls lives in vLLM's buffers or in the adapter's own objects (the GDN layers'
+    `step_buffers` and `sampling_tables`), never in attributes added to vLLM's runner, metadata builders or
+    scheduler: each engine of the suite is checked right after its generation (`GenerationRun.added_attributes`)."""
+    assert {name: run.added_attributes for name, run in e2e.runs.items() if run.added_attributes} == {}
+
+
+def test_the_added_attributes_check_finds_an_attribute_on_a_builder():
+    """`attributes_added_to_vllm`'s worker half looks at the runner and every metadata builder, the drafter's too."""
+    from types import SimpleNamespace
+
+    from vllm_treewy.vllm_plugin.testing.equivalence import _runner_attributes_added
+
+    builders = [SimpleNamespace(), SimpleNamespace(treewy_spec_slots=None)]
+    drafter = SimpleNamespace(draft_attn_groups=[SimpleNamespace(metadata_builders=[SimpleNamespace(treewy_x=1)])])
+    runner = SimpleNamespace(attn_groups=[[], [SimpleNamespace(metadata_builders=builders)]], drafter=drafter,
+                             treewy_count_table=None)
+    assert _runner_attributes_added(SimpleNamespace(model_runner=runner)) == [
+        "runner.treewy_count_table", "builder[1][0][1].treewy_spec_slots", "drafter builder[0][0].treewy_x"]
