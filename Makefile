@@ -19,6 +19,7 @@ else
 	$(PYTHON) -m pip install -q -c requirements/cuda.constraints.txt -e '.[$(VLLM_EXTRA),test]'
 endif
 	$(PYTHON) -c 'from vllm_treewy.cpu_compat import install; print(install())'
+	$(PYTHON) -c 'from vllm_treewy.vllm_patches import apply; print(apply())'
 
 # Kernels and adapter first, then the vLLM end-to-end tests in their own process (vLLM binds the process's
 # CPU threads when an engine starts).

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +49,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(model: str, speculative_config: dict, port: int) -> list[str]:
+def serve_command(model: str, speculative_config: dict, port: int, *extra: str) -> list[str]:
     vllm = shutil.which("vllm")
     prefix = [vllm] if vllm else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     return prefix + [
@@ -61,6 +62,7 @@ def serve_command(model: str, speculative_config: dict, port: int) -> list[str]:
         "--gpu-memory-utilization", "0.2",
         "--host", HOST,
         "--port", str(port),
+        *extra,
     ]  # fmt: skip
 
 
@@ -234,16 +236,19 @@ def test_serve_bad_config_fails_at_startup(fixture_model, tmp_path):
 
 
 MTP_TREE = {**RECONSTRUCT_K3, "draft_tree_widths": [2, 2, 1]}  # the README's command
+# More decoding requests than whole [2, 2, 1] trees (1 + 10 tokens each) fit a step's token budget: some fall back.
+SMALL_BUDGET = ("--max-num-seqs", "4", "--max-num-batched-tokens", "32")
 
 
 def test_serve_mtp_tree_samples_and_reports_acceptance_per_depth(fixture_model, tmp_path):
-    """The README's tree command behind `vllm serve` (separate engine core process): a chat request at temperature
-    0.8 is answered, and /metrics reports the acceptance at each depth of the tree (vLLM's per-position counter:
-    position i is depth i + 1; no path is deeper than the tree)."""
+    """The README's tree command behind `vllm serve` (separate engine core process), under a small token budget: a
+    chat request at temperature 0.8 is answered, and /metrics reports the acceptance at each depth of the tree
+    (vLLM's per-position counter: position i is depth i + 1; no path is deeper than the tree) and, after a batch of
+    requests, the tree fallbacks (`vllm:treewy_tree_fallbacks`, labelled per engine as vLLM's own counters)."""
     port = free_port()
     base_url = f"http://{HOST}:{port}"
     log_path = tmp_path / "vllm-serve-tree.log"
-    with vllm_server(serve_command(fixture_model, MTP_TREE, port), log_path) as proc:
+    with vllm_server(serve_command(fixture_model, MTP_TREE, port, *SMALL_BUDGET), log_path) as proc:
         wait_until_healthy(proc, base_url, log_path)
         status, text = http("POST", f"{base_url}/v1/chat/completions", {
             "model": fixture_model, "messages": [{"role": "user", "content": CHAT_MESSAGE}],
@@ -252,17 +257,28 @@ def test_serve_mtp_tree_samples_and_reports_acceptance_per_depth(fixture_model, 
         chat = json.loads(text)
         assert chat["choices"][0]["message"]["content"], chat
         assert chat["usage"]["completion_tokens"] == 48, chat
+        status, text = http("POST", f"{base_url}/v1/completions", {
+            "model": fixture_model, "prompt": [COMPLETION_PROMPT, CHAT_MESSAGE] * 2, "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True})
+        assert status == 200, f"HTTP {status}: {text[:2000]}\nserver log tail:\n{log_tail(log_path)}"
         deadline = time.monotonic() + METRICS_TIMEOUT_S
         while True:
             status, metrics = http("GET", f"{base_url}/metrics")
             assert status == 200, metrics[:2000]
             per_depth = per_position(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
-            if sum(per_depth.values()) > 0 or time.monotonic() > deadline:
+            fallbacks = metric_total(metrics, "vllm:treewy_tree_fallbacks")
+            if (sum(per_depth.values()) > 0 and (fallbacks or 0) > 0) or time.monotonic() > deadline:
                 break
             time.sleep(1)
         spec_lines = "\n".join(line for line in metrics.splitlines() if "spec_decode" in line or "treewy" in line)
         assert per_depth.get(0, 0) > 0, f"no draft accepted at depth 1:\n{spec_lines}"
         assert all(count == 0 for position, count in per_depth.items() if position >= 3), spec_lines
+        assert (fallbacks or 0) > 0, f"no tree fallback in /metrics:\n{spec_lines}"
+        labels = [sample.labels for family in text_string_to_metric_families(metrics)
+                  if family.name == "vllm:treewy_tree_fallbacks" for sample in family.samples
+                  if sample.name.endswith("_total")]
+        assert labels == [{"model_name": fixture_model, "engine": "0"}], spec_lines
+        assert "request steps without speculation" in log_path.read_text(errors="replace")  # the engine core's line
         assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"
 
 

@@ -30,7 +30,7 @@ from vllm_treewy.vllm_plugin import tree_runner, tree_sampler
 from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, write_drafts_file
 from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout
-from vllm_treewy.vllm_plugin.tree_budget import FALLBACK_METRIC
+from vllm_treewy.vllm_plugin.tree_fallbacks import FALLBACK_METRIC
 
 pytestmark = pytest.mark.e2e
 
@@ -205,8 +205,9 @@ def _run_trees(results: TreeRuns, plan: dict, models: dict, workloads: dict, tmp
 
 
 def _tree_fallbacks() -> float:
-    """The counter of the engine that ran last (an engine's start drops the previous engine's)."""
-    return prometheus_client.REGISTRY.get_sample_value(f"{FALLBACK_METRIC}_total") or 0.0
+    """The counter of the engine that ran last (an engine's start drops the previous engine's), over its labels."""
+    return sum(sample.value for metric in prometheus_client.REGISTRY.collect() if metric.name == FALLBACK_METRIC
+               for sample in metric.samples if sample.name == f"{FALLBACK_METRIC}_total")
 
 
 # Engines live in functions: a variable still holding a closed engine would tear down the next one's

@@ -1,10 +1,15 @@
-"""A request scheduled with part of its draft tree keeps its one decode token only, and counts as a fallback."""
+"""A request scheduled with part of its draft tree keeps its one decode token only, and counts as a fallback: in the
+step's SchedulerStats, which carry it to the front end, and in a log line per stats interval."""
 
 from types import SimpleNamespace
+import weakref
 
-import prometheus_client
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from vllm_treewy.vllm_plugin.tree_budget import FALLBACK_METRIC, count_fallbacks, drop_partial_trees, log_fallbacks
+from vllm_treewy.vllm_plugin.tree_budget import _whole_trees_only, _with_fallbacks, drop_partial_trees
+from vllm_treewy.vllm_plugin.tree_fallbacks import FALLBACK_METRIC, TreeFallbacks, stats_carry_plugin_counters
 
 
 def test_partial_trees_keep_only_their_decode_token():
@@ -19,17 +24,69 @@ def test_partial_trees_keep_only_their_decode_token():
     assert "cut" not in output.scheduled_spec_decode_tokens and len(output.scheduled_spec_decode_tokens["whole"]) == 6
 
 
-def test_fallbacks_are_counted_in_the_registry():
-    before = prometheus_client.REGISTRY.get_sample_value(f"{FALLBACK_METRIC}_total") or 0.0
-    count_fallbacks(2)
-    assert prometheus_client.REGISTRY.get_sample_value(f"{FALLBACK_METRIC}_total") == before + 2
-
-
 def test_fallbacks_are_logged_once_per_stats_interval(monkeypatch):
     import vllm.envs as envs
 
     monkeypatch.setattr(envs, "VLLM_LOG_STATS_INTERVAL", 10.0, raising=False)
-    scheduler = SimpleNamespace()
-    assert log_fallbacks(scheduler, 2, now=100.0)  # the first one logs at once
-    assert not log_fallbacks(scheduler, 3, now=105.0) and scheduler.treewy_unlogged_tree_fallbacks == 3
-    assert log_fallbacks(scheduler, 1, now=110.0) and scheduler.treewy_unlogged_tree_fallbacks == 0
+    fallbacks = TreeFallbacks()
+    assert fallbacks.count(2, now=100.0)  # the first one logs at once
+    assert not fallbacks.count(3, now=105.0) and fallbacks.unlogged == 3
+    assert fallbacks.count(1, now=110.0) and fallbacks.unlogged == 0 and fallbacks.unreported == 6
+
+
+def test_fallbacks_cross_the_process_boundary_in_the_scheduler_stats():
+    """What the engine core sends (msgspec, as vLLM encodes EngineCoreOutputs) holds the count, 0 included."""
+    assert stats_carry_plugin_counters(), "patches/vllm-0.32.0-plugin-counters.diff is not applied to vLLM"
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    fallbacks = TreeFallbacks()
+    sent = []
+    for step_fallbacks in (0, 3, 2):
+        if step_fallbacks:
+            fallbacks.count(step_fallbacks)
+        stats = SchedulerStats()
+        fallbacks.report(stats)
+        received = decoder.decode(encoder.encode(EngineCoreOutputs(scheduler_stats=stats)))
+        sent.append(received.scheduler_stats.plugin_counters)
+    assert sent == [{FALLBACK_METRIC: 0}, {FALLBACK_METRIC: 3}, {FALLBACK_METRIC: 2}]
+    fallbacks.report(None)  # vLLM makes no stats (log_stats off): nothing is lost
+    assert fallbacks.unreported == 0
+
+
+def test_without_the_patch_nothing_is_reported():
+    fallbacks = TreeFallbacks(exported=False)
+    fallbacks.count(4)
+    stats = SimpleNamespace()
+    fallbacks.report(stats)
+    assert vars(stats) == {}
+
+
+class _Scheduler:
+    """What the hooks read of vLLM's scheduler."""
+
+    def __init__(self, num_nodes: int | None):
+        tree = SimpleNamespace(num_nodes=num_nodes)
+        self.vllm_config = SimpleNamespace(
+            speculative_config=SimpleNamespace(is_draft_tree=num_nodes is not None, draft_tree=tree))
+
+
+def test_the_hooks_keep_each_schedulers_fallbacks_off_the_scheduler():
+    registry = weakref.WeakKeyDictionary()
+    update = _whole_trees_only(lambda self, output: "committed", registry)
+    make_stats = _with_fallbacks(lambda self: SchedulerStats(), registry)
+    first, second, chain = _Scheduler(6), _Scheduler(6), _Scheduler(None)
+    attributes = {id(s): dict(vars(s)) for s in (first, second, chain)}
+
+    def step(scheduler, drafts: dict[str, int]):
+        output = SimpleNamespace(scheduled_spec_decode_tokens={r: [0] * n for r, n in drafts.items()},
+                                 num_scheduled_tokens={r: 1 + n for r, n in drafts.items()},
+                                 total_num_scheduled_tokens=sum(1 + n for n in drafts.values()))
+        assert update(scheduler, output) == "committed"
+        return make_stats(scheduler).plugin_counters
+
+    assert step(first, {"a": 6, "b": 2, "c": 1}) == {FALLBACK_METRIC: 2}
+    assert step(second, {"a": 6}) == {FALLBACK_METRIC: 0}
+    assert step(first, {"a": 6}) == {FALLBACK_METRIC: 0}
+    assert step(chain, {"a": 2}) == {}  # chains are cut by vLLM as it does, and report nothing
+    assert all(vars(s) == attributes[id(s)] for s in (first, second, chain))
+    del first
+    assert len(registry) == 1  # a scheduler's fallbacks go with it

@@ -331,6 +331,15 @@ SCHEDULER_UPDATE_AFTER_SCHEDULE = PatchPoint(
     "draft trees: before the step is committed, a request whose whole tree does not fit keeps no drafts",
     ("self", "scheduler_output"),
 )
+SCHEDULER_MAKE_STATS = PatchPoint(
+    "vllm.v1.core.sched.scheduler", "Scheduler.make_stats", "wraps",
+    "draft trees: the step's SchedulerStats, which vLLM sends to the front end, carry the tree fallbacks counted "
+    "since the last stats (tree_fallbacks)", ("self",), returns="SchedulerStats | None",
+)
+SCHEDULER_STATS = PatchPoint(
+    "vllm.v1.metrics.stats", "SchedulerStats", "calls",
+    "tree_fallbacks reads its fields: whether the installed vLLM has plugin_counters (patches/)",
+)
 
 # The models whose GDN layers are `QwenGatedDeltaNetAttention`: vLLM sizes a hybrid's pages from these classmethods.
 _GDN_MODELS = (
@@ -385,6 +394,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     MAMBA_ALIGN_POSTPROCESS,
     MAMBA_TEMPORAL_COPY_SPEC,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
+    SCHEDULER_MAKE_STATS,
+    SCHEDULER_STATS,
     *MODEL_STATE_SHAPES,
     *MODEL_STATE_DTYPES,
 )
@@ -518,6 +529,11 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
                        "the added-attributes check: a group's metadata builders (one per microbatch)"),
     InternalAttributes("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", ("draft_attn_groups",),
                        "reads", "the added-attributes check: the drafter's attention groups"),
+    InternalAttributes(
+        "vllm.v1.metrics.stats", "SchedulerStats", ("plugin_counters",), "sets",
+        "tree fallbacks into the step's stats (tree_fallbacks); the field comes from "
+        "patches/vllm-0.32.0-plugin-counters.diff, which `make install` applies: missing means it is not applied",
+    ),
     InternalAttributes(
         "vllm.model_executor.custom_op", "", ("op_registry_oot", "PluggableLayer"), "reads",
         "the GDN layer class replaces vLLM's through PluggableLayer.register_oot, once (the registry says whether)",

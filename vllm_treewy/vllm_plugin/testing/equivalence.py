@@ -128,8 +128,6 @@ def run_greedy(model: str, prompt_ids: list[list[int]], max_tokens: list[int], *
 # vLLM allocates or in objects of the adapter: the GDN layers' `step_buffers` and `sampling_tables`, the tree
 # drafter's `tree_state`).
 ADAPTER_MARK = "treewy"
-# Set on vLLM's scheduler by tree_budget's fallback log until that moves into an object of the adapter.
-SCHEDULER_ATTRIBUTES_NOT_MOVED_YET = ("treewy_unlogged_tree_fallbacks", "treewy_tree_fallbacks_logged_at")
 
 
 def _runner_attributes_added(worker) -> list[str]:
@@ -149,8 +147,7 @@ def attributes_added_to_vllm(llm: LLM) -> list[str]:
     """`object.name` of each attribute named with `ADAPTER_MARK` on vLLM's scheduler (an in-process engine core),
     each worker's model runner and its attention metadata builders: empty unless the adapter keeps state on them."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    added = [f"scheduler.{name}" for name in vars(scheduler)
-             if ADAPTER_MARK in name and name not in SCHEDULER_ATTRIBUTES_NOT_MOVED_YET]
+    added = [f"scheduler.{name}" for name in vars(scheduler) if ADAPTER_MARK in name]
     return added + [name for worker in llm.collective_rpc(_runner_attributes_added) for name in worker]
 
 
