@@ -228,6 +228,12 @@ def _judge(results: TreeRuns, model: str, path: str, run_workloads: dict, worklo
                                                        exact.next_token_logits)
 
 
+def test_no_state_is_kept_on_vllms_objects(tree_e2e):
+    """Every tree engine here (reconstruct and store_all trees, preempted, planted, over the token budget): nothing
+    added to vLLM's runner, metadata builders or scheduler (`GenerationRun.added_attributes`)."""
+    assert {name: run.added_attributes for name, run in tree_e2e.runs.items() if run.added_attributes} == {}
+
+
 @pytest.mark.parametrize("widths", WIDTHS, ids=_name)
 def test_tree_is_equivalent_to_no_speculation(tree_e2e, widths):
     name = f"tree-{_name(widths)}"
