@@ -35,6 +35,11 @@ MAX_NUM_SEQS = 4  # prompts queue up and prefill beside speculative decodes
 MTP_PREEMPTION_NUM_BLOCKS = PREEMPTION_NUM_BLOCKS - 1
 
 
+# [2, 2, 1]'s deepest drafting level forwards 1 + 6 tokens per request: 3 requests (21) overflow this budget, which
+# holds a tree's verify (11) beside a request's last prefill chunk and a decode, so the levels draft in request chunks.
+SMALL_BUDGET, SMALL_BUDGET_RUN = 16, "tree-2x2x1-budget-16"
+
+
 def _name(widths) -> str:
     return "x".join(map(str, widths))
 
@@ -64,6 +69,7 @@ def mtp_trees(blurred_model) -> MtpTreeRuns:
     tokens = [t for p in prompts for t in p]
     workloads = {"standard": (prompts[:NUM_PROMPTS], [16 + (i * 5) % 9 for i in range(NUM_PROMPTS)])}
     plan = {f"tree-{_name(w)}": ("standard", w, {}) for w in (CHAIN, *WIDTHS)}
+    plan[SMALL_BUDGET_RUN] = ("standard", [2, 2, 1], {"max_num_batched_tokens": SMALL_BUDGET})
     results = MtpTreeRuns()
     for name, (workload, widths, kwargs) in plan.items():
         prompt_ids, max_tokens = workloads[workload]
@@ -126,6 +132,14 @@ def test_mtp_tree_is_equivalent_to_no_speculation(mtp_trees, widths):
     assert not any(acceptance.accepted_per_position[depth:])
     assert mtp_trees.mixed_batches[name]["mixed_batches"] > 0, "no batch mixed prefills with tree verifies"
     assert set(mtp_trees.runs[name].kv_cache.gdn_blocks_per_request) == {1}
+
+
+def test_tree_drafting_fits_a_small_token_budget(mtp_trees):
+    """Requests that fall back to one token still draft their next tree: with more of them than the token budget's
+    drafting levels hold, the levels draft in request chunks and the outputs stay no speculation's."""
+    verdict = mtp_trees.verdicts[SMALL_BUDGET_RUN]
+    assert verdict.passed, verdict.summary()
+    assert mtp_trees.runs[SMALL_BUDGET_RUN].acceptance.num_drafts > 0
 
 
 def test_wider_trees_accept_more_at_equal_depth(mtp_trees):

@@ -65,6 +65,9 @@ class TreeMtpProposer(EagleProposer):
         if self.model_returns_tuple():
             raise NotImplementedError(f"draft_tree_widths with method 'mtp': {self.draft_model_config.architecture} "
                                       "returns separate hidden states for logits and drafting")
+        if self.max_num_tokens < 1 + tree.num_nodes:
+            raise ValueError(f"draft_tree_widths={list(tree.widths)}: max_num_batched_tokens={self.max_num_tokens} "
+                             f"cannot hold one tree's verify (1 + {tree.num_nodes} tokens); raise it or narrow the tree")
         self.widths = list(vllm_config.speculative_config.draft_tree_widths)
         self.levels = level_trees(self.widths)
         self.nodes_below = nodes_below_depth(self.widths)
@@ -102,6 +105,19 @@ class TreeMtpProposer(EagleProposer):
 
     # -- the levels ---------------------------------------------------------------------------------------------
     def _draft_levels(self, root_positions, root_inputs, root_output, root_logits, cad) -> torch.Tensor:
+        """Every request's tree, `[num_reqs, N]`. The deepest level forwards 1 + (nodes above the leaves) tokens per
+        request, which can exceed the step's token budget that sizes the head's buffers (requests that fell back to
+        one token this step still draft their next tree); such batches draft in request chunks that fit it."""
+        num_reqs = root_positions.numel()
+        per_chunk = self.max_num_tokens // (1 + self.nodes_below[-2])
+        if num_reqs <= per_chunk:
+            return self._draft_levels_of(root_positions, root_inputs, root_output, root_logits, cad)
+        chunks = [slice(first, min(first + per_chunk, num_reqs)) for first in range(0, num_reqs, per_chunk)]
+        return torch.cat([self._draft_levels_of(root_positions[rows], tuple(x[rows] for x in root_inputs),
+                                                root_output[rows], root_logits[rows], _requests_of(cad, rows))
+                          for rows in chunks])
+
+    def _draft_levels_of(self, root_positions, root_inputs, root_output, root_logits, cad) -> torch.Tensor:
         num_reqs = root_positions.numel()
         tokens = torch.empty(num_reqs, self.tree.num_nodes, dtype=torch.long, device=self.device)
         tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
@@ -194,6 +210,15 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, 
     clamped = positions.clamp(max=max_model_len - 1)
     blocks = block_table.long().gather(1, clamped // block_size)
     return torch.where(valid, blocks * block_size + clamped % block_size, PADDING_SLOT)
+
+
+def _requests_of(cad, rows: slice):
+    """vLLM's common attention metadata of the requests `rows` alone, for what the drafting levels read of it (block
+    table, sequence lengths and their host bound); the levels replace the query layout and slots themselves."""
+    upper = cad.seq_lens_cpu_upper_bound
+    return dataclasses.replace(cad, block_table_tensor=cad.block_table_tensor[rows], seq_lens=cad.seq_lens[rows],
+                               seq_lens_cpu_upper_bound=None if upper is None else upper[rows],
+                               num_reqs=rows.stop - rows.start)
 
 
 def _accepted_paths_as_chains(step: TreeStep, acceptance: TreeAcceptance, token_ids, positions, hidden_states):
