@@ -324,11 +324,12 @@ GRIDS["h200-a3b"] = Grid(
                  ),  # fmt: skip
     speculative_extra={"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.8,
                        "attention_backend": "TRITON_ATTN"},  # fmt: skip
-    # V1 for both strategies: reconstruct makes vLLM pick V1, so store_all runs the same runner.
-    env={"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+    # The runner vLLM picks, as users run: Model Runner V2 for both strategies' MTP chains (prefix caching off).
+    env={"VLLM_USE_FLASHINFER_SAMPLER": "0"},
     bench_flags=BENCH_FLAGS,
     labels=("H200 through ../shared/tools/gpu-vllm: vLLM 0.32 default compilation with its compiled ops, "
-            "Triton attention, V1 runner, capture sizes up to 512 requests, dummy weights, synthetic acceptance",),
+            "Triton attention, the runner vLLM picks (V2), capture sizes up to 512 requests, dummy weights, "
+            "synthetic acceptance",),
 )
 # What two device calls hold: store_all and reconstruct where only store_all binds. Call 1 runs the decisive points
 # (`--points generation_heavy-c512 generation_heavy-c256`), call 2 the rest of the decode-heavy concurrencies.
