@@ -142,6 +142,13 @@ def test_tree_drafting_fits_a_small_token_budget(mtp_trees):
     assert mtp_trees.runs[SMALL_BUDGET_RUN].acceptance.num_drafts > 0
 
 
+def test_token_budget_below_one_tree_is_refused_at_startup(blurred_model):
+    """A budget that cannot hold one [2, 2, 1] verify (1 + 10 tokens) would never speculate: refused, with the reason."""
+    with pytest.raises(Exception, match="cannot hold one tree's verify"):
+        run_greedy(blurred_model, [[1, 2, 3]], 4, speculative_config=mtp_tree([2, 2, 1]), max_num_batched_tokens=8,
+                   max_num_seqs=4)
+
+
 def test_wider_trees_accept_more_at_equal_depth(mtp_trees):
     """The head's second and third choices are sometimes the target's: [1,1,1] < [2,1,1] < [2,2,1] in accepted drafts
     per step."""

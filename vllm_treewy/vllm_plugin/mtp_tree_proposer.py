@@ -65,10 +65,10 @@ class TreeMtpProposer(EagleProposer):
         if self.model_returns_tuple():
             raise NotImplementedError(f"draft_tree_widths with method 'mtp': {self.draft_model_config.architecture} "
                                       "returns separate hidden states for logits and drafting")
-        if self.max_num_tokens < 1 + tree.num_nodes:
-            raise ValueError(f"draft_tree_widths={list(tree.widths)}: max_num_batched_tokens={self.max_num_tokens} "
-                             f"cannot hold one tree's verify (1 + {tree.num_nodes} tokens); raise it or narrow the tree")
         self.widths = list(vllm_config.speculative_config.draft_tree_widths)
+        if self.max_num_tokens < 1 + tree.num_nodes:
+            raise ValueError(f"draft_tree_widths={self.widths}: max_num_batched_tokens={self.max_num_tokens} cannot "
+                             f"hold one tree's verify (1 + {tree.num_nodes} tokens); raise it or narrow the tree")
         self.levels = level_trees(self.widths)
         self.nodes_below = nodes_below_depth(self.widths)
         self._level_constants: dict[int, TreeConstants] = {}  # per level tree (by node count), on the device
@@ -213,12 +213,11 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, 
 
 
 def _requests_of(cad, rows: slice):
-    """vLLM's common attention metadata of the requests `rows` alone, for what the drafting levels read of it (block
-    table, sequence lengths and their host bound); the levels replace the query layout and slots themselves."""
+    """vLLM's common attention metadata with the per-request fields the drafting levels keep (block table, host bound
+    of the sequence lengths) cut to the requests `rows`; a level replaces the rest (query layout, lengths, slots)."""
     upper = cad.seq_lens_cpu_upper_bound
-    return dataclasses.replace(cad, block_table_tensor=cad.block_table_tensor[rows], seq_lens=cad.seq_lens[rows],
-                               seq_lens_cpu_upper_bound=None if upper is None else upper[rows],
-                               num_reqs=rows.stop - rows.start)
+    return dataclasses.replace(cad, block_table_tensor=cad.block_table_tensor[rows],
+                               seq_lens_cpu_upper_bound=None if upper is None else upper[rows])
 
 
 def _accepted_paths_as_chains(step: TreeStep, acceptance: TreeAcceptance, token_ids, positions, hidden_states):
