@@ -11,10 +11,15 @@ previous step's bonus, until EMITTED tokens are out. Their joint distribution is
 p(y1 | root) p(y2 | y1) p(y3 | y2) (VOCAB ** 3 cells). Pearson's chi-square against it, cells of expectation < 5
 pooled into one, and no token of probability 0 ever emitted.
 
-Threshold: p > P_MIN = 1e-3 for each of the module's exactness checks (12 of them: with an exact sampler the chance
-that any fails is below 1.2 %, Bonferroni; every generator is seeded, so the verdict is fixed). The planted bugs
+Both ways of drawing run: level by level (`sampled_tree_acceptance`, one draw per request and level at its current
+node) and every node at once (`sampled_tree_acceptance_of_draws`: one independent draw at every verified token in
+one call, the walk reading those at the nodes it visits), as the adapter's two sampling paths do.
+
+Threshold: p > P_MIN = 1e-3 for each of the module's exactness checks (22 of them: with an exact sampler the chance
+that any fails is below 2.2 %, Bonferroni; every generator is seeded, so the verdict is fixed). The planted bugs
 (first child accepted whenever p(c) > 0; a child drawn from its parent's distribution; one draw reused at every
-level) reach p < 1e-50 with the same trials.
+level; with every node's draw at once: the walk reading the draw of the node's parent instead of the node's, or the
+root's draw at every node) reach p < 1e-50 with the same trials.
 """
 
 from __future__ import annotations
@@ -22,8 +27,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_treewy.spec_decode.acceptance import greedy_tree_acceptance, verified_block_offsets, walk_tree
-from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance, sampled_tree_acceptance_reference
+from vllm_treewy.spec_decode.acceptance import (
+    UniformWalkTables,
+    greedy_tree_acceptance,
+    uniform_tree_acceptance,
+    verified_block_offsets,
+    walk_tree,
+)
+from vllm_treewy.spec_decode.tree_sampling import (
+    sampled_tree_acceptance,
+    sampled_tree_acceptance_of_draws,
+    sampled_tree_acceptance_reference,
+)
 from vllm_treewy.tree import DraftTree, node_requests, pack_trees
 
 VOCAB = 7
@@ -84,6 +99,31 @@ def draft_tokens_for(parents, roots: torch.Tensor, ranking: torch.Tensor) -> tor
         above = roots if parent < 0 else tokens[:, parent]
         tokens[:, n] = ranking[above, ranks[n]]
     return tokens
+
+
+# -- every node's draw at once -------------------------------------------------------------------------------------
+def node_draws_of(parents, cu_nodes, sample_rows) -> torch.Tensor:
+    """``[B, 1 + N]``: one draw at every verified token of the packed uniform trees, in one call of ``sample_rows``
+    (independent draws, as one sampler call over every logits row makes them)."""
+    num_requests = cu_nodes.numel() - 1
+    block_len = 1 + parents.numel() // max(num_requests, 1)
+    return sample_rows(0, torch.arange(num_requests * block_len)).view(num_requests, block_len)
+
+
+def every_node_at_once(parents, cu_nodes, draft_tokens, max_depth, sample_rows, reading=None):
+    """``sampled_tree_acceptance``'s signature over ``sampled_tree_acceptance_of_draws`` (every request drafts the
+    same tree): the draws at every node first, then the walk. ``reading(tree_parents, draws)`` plants a bug: the
+    draws the walk is given instead."""
+    num_requests = cu_nodes.numel() - 1
+    tree_parents = tuple(parents.view(num_requests, -1)[0].tolist())
+    draws = node_draws_of(parents, cu_nodes, sample_rows)
+    if reading is not None:
+        draws = reading(tree_parents, draws)
+    return sampled_tree_acceptance_of_draws(UniformWalkTables.of(tree_parents, "cpu"),
+                                            draft_tokens.view(num_requests, -1), draws)
+
+
+PATHS = {"levels": sampled_tree_acceptance, "every-node": every_node_at_once}
 
 
 # -- speculative steps over a batch of trials --------------------------------------------------------------------
@@ -202,15 +242,17 @@ def test_the_model_rejects_drafts_often():
     assert int((sampling_distribution(logits, 0.7, 0.9) == 0).sum()) > 0  # top-p removes tokens
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("tree", TREES)
-def test_emitted_tokens_follow_the_target_exactly(tree, setting):
+def test_emitted_tokens_follow_the_target_exactly(tree, setting, path):
     probs, ranking = case(setting)
     roots = roots_for(TRIALS)
-    emitted = run_trials(TREES[tree], probs, ranking, roots, seed=_seed(tree, setting))
+    emitted = run_trials(TREES[tree], probs, ranking, roots, seed=_seed(tree, setting), acceptance=PATHS[path])
     stat, dof, p, impossible = joint_test(emitted, probs, roots)
-    print(f"{tree} {setting}: chi2={stat:.1f} dof={dof} p={p:.3g}")
-    assert impossible == 0 and p > P_MIN, f"{tree} {setting}: chi2={stat:.1f} dof={dof} p={p:.2e}, {impossible} impossible"
+    print(f"{tree} {setting} {path}: chi2={stat:.1f} dof={dof} p={p:.3g}")
+    assert impossible == 0 and p > P_MIN, (f"{tree} {setting} {path}: chi2={stat:.1f} dof={dof} p={p:.2e}, "
+                                           f"{impossible} impossible")
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -274,8 +316,21 @@ def one_draw_for_all_levels(parents, cu_nodes, draft_tokens, max_depth, sample_r
     return walk_tree(parents, cu_nodes, draft_tokens, max_depth, draw_at)
 
 
+def parents_draw(tree_parents, draws):
+    """Every node's draw replaced by its parent's (the root keeps its own): the walk reads, at a node, the draw made
+    at its parent."""
+    return draws[:, [0] + [parent + 1 for parent in tree_parents]]
+
+
+def roots_draw(tree_parents, draws):
+    """The root's draw at every node."""
+    return draws[:, :1].expand_as(draws)
+
+
 PLANTED = {"first-child": accepts_first_child, "parent-distribution": parents_distribution_at_children,
-           "one-draw": one_draw_for_all_levels}
+           "one-draw": one_draw_for_all_levels,
+           "every-node-parents-draw": lambda *a: every_node_at_once(*a, reading=parents_draw),
+           "every-node-roots-draw": lambda *a: every_node_at_once(*a, reading=roots_draw)}
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -312,6 +367,27 @@ def test_greedy_is_greedy_tree_acceptance():
         greedy = greedy_tree_acceptance(packed.parents, packed.cu_nodes, drafts, argmax, depth)
         for name, a, b in zip(greedy._fields, sampled, greedy):
             assert torch.equal(a, b), (trial, name, batch, a, b)
+
+
+def test_uniform_walk_is_greedy_tree_acceptance():
+    """``uniform_tree_acceptance`` (every request the same tree, the tokens at every node given at once, a fixed
+    number of ops) returns ``greedy_tree_acceptance``'s result, every field and dtype, on random tokens over small
+    vocabularies (siblings with equal tokens, matches at several depths), for every tree of the module and more."""
+    generator = torch.Generator().manual_seed(98)
+    trees = [*TREES.values(), (-1,), (-1, -1, -1, -1), DraftTree.from_widths([3, 2, 2]).parents,
+             DraftTree.from_widths([4, 2]).parents]
+    for trial in range(600):
+        parents = trees[trial % len(trees)]
+        num_requests = int(torch.randint(1, 6, (1,), generator=generator))
+        packed = pack_trees([parents] * num_requests)
+        vocab = int(torch.randint(2, 4, (1,), generator=generator))
+        drafts = torch.randint(vocab, (num_requests, len(parents)), generator=generator)
+        tokens = torch.randint(vocab, (num_requests, 1 + len(parents)), generator=generator)
+        greedy = greedy_tree_acceptance(packed.parents, packed.cu_nodes, drafts.view(-1), tokens.view(-1),
+                                        packed.max_depth)
+        uniform = uniform_tree_acceptance(UniformWalkTables.of(parents, "cpu"), drafts, tokens)
+        for name, a, b in zip(greedy._fields, uniform, greedy):
+            assert a.dtype == b.dtype and torch.equal(a, b), (trial, name, parents, drafts, tokens, a, b)
 
 
 def test_the_judge_has_power():

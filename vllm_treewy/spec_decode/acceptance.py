@@ -139,6 +139,58 @@ def walk_tree(
     return TreeAcceptance(num_accepted, accepted_nodes, current, bonus_tokens)
 
 
+class UniformWalkTables(NamedTuple):
+    """One tree's static tables for ``uniform_tree_acceptance`` on a device (``UniformWalkTables.of``)."""
+
+    parent_blocks: torch.Tensor  # [N] int64 verified-block index of each node's parent (the root: 0)
+    earlier_siblings: torch.Tensor  # [N, N] bool: [m, n] where m is a sibling of n before it in node order
+    not_ancestor: torch.Tensor  # [N, N] bool: [m, n] where m is neither n nor an ancestor of n
+    node_at_depth: torch.Tensor  # [N, D] bool: [n, d] where node n has depth d + 1
+    node_ids: torch.Tensor  # [N, 1] int64 local node index
+
+    @classmethod
+    def of(cls, parents: Sequence[int], device) -> UniformWalkTables:
+        num_nodes = len(parents)
+        depth: list[int] = []
+        ancestors: list[set[int]] = []
+        for node, parent in enumerate(parents):
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+            ancestors.append({node} | (ancestors[parent] if parent >= 0 else set()))
+        max_depth = max(depth, default=0)
+        earlier = [[parents[m] == parents[n] and m < n for n in range(num_nodes)] for m in range(num_nodes)]
+        not_ancestor = [[m not in ancestors[n] for n in range(num_nodes)] for m in range(num_nodes)]
+        at_depth = [[depth[n] == d + 1 for d in range(max_depth)] for n in range(num_nodes)]
+        return cls(torch.tensor(parents, dtype=torch.long, device=device).view(num_nodes) + 1,
+                   torch.tensor(earlier, dtype=torch.bool, device=device).view(num_nodes, num_nodes),
+                   torch.tensor(not_ancestor, dtype=torch.bool, device=device).view(num_nodes, num_nodes),
+                   torch.tensor(at_depth, dtype=torch.bool, device=device).view(num_nodes, max_depth),
+                   torch.arange(num_nodes, device=device).view(num_nodes, 1))
+
+
+def uniform_tree_acceptance(tables: UniformWalkTables, draft_tokens: torch.Tensor, block_tokens: torch.Tensor
+                            ) -> TreeAcceptance:
+    """``walk_tree``'s result for a batch whose requests all draft the same tree, from the target's token at EVERY
+    verified token given at once (greedy: the argmaxes; sampled: one draw per node, ``tree_sampling``), in a fixed
+    number of tensor ops whatever the depth (the walk takes about ten per level).
+
+    ``tables``: the tree's ``UniformWalkTables`` (N >= 1 nodes); ``draft_tokens [B, N]``: each request's nodes' tokens;
+    ``block_tokens [B, 1 + N]``: the target's token after each verified-block token (root, then the nodes). The
+    result is ``greedy_tree_acceptance``'s on the same tokens (``max_depth`` = the tree's depth), every field: a
+    node is *chosen* when its token is the one at its parent and no earlier sibling's is (the walk's first match),
+    and accepted when it and all its ancestors are chosen (the walk reaches it); the accepted nodes form one path
+    from the root, one per depth, whose deepest has the largest index (node order is parent before child).
+    No host syncs, static shapes.
+    """
+    parent_tokens = block_tokens[:, tables.parent_blocks]
+    match = draft_tokens == parent_tokens  # [B, N]
+    chosen = match & ~(match[:, :, None] & tables.earlier_siblings).any(dim=1)
+    accepted = (chosen[:, :, None] | tables.not_ancestor).all(dim=1)  # [B, N]
+    accepted_nodes = torch.where(accepted[:, :, None] & tables.node_at_depth, tables.node_ids, -1).amax(dim=1)
+    last_accepted_node = accepted_nodes.amax(dim=1)
+    bonus_tokens = block_tokens.gather(1, (last_accepted_node + 1)[:, None]).view(-1)
+    return TreeAcceptance(accepted.sum(dim=1), accepted_nodes, last_accepted_node, bonus_tokens.long())
+
+
 def accepted_kv_moves(accepted_nodes: torch.Tensor, root_positions: torch.Tensor) -> KVMoves:
     """Position pairs that move the accepted nodes' full-attention KV behind the root, in path order.
 

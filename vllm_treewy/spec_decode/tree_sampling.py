@@ -21,9 +21,20 @@ tokens of no child when all are rejected: both give P(move to c) = p_v(c) and P(
 by no child. Greedy decoding is the limit where p_v is a point mass at the argmax: the walk is
 `greedy_tree_acceptance`.
 
-The draws come from the caller (`token_at`: one draw per request and level, fresh randomness each time, e.g.
-vLLM's own sampler over the current nodes' logits), so every sampling parameter, seed and logits processor of
-the serving engine applies unchanged. `walk_tree` calls it max_depth + 1 times per step.
+One draw per node, all at once. The walk may equally be given a draw at EVERY verified token up front (the root
+and all N nodes, each from its own node's distribution, independently: one sampler call over all the rows) and read
+only the draws at the nodes it visits. Still exact: the node visited at level i is a function of the draws read at
+levels < i, and the draw at it is independent of those (the draws are mutually independent, and the walk never
+read its own before), so given the walk so far it is a fresh sample from that node's distribution, whose context is
+the emitted prefix (c, y_1, .., y_i): the coupling above holds draw by draw. The draws at nodes the walk does not
+visit are never read. Greedy is again the point-mass limit (argmax at every node), and the walk over the given
+draws is `greedy_tree_acceptance`'s on them (`uniform_tree_acceptance` when every request drafts the same tree).
+
+The draws come from the caller, so every sampling parameter and logits processor of the serving engine applies
+unchanged: `sampled_tree_acceptance` asks `token_at` for one draw per request and level (fresh randomness each
+time, e.g. vLLM's own sampler over the current nodes' logits; `walk_tree` calls it max_depth + 1 times per step),
+which a draw that depends on the path (penalties, a per-request seeded stream) needs;
+`sampled_tree_acceptance_of_draws` takes the draws at every node at once.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .acceptance import TreeAcceptance, verified_block_offsets, walk_tree
+from .acceptance import TreeAcceptance, UniformWalkTables, uniform_tree_acceptance, verified_block_offsets, walk_tree
 
 
 def sampled_tree_acceptance(
@@ -54,6 +65,17 @@ def sampled_tree_acceptance(
         return sample_rows(level, block_start + 1 + current)
 
     return walk_tree(parents, cu_nodes, draft_tokens, max_depth, draw_at)
+
+
+def sampled_tree_acceptance_of_draws(tables: UniformWalkTables, draft_tokens: torch.Tensor, node_draws: torch.Tensor
+                                     ) -> TreeAcceptance:
+    """The rule of the module docstring with one draw at every verified token, all requests drafting one tree.
+
+    ``tables``: the tree's ``UniformWalkTables``; ``draft_tokens [B, N]``; ``node_draws [B, 1 + N]``: per request, a
+    draw from the target's distribution at its root and at each node (block order), independent of each other and
+    of everything before. Only the draws at the visited nodes are read. No host syncs, a fixed number of ops.
+    """
+    return uniform_tree_acceptance(tables, draft_tokens, node_draws)
 
 
 def sampled_tree_acceptance_reference(

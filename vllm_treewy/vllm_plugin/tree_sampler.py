@@ -1,22 +1,31 @@
 """Sampling of a step with draft-tree rows: tree acceptance with vLLM's own sampler, then the accepted path made into
 what vLLM expects of a chain.
 
-Every request of the batch is sampled level by level (`spec_decode.tree_sampling`, whose docstring proves that
-the emitted tokens follow the target's sampling distribution): at each of the depth + 1 levels one call of vLLM's
-`Sampler` over one logits row per request (a tree row: its walk's current node; any other request: its one row)
-draws a token with the request's own sampling parameters (temperature, top-k, top-p, min-p, logits processors,
-penalties, seeds; greedy requests take the argmax there, so greedy trees accept as `greedy_tree_acceptance` does).
-Penalties and bad words see the committed output plus the path walked so far (`spec_token_ids`). A seeded request
-draws once per emitted token, as without speculation: at a level where it is not walking (it has no tree this step,
-or its walk stopped) its generator gets its state back after the level's call, so its seeded stream is the one it
-would have without speculation. Both need the path on the host: one device sync per level, only in batches with
-penalties, bad words or seeds.
+Tree acceptance (`spec_decode.tree_sampling`, whose docstring proves that the emitted tokens follow the target's
+sampling distribution) draws with vLLM's `Sampler` and the request's own sampling parameters (temperature, top-k,
+top-p, min-p, allowed tokens, logits processors; greedy requests take the argmax, so greedy trees accept as
+`greedy_tree_acceptance` does). One production path per kind of batch, chosen by what the batch needs:
+
+- Every node at once (`_sample_every_node`; batches without penalties, bad words, per-request seeds, thinking
+  budgets or logprobs of chosen token ids): ONE sampler call over every logits row of the step (each tree row's
+  root and N nodes, every other request's one row), with the per-request metadata expanded to the rows as vLLM's
+  rejection sampler expands it to draft tokens (temperature, top-k, top-p and the allowed-token mask gathered by
+  each row's request; a logits processor that is not idle applied once per verified-block column over one row per
+  request, as it expects). The walk then reads the draws at the nodes it visits (`uniform_tree_acceptance`, a
+  fixed number of ops). No host syncs.
+- Level by level (`_LevelSampler`; the other batches): at each of the depth + 1 levels one sampler call over one
+  logits row per request (a tree row: its walk's current node; any other request: its one row), because their draw
+  depends on the path: penalties and bad words see the committed output plus the path walked so far
+  (`spec_token_ids`), and a seeded request draws once per emitted token, as without speculation (at a level where
+  it is not walking, because it has no tree this step or its walk stopped, its generator gets its state back after
+  the level's call, so its seeded stream is the one it would have without speculation). Both need the path on the
+  host: one device sync per level.
 
 Each tree row's output becomes `[accepted path tokens..., bonus, -1...]`, so vLLM's bookkeeping counts
 num_accepted_tokens = accepted + 1 and advances num_computed_tokens past the root and the accepted path; its
-logprobs (when asked) are the sampler's at each emitted position, laid out as vLLM's rejection sampler lays out a
-chain's (`[num_reqs * (1 + N), k + 1]`, position i of request r at row r * (1 + N) + i). For that to hold, right
-after acceptance:
+logprobs (when asked) are the sampler's at each emitted position (the row of the node the token was drawn at), laid
+out as vLLM's rejection sampler lays out a chain's (`[num_reqs * (1 + N), k + 1]`, position i of request r at row
+r * (1 + N) + i). For that to hold, right after acceptance:
 
 - full-attention K/V of the accepted path move behind the root (`compact_accepted_kv`, every layer the step's
   forward recorded), where vLLM's next steps read positions num_computed .. ;
@@ -27,16 +36,18 @@ after acceptance:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-from vllm_treewy.spec_decode.acceptance import TreeAcceptance
-from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance
+from vllm_treewy.spec_decode.acceptance import TreeAcceptance, UniformWalkTables
+from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance, sampled_tree_acceptance_of_draws
 from vllm_treewy.vllm_plugin.tree_attention_cpu import compact_accepted_kv
 from vllm_treewy.vllm_plugin.tree_attention_triton import compact_accepted_kv_paged
 from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep
 
 PLACEHOLDER_TOKEN = -1  # vLLM's padding of sampled_token_ids
+LOGPROBS_FIELDS = ("logprob_token_ids", "logprobs", "selected_token_ranks")  # vLLM's LogprobsTensors, per row
 
 
 def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, acceptance: TreeAcceptance) -> torch.Tensor:
@@ -52,8 +63,18 @@ def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, acceptance: Tre
 
 
 def _needs_path_on_host(sampling_metadata) -> bool:
+    """Whether a request's draw depends on the path walked before it (penalties, bad words) or must come from its own
+    seeded stream once per emitted token: the level-by-level path."""
     return (not sampling_metadata.no_penalties or bool(sampling_metadata.bad_words_token_ids)
             or bool(sampling_metadata.generators))
+
+
+def _needs_level_path(sampling_metadata) -> bool:
+    """The batch's draws must be made level by level: the path on the host, a thinking budget (it tracks the
+    spec tokens per request) or logprobs of chosen token ids (keyed by request row)."""
+    holder = sampling_metadata.thinking_budget_state_holder
+    return (_needs_path_on_host(sampling_metadata) or bool(sampling_metadata.logprob_token_ids)
+            or (holder is not None and holder.has_tracked_requests()))
 
 
 class _LevelSampler:
@@ -114,18 +135,133 @@ class _LevelSampler:
 def sample_with_trees(logits: torch.Tensor, spec_decode_metadata, step: TreeStep, sampler, sampling_metadata
                       ) -> tuple[torch.Tensor, TreeAcceptance, object]:
     """`sampled_token_ids [num_reqs, 1 + N]` of a step with tree rows (other rows: one token), after the accepted
-    paths' K/V compaction; the tree rows' acceptance; and the logprobs tensors (None unless asked)."""
-    device = logits.device
+    paths' K/V compaction; the tree rows' acceptance; and the logprobs tensors (None unless asked). The path by what
+    the batch needs (module docstring)."""
     sampled_end = spec_decode_metadata.cu_num_sampled_tokens.long()  # each row's drafts + 1, summed: on the device
     draft_tokens = spec_decode_metadata.draft_token_ids  # only tree rows have drafts (partial trees are refused)
+    sample = _sample_by_levels if _needs_level_path(sampling_metadata) else _sample_every_node
+    out, acceptance, logprobs = sample(logits, sampled_end, draft_tokens, step, sampler, sampling_metadata)
+    commit_accepted_path(step, acceptance)
+    return out, acceptance, logprobs
+
+
+def _sample_by_levels(logits, sampled_end, draft_tokens, step: TreeStep, sampler, sampling_metadata):
     levels = _LevelSampler(sampler, sampling_metadata, logits, sampled_end, step, draft_tokens)
     acceptance = sampled_tree_acceptance(step.parents, step.cu_nodes, draft_tokens, step.depth, levels)
-    num_reqs = sampled_end.numel()
-    out = torch.full((num_reqs, step.block_len), PLACEHOLDER_TOKEN, dtype=torch.long, device=device)
+    out = torch.full((sampled_end.numel(), step.block_len), PLACEHOLDER_TOKEN, dtype=torch.long, device=logits.device)
     out[:, 0] = levels.draws[0]
     out[step.request_indices, : step.depth + 1] = tree_output_rows(step, draft_tokens, acceptance)
-    commit_accepted_path(step, acceptance)
     return out, acceptance, _chain_layout_logprobs(levels.logprobs, step.block_len)
+
+
+def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sampler, sampling_metadata):
+    """One draw at every logits row in one sampler call, then the walk over the tree rows' draws (module
+    docstring)."""
+    device = logits.device
+    num_reqs, num_rows, block_len = sampled_end.numel(), logits.shape[0], step.block_len
+    last_rows = sampled_end - 1  # every request's last logits row: a non-tree request's only one
+    block_rows = (sampled_end[step.request_indices] - block_len)[:, None] + _arange(block_len, device)  # [R, 1 + N]
+    row_requests = torch.searchsorted(sampled_end, _arange(num_rows, device), right=True)
+    metadata = _node_rows_metadata(sampling_metadata, row_requests,
+                                   lambda: _block_columns(last_rows, block_rows, step.request_indices))
+    output = sampler(logits, metadata, predict_bonus_token=True)
+    draws = output.sampled_token_ids.view(-1)
+    acceptance = sampled_tree_acceptance_of_draws(_walk_tables(step.tree.parents, device),
+                                                  draft_tokens.view(step.num_requests, -1), draws[block_rows])
+    out = torch.full((num_reqs, block_len), PLACEHOLDER_TOKEN, dtype=torch.long, device=device)
+    out[:, 0] = draws[last_rows]
+    out[step.request_indices, : step.depth + 1] = tree_output_rows(step, draft_tokens, acceptance)
+    logprobs = output.logprobs_tensors
+    if logprobs is not None:
+        # Position i of a tree row: the row its i-th emitted token was drawn at (the root, then the accepted nodes;
+        # past the path, rows whose values vLLM drops with the placeholder tokens).
+        emitted_rows = last_rows[:, None].repeat(1, block_len)
+        emitted_rows[step.request_indices, : step.depth + 1] = block_rows[:, :1] + torch.nn.functional.pad(
+            acceptance.accepted_nodes + 1, (1, 0))
+        index = emitted_rows.view(-1)
+        logprobs = logprobs._replace(**{name: getattr(logprobs, name)[index] for name in LOGPROBS_FIELDS})
+    return out, acceptance, logprobs
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """`arange(n)` int64 on the device, built once (read only)."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _walk_tables(parents: tuple[int, ...], device: torch.device) -> UniformWalkTables:
+    """A tree's walk tables on the device, built once (read only)."""
+    return UniformWalkTables.of(parents, device)
+
+
+def _node_rows_metadata(sampling_metadata, row_requests: torch.Tensor, columns):
+    """vLLM's per-request sampling metadata for every logits row (`row_requests [rows]`: each row's request), as
+    vLLM's rejection sampler expands it to draft tokens; logits processors that are not idle wrapped to run once
+    per verified-block column (`columns()`: `_block_columns`). Only for batches `_needs_level_path` lets through
+    (no penalties, bad words, generators: nothing else keyed by request row is read)."""
+    def by_row(values):
+        return None if values is None else values[row_requests]
+
+    processors = sampling_metadata.logitsprocs
+    active = [p for p in processors.all if not _idle(p)]
+    if active:
+        from vllm.v1.sample.logits_processor import LogitsProcessors
+
+        built = columns()
+        processors = LogitsProcessors(_ColumnwiseProcessor(p, *built) for p in active)
+    return dataclasses.replace(
+        sampling_metadata, temperature=by_row(sampling_metadata.temperature), top_p=by_row(sampling_metadata.top_p),
+        top_k=by_row(sampling_metadata.top_k), allowed_token_ids_mask=by_row(sampling_metadata.allowed_token_ids_mask),
+        logitsprocs=processors)
+
+
+def _idle(processor) -> bool:
+    """vLLM's built-in logits processors that no request of the batch uses (their `apply` returns the logits as
+    they are); any other processor counts as in use."""
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinPLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+
+    if type(processor) is MinPLogitsProcessor:
+        return not processor.min_p_count
+    if type(processor) is LogitBiasLogitsProcessor:
+        return not processor.biases
+    if type(processor) is MinTokensLogitsProcessor:
+        return not processor.min_toks
+    return False
+
+
+def _block_columns(last_rows: torch.Tensor, block_rows: torch.Tensor, tree_requests: torch.Tensor):
+    """`(rows [1 + N, num_reqs], valid [1 + N, num_reqs])`: column j holds one logits row per request, a tree row's
+    verified-block token j or any other request's one row (valid only in column 0)."""
+    block_len = block_rows.shape[1]
+    rows = last_rows[None, :].repeat(block_len, 1)
+    rows[:, tree_requests] = block_rows.T
+    valid = torch.zeros_like(rows, dtype=torch.bool)
+    valid[0] = True
+    valid[:, tree_requests] = True
+    return rows, valid
+
+
+class _ColumnwiseProcessor:
+    """A vLLM logits processor (row i of its logits = request i) applied to every logits row of the step: once per
+    verified-block column, over one row per request; rows that a column repeats for a request without that column
+    (a non-tree request's one row) are left as they were."""
+
+    def __init__(self, processor, rows: torch.Tensor, valid: torch.Tensor):
+        self.processor, self.rows, self.valid = processor, rows, valid
+
+    def is_argmax_invariant(self) -> bool:
+        return self.processor.is_argmax_invariant()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for rows, valid in zip(self.rows, self.valid):
+            processed = self.processor.apply(logits[rows])
+            logits[rows] = torch.where(valid[:, None], processed, logits[rows])
+        return logits
 
 
 def _chain_layout_logprobs(per_level: list, block_len: int):
@@ -134,7 +270,7 @@ def _chain_layout_logprobs(per_level: list, block_len: int):
     if per_level[0] is None:
         return None
     fields = []
-    for name in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
+    for name in LOGPROBS_FIELDS:
         stacked = torch.stack([getattr(level, name) for level in per_level], dim=1)  # [num_reqs, levels, ...]
         padded = stacked.new_zeros(stacked.shape[0], block_len, *stacked.shape[2:])
         padded[:, : stacked.shape[1]] = stacked
