@@ -3,7 +3,10 @@ reconstruct) and no speculation, in vLLM on CPU, on the fixture's blurred-MTP va
 the time, so drafts are rejected often: a perfect head would make the test blind to what happens after a rejection).
 
 One prompt, NUM_SAMPLES requests of MAX_TOKENS tokens per engine and setting (temperature 1.0; temperature 0.7 with
-top-p 0.9), each request with its own seed (seeds differ between engines, so their samples are independent). The
+top-p 0.9), each request with its own seed (seeds differ between engines, so their samples are independent), except
+in the UNSEEDED engines, whose requests draw from the engine's seeded stream. The tree samples seeded batches level
+by level and the others with one sampler call over every node (`tree_sampler`'s two paths): `tree-2x2x1` runs the
+first, `tree-2x2x1-every-node` the second (`test_each_batch_takes_its_sampling_path` holds which ran). The
 first emitted token comes from the prefill (plain sampling in every engine); the 2nd and 3rd from the first
 speculative step (the drafts verified at depth 1 and 2). Two judges:
 
@@ -25,15 +28,18 @@ speculative step (the drafts verified at depth 1 and 2). Two judges:
 (ii) Homogeneity against the no-speculation engine's own samples: chi-square test of homogeneity of the 2 x K table
     of y_j counts, tokens whose two-engine count is below 10 pooled into one cell.
 
-Threshold: every p-value > P_MIN = 1e-4. The module computes 3 (engines) x 2 (settings) x 6 exactness p-values and
-2 x 2 x 3 homogeneity ones (48); with 1e-4 each, the chance that an exact sampler fails somewhere is below 0.5 %
-(Bonferroni), and since every request is seeded the verdict is a fixed function of the code. A real bug is far
-below: each planted one's smallest p-value is below 1e-50 (measured 2026-12-03: first-child 0 / 0, root-row
-8e-107 / 2e-55, vLLM's unfixed CPU expansion below 1e-200 / 0 at T 1.0 / T 0.7 top-p 0.9; that one reads
-uninitialized memory, so its figures vary between runs), while the exact samplers'
-smallest is 3e-3 (the tree's homogeneity on token 3 at T 0.7; all their exactness p-values are above 0.05).
+Threshold: every p-value > P_MIN = 1e-4. The module computes 4 (engines) x 2 (settings) x 6 exactness p-values and
+3 x 2 x 3 homogeneity ones (66); with 1e-4 each, the chance that an exact sampler fails somewhere is below 0.7 %
+(Bonferroni), and since every request is seeded or draws from the engine's seeded stream the verdict is a fixed
+function of the code. A real bug is far below: each planted one's smallest p-value is below 1e-50 (measured
+2026-12-03: first-child 0 / 0, root-row 8e-107 / 2e-55, vLLM's unfixed CPU expansion below 1e-200 / 0 at T 1.0 /
+T 0.7 top-p 0.9; that one reads uninitialized memory, so its figures vary between runs; 2026-12-04: parents-draw
+8e-101 / 3e-69), while the exact samplers' smallest is 3e-3 (the tree's homogeneity on token 3 at T 0.7; all their
+exactness p-values are above 0.05; the every-node tree's smallest 0.06).
 
-Planted bugs (the same judges must fail them): `first-child` replaces each level's draw by the first child's token
+Planted bugs (the same judges must fail them; `parents-draw` on the every-node path, the others seeded):
+`parents-draw` gives the walk, at each node, the draw made at the node's parent instead of its own,
+`first-child` replaces each level's draw by the first child's token
 wherever the current node has children (issue 33's example: accept the first child whenever p(c) > 0; at
 temperature 1 every token has p > 0), `root-row` draws every level from the root's row (the distribution after
 the last committed token instead of after the path walked), and `chain-k3-vllm-expand` is the chain with the
@@ -42,7 +48,7 @@ override leaves the per-token temperature / top-p of the draft rows uninitialize
 `bench/diagnostics/cpu_rejection_sampling.py`), i.e. vLLM's own chain sampling on CPU.
 
 Wall time: 88 s on 2 idle cores, 8 min beside the machine's other test runs (6 engines, 2 x 1000 requests each,
-about 20k one-token judge requests).
+about 20k one-token judge requests); with the two unseeded engines (8) 201 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -86,10 +92,17 @@ ENGINES = {  # name -> (speculative_config, planted bug); seeds of engine e: 100
                       "mamba_state_commit": "reconstruct"}, "root-row"),
     "chain-k3-vllm-expand": ({"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"},
                              "vllm-cpu-expand"),
+    "tree-2x2x1-every-node": ({"method": "mtp", "num_speculative_tokens": 3, "draft_tree_widths": TREE_WIDTHS,
+                               "mamba_state_commit": "reconstruct"}, None),
+    "bug-parents-draw": ({"method": "mtp", "num_speculative_tokens": 3, "draft_tree_widths": TREE_WIDTHS,
+                          "mamba_state_commit": "reconstruct"}, "parents-draw"),
     "no-spec": (None, None),  # last: it also judges every run
 }
-SPECULATIVE = ("tree-2x2x1", "chain-k3")
-BUGS = ("bug-first-child", "bug-root-row", "chain-k3-vllm-expand")
+UNSEEDED = ("tree-2x2x1-every-node", "bug-parents-draw")  # the tree's one-call path (no per-request seeds)
+SPECULATIVE = ("tree-2x2x1", "chain-k3", "tree-2x2x1-every-node")
+BUGS = ("bug-first-child", "bug-root-row", "chain-k3-vllm-expand", "bug-parents-draw")
+TREE_PATHS = {"tree-2x2x1": "levels", "bug-first-child": "levels", "bug-root-row": "levels",
+              "tree-2x2x1-every-node": "every-node", "bug-parents-draw": "every-node"}
 
 
 # -- statistics (no scipy: torch's regularized incomplete gamma) ---------------------------------------------------
@@ -232,10 +245,28 @@ def vllm_cpu_expand(output, input_val, cu_num_tokens, replace_from, replace_to, 
                                     cpu_tl._ensure_int64(cu_num_tokens), replace_from, replace_to)
 
 
+def parents_draw(tables, draft_tokens, node_draws):
+    """`sampled_tree_acceptance_of_draws` given, at each node, its parent's draw (the root keeps its own)."""
+    from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance_of_draws
+
+    blocks = torch.cat([tables.parent_blocks.new_zeros(1), tables.parent_blocks])
+    return sampled_tree_acceptance_of_draws(tables, draft_tokens, node_draws[:, blocks])
+
+
 @contextlib.contextmanager
 def planted(bug: str | None):
     if bug is None:
         yield
+        return
+    if bug == "parents-draw":
+        from vllm_treewy.vllm_plugin import tree_sampler
+
+        original = tree_sampler.sampled_tree_acceptance_of_draws
+        tree_sampler.sampled_tree_acceptance_of_draws = parents_draw
+        try:
+            yield
+        finally:
+            tree_sampler.sampled_tree_acceptance_of_draws = original
         return
     if bug == "vllm-cpu-expand":  # the plugin's fix left out: vLLM's own expansion in the worker's overrides
         import vllm.utils.cpu_triton_utils as cpu_tl
@@ -267,20 +298,22 @@ class SamplingRuns:
     samples: dict = field(default_factory=dict)  # (engine, setting) -> [N, 3] int64
     acceptance: dict = field(default_factory=dict)  # engine -> SpecDecodeAcceptance
     exact: dict = field(default_factory=dict)  # (engine, setting) -> Exactness
+    paths: dict = field(default_factory=dict)  # engine -> {tree sampling path: steps}
 
 
-def _params(engine_index: int, setting_index: int, temperature: float, top_p: float) -> list:
+def _params(engine_index: int, setting_index: int, temperature: float, top_p: float, seeded: bool = True) -> list:
     from vllm import SamplingParams
 
     base = 100_000 * engine_index + 10_000 * setting_index
     return [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True,
-                           seed=base + i, detokenize=False) for i in range(NUM_SAMPLES)]
+                           seed=base + i if seeded else None, detokenize=False) for i in range(NUM_SAMPLES)]
 
 
 def _sample(llm, runs: SamplingRuns, name: str, engine_index: int) -> None:
     for s, (setting, (temperature, top_p)) in enumerate(SETTINGS.items()):
         outs = llm.generate([{"prompt_token_ids": runs.prompt}] * NUM_SAMPLES,
-                            _params(engine_index, s, temperature, top_p), use_tqdm=False)
+                            _params(engine_index, s, temperature, top_p, seeded=name not in UNSEEDED),
+                            use_tqdm=False)
         runs.samples[name, setting] = np.array([list(o.outputs[0].token_ids) for o in outs], dtype=np.int64)
 
 
@@ -289,10 +322,32 @@ def _speculative_run(model: str, runs: SamplingRuns, name: str, engine_index: in
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, read_acceptance
 
     spec, bug = ENGINES[name]
-    with planted(bug), engine(model, speculative_config=spec, max_num_seqs=MAX_NUM_SEQS,
-                                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS) as llm:
+    with planted(bug), sampling_paths_counted(runs.paths.setdefault(name, {})), engine(
+            model, speculative_config=spec, max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS) as llm:
         _sample(llm, runs, name, engine_index)
         runs.acceptance[name] = read_acceptance(llm)
+
+
+@contextlib.contextmanager
+def sampling_paths_counted(counts: dict):
+    """Within: `counts[path]` = the steps `tree_sampler` sampled by that path ("levels", "every-node")."""
+    from vllm_treewy.vllm_plugin import tree_sampler
+
+    originals = {"levels": tree_sampler._sample_by_levels, "every-node": tree_sampler._sample_every_node}
+
+    def counted(path):
+        def sample(*args, **kwargs):
+            counts[path] = counts.get(path, 0) + 1
+            return originals[path](*args, **kwargs)
+
+        return sample
+
+    tree_sampler._sample_by_levels, tree_sampler._sample_every_node = counted("levels"), counted("every-node")
+    try:
+        yield
+    finally:
+        tree_sampler._sample_by_levels, tree_sampler._sample_every_node = originals["levels"], originals["every-node"]
 
 
 def _reference_run_and_judge(model: str, runs: SamplingRuns, engine_index: int) -> None:
@@ -352,6 +407,13 @@ def test_homogeneous_with_no_speculation(sampling_runs, name, setting):
     print(name, setting, "homogeneity", {n: str(t) for n, t in tests.items()})
     bad = {n: str(t) for n, t in tests.items() if not t.p > P_MIN}
     assert not bad, f"{name} at {setting} vs no speculation: {bad} (all: {[str(t) for t in tests.values()]})"
+
+
+@pytest.mark.parametrize("name", TREE_PATHS)
+def test_each_batch_takes_its_sampling_path(sampling_runs, name):
+    """Seeded batches are sampled level by level, unseeded ones with one sampler call over every node."""
+    paths = sampling_runs.paths[name]
+    assert set(paths) == {TREE_PATHS[name]} and paths[TREE_PATHS[name]] >= len(SETTINGS), paths
 
 
 @pytest.mark.parametrize("name", SPECULATIVE)
