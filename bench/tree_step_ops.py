@@ -2,11 +2,13 @@
 sampling (`sample_with_trees`) and the drafting levels outside the head's forward (`_forward_level` with
 `_run_head` not counted: on CUDA the head runs in vLLM's graphs).
 
-One engine (the fixture's blurred-MTP variant, reconstruct, `--widths`, eager) generates `--max-tokens` tokens for
-`--batch` prompts per sampling setting after a warm-up, twice: once under `step_ops.StepOps` (aten ops that would
-launch device work, views and allocations excluded; host syncs named), once timed with `perf_counter` around the same
-calls (no dispatch mode). Settings: `greedy`; `t0.8-p0.95` (temperature 0.8, top-p 0.95, unseeded: the batch needs
-no path on the host); `seeded` (the same with a seed per request: the level-by-level path).
+The drafting levels' blocks that every level shares (`_level_blocks`, once per step) are counted apart where they
+exist. One engine (the fixture's blurred-MTP variant, reconstruct, `--widths`, eager) generates `--max-tokens`
+tokens for `--batch` prompts per sampling setting after a warm-up, twice: once under `step_ops.StepOps` (aten ops
+that would launch device work, views and allocations excluded; host syncs named), once timed with `perf_counter`
+around the same calls (no dispatch mode). Settings: `greedy`; `t0.8-p0.95` (temperature 0.8, top-p 0.95,
+unseeded: the batch needs no path on the host); `seeded` (the same with a seed per request: the level-by-level
+path).
 
     python bench/tree_step_ops.py --batch 1 --max-tokens 32 [--widths 2 2 1]
 
@@ -26,7 +28,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from bench.step_ops import StepOps
 
-PHASES = {"sampling": "tree sampling (sample_with_trees)", "level": "drafting level outside the head"}
+PHASES = {"sampling": "tree sampling (sample_with_trees)", "level": "drafting level outside the head",
+          "blocks": "drafting levels' shared blocks"}  # the last: TreeMtpProposer._level_blocks, where it exists
 
 
 class Timed:
@@ -72,7 +75,7 @@ def measure(args) -> dict:
     spec = {"method": "mtp", "num_speculative_tokens": len(args.widths), "draft_tree_widths": args.widths,
             "mamba_state_commit": "reconstruct"}
     originals = {"sampling": tree_runner.sample_with_trees, "level": TreeMtpProposer._forward_level,
-                 "head": TreeMtpProposer._run_head}
+                 "head": TreeMtpProposer._run_head, "blocks": getattr(TreeMtpProposer, "_level_blocks", None)}
 
     def head_uncounted(self, kwargs):
         with _disable_current_modes():
@@ -88,14 +91,20 @@ def measure(args) -> dict:
                 ops = StepOps(tuple(PHASES))
                 tree_runner.sample_with_trees = ops.counting(originals["sampling"], "sampling")
                 TreeMtpProposer._forward_level = ops.counting(originals["level"], "level")
+                if originals["blocks"] is not None:
+                    TreeMtpProposer._level_blocks = ops.counting(originals["blocks"], "blocks")
                 llm.generate(prompts, params, use_tqdm=False)
                 timed = Timed()
                 tree_runner.sample_with_trees = timed.timing(originals["sampling"], "sampling")
                 TreeMtpProposer._forward_level = timed.timing(originals["level"], "level")
+                if originals["blocks"] is not None:
+                    TreeMtpProposer._level_blocks = timed.timing(originals["blocks"], "blocks")
                 for _ in range(args.repeats):
                     llm.generate(prompts, params, use_tqdm=False)
                 tree_runner.sample_with_trees = originals["sampling"]
                 TreeMtpProposer._forward_level = originals["level"]
+                if originals["blocks"] is not None:
+                    TreeMtpProposer._level_blocks = originals["blocks"]
                 steps = max(ops.calls["sampling"], 1)  # one tree sampling per engine step with tree rows
                 timed_steps = max(timed.calls["sampling"], 1)
                 results[setting] = {
@@ -108,6 +117,8 @@ def measure(args) -> dict:
     finally:
         tree_runner.sample_with_trees = originals["sampling"]
         TreeMtpProposer._forward_level, TreeMtpProposer._run_head = originals["level"], originals["head"]
+        if originals["blocks"] is not None:
+            TreeMtpProposer._level_blocks = originals["blocks"]
     return results
 
 

@@ -50,8 +50,12 @@ def _columns():
     return tree_sampler._block_columns(SAMPLED_END - 1, block_rows, TREE_REQUESTS)
 
 
+def test_rows_know_their_request():
+    assert torch.equal(tree_sampler._row_requests(SAMPLED_END, 7), ROW_REQUESTS)
+
+
 def test_per_request_metadata_is_expanded_to_every_row():
-    metadata = tree_sampler._node_rows_metadata(_metadata([]), ROW_REQUESTS, _columns)
+    metadata = tree_sampler._node_rows_metadata(_metadata([]), lambda: ROW_REQUESTS, _columns)
     assert torch.equal(metadata.temperature, torch.tensor([0.5] * 3 + [1.0] + [0.7] * 3))
     assert torch.equal(metadata.top_p, torch.tensor([0.9] * 3 + [1.0] + [0.8] * 3))
     assert metadata.top_k is None
@@ -63,7 +67,7 @@ def test_a_logits_processor_runs_once_on_every_row_with_its_requests_state():
     """Once per verified-block column over one row per request: each row gets its own request's bias exactly once
     (request 1's one row is handed to the processor again in later columns and left as it was)."""
     RequestBias.calls = 0
-    metadata = tree_sampler._node_rows_metadata(_metadata([RequestBias()]), ROW_REQUESTS, _columns)
+    metadata = tree_sampler._node_rows_metadata(_metadata([RequestBias()]), lambda: ROW_REQUESTS, _columns)
     (wrapped,) = metadata.logitsprocs.non_argmax_invariant
     logits = wrapped.apply(torch.zeros(7, VOCAB))
     assert RequestBias.calls == 3  # 1 + N columns
@@ -77,7 +81,7 @@ def test_idle_builtin_processors_are_left_out():
     idle, used = object.__new__(MinPLogitsProcessor), object.__new__(MinPLogitsProcessor)
     idle.min_p_count, used.min_p_count = 0, 2
     assert tree_sampler._idle(idle) and not tree_sampler._idle(used) and not tree_sampler._idle(RequestBias())
-    metadata = tree_sampler._node_rows_metadata(_metadata([idle]), ROW_REQUESTS, _columns)
+    metadata = tree_sampler._node_rows_metadata(_metadata([idle]), lambda: ROW_REQUESTS, _columns)
     assert list(metadata.logitsprocs.all) == [idle]  # as it was: its apply returns the logits untouched
 
 

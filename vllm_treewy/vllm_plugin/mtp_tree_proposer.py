@@ -27,6 +27,7 @@ State across calls: the runner's `TreeRunState` (`tree_state`), which this propo
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 from vllm.forward_context import set_forward_context
@@ -72,6 +73,8 @@ class TreeMtpProposer(EagleProposer):
         self.levels = level_trees(self.widths)
         self.nodes_below = nodes_below_depth(self.widths)
         self._level_constants: dict[int, TreeConstants] = {}  # per level tree (by node count), on the device
+        self._offsets: dict[int, torch.Tensor] = {}  # block length -> arange on the device
+        self._host_query_starts: dict[tuple[int, int], torch.Tensor] = {}  # (requests, block length) -> host layout
 
     # -- vLLM's entry points ----------------------------------------------------------------------------------
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
@@ -124,44 +127,71 @@ class TreeMtpProposer(EagleProposer):
         # Head outputs per verified-block index: the root's, then each forwarded node's.
         outputs = root_output.new_empty(num_reqs, 1 + self.nodes_below[-2], root_output.shape[-1])
         outputs[:, 0] = root_output
+        blocks = self._level_blocks(root_positions, cad)
         for level, tree in enumerate(self.levels, start=1):
             first, last = self.nodes_below[level - 1], self.nodes_below[level]  # this level's nodes [first, last)
-            output = self._forward_level(tree, tokens[:, :last], outputs, root_positions, root_inputs, cad)
+            output = self._forward_level(tree, tokens[:, :last], outputs, root_positions, root_inputs, cad, blocks)
             outputs[:, 1 + first : 1 + last] = output[:, 1 + first :]
             logits = self.model.compute_logits(output[:, 1 + first :].reshape(-1, output.shape[-1]))
             children = top_children(logits, self.widths[level])
             tokens[:, last : self.nodes_below[level + 1]] = children.view(num_reqs, -1)
         return tokens
 
-    def _forward_level(self, tree, node_tokens, outputs, root_positions, root_inputs, cad) -> torch.Tensor:
-        """The head over every request's block of `tree` (root + its nodes); returns `[num_reqs, 1 + n, hidden]`."""
+    def _level_blocks(self, root_positions, cad) -> _LevelBlocks:
+        """The deepest level's block (root + the nodes above the leaves) per request: every level's block is a prefix
+        of it (breadth-first node order), so its positions, KV slots and lengths are computed once per step."""
+        block_len = 1 + self.nodes_below[-2]
+        depths = self._constants(self.levels[-1]).depths
+        positions = (root_positions[:, None] + depths).clamp_(max=self.max_model_len - 1)
+        slots = _slots(cad.block_table_tensor, root_positions[:, None] + self._block_offsets(block_len),
+                       self.block_size, self.max_model_len)
+        return _LevelBlocks(positions, slots, root_positions.to(cad.seq_lens.dtype))
+
+    def _block_offsets(self, block_len: int) -> torch.Tensor:
+        """`arange(block_len)` on the device, built once per length (read only)."""
+        if block_len not in self._offsets:
+            self._offsets[block_len] = torch.arange(block_len, device=self.device)
+        return self._offsets[block_len]
+
+    def _query_start_loc_cpu(self, num_reqs: int, block_len: int) -> torch.Tensor:
+        """The level's query layout on the host, built once per shape (read only)."""
+        key = (num_reqs, block_len)
+        if key not in self._host_query_starts:
+            self._host_query_starts[key] = torch.arange(num_reqs + 1, dtype=torch.int32) * block_len
+        return self._host_query_starts[key]
+
+    def _forward_level(self, tree, node_tokens, outputs, root_positions, root_inputs, cad, blocks) -> torch.Tensor:
+        """The head over every request's block of `tree` (root + its nodes); returns `[num_reqs, 1 + n, hidden]`.
+        `blocks`: `_level_blocks` of the step. Inputs are written into the proposer's buffers in place, a block
+        column range at a time (no concatenated copies)."""
         num_reqs, block_len = root_positions.numel(), 1 + tree.num_nodes
         num_tokens = num_reqs * block_len
-        device = root_positions.device
         constants = self._constants(tree)
-        positions = root_positions[:, None] + constants.depths  # [R, 1 + n]
-        block_positions = root_positions[:, None] + torch.arange(block_len, device=device)
-        slots = _slots(cad.block_table_tensor, block_positions, self.block_size, self.max_model_len)
 
         root_token, root_hidden = root_inputs
-        self.input_ids[:num_tokens] = torch.cat([root_token[:, None].to(self.input_ids.dtype),
-                                                 node_tokens.to(self.input_ids.dtype)], dim=1).view(-1)
-        self.hidden_states[:num_tokens] = torch.cat(
-            [root_hidden[:, None], outputs[:, constants.parent_blocks]], dim=1).view(num_tokens, -1)
-        self._set_positions(num_tokens, positions.clamp(max=self.max_model_len - 1).view(-1))
+        input_ids = self.input_ids[:num_tokens].view(num_reqs, block_len)
+        input_ids[:, 0] = root_token
+        input_ids[:, 1:] = node_tokens
+        hidden_states = self.hidden_states[:num_tokens].view(num_reqs, block_len, -1)
+        hidden_states[:, 0] = root_hidden
+        hidden_states[:, 1:] = outputs[:, constants.parent_blocks]
+        # The proposer's positions (no M-RoPE: refused at start-up) and slot mapping buffers.
+        self.positions[:num_tokens].view(num_reqs, block_len).copy_(blocks.positions[:, :block_len])
+        slot_mapping = self._slot_mapping_buffer[:num_tokens]
+        slot_mapping.view(num_reqs, block_len).copy_(blocks.slots[:, :block_len])
 
         step = uniform_tree_step(tree, root_positions, constants)
         max_position = cad.max_seq_len + self.tree.num_nodes
         level_cad = dataclasses.replace(
             cad,
             query_start_loc=step.query_start_loc,
-            query_start_loc_cpu=torch.arange(num_reqs + 1, dtype=torch.int32) * block_len,
-            seq_lens=(root_positions + block_len).to(cad.seq_lens.dtype),
+            query_start_loc_cpu=self._query_start_loc_cpu(num_reqs, block_len),
+            seq_lens=blocks.seq_lens + block_len,
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
             max_query_len=block_len,
             max_seq_len=min(max_position, self.max_model_len),
-            slot_mapping=slots.view(-1),
+            slot_mapping=slot_mapping,
             seq_lens_cpu_upper_bound=(None if cad.seq_lens_cpu_upper_bound is None
                                       else cad.seq_lens_cpu_upper_bound + self.tree.num_nodes),
             causal=True,
@@ -176,9 +206,11 @@ class TreeMtpProposer(EagleProposer):
             kwargs["input_ids"], kwargs["inputs_embeds"] = None, self.inputs_embeds[:num_input_tokens]
         if self.pass_hidden_states_to_model:
             kwargs["hidden_states"] = self.hidden_states[:num_input_tokens]
+        if num_input_tokens > num_tokens:  # vLLM's padding of the graph's batch: no cache write
+            self._slot_mapping_buffer[num_tokens:num_input_tokens].fill_(PADDING_SLOT)
         with set_forward_context(per_layer, self.vllm_config, num_tokens=num_input_tokens,
                                  num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
-                                 slot_mapping=self._get_slot_mapping(num_input_tokens, level_cad.slot_mapping)):
+                                 slot_mapping=self._get_slot_mapping(num_input_tokens)):
             hidden = self._run_head(kwargs)
         return hidden[:num_tokens].view(num_reqs, block_len, -1)
 
@@ -204,11 +236,20 @@ class TreeMtpProposer(EagleProposer):
         return None if current_platform.is_cpu() else self.tree_state.qq_bias(tree, self.device)
 
 
+class _LevelBlocks(NamedTuple):
+    """A step's deepest drafting-level block per request (`TreeMtpProposer._level_blocks`); a level reads the first
+    1 + n columns."""
+
+    positions: torch.Tensor  # [R, L] depth positions, clamped below max_model_len
+    slots: torch.Tensor  # [R, L] KV slots of block positions root + 0 .. L - 1 (padding past max_model_len)
+    seq_lens: torch.Tensor  # [R] each root's position in vLLM's sequence-length dtype: a level adds its block length
+
+
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, max_model_len: int) -> torch.Tensor:
     """KV slots of `positions [R, n]` (request r's row of the block table); padding past max_model_len."""
     valid = positions < max_model_len
     clamped = positions.clamp(max=max_model_len - 1)
-    blocks = block_table.long().gather(1, clamped // block_size)
+    blocks = block_table.gather(1, clamped // block_size)
     return torch.where(valid, blocks * block_size + clamped % block_size, PADDING_SLOT)
 
 

@@ -161,8 +161,7 @@ def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sample
     num_reqs, num_rows, block_len = sampled_end.numel(), logits.shape[0], step.block_len
     last_rows = sampled_end - 1  # every request's last logits row: a non-tree request's only one
     block_rows = (sampled_end[step.request_indices] - block_len)[:, None] + _arange(block_len, device)  # [R, 1 + N]
-    row_requests = torch.searchsorted(sampled_end, _arange(num_rows, device), right=True)
-    metadata = _node_rows_metadata(sampling_metadata, row_requests,
+    metadata = _node_rows_metadata(sampling_metadata, lambda: _row_requests(sampled_end, num_rows),
                                    lambda: _block_columns(last_rows, block_rows, step.request_indices))
     output = sampler(logits, metadata, predict_bonus_token=True)
     draws = output.sampled_token_ids.view(-1)
@@ -183,6 +182,11 @@ def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sample
     return out, acceptance, logprobs
 
 
+def _row_requests(sampled_end: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`[num_rows]` int64: the request of every logits row (`sampled_end [num_reqs]`: each request's rows end)."""
+    return torch.searchsorted(sampled_end, _arange(num_rows, sampled_end.device), right=True)
+
+
 @functools.lru_cache(maxsize=64)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """`arange(n)` int64 on the device, built once (read only)."""
@@ -195,13 +199,20 @@ def _walk_tables(parents: tuple[int, ...], device: torch.device) -> UniformWalkT
     return UniformWalkTables.of(parents, device)
 
 
-def _node_rows_metadata(sampling_metadata, row_requests: torch.Tensor, columns):
-    """vLLM's per-request sampling metadata for every logits row (`row_requests [rows]`: each row's request), as
-    vLLM's rejection sampler expands it to draft tokens; logits processors that are not idle wrapped to run once
-    per verified-block column (`columns()`: `_block_columns`). Only for batches `_needs_level_path` lets through
-    (no penalties, bad words, generators: nothing else keyed by request row is read)."""
+def _node_rows_metadata(sampling_metadata, row_requests, columns):
+    """vLLM's per-request sampling metadata for every logits row (`row_requests()`: `[rows]` each row's request,
+    built only if a field needs it), as vLLM's rejection sampler expands it to draft tokens; logits processors that
+    are not idle wrapped to run once per verified-block column (`columns()`: `_block_columns`). Only for batches
+    `_needs_level_path` lets through (no penalties, bad words, generators: nothing else keyed by request row is
+    read)."""
+    rows = []
+
     def by_row(values):
-        return None if values is None else values[row_requests]
+        if values is None:
+            return None
+        if not rows:
+            rows.append(row_requests())
+        return values[rows[0]]
 
     processors = sampling_metadata.logitsprocs
     active = [p for p in processors.all if not _idle(p)]
