@@ -20,6 +20,7 @@ def register() -> None:
         step_metadata,
         tree_budget,
         tree_runner,
+        tree_runner_v2,
     )
 
     config.install()
@@ -38,5 +39,6 @@ def register() -> None:
     if current_platform.is_cuda():
         full_graph_batches.install()
         startup_memory.install()
+        tree_runner_v2.install()  # draft trees on Model Runner V2: only with VLLM_TREEWY_TRY_V2_TREES=1 (unverified)
     if current_platform.is_cpu() or current_platform.is_cuda():
         tree_runner.install()  # draft trees: vLLM's CPU attention, or TRITON_ATTN on CUDA

@@ -301,6 +301,89 @@ V2_RUNNER_POSTPROCESS_SAMPLED = PatchPoint(
     ("self", "idx_mapping", "sampled_tokens", "num_sampled", "num_rejected"), only_on="cuda",
 )
 
+# Draft trees on Model Runner V2 (`tree_runner_v2`; installed only with VLLM_TREEWY_TRY_V2_TREES=1 until verified).
+V2_RUNNER_PREPARE_ATTN = PatchPoint(
+    _RUNNER_V2, "GPUModelRunner.prepare_attn", "wraps",
+    "draft trees on V2: after V2's slot mappings (from its device positions), find the step's tree rows from the input "
+    "batch's host arrays and give their tokens depth positions in V2's persistent positions buffer",
+    ("self", "input_batch"), only_on="cuda",
+)
+V2_MAMBA_PREPARE_ATTN = PatchPoint(
+    "vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState.prepare_attn", "wraps",
+    "draft trees on V2: the tree bias (or, with prefills, the tree step) onto the step's TRITON_ATTN metadata, the "
+    "layers' caches recorded for the compaction; uniform 1 + N decode captures get the bias (FULL decode graphs)",
+    ("self", "input_batch", "cudagraph_mode", "block_tables", "slot_mappings", "attn_groups", "kv_cache_config",
+     "for_capture"), only_on="cuda",
+)
+V2_RUNNER_SAMPLE = PatchPoint(
+    _RUNNER_V2, "GPUModelRunner.sample", "wraps",
+    "draft trees on V2: one draw per verified token from V2's sampler and the tree walk over them, instead of V2's "
+    "rejection sampler; returns (SamplerOutput, num_sampled, num_rejected) as V2's sample does",
+    ("self", "hidden_states", "input_batch", "grammar_output"), only_on="cuda",
+    returns="tuple[SamplerOutput, Tensor, Tensor]",
+)
+V2_SAMPLER_SAMPLE = PatchPoint(
+    "vllm.v1.worker.gpu.sample.sampler", "Sampler.sample", "calls",
+    "draft trees on V2: every logits row's draw with the request's sampling parameters, Gumbel noise keyed by "
+    "(seed, position): the tree walk's draws",
+    ("self", "logits", "expanded_idx_mapping", "idx_mapping", "idx_mapping_np", "pos", "input_ids",
+     "expanded_local_pos", "seq_lens_upper_bound_np"), only_on="cuda", returns="tuple[Tensor, Tensor]",
+)
+V2_NUM_SAMPLED_AND_REJECTED = PatchPoint(
+    "vllm.v1.worker.gpu.input_batch", "get_num_sampled_and_rejected", "calls",
+    "draft trees on V2: the rows' emitted and rejected counts as V2's rejection sampler reports them",
+    ("num_sampled", "seq_lens", "cu_num_logits", "idx_mapping", "prefill_len"), only_on="cuda",
+)
+V2_REJECTION_LOGPROBS = PatchPoint(
+    "vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler._get_logprobs_tensors", "calls",
+    "draft trees on V2: logprobs of the emitted tokens, on the logits rows laid out as each accepted path's chain",
+    ("self", "sampled", "num_sampled", "logits", "cu_num_logits", "cu_num_logits_np", "max_num_logprobs"),
+    only_on="cuda",
+)
+V2_MTP_SPECULATOR = PatchPoint(
+    "vllm.v1.worker.gpu.spec_decode.mtp.speculator", "MTPSpeculator", "rebinds",
+    "draft trees on V2: init_speculator imports the MTP speculator from here at call time; the subclass drafts trees "
+    "(vLLM's class unchanged for chains)", only_on="cuda",
+)
+V2_SPECULATOR_PROPOSE = PatchPoint(
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "TargetDependentARSpeculator.propose",
+    "overrides", "draft trees on V2: the first pass (vLLM's propose with one draft) over the accepted paths as chains, "
+    "then the tree levels",
+    ("self", "input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
+     "num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds"), only_on="cuda",
+)
+V2_SPECULATOR_RUN_MODEL = PatchPoint(
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "TargetDependentARSpeculator._run_model",
+    "calls", "draft trees on V2: one eager head forward per tree level, on the drafter's input buffers",
+    ("self", "num_tokens", "attn_metadata", "slot_mappings", "num_tokens_across_dp"), only_on="cuda",
+)
+V2_SPECULATOR_BUILD_ATTN_METADATA = PatchPoint(
+    "vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator._build_attn_metadata", "calls",
+    "draft trees on V2: the head's attention metadata for a level's blocks (query layout, lengths, slots)",
+    ("self", "num_reqs", "batch_desc", "query_start_loc_np", "seq_lens_cpu_upper_bound", "step", "causal",
+     "dcp_local_seq_lens", "slot_mappings"), only_on="cuda",
+)
+V2_SPECULATOR_SET_ATTN = PatchPoint(
+    "vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.set_attn", "overrides",
+    "draft trees on V2: the runner hands the speculator its model state here (the tree state is found by it)",
+    ("self", "model_state"), only_on="cuda",
+)
+V2_SPECULATOR_CAPTURE = PatchPoint(
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "TargetDependentARSpeculator.capture",
+    "overrides", "draft trees on V2: the drafter's first-pass graphs are captured without the tree bias", ("self",),
+    only_on="cuda",
+)
+V2_SLOT_MAPPINGS_BY_LAYER = PatchPoint(
+    "vllm.v1.worker.gpu.attn_utils", "build_slot_mappings_by_layer", "calls",
+    "draft trees on V2: a level's per-group slots as the forward context takes them", ("slot_mappings",
+                                                                                        "kv_cache_config"),
+    only_on="cuda",
+)
+V2_BATCH_EXECUTION_DESCRIPTOR = PatchPoint(
+    "vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor", "calls",
+    "draft trees on V2: an eager level's batch description (cg_mode, num_tokens, num_reqs)", only_on="cuda",
+)
+
 RUNNER_MAMBA_STATE_COPY_FUNCS = PatchPoint(
     _RUNNER, "GPUModelRunner._get_mamba_state_copy_funcs", "wraps",
     "prefix caching (align mode) under reconstruct: vLLM's copy of a request's GDN page into its next running block "
@@ -389,6 +472,20 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
     V2_RUNNER_POSTPROCESS_SAMPLED,
+    V2_RUNNER_PREPARE_ATTN,
+    V2_MAMBA_PREPARE_ATTN,
+    V2_RUNNER_SAMPLE,
+    V2_SAMPLER_SAMPLE,
+    V2_NUM_SAMPLED_AND_REJECTED,
+    V2_REJECTION_LOGPROBS,
+    V2_MTP_SPECULATOR,
+    V2_SPECULATOR_PROPOSE,
+    V2_SPECULATOR_RUN_MODEL,
+    V2_SPECULATOR_BUILD_ATTN_METADATA,
+    V2_SPECULATOR_SET_ATTN,
+    V2_SPECULATOR_CAPTURE,
+    V2_SLOT_MAPPINGS_BY_LAYER,
+    V2_BATCH_EXECUTION_DESCRIPTOR,
     RUNNER_MAMBA_STATE_COPY_FUNCS,
     RUNNER_MAMBA_BUFFERS,
     MAMBA_ALIGN_POSTPROCESS,
@@ -423,6 +520,48 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         _RUNNER_V2, "GPUModelRunner", ("block_tables", "kv_cache_config", "compilation_config", "speculative_config"),
         "reads", "Model Runner V2: the GDN groups' block tables (rows per request state), the KV-cache groups and the "
         "layers (runner_v2)",
+    ),
+    InternalAttributes(
+        _RUNNER_V2, "GPUModelRunner",
+        ("speculator", "sampler", "rejection_sampler", "model", "num_speculative_steps", "batch_sharder",
+         "model_state"),
+        "reads", "draft trees on V2 (tree_runner_v2): the tree speculator's state, the sampler, the logprobs helper",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.input_batch", "InputBatch",
+        ("num_reqs", "num_draft_tokens_per_req", "is_prefilling_np", "query_start_loc_np", "positions", "input_ids",
+         "logits_indices", "cu_num_logits", "cu_num_logits_np", "expanded_idx_mapping", "expanded_local_pos",
+         "idx_mapping", "idx_mapping_np", "seq_lens", "seq_lens_cpu_upper_bound"), "reads; replaces input_ids and "
+        "positions in a copy", "draft trees on V2: the tree rows, their tokens, logits rows and positions",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.input_batch", "InputBuffers", ("input_ids", "positions", "query_start_loc", "seq_lens"),
+        "reads and sets", "draft trees on V2: the drafter's level inputs",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.block_table", "BlockTables", ("input_block_tables", "block_sizes"), "reads",
+        "draft trees on V2: the batch rows' block tables (gathered by the target's prepare_attn) for a level's slots",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "TargetDependentARSpeculator",
+        ("hidden_states", "input_buffers", "last_token_indices", "draft_tokens", "max_num_tokens", "max_model_len",
+         "block_tables", "kv_cache_config", "draft_max_seq_len", "model", "device", "model_state"),
+        "reads; sets draft_tokens, draft_max_seq_len and the input buffers",
+        "draft trees on V2: the first pass's root outputs, positions and tokens; the levels' inputs",
+        assigned_in="vllm.v1.worker.gpu.spec_decode.speculator",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.sample.sampler", "Sampler", ("req_states", "sampling_states", "logprobs_mode"), "reads",
+        "draft trees on V2: the requests' prefill lengths and logprobs counts",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.sample.states", "SamplingStates", ("max_num_logprobs",), "reads",
+        "draft trees on V2: whether any request asks for logprobs",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.sample.output", "SamplerOutput",
+        ("sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected"), "sets",
+        "draft trees on V2: the tree step's sampler output",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu.block_table", "BlockTables", ("block_tables",), "reads",

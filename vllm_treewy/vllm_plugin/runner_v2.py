@@ -19,8 +19,9 @@ derives (`step_metadata`: V2 calls the same builder's `build`, at FULL-graph cap
   batch out, `decode_graph_eligible`; a one-token prompt tail that runs as a decode is a speculative row of the GDN
   builder too), i.e. the batches the builder stages into its graph buffers, and the commit nodes with them. V1's
   runner needed `full_graph_batches` for a prompt chunk of a decode's length; V2's dispatch never lets one in.
-- Draft trees stay on the V1 runner (their proposer, sampler and input hooks are V1's): vLLM's V2 feature check lists
-  them, so vLLM falls back to V1 and logs why, or refuses an explicit VLLM_USE_V2_MODEL_RUNNER=1.
+- Draft trees stay on the V1 runner by default: vLLM's V2 feature check lists them, so vLLM falls back to V1 and logs
+  why, or refuses an explicit VLLM_USE_V2_MODEL_RUNNER=1. With VLLM_TREEWY_TRY_V2_TREES=1 (the GPU check's switch,
+  until V2 trees are verified there) the entry goes and `tree_runner_v2` hooks V2 instead.
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def _regathering_commit_nodes(original):
 
 
 def draft_trees_stay_on_v1(speculative_config) -> str | None:
-    """The feature vLLM's V2 check lists for a draft-tree config (None for chains), naming why."""
-    if draft_tree_of(speculative_config) is None:
+    """The feature vLLM's V2 check lists for a draft-tree config (None for chains, and for trees when the GPU check
+    tries them on V2: `tree_runner_v2.TRY_V2_TREES_ENV`), naming why."""
+    from vllm_treewy.vllm_plugin.tree_runner_v2 import trees_tried_on_v2
+
+    if draft_tree_of(speculative_config) is None or trees_tried_on_v2():
         return None
     return (f"vllm-treewy draft trees (draft_tree_widths={speculative_config.draft_tree_widths}: the tree proposer, "
             "sampler and input hooks are the V1 runner's)")

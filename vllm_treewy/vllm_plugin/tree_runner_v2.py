@@ -1,0 +1,439 @@
+"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN): EXPERIMENTAL, not yet run
+on a GPU. vLLM's V2 feature check keeps trees on the V1 runner unless `VLLM_TREEWY_TRY_V2_TREES=1` is set in the
+environment of every vLLM process (the GPU check sets it; the switch goes once V2 trees are verified there).
+
+What V2 shares with the V1 tree path (`tree_runner`) unchanged:
+
+- the tree step (`tree_step.find_tree_step`: the tree rows, their block tokens, parents, position shifts) and the
+  depth RoPE positions (`tree_step.override_positions`);
+- tree attention on TRITON_ATTN (`tree_runner._hand_to_triton_layers` puts the tree bias, or for a batch with
+  prefills the tree step, onto the step's attention metadata and records the layers' caches; the attention forward
+  and `unified_attention` wrappers are runner-independent);
+- the GDN side: V2 calls the same GDN metadata builder, so `step_metadata` gives the tree's commit nodes and counts,
+  and the reconstruct layer verifies along the tree (nothing V2-specific);
+- acceptance (`spec_decode.acceptance.greedy_tree_acceptance` as the walk), the output rows
+  (`tree_sampler.tree_output_rows`), the accepted path's K/V compaction (`tree_sampler.commit_accepted_path`), the
+  accepted leaf into each GDN slot's count (`tree_sampler.record_accepted_leaves`);
+- the MTP drafting levels' topology (`spec_decode.tree_drafting`) and the first pass's accepted-path-as-chain inputs
+  (`mtp_tree_proposer._accepted_paths_as_chains`, `_slots`).
+
+What V2 does its own way, and the hook for each (all in `patch_points.py`):
+
+1. `GPUModelRunner.prepare_attn` (V2_RUNNER_PREPARE_ATTN, real steps only): V2 computed positions on the device
+   and the slot mappings from them; the tree rows are found from V2's host arrays (`num_draft_tokens_per_req`,
+   `is_prefilling_np`, `query_start_loc_np`), each root's position is read on the device (V2's host count of
+   computed tokens is an upper bound under async scheduling), and the tree tokens get depth positions in V2's
+   persistent positions buffer (a FULL graph reads it in place).
+2. `MambaHybridModelState.prepare_attn` (V2_MAMBA_PREPARE_ATTN; real steps, dummy runs and graph captures): the
+   tree bias or step onto the TRITON_ATTN metadata, as V1's `_build_attention_metadata` hook does. A capture or dummy
+   run of a uniform 1 + N decode batch gets the bias (V2 replays FULL decode graphs for decode-only batches, every
+   row a tree row or a one-token decode); the drafter's own first-pass graphs are captured without it.
+3. `GPUModelRunner.sample` (V2_RUNNER_SAMPLE): tree acceptance instead of V2's rejection sampler. V2's sampler draws
+   every verified token's row in ONE call (`Sampler.sample`), its Gumbel noise keyed by (request seed, position):
+   with depth positions, a node at depth d draws with the noise plain decoding uses at that position, so walking the
+   tree over these draws (`greedy_tree_acceptance`: move to the child carrying the draw) emits exactly what the
+   request's sampling would (the proof in `spec_decode.tree_sampling` needs one fresh draw per walked level; nodes off
+   the walk use noise of positions the walk either emits at or never reaches this step, and a step's stopping depth
+   depends only on the noise up to it). Greedy rows take the argmax there. One sampler call, no host sync.
+   Limitation: V2's penalties and logits processors see a tree row's drafts in node order (as a chain), not its
+   path; the V1 path treats them exactly.
+4. The MTP drafter: V2 builds it in `init_speculator` from `spec_decode.mtp.speculator.MTPSpeculator`
+   (V2_MTP_SPECULATOR, rebound to `TreeMtpSpeculatorV2`, vLLM's class unchanged for chains). Per step: V2's own
+   first pass (`propose` with one draft, FULL graphs included) over the verified tokens with each tree row's
+   accepted path laid out as a chain, on attention metadata without the tree; then one eager head forward per
+   level over every request's level block, with the tree bias, depth positions and KV slots P0 + block index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_treewy.spec_decode.acceptance import TreeAcceptance, greedy_tree_acceptance
+from vllm_treewy.spec_decode.tree_drafting import (
+    accepted_path_sources,
+    level_trees,
+    nodes_below_depth,
+    top_children,
+)
+from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.patch_points import (
+    V2_MAMBA_PREPARE_ATTN,
+    V2_MTP_SPECULATOR,
+    V2_RUNNER_PREPARE_ATTN,
+    V2_RUNNER_SAMPLE,
+)
+from vllm_treewy.vllm_plugin.tree_metadata import replace_metadata, with_tree
+from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
+from vllm_treewy.vllm_plugin.tree_step import TreeConstants, TreeStep, find_tree_step, override_positions
+
+TRY_V2_TREES_ENV = "VLLM_TREEWY_TRY_V2_TREES"
+PLACEHOLDER_TOKEN = -1  # V2's padding of sampled_token_ids
+PAD_SLOT = -1  # vLLM's PAD_SLOT_ID
+
+
+def trees_tried_on_v2() -> bool:
+    """Whether draft trees may run on Model Runner V2 (the GPU check's switch; off by default until verified)."""
+    return os.environ.get(TRY_V2_TREES_ENV, "0") not in ("", "0")
+
+
+@dataclass
+class TreeRunStateV2(TreeRunState):
+    """V1's tree state plus what V2's calls hand on: the step found in `prepare_attn`, kept for `sample`
+    (`sampling_step`), and whether the drafter is capturing its first-pass graphs (no tree bias then)."""
+
+    sampling_step: TreeStep | None = None
+    capturing_drafter: bool = False
+
+
+# -- the step's tree rows from V2's input batch -----------------------------------------------------------------
+
+def decode_draft_counts(num_draft_tokens_per_req: np.ndarray | None, is_prefilling: np.ndarray,
+                        num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(num_decode_draft_tokens, num_draft_tokens)` `[num_reqs]` as `find_tree_step` takes them (V1's meaning:
+    a decode's scheduled drafts, -1 for a prefill chunk), from V2's per-request draft counts (None: no drafts
+    scheduled) and `is_prefilling_np`."""
+    drafts = (np.zeros(num_reqs, dtype=np.int64) if num_draft_tokens_per_req is None
+              else np.asarray(num_draft_tokens_per_req[:num_reqs], dtype=np.int64))
+    return np.where(np.asarray(is_prefilling[:num_reqs], dtype=bool), -1, drafts), drafts
+
+
+def find_tree_step_v2(tree: DraftTree, input_batch) -> TreeStep | None:
+    """The step's tree rows in V2's `InputBatch`, with each root's position read from V2's device positions (before
+    they are overridden). Host arrays only decide which rows: no host sync."""
+    num_reqs = input_batch.num_reqs
+    decode_drafts, drafts = decode_draft_counts(input_batch.num_draft_tokens_per_req, input_batch.is_prefilling_np,
+                                                num_reqs)
+    positions = input_batch.positions
+    step = find_tree_step(tree, decode_drafts, drafts, np.asarray(input_batch.query_start_loc_np[: num_reqs + 1]),
+                          np.zeros(num_reqs, dtype=np.int64), positions.device)
+    if step is None:
+        return None
+    roots = step.token_indices.view(step.num_requests, step.block_len)[:, 0]
+    step.root_positions = positions[roots].long()
+    query_lens = np.diff(np.asarray(input_batch.query_start_loc_np[: num_reqs + 1]))
+    step.covers_batch = int((query_lens > 1).sum()) == step.num_requests
+    return step
+
+
+# -- acceptance on V2's logits layout --------------------------------------------------------------------------
+
+@dataclass
+class TreeSampling:
+    sampled: torch.Tensor  # [num_reqs, 1 + num_speculative_steps] V2's layout: emitted tokens, -1 after
+    num_sampled: torch.Tensor  # [num_reqs] int32 emitted tokens per row (before V2's chunked-prefill correction)
+    acceptance: TreeAcceptance  # the tree rows'
+    chain_rows: torch.Tensor  # [num_logits] int64 logits rows with each tree row's block laid out as its path
+
+
+def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: torch.Tensor, input_ids: torch.Tensor,
+                     num_speculative_steps: int) -> TreeSampling:
+    """The walk over one draw per logits row (`row_draws [num_logits]`, V2's packed rows: request r owns rows
+    `cu_num_logits[r] .. cu_num_logits[r + 1]`, a tree row its verified block in block order). `input_ids`: the
+    step's token ids (a tree row's drafts at its block tokens 1 .. N). Device ops of shapes the host knows."""
+    num_requests, block_len = step.num_requests, step.block_len
+    device = row_draws.device
+    cu = cu_num_logits.long()
+    num_reqs, num_logits = cu.numel() - 1, row_draws.numel()
+    block_rows = cu[step.request_indices][:, None] + torch.arange(block_len, device=device)  # [R, 1 + N]
+    drafts = input_ids[step.token_indices.view(num_requests, block_len)[:, 1:]].long().reshape(-1)  # [R * N]
+    acceptance = greedy_tree_acceptance(step.parents, step.cu_nodes, drafts, row_draws[block_rows].reshape(-1).long(),
+                                        step.depth)
+    from vllm_treewy.vllm_plugin.tree_sampler import tree_output_rows
+
+    sampled = torch.full((num_reqs, 1 + num_speculative_steps), PLACEHOLDER_TOKEN, dtype=torch.long, device=device)
+    sampled[:, 0] = row_draws[cu[1:] - 1].long()  # every other row's one draw (its last logits row)
+    sampled[step.request_indices, : step.depth + 1] = tree_output_rows(step, drafts, acceptance)
+    num_sampled = torch.ones(num_reqs, dtype=torch.int32, device=device)
+    num_sampled[step.request_indices] = (acceptance.num_accepted + 1).to(torch.int32)
+    chain_rows = torch.arange(num_logits, device=device)
+    chain_rows[block_rows.reshape(-1)] = block_rows.gather(
+        1, accepted_path_sources(acceptance.accepted_nodes, block_len)).reshape(-1)
+    return TreeSampling(sampled, num_sampled, acceptance, chain_rows)
+
+
+def sample_tree_step(runner, hidden_states: torch.Tensor, input_batch, step: TreeStep, state: TreeRunStateV2):
+    """V2's `sample` for a step with tree rows: `(SamplerOutput, num_sampled, num_rejected)` as V2's rejection
+    sampler gives them; then the compaction, the GDN slots' accepted leaves, and the acceptance for the drafter."""
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+    from vllm_treewy.vllm_plugin.accepted_counts import counted_gdn_groups
+    from vllm_treewy.vllm_plugin.tree_sampler import commit_accepted_path, record_accepted_leaves
+
+    sampler = runner.sampler
+    logits = runner.model.compute_logits(hidden_states[input_batch.logits_indices])
+    rows = input_batch.logits_indices
+    upper_bound = input_batch.seq_lens_cpu_upper_bound.numpy()
+    draws, processed = sampler.sample(
+        logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping, input_batch.idx_mapping_np,
+        input_batch.positions[rows], input_batch.input_ids[rows], input_batch.expanded_local_pos, upper_bound)
+    result = accept_tree_rows(step, draws, input_batch.cu_num_logits, input_batch.input_ids,
+                              runner.num_speculative_steps)
+    num_sampled, num_rejected = get_num_sampled_and_rejected(
+        result.num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
+        sampler.req_states.prefill_len.gpu)
+    logprobs = None
+    max_num_logprobs = sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
+    if max_num_logprobs != NO_LOGPROBS:
+        from vllm.config.model import PROCESSED_LOGPROBS_MODES
+
+        source = processed if sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits
+        logprobs = runner.rejection_sampler._get_logprobs_tensors(
+            result.sampled, num_sampled, source[result.chain_rows], input_batch.cu_num_logits,
+            input_batch.cu_num_logits_np, max_num_logprobs)
+    commit_accepted_path(step, result.acceptance)
+    tree_rows = input_batch.idx_mapping[step.request_indices]
+    for group_id, counts in counted_gdn_groups(runner):
+        slots = runner.block_tables.block_tables[group_id].gpu[tree_rows, 0]
+        record_accepted_leaves(counts, slots, result.acceptance)
+    state.accepted = (step, result.acceptance)
+    output = SamplerOutput(sampled_token_ids=result.sampled, logprobs_tensors=logprobs, num_nans=None,
+                           num_sampled=num_sampled, num_rejected=num_rejected)
+    return output, num_sampled, num_rejected
+
+
+# -- the runner's hooks ------------------------------------------------------------------------------------------
+
+_STATES_BY_MODEL_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # V2 model state -> tree state
+
+
+def tree_state_of_runner(runner) -> TreeRunStateV2 | None:
+    state = getattr(getattr(runner, "speculator", None), "tree_state", None)
+    if state is None and draft_tree_of(runner.speculative_config) is not None:
+        raise ValueError(f"draft_tree_widths on Model Runner V2: the speculator {type(runner.speculator).__name__} "
+                         "does not draft trees (method 'mtp' builds TreeMtpSpeculatorV2)")
+    return state
+
+
+def _finding_tree_rows(original):
+    @functools.wraps(original)
+    def prepare_attn(self, input_batch, *args, **kwargs):
+        result = original(self, input_batch, *args, **kwargs)  # the slot mappings from vLLM's positions
+        state = tree_state_of_runner(self)
+        if state is None:
+            return result
+        step = find_tree_step_v2(state.tree, input_batch)
+        if step is not None:
+            override_positions(input_batch.positions, step)
+        state.pending_step, state.prepared, state.sampling_step = step, True, step
+        return result
+
+    return prepare_attn
+
+
+def _handing_tree_to_attention(original):
+    @functools.wraps(original)
+    def prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups, kv_cache_config,
+                     *args, **kwargs):
+        attn_metadata = original(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
+                                 kv_cache_config, *args, **kwargs)
+        state = _STATES_BY_MODEL_STATE.get(self)
+        if state is None or state.capturing_drafter:
+            return attn_metadata
+        step, prepared = state.pending_step, state.prepared
+        state.pending_step, state.prepared = None, False
+        from vllm_treewy.vllm_plugin import tree_runner
+
+        if not state.backends_checked:
+            per_layer = attn_metadata if isinstance(attn_metadata, dict) else {}
+            tree_runner._check_tree_backends(SimpleNamespace(compilation_config=self.vllm_config.compilation_config),
+                                             per_layer)
+            state.backends_checked = bool(per_layer)
+        tree_runner._hand_to_triton_layers(state, self.vllm_config.compilation_config.static_forward_context,
+                                           attn_metadata, step, prepared, input_batch.positions.device)
+        return attn_metadata
+
+    return prepare_attn
+
+
+def _sampling_trees(original):
+    @functools.wraps(original)
+    def sample(self, hidden_states, input_batch, grammar_output, *args, **kwargs):
+        state = tree_state_of_runner(self)
+        step = None
+        if state is not None:
+            step, state.sampling_step, state.accepted = state.sampling_step, None, None
+        if step is None:
+            return original(self, hidden_states, input_batch, grammar_output, *args, **kwargs)
+        if grammar_output is not None or self.batch_sharder is not None:
+            raise NotImplementedError("draft trees on Model Runner V2: structured outputs and sharded sampling are "
+                                      "not supported yet")
+        return sample_tree_step(self, hidden_states, input_batch, step, state)
+
+    return sample
+
+
+# -- the MTP drafter -------------------------------------------------------------------------------------------
+
+def _strip_tree(attn_metadata):
+    """A copy of V2's per-layer metadata dict without the tree (the drafter's first pass attends causally)."""
+    from vllm_treewy.vllm_plugin.tree_metadata import tree_qq_bias_of, tree_step_of
+
+    if not isinstance(attn_metadata, dict):
+        return attn_metadata
+    return {name: (with_tree(m, tree_step=None, tree_qq_bias=None)
+                   if tree_step_of(m) is not None or tree_qq_bias_of(m) is not None else m)
+            for name, m in attn_metadata.items()}
+
+
+def level_slot_mappings(block_tables, block_sizes, block_positions: torch.Tensor, max_model_len: int) -> torch.Tensor:
+    """`[num_groups, R * L]` KV slots of `block_positions [R, L]` in every KV-cache group (`block_tables`: each
+    group's `[>= R, max_blocks]` rows of the batch); PAD past max_model_len."""
+    from vllm_treewy.vllm_plugin.mtp_tree_proposer import _slots
+
+    num_requests = block_positions.shape[0]
+    return torch.stack([_slots(table[:num_requests], block_positions, size, max_model_len).reshape(-1)
+                        for table, size in zip(block_tables, block_sizes)])
+
+
+def make_tree_speculator_class(base):
+    """V2's MTP speculator with MTP draft trees (module docstring, 4.); chains run `base` unchanged."""
+
+    class TreeMtpSpeculatorV2(base):
+        def __init__(self, vllm_config, device):
+            super().__init__(vllm_config, device)
+            tree = draft_tree_of(vllm_config.speculative_config)
+            self.tree = tree
+            self.tree_state = TreeRunStateV2(tree) if tree is not None else None
+            if tree is None:
+                return
+            spec = vllm_config.speculative_config
+            if spec.enable_adaptive_verification or spec.uses_dynamic_speculative_decoding():
+                raise NotImplementedError("draft_tree_widths on Model Runner V2: adaptive verification and dynamic "
+                                          "speculative decoding change the drafts per request (a tree is static)")
+            self.widths = list(spec.draft_tree_widths)
+            self.levels = level_trees(self.widths)
+            self.nodes_below = nodes_below_depth(self.widths)
+            self._level_constants: dict[int, TreeConstants] = {}
+
+        def set_attn(self, model_state, *args, **kwargs):
+            super().set_attn(model_state, *args, **kwargs)
+            if self.tree_state is not None:
+                _STATES_BY_MODEL_STATE[model_state] = self.tree_state
+
+        def capture(self):
+            if self.tree_state is None:
+                return super().capture()
+            self.tree_state.capturing_drafter = True
+            try:
+                return super().capture()
+            finally:
+                self.tree_state.capturing_drafter = False
+
+        def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                    num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, *args,
+                    dummy_run=False, num_speculative_tokens=None, **kwargs):
+            call = functools.partial(super().propose, *args, dummy_run=dummy_run, **kwargs)
+            if self.tree is None or dummy_run or num_speculative_tokens == 0:
+                return call(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                            num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+                            num_speculative_tokens=num_speculative_tokens)
+            from vllm_treewy.vllm_plugin.mtp_tree_proposer import _accepted_paths_as_chains
+
+            accepted, self.tree_state.accepted = self.tree_state.accepted, None
+            hidden = last_hidden_states
+            if accepted is not None:
+                ids, positions, hidden = _accepted_paths_as_chains(*accepted, input_batch.input_ids,
+                                                                   input_batch.positions, last_hidden_states)
+                input_batch = dataclasses.replace(input_batch, input_ids=ids, positions=positions)
+            call(input_batch, _strip_tree(attn_metadata), slot_mappings, hidden, aux_hidden_states, num_sampled,
+                 num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_speculative_tokens=1)
+            num_reqs = input_batch.num_reqs
+            root_output = self.hidden_states[:num_reqs].clone()
+            root_positions = self.input_buffers.positions[:num_reqs].long().clone()
+            root_token = self.input_buffers.input_ids[self.last_token_indices[:num_reqs]].clone()
+            upper = input_batch.seq_lens_cpu_upper_bound[:num_reqs]
+            self.draft_max_seq_len = min(int(upper.max()) + self.tree.num_nodes, self.max_model_len)
+            tokens = self._draft_levels(root_positions, root_token, root_output, upper)
+            self.draft_tokens[:num_reqs] = tokens
+            return self.draft_tokens[:num_reqs]
+
+        def _draft_levels(self, root_positions, root_token, root_output, upper_bound) -> torch.Tensor:
+            num_reqs = root_positions.numel()
+            widest = 1 + self.nodes_below[-2]
+            if num_reqs * widest > self.max_num_tokens:
+                raise NotImplementedError(
+                    f"draft_tree_widths on Model Runner V2: {num_reqs} requests x {widest} level tokens exceed "
+                    f"max_num_batched_tokens={self.max_num_tokens} (request chunks: V1 only so far)")
+            tokens = torch.empty(num_reqs, self.tree.num_nodes, dtype=torch.long, device=self.device)
+            root_logits = self.model.compute_logits(root_output)
+            tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
+            outputs = root_output.new_empty(num_reqs, widest, root_output.shape[-1])
+            outputs[:, 0] = root_output
+            for level, tree in enumerate(self.levels, start=1):
+                first, last = self.nodes_below[level - 1], self.nodes_below[level]
+                output = self._forward_level(tree, tokens[:, :last], outputs, root_positions, root_token,
+                                             upper_bound)
+                outputs[:, 1 + first : 1 + last] = output[:, 1 + first :]
+                logits = self.model.compute_logits(output[:, 1 + first :].reshape(-1, output.shape[-1]))
+                children = top_children(logits, self.widths[level])
+                tokens[:, last : self.nodes_below[level + 1]] = children.view(num_reqs, -1)
+            return tokens
+
+        def _forward_level(self, tree, node_tokens, outputs, root_positions, root_token, upper_bound):
+            """The head over every request's block of `tree`, eagerly: `[num_reqs, 1 + n, hidden]`."""
+            from vllm.config.compilation import CUDAGraphMode
+            from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+            from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
+            from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+            num_reqs, block_len = root_positions.numel(), 1 + tree.num_nodes
+            num_tokens = num_reqs * block_len
+            constants = self._constants(tree)
+            device = root_positions.device
+            buffers = self.input_buffers
+            buffers.input_ids[:num_tokens] = torch.cat(
+                [root_token[:, None].to(buffers.input_ids.dtype), node_tokens.to(buffers.input_ids.dtype)],
+                dim=1).view(-1)
+            self.hidden_states[:num_tokens] = torch.cat(
+                [outputs[:, :1], outputs[:, constants.parent_blocks]], dim=1).view(num_tokens, -1)
+            positions = root_positions[:, None] + constants.depths
+            buffers.positions[:num_tokens] = positions.clamp(max=self.max_model_len - 1).view(-1).to(
+                buffers.positions.dtype)
+            query_start_loc_np = np.arange(num_reqs + 1, dtype=np.int32) * block_len
+            buffers.query_start_loc[: num_reqs + 1] = torch.arange(
+                num_reqs + 1, dtype=buffers.query_start_loc.dtype, device=device) * block_len
+            buffers.seq_lens[:num_reqs] = (root_positions + block_len).to(buffers.seq_lens.dtype)
+            block_positions = root_positions[:, None] + torch.arange(block_len, device=device)
+            slots = level_slot_mappings(self.block_tables.input_block_tables, self.block_tables.block_sizes,
+                                        block_positions, self.max_model_len)
+            desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
+            attn_metadata = self._build_attn_metadata(num_reqs, desc, query_start_loc_np, upper_bound,
+                                                      self.tree.num_nodes, slot_mappings=slots)
+            bias = self.tree_state.qq_bias(tree, device)
+            replace_metadata(attn_metadata, lambda name, m: with_tree(m, tree_qq_bias=bias)
+                             if isinstance(m, TritonAttentionMetadata) else None)
+            hidden, _ = self._run_model(num_tokens, attn_metadata,
+                                        build_slot_mappings_by_layer(slots, self.kv_cache_config), None)
+            return hidden[:num_tokens].view(num_reqs, block_len, -1)
+
+        def _constants(self, tree) -> TreeConstants:
+            if tree.num_nodes not in self._level_constants:
+                self._level_constants[tree.num_nodes] = TreeConstants.of(tree, self.device)
+            return self._level_constants[tree.num_nodes]
+
+    TreeMtpSpeculatorV2.__qualname__ = TreeMtpSpeculatorV2.__name__
+    return TreeMtpSpeculatorV2
+
+
+def install() -> None:
+    """CUDA only (V2 runs there), and only when the GPU check tries trees on V2."""
+    if not trees_tried_on_v2():
+        return
+    if not getattr(V2_MTP_SPECULATOR.resolve(), "_treewy_tree_speculator", False):
+        tree_class = make_tree_speculator_class(V2_MTP_SPECULATOR.resolve())
+        tree_class._treewy_tree_speculator = True
+        V2_MTP_SPECULATOR.replace(tree_class)
+    V2_RUNNER_PREPARE_ATTN.wrap(_finding_tree_rows)
+    V2_MAMBA_PREPARE_ATTN.wrap(_handing_tree_to_attention)
+    V2_RUNNER_SAMPLE.wrap(_sampling_trees)
