@@ -531,7 +531,8 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         "vllm.v1.worker.gpu.input_batch", "InputBatch",
         ("num_reqs", "num_draft_tokens_per_req", "is_prefilling_np", "query_start_loc_np", "positions", "input_ids",
          "logits_indices", "cu_num_logits", "cu_num_logits_np", "expanded_idx_mapping", "expanded_local_pos",
-         "idx_mapping", "idx_mapping_np", "seq_lens", "seq_lens_cpu_upper_bound"), "reads; replaces input_ids and "
+         "idx_mapping", "idx_mapping_np", "seq_lens", "seq_lens_cpu_upper_bound", "prefill_runs_as_decode_np"),
+        "reads; replaces input_ids and "
         "positions in a copy", "draft trees on V2: the tree rows, their tokens, logits rows and positions",
     ),
     InternalAttributes(

@@ -110,8 +110,11 @@ def find_tree_step_v2(tree: DraftTree, input_batch) -> TreeStep | None:
     """The step's tree rows in V2's `InputBatch`, with each root's position read from V2's device positions (before
     they are overridden). Host arrays only decide which rows: no host sync."""
     num_reqs = input_batch.num_reqs
-    decode_drafts, drafts = decode_draft_counts(input_batch.num_draft_tokens_per_req, input_batch.is_prefilling_np,
-                                                num_reqs)
+    is_prefilling = np.asarray(input_batch.is_prefilling_np[:num_reqs], dtype=bool)
+    if input_batch.prefill_runs_as_decode_np is not None:
+        # A prompt tail padded with placeholder drafts runs as a speculative row (V2's model state, GDN included).
+        is_prefilling = is_prefilling & ~np.asarray(input_batch.prefill_runs_as_decode_np[:num_reqs], dtype=bool)
+    decode_drafts, drafts = decode_draft_counts(input_batch.num_draft_tokens_per_req, is_prefilling, num_reqs)
     positions = input_batch.positions
     step = find_tree_step(tree, decode_drafts, drafts, np.asarray(input_batch.query_start_loc_np[: num_reqs + 1]),
                           np.zeros(num_reqs, dtype=np.int64), positions.device)
@@ -351,14 +354,17 @@ def make_tree_speculator_class(base):
             num_reqs = input_batch.num_reqs
             root_output = self.hidden_states[:num_reqs].clone()
             root_positions = self.input_buffers.positions[:num_reqs].long().clone()
-            root_token = self.input_buffers.input_ids[self.last_token_indices[:num_reqs]].clone()
+            last_rows = self.last_token_indices[:num_reqs]
+            # The root's inputs as the first pass had them (its K/V is rewritten with the same values): the bonus
+            # token and the target's hidden state at the last accepted token.
+            root_inputs = (self.input_buffers.input_ids[last_rows].clone(), hidden[last_rows].clone())
             upper = input_batch.seq_lens_cpu_upper_bound[:num_reqs]
             self.draft_max_seq_len = min(int(upper.max()) + self.tree.num_nodes, self.max_model_len)
-            tokens = self._draft_levels(root_positions, root_token, root_output, upper)
+            tokens = self._draft_levels(root_positions, root_inputs, root_output, upper)
             self.draft_tokens[:num_reqs] = tokens
             return self.draft_tokens[:num_reqs]
 
-        def _draft_levels(self, root_positions, root_token, root_output, upper_bound) -> torch.Tensor:
+        def _draft_levels(self, root_positions, root_inputs, root_output, upper_bound) -> torch.Tensor:
             num_reqs = root_positions.numel()
             widest = 1 + self.nodes_below[-2]
             if num_reqs * widest > self.max_num_tokens:
@@ -372,7 +378,7 @@ def make_tree_speculator_class(base):
             outputs[:, 0] = root_output
             for level, tree in enumerate(self.levels, start=1):
                 first, last = self.nodes_below[level - 1], self.nodes_below[level]
-                output = self._forward_level(tree, tokens[:, :last], outputs, root_positions, root_token,
+                output = self._forward_level(tree, tokens[:, :last], outputs, root_positions, root_inputs,
                                              upper_bound)
                 outputs[:, 1 + first : 1 + last] = output[:, 1 + first :]
                 logits = self.model.compute_logits(output[:, 1 + first :].reshape(-1, output.shape[-1]))
@@ -380,8 +386,9 @@ def make_tree_speculator_class(base):
                 tokens[:, last : self.nodes_below[level + 1]] = children.view(num_reqs, -1)
             return tokens
 
-        def _forward_level(self, tree, node_tokens, outputs, root_positions, root_token, upper_bound):
-            """The head over every request's block of `tree`, eagerly: `[num_reqs, 1 + n, hidden]`."""
+        def _forward_level(self, tree, node_tokens, outputs, root_positions, root_inputs, upper_bound):
+            """The head over every request's block of `tree`, eagerly: `[num_reqs, 1 + n, hidden]`. Block token b
+            takes its own token and its parent's head output (the root: its first-pass inputs)."""
             from vllm.config.compilation import CUDAGraphMode
             from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
             from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
@@ -392,11 +399,12 @@ def make_tree_speculator_class(base):
             constants = self._constants(tree)
             device = root_positions.device
             buffers = self.input_buffers
+            root_token, root_hidden = root_inputs
             buffers.input_ids[:num_tokens] = torch.cat(
                 [root_token[:, None].to(buffers.input_ids.dtype), node_tokens.to(buffers.input_ids.dtype)],
                 dim=1).view(-1)
             self.hidden_states[:num_tokens] = torch.cat(
-                [outputs[:, :1], outputs[:, constants.parent_blocks]], dim=1).view(num_tokens, -1)
+                [root_hidden[:, None], outputs[:, constants.parent_blocks]], dim=1).view(num_tokens, -1)
             positions = root_positions[:, None] + constants.depths
             buffers.positions[:num_tokens] = positions.clamp(max=self.max_model_len - 1).view(-1).to(
                 buffers.positions.dtype)

@@ -1,0 +1,312 @@
+"""Draft trees on Model Runner V2 (`vllm_plugin/tree_runner_v2.py`): the pieces that run on CPU.
+
+V2 does not run on vLLM's CPU backend, so these tests hold the V2-specific index arithmetic on tensors shaped as V2
+lays them out (its `InputBatch`: rows packed by `query_start_loc`, logits rows by `cu_num_logits`, device positions
+num_computed + i before the override), the feature-check switch, and the tree speculator's drafting levels on a
+stand-in of V2's speculator (its buffers, first pass and head forward) whose head is a known function, against a
+node-by-node reference. What needs a GPU (V2's runner end to end, FULL graphs, TRITON_ATTN) is
+`bench/run_gpu_v2_trees.sh`."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_treewy.spec_decode.acceptance import greedy_tree_acceptance_reference
+from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin import runner_v2, tree_runner_v2
+from vllm_treewy.vllm_plugin.tree_metadata import tree_qq_bias_of, tree_step_of, with_tree
+from vllm_treewy.vllm_plugin.tree_step import block_depths, override_positions
+
+WIDTHS = [2, 2, 1]
+TREE = DraftTree.from_widths(WIDTHS)
+N = TREE.num_nodes  # 10
+L = 1 + N
+
+
+def tree_config(widths=WIDTHS):
+    tree = DraftTree.from_widths(widths)
+    return SimpleNamespace(is_draft_tree=any(w > 1 for w in widths), draft_tree=tree, draft_tree_widths=widths)
+
+
+def test_trees_stay_on_v1_unless_the_gpu_check_tries_them(monkeypatch):
+    monkeypatch.delenv(tree_runner_v2.TRY_V2_TREES_ENV, raising=False)
+    assert "draft_tree_widths=[2, 2, 1]" in runner_v2.draft_trees_stay_on_v1(tree_config())
+    assert runner_v2.draft_trees_stay_on_v1(tree_config([1, 1, 1])) is None  # chains run on V2
+    monkeypatch.setenv(tree_runner_v2.TRY_V2_TREES_ENV, "0")
+    assert runner_v2.draft_trees_stay_on_v1(tree_config()) is not None
+    monkeypatch.setenv(tree_runner_v2.TRY_V2_TREES_ENV, "1")
+    assert runner_v2.draft_trees_stay_on_v1(tree_config()) is None
+
+
+def test_install_hooks_nothing_unless_tried(monkeypatch):
+    from vllm_treewy.vllm_plugin import patch_points
+
+    monkeypatch.delenv(tree_runner_v2.TRY_V2_TREES_ENV, raising=False)
+    before = [p.resolve() for p in (patch_points.V2_RUNNER_PREPARE_ATTN, patch_points.V2_MAMBA_PREPARE_ATTN,
+                                    patch_points.V2_RUNNER_SAMPLE, patch_points.V2_MTP_SPECULATOR)]
+    tree_runner_v2.install()
+    after = [p.resolve() for p in (patch_points.V2_RUNNER_PREPARE_ATTN, patch_points.V2_MAMBA_PREPARE_ATTN,
+                                   patch_points.V2_RUNNER_SAMPLE, patch_points.V2_MTP_SPECULATOR)]
+    assert before == after
+
+
+def v2_batch(query_lens, drafts, prefilling, num_computed, runs_as_decode=None):
+    """A V2 InputBatch stand-in: host arrays as V2's prepare_inputs makes them, device positions num_computed + i."""
+    query_lens = np.asarray(query_lens)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    positions = torch.cat([torch.arange(n) + c for n, c in zip(query_lens, num_computed)]).long()
+    return SimpleNamespace(num_reqs=len(query_lens), num_draft_tokens_per_req=np.asarray(drafts, dtype=np.int32),
+                           is_prefilling_np=np.asarray(prefilling), query_start_loc_np=qsl, positions=positions,
+                           prefill_runs_as_decode_np=None if runs_as_decode is None else np.asarray(runs_as_decode))
+
+
+def test_decode_draft_counts_mark_prefills():
+    decode, drafts = tree_runner_v2.decode_draft_counts(np.array([0, N, 0, N]), np.array([True, False, False, False]), 4)
+    assert decode.tolist() == [-1, N, 0, N] and drafts.tolist() == [0, N, 0, N]
+    decode, drafts = tree_runner_v2.decode_draft_counts(None, np.array([False, True]), 2)
+    assert decode.tolist() == [0, -1] and drafts.tolist() == [0, 0]
+
+
+def test_tree_rows_roots_and_depth_positions_in_v2_layout():
+    # a prompt chunk of 1 + N tokens (not a tree row), a tree row, a one-token decode, a tree row
+    batch = v2_batch([L, L, 1, L], [0, N, 0, N], [True, False, False, False], [0, 40, 7, 100])
+    step = tree_runner_v2.find_tree_step_v2(TREE, batch)
+    assert step.request_indices.tolist() == [1, 3]
+    assert step.token_indices.tolist() == list(range(L, 2 * L)) + list(range(2 * L + 1, 3 * L + 1))
+    assert step.root_positions.tolist() == [40, 100]  # read on the device, not from V2's host upper bound
+    assert not step.covers_batch  # the prompt chunk: the tree rows get their own launch
+    positions = batch.positions.clone()
+    override_positions(positions, step)
+    depths = torch.as_tensor(block_depths(TREE))
+    assert positions[L : 2 * L].tolist() == (40 + depths).tolist()
+    assert positions[2 * L + 1 :].tolist() == (100 + depths).tolist()
+    assert positions[: L].tolist() == list(range(L)) and positions[2 * L].item() == 7  # others untouched
+
+    decodes = v2_batch([L, 1, L], [N, 0, N], [False, False, False], [5, 6, 9])
+    assert tree_runner_v2.find_tree_step_v2(TREE, decodes).covers_batch  # the bias in vLLM's own launch
+    assert tree_runner_v2.find_tree_step_v2(TREE, v2_batch([1, 3], [0, 0], [False, True], [4, 0])) is None
+
+
+def test_a_prompt_tail_run_as_decode_is_a_tree_row_and_partial_trees_are_refused():
+    batch = v2_batch([L], [N], [True], [12], runs_as_decode=[True])
+    assert tree_runner_v2.find_tree_step_v2(TREE, batch).request_indices.tolist() == [0]
+    with pytest.raises(RuntimeError, match="drafts of a 10-node draft tree"):
+        tree_runner_v2.find_tree_step_v2(TREE, v2_batch([4], [3], [False], [12]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_accept_tree_rows_walks_the_draws_as_the_reference(seed):
+    """V2's logits rows: a one-token decode, a tree row, a prefill's last row, a tree row. Draws planted so that the
+    walk goes a random depth along random branches; the result matches the node-by-node reference walk."""
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = [1, L, 5, L]
+    batch = v2_batch(query_lens, [0, N, 0, N], [False, False, True, False], [3, 50, 0, 80])
+    step = tree_runner_v2.find_tree_step_v2(TREE, batch)
+    input_ids = torch.randint(0, 1000, (sum(query_lens),), generator=gen)
+    logits_per_req = [1, L, 1, L]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(logits_per_req)]), dtype=torch.int32)
+    draws = torch.randint(1000, 2000, (int(cu[-1]),), generator=gen)  # nothing matches by default
+    for r, req in enumerate(step.request_indices.tolist()):
+        drafts = input_ids[batch.query_start_loc_np[req] + 1 : batch.query_start_loc_np[req] + L]
+        current, target_depth = -1, int(torch.randint(0, TREE.max_depth + 1, (1,), generator=gen))
+        for _ in range(target_depth):  # plant the draw at the current node to be one random child's token
+            children = [n for n, p in enumerate(TREE.parents) if p == current]
+            child = children[int(torch.randint(0, len(children), (1,), generator=gen))]
+            draws[int(cu[req]) + 1 + current] = drafts[child]
+            current = child
+    result = tree_runner_v2.accept_tree_rows(step, draws, cu, input_ids, num_speculative_steps=N)
+    assert result.sampled.shape == (4, 1 + N)
+    assert result.sampled[0, 0] == draws[0] and result.sampled[2, 0] == draws[int(cu[3]) - 1]
+    assert (result.sampled[[0, 2], 1:] == -1).all() and result.num_sampled[[0, 2]].tolist() == [1, 1]
+    for r, req in enumerate(step.request_indices.tolist()):
+        start = int(batch.query_start_loc_np[req])
+        drafts = input_ids[start + 1 : start + L].tolist()
+        block = draws[int(cu[req]) : int(cu[req]) + L].tolist()
+        path, bonus = greedy_tree_acceptance_reference(TREE.parents, drafts, block, TREE.max_depth)
+        emitted = [drafts[n] for n in path] + [bonus]
+        assert result.sampled[req, : len(emitted)].tolist() == emitted
+        assert (result.sampled[req, len(emitted) :] == -1).all()
+        assert result.num_sampled[req] == len(emitted)
+        # logits rows as the accepted path's chain: root, then each accepted node's row
+        rows = result.chain_rows[int(cu[req]) : int(cu[req]) + len(emitted)].tolist()
+        assert rows == [int(cu[req])] + [int(cu[req]) + 1 + n for n in path]
+    untouched = torch.ones(int(cu[-1]), dtype=torch.bool)
+    for req in step.request_indices.tolist():
+        untouched[int(cu[req]) : int(cu[req]) + L] = False
+    assert torch.equal(result.chain_rows[untouched], torch.arange(int(cu[-1]))[untouched])
+
+
+def test_level_slots_in_every_group():
+    tables = [torch.tensor([[3, 9, 4], [7, 2, 8]], dtype=torch.int32), torch.tensor([[1], [5]], dtype=torch.int32)]
+    positions = torch.tensor([[14, 15, 16], [30, 31, 32]])
+    slots = tree_runner_v2.level_slot_mappings(tables, [16, 64], positions, max_model_len=32)
+    assert slots[0].tolist() == [3 * 16 + 14, 3 * 16 + 15, 9 * 16 + 0, 2 * 16 + 14, 2 * 16 + 15, -1]
+    assert slots[1].tolist() == [64 + 14, 64 + 15, 64 + 16, 5 * 64 + 30, 5 * 64 + 31, -1]
+
+
+@dataclasses.dataclass
+class FakeMetadata:
+    max_query_len: int
+
+
+def test_the_drafters_first_pass_sees_no_tree():
+    bias = torch.zeros(2, 2)
+    plain = FakeMetadata(3)
+    treed = with_tree(FakeMetadata(L), tree_qq_bias=bias)
+    stripped = tree_runner_v2._strip_tree({"a": plain, "b": treed})
+    assert stripped["a"] is plain
+    assert tree_qq_bias_of(stripped["b"]) is None and tree_step_of(stripped["b"]) is None
+    assert stripped["b"].max_query_len == L and tree_qq_bias_of(treed) is bias  # the target's keeps its tree
+
+
+# -- the tree speculator's levels on a stand-in of V2's MTP speculator -------------------------------------------
+
+HIDDEN, VOCAB = 8, 50
+
+
+class FakeHead:
+    """out = tanh(W [onehot-ish embedding(token) + hidden]); logits = out @ U."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.embed = torch.randn(VOCAB, HIDDEN, generator=gen)
+        self.mix = torch.randn(HIDDEN, HIDDEN, generator=gen)
+        self.unembed = torch.randn(HIDDEN, VOCAB, generator=gen)
+
+    def forward(self, tokens, hidden):
+        return torch.tanh((self.embed[tokens] + hidden) @ self.mix)
+
+    def compute_logits(self, hidden):
+        return hidden @ self.unembed
+
+
+class FakeV2Speculator:
+    """What the tree speculator reads of V2's TargetDependentARSpeculator: its buffers, its first pass (one draft:
+    the head over each request's last query row, whose output it leaves at hidden_states[:num_reqs]) and its forward
+    over the input buffers (`_run_model`), whose attention the levels' tree bias would restrict; the head here is
+    per token, so a level's output at a node depends only on its own inputs, as tree attention guarantees."""
+
+    def __init__(self, vllm_config, device):
+        self.head = FakeHead()
+        self.model = SimpleNamespace(compute_logits=self.head.compute_logits)
+        self.device, self.max_num_tokens, self.max_model_len = device, 256, 1024
+        self.hidden_states = torch.zeros(256, HIDDEN)
+        self.input_buffers = SimpleNamespace(input_ids=torch.zeros(256, dtype=torch.int32),
+                                             positions=torch.zeros(256, dtype=torch.int64),
+                                             query_start_loc=torch.zeros(33, dtype=torch.int32),
+                                             seq_lens=torch.zeros(32, dtype=torch.int32))
+        self.last_token_indices = torch.zeros(32, dtype=torch.int64)
+        self.draft_tokens = torch.zeros(32, vllm_config.speculative_config.num_speculative_tokens, dtype=torch.int64)
+        self.block_tables = SimpleNamespace(input_block_tables=[torch.arange(32 * 8, dtype=torch.int32).view(32, 8)],
+                                            block_sizes=[16])
+        self.kv_cache_config = None
+        self.first_pass_calls = []
+        self.level_metadata = []
+
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+                num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dummy_run=False,
+                num_speculative_tokens=None, **kwargs):
+        self.first_pass_calls.append((num_speculative_tokens, attn_metadata))
+        num_reqs = input_batch.num_reqs
+        qsl = torch.as_tensor(input_batch.query_start_loc_np)
+        last = qsl[1 : num_reqs + 1].long() - 1 - num_rejected.long()
+        self.last_token_indices[:num_reqs] = last
+        self.input_buffers.input_ids[last] = last_sampled[:num_reqs].int()
+        self.hidden_states[:num_reqs] = self.head.forward(last_sampled[:num_reqs].long(), last_hidden_states[last])
+        self.input_buffers.positions[:num_reqs] = input_batch.positions[last]
+        self.first_pass_roots = (last.tolist(), input_batch.positions[last].tolist())
+        return self.draft_tokens[:num_reqs]
+
+    def _build_attn_metadata(self, num_reqs, batch_desc, query_start_loc_np, seq_lens_cpu_upper_bound, step,
+                             slot_mappings=None):
+        metadata = {"mtp.attn": FakeMetadata(int(np.diff(query_start_loc_np).max()))}
+        self.level_metadata.append((metadata, slot_mappings))
+        return metadata
+
+    def _run_model(self, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp):
+        out = self.head.forward(self.input_buffers.input_ids[:num_tokens].long(), self.hidden_states[:num_tokens])
+        return out, out
+
+
+def reference_tree(head, root_token, root_hidden, widths):
+    """Node by node: level 1 = top-w1 of the head at the root; each node's children = top-w of the head at the
+    node (its token, its parent's head output)."""
+    tree = DraftTree.from_widths(widths)
+    root_out = head.forward(torch.tensor([root_token]), root_hidden[None])[0]
+    outputs, tokens = {-1: root_out}, [None] * tree.num_nodes
+    for node, parent in enumerate(tree.parents):
+        level = tree.depth[node] - 1
+        siblings = [n for n, p in enumerate(tree.parents) if p == parent]
+        top = head.compute_logits(outputs[parent][None])[0].topk(widths[level]).indices
+        tokens[node] = int(top[siblings.index(node)])
+        outputs[node] = head.forward(torch.tensor([tokens[node]]), outputs[parent][None])[0]
+    return tokens
+
+
+@pytest.mark.parametrize("widths", [[2, 2, 1], [2, 1, 1], [3, 2]])
+def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths):
+    import vllm.v1.attention.backends.triton_attn as triton_attn
+
+    monkeypatch.setattr(triton_attn, "TritonAttentionMetadata", FakeMetadata)
+    monkeypatch.setattr("vllm.v1.worker.gpu.attn_utils.build_slot_mappings_by_layer", lambda slots, config: slots)
+    tree = DraftTree.from_widths(widths)
+    spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
+                           num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
+                           uses_dynamic_speculative_decoding=lambda: False)
+    speculator = tree_runner_v2.make_tree_speculator_class(FakeV2Speculator)(
+        SimpleNamespace(speculative_config=spec), torch.device("cpu"))
+    # a tree row (1 + N tokens, 2 accepted: nodes 0 then its first child), a one-token decode, a tree row (none)
+    block = 1 + tree.num_nodes
+    batch = v2_batch([block, 1, block], [tree.num_nodes, 0, tree.num_nodes], [False] * 3, [20, 9, 60])
+    step = tree_runner_v2.find_tree_step_v2(tree, batch)
+    override_positions(batch.positions, step)
+    first_child = tree.parents.index(0)
+    accepted_nodes = torch.full((2, tree.max_depth), -1)
+    accepted_nodes[0, :2] = torch.tensor([0, first_child])
+    acceptance = SimpleNamespace(accepted_nodes=accepted_nodes)
+    speculator.tree_state.accepted = (step, acceptance)
+    num_tokens = batch.positions.numel()
+    batch.input_ids = torch.arange(num_tokens, dtype=torch.int32) % VOCAB
+    batch.seq_lens_cpu_upper_bound = torch.tensor([20 + block, 10, 60 + block], dtype=torch.int32)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
+    batch = dataclasses.make_dataclass("FakeInputBatch", list(vars(batch)))(**vars(batch))  # V2's is a dataclass
+    num_rejected = torch.tensor([tree.num_nodes - 2, 0, tree.num_nodes])
+    last_sampled = torch.tensor([11, 12, 13])
+    treed = {"attn": with_tree(FakeMetadata(block), tree_qq_bias=torch.zeros(1))}
+    drafts = speculator.propose(batch, treed, None, hidden, None, None, num_rejected, last_sampled, None, None, None,
+                                num_speculative_tokens=tree.num_nodes)
+    (num_spec, first_metadata), = speculator.first_pass_calls
+    assert num_spec == 1 and tree_qq_bias_of(first_metadata["attn"]) is None  # V2's own first pass, causal
+    # the first pass saw tree row 0's accepted path as a chain: its last row is block index 2 <- node first_child
+    last_rows, root_positions = speculator.first_pass_roots
+    assert last_rows == [2, block, block + 1 + 0]
+    chain_hidden = {0: hidden[1 + first_child], 1: hidden[block], 2: hidden[block + 1]}  # 1 + node index
+    chain_positions = {0: 22, 1: 9, 2: 60}
+    assert root_positions == [chain_positions[r] for r in range(3)]
+    for r in range(3):
+        assert drafts[r].tolist() == reference_tree(speculator.head, int(last_sampled[r]), chain_hidden[r], widths)
+    # one eager forward per level below the leaves, each with the level tree's bias and KV slots P0 + block index
+    assert len(speculator.level_metadata) == len(widths) - 1
+    for (metadata, slots), level in zip(speculator.level_metadata, tree_runner_v2.level_trees(widths)):
+        assert tree_qq_bias_of(metadata["mtp.attn"]).shape[1] == 1 + level.num_nodes
+        level_block = 1 + level.num_nodes
+        expected = torch.cat([torch.arange(p, p + level_block) for p in (22, 9, 60)])
+        table = speculator.block_tables.input_block_tables[0]
+        rows = torch.arange(3).repeat_interleave(level_block)
+        assert slots[0].tolist() == (table[rows, expected // 16].long() * 16 + expected % 16).tolist()
+
+
+def test_tree_speculator_runs_chains_as_vllm():
+    spec = SimpleNamespace(is_draft_tree=False, num_speculative_tokens=3)
+    speculator = tree_runner_v2.make_tree_speculator_class(FakeV2Speculator)(
+        SimpleNamespace(speculative_config=spec), torch.device("cpu"))
+    assert speculator.tree_state is None
+    batch = v2_batch([4], [3], [False], [10])
+    speculator.propose(batch, {}, None, torch.zeros(4, HIDDEN), None, None, torch.tensor([1]), torch.tensor([5]),
+                       None, None, None, num_speculative_tokens=3)
+    assert speculator.first_pass_calls[0][0] == 3
