@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench import gpu_site
 from bench.gpu_vllm_e2e import (add_common_args, batch_shape_control, beside_store_all, device_facts, engine_kwargs,
-                                judged, print_runs, prompts_and_model, timed_batches, verdict_record)
+                                judged, print_runs, prompts_and_model, timed_batches, tree_model, verdict_record)
 from vllm_treewy.fixture.exact import ExactModel
 
 # Longest waits (s) for the other engines' starts, the previous engine's timing (a turn takes well under a minute),
@@ -138,7 +138,28 @@ def counting_steps(llm):
 
 
 def run_name(args) -> str:
-    return f"{args.strategy}-k{args.k}" + ("-v1" if args.runner == "v1" else "")
+    shape = f"-tree{''.join(map(str, args.tree_widths))}" if args.tree_widths else f"-k{args.k}"
+    return (f"{args.strategy}{shape}" + ("-v1" if args.runner == "v1" else "")
+            + (f"-{args.name_suffix}" if args.name_suffix else ""))
+
+
+def speculative_config(args) -> dict:
+    """MTP with the strategy: a chain of k drafts, or (`--tree-widths`) the MTP tree of those widths (depth drafts
+    as the user writes them; vLLM then schedules the tree's N nodes)."""
+    spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
+            **gpu_site.SPECULATIVE}
+    if args.tree_widths:
+        spec.update(num_speculative_tokens=len(args.tree_widths), draft_tree_widths=list(args.tree_widths))
+    return spec
+
+
+def tokens_per_request(args) -> int:
+    """1 + the drafts vLLM verifies per request (a tree: its N nodes): the FULL graphs' token counts."""
+    if not args.tree_widths:
+        return 1 + args.k
+    from vllm_treewy.tree import DraftTree
+
+    return 1 + DraftTree.from_widths(args.tree_widths).num_nodes
 
 
 def run_spec(args, turns: Turns) -> int:
@@ -146,12 +167,11 @@ def run_spec(args, turns: Turns) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()  # in-process engine: this process is the only vLLM process
-    model, prompts = prompts_and_model()
-    spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
-            **gpu_site.SPECULATIVE}
+    model, prompts = tree_model(args) if args.blurred_mtp else prompts_and_model()
+    spec = speculative_config(args)
     name = run_name(args)
     start = time.perf_counter()
-    with engine(model, speculative_config=spec, **engine_kwargs(args, 1 + args.k)) as llm:
+    with engine(model, speculative_config=spec, **engine_kwargs(args, tokens_per_request(args))) as llm:
         started = time.perf_counter() - start
         facts = engine_facts(llm)
         print(name, "started", facts, flush=True)
@@ -162,7 +182,8 @@ def run_spec(args, turns: Turns) -> int:
         kv = kv_cache_report(llm)
         turns.hold_until_the_last_timing()
     result = {
-        "name": name, "strategy": args.strategy, "k": args.k, "engine_start_s": started, **facts, "timing": timing,
+        "name": name, "strategy": args.strategy, "k": args.k, "tree_widths": args.tree_widths, "dtype": args.dtype,
+        "blurred_mtp": args.blurred_mtp, "engine_start_s": started, **facts, "timing": timing,
         "steps": steps, "outputs": {str(b): o for b, o in outputs.items()},
         "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
         "acceptance_rate": ((after.num_accepted_tokens - before.num_accepted_tokens)
@@ -224,7 +245,9 @@ def run_reference(args, turns: Turns) -> int:
         print(line, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    reconstruct = [e for n, e in report["runs"].items() if n.startswith("reconstruct")]
+    # runs in another activation dtype than the reference's (throughput runs) are reported, not required to pass
+    reconstruct = [e for n, e in report["runs"].items()
+                   if n.startswith("reconstruct") and e.get("dtype", args.dtype) == args.dtype]
     missing = args.expect - (len(report["runs"]) - 1)
     ok = bool(reconstruct) and not missing and all(v["passed"] for e in reconstruct for v in e["verdicts"].values())
     on_v2 = [n for n, e in report["runs"].items() if e.get("model_runner") == "V2"]
@@ -247,12 +270,22 @@ def main(argv=None) -> int:
     spec.add_argument("--k", type=int, default=3)
     spec.add_argument("--runner", default="default", choices=["default", "v1"],
                       help="default: the runner vLLM picks (V2 on CUDA); v1: VLLM_USE_V2_MODEL_RUNNER=0")
+    spec.add_argument("--tree-widths", type=int, nargs="+", default=None,
+                      help="an MTP draft tree of these widths instead of the chain of --k drafts")
+    spec.add_argument("--try-v2-trees", action="store_true",
+                      help="lets draft trees run on Model Runner V2 (VLLM_TREEWY_TRY_V2_TREES=1; unverified)")
+    spec.add_argument("--blurred-mtp", action="store_true", help="the fixture's blurred-MTP variant (same target)")
+    spec.add_argument("--name-suffix", default="", help="appended to the run's name (e.g. its dtype)")
     ref.add_argument("--expect", type=int, required=True, help="speculative runs to wait for and judge")
     ref.add_argument("--out", required=True)
     ref.add_argument("--command", default=None, help="the whole shell command, for the report")
     args = parser.parse_args(argv)
     if getattr(args, "runner", "default") == "v1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # read when the engine's config is built
+    if getattr(args, "try_v2_trees", False):
+        from vllm_treewy.vllm_plugin.tree_runner_v2 import TRY_V2_TREES_ENV
+
+        os.environ[TRY_V2_TREES_ENV] = "1"  # before register(): the plugin reads it when it installs its hooks
     turns = Turns(args)
     gpu_site.seed_model_info_cache()
     try:

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# MTP draft trees on Model Runner V2 (vllm_plugin/tree_runner_v2.py; unverified until this passes), in one device
+# command: five engines start at once (bench/gpu_v2_chains.py's turns: starts overlap, timings do not), on the
+# fixture's blurred-MTP variant (its head right about half the time, so trees branch usefully):
+#   fp16, judged tie-aware against no speculation (fp16) at B = 1 / 8 / 64:  MTP trees [2,2,1] and [2,1,1] on V2;
+#   bf16, tokens/s at B = 1 / 8 / 64:  tree [2,2,1] on V2 beside the reconstruct chain k = 3 on V2 (reported, not
+#   judged against the fp16 reference).
+# Trees reach V2 only through VLLM_TREEWY_TRY_V2_TREES=1 (--try-v2-trees); each run records the runner vLLM picked
+# ("model_runner"), so a tree that fell back to V1 shows as such.
+# Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
+#   bash bench/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96]
+#   DRY_RUN=1 bash bench/run_gpu_v2_trees.sh OUT_DIR   # prints the engine commands and checks their arguments only
+# OUT_DIR gets log.txt (summary), gpu_v2_trees.json (the reference's report) and engines.tar.gz (every engine's log
+# and run JSON). KV_BYTES (default 8 GiB) per engine, GPU_UTIL (0.1), CALL_LIMIT_S (480) per engine.
+set -u
+out=$1; shift
+work=${WORK:-/tmp/v2-trees}
+rm -rf "$work"; mkdir -p "$out" "$work/runs" "$work/turns" "$work/logs"
+log=$out/log.txt; : >"$log"
+start=$(date +%s)
+limit=${CALL_LIMIT_S:-480}
+batches=(--batch-sizes 1 8 64)
+# name | engine arguments (the strategy is reconstruct for all)
+engines=(
+  "tree221-fp16|--tree-widths 2 2 1 --dtype float16 --try-v2-trees --blurred-mtp --name-suffix fp16"
+  "tree211-fp16|--tree-widths 2 1 1 --dtype float16 --try-v2-trees --blurred-mtp --name-suffix fp16"
+  "tree221-bf16|--tree-widths 2 2 1 --dtype bfloat16 --try-v2-trees --blurred-mtp --name-suffix bf16"
+  "chain3-bf16|--k 3 --dtype bfloat16 --blurred-mtp --name-suffix bf16"
+)
+n=$(( ${#engines[@]} + 1 ))
+common=(--kv-cache-memory-bytes "${KV_BYTES:-8589934592}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
+        --turns-dir "$work/turns" --engines "$n" "${batches[@]}")
+if [ -n "${DRY_RUN:-}" ]; then
+  for e in "${engines[@]}"; do
+    IFS='|' read -r name extra <<<"$e"
+    # shellcheck disable=SC2086
+    python3 - "$name" $extra "${common[@]}" "$@" <<'PY'
+import sys
+from bench import gpu_v2_chains as g
+import argparse
+parser = argparse.ArgumentParser(); sub = parser.add_subparsers(dest="role")
+# the spec parser exactly as main builds it: parse only, start nothing
+import bench.gpu_vllm_e2e as e
+spec = sub.add_parser("spec"); e.add_common_args(spec)
+for flag, kw in (("--turns-dir", {}), ("--turn", {"type": int}), ("--engines", {"type": int})):
+    spec.add_argument(flag, required=True, **kw)
+spec.add_argument("--strategy", default="reconstruct"); spec.add_argument("--k", type=int, default=3)
+spec.add_argument("--runner", default="default"); spec.add_argument("--tree-widths", type=int, nargs="+")
+spec.add_argument("--try-v2-trees", action="store_true"); spec.add_argument("--blurred-mtp", action="store_true")
+spec.add_argument("--name-suffix", default="")
+args = parser.parse_args(["spec", "--runs", "R", "--turn", "0", *sys.argv[2:]])
+print(sys.argv[1], "->", g.run_name(args), g.speculative_config(args), "tokens/request", g.tokens_per_request(args))
+PY
+  done
+  exit 0
+fi
+python3 -c "from bench import gpu_site; from bench.gpu_vllm_e2e import prompts_and_model, tree_model; import argparse; gpu_site.seed_model_info_cache(); prompts_and_model(); tree_model(argparse.Namespace(blurred_mtp=True))" >"$work/logs/fixture.log" 2>&1
+rc=$?; echo "=== fixture rc=$rc at $(( $(date +%s) - start )) s" >>"$log"
+turn=0 pids=()
+for e in "${engines[@]}"; do
+  IFS='|' read -r name extra <<<"$e"
+  # shellcheck disable=SC2086
+  VLLM_CACHE_ROOT=$work/cache-$name timeout "$limit" python3 bench/gpu_v2_chains.py spec --strategy reconstruct \
+    $extra --runs "$work/runs" --turn "$turn" "${common[@]}" "$@" >"$work/logs/$name.log" 2>&1 &
+  pids+=($!); echo "=== $name (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
+  turn=$((turn + 1)); sleep 4
+done
+VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/gpu_v2_chains.py reference --runs "$work/runs" \
+  --expect $((n - 1)) --out "$out/gpu_v2_trees.json" --turn "$turn" --dtype float16 "${common[@]}" \
+  --command "bash bench/run_gpu_v2_trees.sh \$OUT $*" "$@" >"$work/logs/reference.log" 2>&1 &
+pids+=($!); echo "=== reference (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
+for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
+tar czf "$out/engines.tar.gz" -C "$work" logs runs
+grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Capturing CUDA graphs|cudagraph_mode|Maximum concurrency| started | done |batch [0-9]+|beside|runs on V2|PASS|FAIL|Traceback|Error" \
+  "$work"/logs/*.log | cut -c1-300 >>"$log"
+grep -E "^===|runs on V2|PASS|FAIL|Traceback|Error|beside|batch [0-9]+:| done " "$log" | cut -c1-300 | tail -80
