@@ -194,7 +194,7 @@ class FakeV2Speculator:
     def __init__(self, vllm_config, device):
         self.head = FakeHead()
         self.model = SimpleNamespace(compute_logits=self.head.compute_logits)
-        self.device, self.max_num_tokens, self.max_model_len = device, 256, 1024
+        self.device, self.max_num_tokens, self.max_model_len, self.max_num_reqs = device, 256, 1024, 32
         self.hidden_states = torch.zeros(256, HIDDEN)
         self.input_buffers = SimpleNamespace(input_ids=torch.zeros(256, dtype=torch.int32),
                                              positions=torch.zeros(256, dtype=torch.int64),
@@ -310,3 +310,56 @@ def test_tree_speculator_runs_chains_as_vllm():
     speculator.propose(batch, {}, None, torch.zeros(4, HIDDEN), None, None, torch.tensor([1]), torch.tensor([5]),
                        None, None, None, num_speculative_tokens=3)
     assert speculator.first_pass_calls[0][0] == 3
+
+
+def test_tree_state_is_bound_for_the_runner_call_only():
+    """The model state's hook finds the tree state through the runner call in progress; nothing is kept after it."""
+    seen = []
+
+    class Runner:
+        speculator = SimpleNamespace(tree_state="the runner's tree state")
+
+        def execute_model(self, *args):
+            seen.append(tree_runner_v2._CALL_TREE_STATE.get())
+            raise RuntimeError("a failing step still unbinds")
+
+    wrapped = tree_runner_v2._binding_tree_state(Runner.execute_model)
+    with pytest.raises(RuntimeError):
+        wrapped(Runner())
+    assert seen == ["the runner's tree state"] and tree_runner_v2._CALL_TREE_STATE.get() is None
+    assert not any(isinstance(v, dict) and v for k, v in vars(tree_runner_v2).items() if k.isupper())
+
+
+def test_penalties_are_refused_at_admission_on_v2_trees():
+    from vllm import SamplingParams
+
+    tree_spec = SimpleNamespace(is_draft_tree=True, draft_tree=DraftTree.from_widths([2, 2, 1]),
+                                draft_tree_widths=[2, 2, 1])
+    assert tree_runner_v2.penalties_refusal(SamplingParams(temperature=0.8), tree_spec) is None
+    for field, value in (("repetition_penalty", 1.2), ("frequency_penalty", 0.5), ("presence_penalty", 0.5)):
+        reason = tree_runner_v2.penalties_refusal(SamplingParams(**{field: value}), tree_spec)
+        assert reason is not None and field in reason and "Model Runner V2" in reason
+        assert tree_runner_v2.penalties_refusal(SamplingParams(**{field: value}), None) is None  # chains: vLLM's
+
+    calls = []
+
+    class Processor:
+        vllm_config = SimpleNamespace(use_v2_model_runner=True)
+        speculative_config = tree_spec
+
+        def _validate_params(self, params, supported_tasks):
+            calls.append(params)
+
+    validate = tree_runner_v2._refusing_tree_penalties(Processor._validate_params)
+    validate(Processor(), SamplingParams(temperature=0.5), ("generate",))
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="penalties"):
+        validate(Processor(), SamplingParams(repetition_penalty=1.1), ("generate",))
+    assert len(calls) == 1
+
+
+def test_level_budget_that_could_overflow_is_refused_at_startup():
+    tree_runner_v2.check_level_budget([2, 2, 1], 64, 64 * 7)  # deepest level: root + 6 nodes above the leaves
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens to >= 455 or lower max_num_seqs to <= 64"):
+        tree_runner_v2.check_level_budget([2, 2, 1], 65, 64 * 7)

@@ -340,6 +340,28 @@ V2_REJECTION_LOGPROBS = PatchPoint(
     ("self", "sampled", "num_sampled", "logits", "cu_num_logits", "cu_num_logits_np", "max_num_logprobs"),
     only_on="cuda",
 )
+V2_RUNNER_EXECUTE_MODEL = PatchPoint(
+    _RUNNER_V2, "GPUModelRunner.execute_model", "wraps",
+    "draft trees on V2: the runner's tree state (its speculator's) bound for the call, so that the model state's "
+    "prepare_attn reaches it without module state that outlives the call (dummy runs go through here too)",
+    ("self",), only_on="cuda",
+)
+V2_RUNNER_CAPTURE_MODEL = PatchPoint(
+    _RUNNER_V2, "GPUModelRunner.capture_model", "wraps",
+    "draft trees on V2: the runner's tree state bound while V2 captures its graphs (the target's FULL decode graphs "
+    "get the tree bias through the model state's prepare_attn)", ("self",), only_on="cuda",
+)
+V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY = PatchPoint(
+    _RUNNER_V2, "GPUModelRunner.profile_cudagraph_memory", "wraps",
+    "draft trees on V2: the runner's tree state bound while V2 profiles its graphs' memory (captures as above)",
+    ("self",), only_on="cuda",
+)
+INPUT_PROCESSOR_VALIDATE_PARAMS = PatchPoint(
+    "vllm.v1.engine.input_processor", "InputProcessor._validate_params", "wraps",
+    "draft trees on V2: requests with repetition/frequency/presence penalties refused at admission (V2's penalties "
+    "would see a tree row's drafts in node order, not each node's path)", ("self", "params", "supported_tasks"),
+    only_on="cuda",
+)
 V2_MTP_SPECULATOR = PatchPoint(
     "vllm.v1.worker.gpu.spec_decode.mtp.speculator", "MTPSpeculator", "rebinds",
     "draft trees on V2: init_speculator imports the MTP speculator from here at call time; the subclass drafts trees "
@@ -478,6 +500,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     V2_SAMPLER_SAMPLE,
     V2_NUM_SAMPLED_AND_REJECTED,
     V2_REJECTION_LOGPROBS,
+    V2_RUNNER_EXECUTE_MODEL,
+    V2_RUNNER_CAPTURE_MODEL,
+    V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY,
+    INPUT_PROCESSOR_VALIDATE_PARAMS,
     V2_MTP_SPECULATOR,
     V2_SPECULATOR_PROPOSE,
     V2_SPECULATOR_RUN_MODEL,

@@ -49,14 +49,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import weakref
+import contextvars
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from vllm_treewy.spec_decode.acceptance import TreeAcceptance, greedy_tree_acceptance
+from vllm_treewy.spec_decode.acceptance import TreeAcceptance
+from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance_of_draws
 from vllm_treewy.spec_decode.tree_drafting import (
     accepted_path_sources,
     level_trees,
@@ -66,9 +67,13 @@ from vllm_treewy.spec_decode.tree_drafting import (
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import (
+    INPUT_PROCESSOR_VALIDATE_PARAMS,
     V2_MAMBA_PREPARE_ATTN,
     V2_MTP_SPECULATOR,
+    V2_RUNNER_CAPTURE_MODEL,
+    V2_RUNNER_EXECUTE_MODEL,
     V2_RUNNER_PREPARE_ATTN,
+    V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY,
     V2_RUNNER_SAMPLE,
 )
 from vllm_treewy.vllm_plugin.tree_metadata import replace_metadata, with_tree
@@ -146,18 +151,21 @@ def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: tor
     device = row_draws.device
     cu = cu_num_logits.long()
     num_reqs, num_logits = cu.numel() - 1, row_draws.numel()
-    block_rows = cu[step.request_indices][:, None] + torch.arange(block_len, device=device)  # [R, 1 + N]
-    drafts = input_ids[step.token_indices.view(num_requests, block_len)[:, 1:]].long().reshape(-1)  # [R * N]
-    acceptance = greedy_tree_acceptance(step.parents, step.cu_nodes, drafts, row_draws[block_rows].reshape(-1).long(),
-                                        step.depth)
-    from vllm_treewy.vllm_plugin.tree_sampler import tree_output_rows
+    from vllm_treewy.vllm_plugin.tree_sampler import _arange, _walk_tables, tree_output_rows
+
+    block_rows = cu[step.request_indices][:, None] + _arange(block_len, device)  # [R, 1 + N]
+    drafts = input_ids[step.token_indices.view(num_requests, block_len)[:, 1:]].long()  # [R, N]
+    # main's walk over every node's draw at once (uniform_tree_acceptance: a fixed number of ops, whatever the depth)
+    acceptance = sampled_tree_acceptance_of_draws(_walk_tables(step.tree.parents, device), drafts,
+                                                  row_draws[block_rows].long())
+    drafts = drafts.reshape(-1)  # [R * N]
 
     sampled = torch.full((num_reqs, 1 + num_speculative_steps), PLACEHOLDER_TOKEN, dtype=torch.long, device=device)
     sampled[:, 0] = row_draws[cu[1:] - 1].long()  # every other row's one draw (its last logits row)
     sampled[step.request_indices, : step.depth + 1] = tree_output_rows(step, drafts, acceptance)
     num_sampled = torch.ones(num_reqs, dtype=torch.int32, device=device)
     num_sampled[step.request_indices] = (acceptance.num_accepted + 1).to(torch.int32)
-    chain_rows = torch.arange(num_logits, device=device)
+    chain_rows = _arange(num_logits, device).clone()
     chain_rows[block_rows.reshape(-1)] = block_rows.gather(
         1, accepted_path_sources(acceptance.accepted_nodes, block_len)).reshape(-1)
     return TreeSampling(sampled, num_sampled, acceptance, chain_rows)
@@ -207,7 +215,10 @@ def sample_tree_step(runner, hidden_states: torch.Tensor, input_batch, step: Tre
 
 # -- the runner's hooks ------------------------------------------------------------------------------------------
 
-_STATES_BY_MODEL_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # V2 model state -> tree state
+# The tree state of the runner call in progress (execute_model, capture_model, profile_cudagraph_memory), for the
+# model state's prepare_attn, which does not reach the runner. Bound for the call only and reset after it: the state
+# itself lives on the runner's speculator (`TreeMtpSpeculatorV2.tree_state`), nothing here outlives a call.
+_CALL_TREE_STATE: contextvars.ContextVar = contextvars.ContextVar("treewy_v2_call_tree_state", default=None)
 
 
 def tree_state_of_runner(runner) -> TreeRunStateV2 | None:
@@ -216,6 +227,18 @@ def tree_state_of_runner(runner) -> TreeRunStateV2 | None:
         raise ValueError(f"draft_tree_widths on Model Runner V2: the speculator {type(runner.speculator).__name__} "
                          "does not draft trees (method 'mtp' builds TreeMtpSpeculatorV2)")
     return state
+
+
+def _binding_tree_state(original):
+    @functools.wraps(original)
+    def bound(self, *args, **kwargs):
+        token = _CALL_TREE_STATE.set(getattr(getattr(self, "speculator", None), "tree_state", None))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _CALL_TREE_STATE.reset(token)
+
+    return bound
 
 
 def _finding_tree_rows(original):
@@ -240,7 +263,7 @@ def _handing_tree_to_attention(original):
                      *args, **kwargs):
         attn_metadata = original(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
                                  kv_cache_config, *args, **kwargs)
-        state = _STATES_BY_MODEL_STATE.get(self)
+        state = _CALL_TREE_STATE.get()
         if state is None or state.capturing_drafter:
             return attn_metadata
         step, prepared = state.pending_step, state.prepared
@@ -276,6 +299,39 @@ def _sampling_trees(original):
     return sample
 
 
+PENALTY_FIELDS = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0))
+
+
+def penalties_refusal(params, speculative_config) -> str | None:
+    """Why a request is refused on V2 trees (None: admitted): V2's penalties read a row's verified tokens in node
+    order, so a tree node's penalties would count its siblings' and cousins' drafts; until each node sees the
+    committed output plus its own path only, such requests are refused at admission (the V1 runner treats them
+    exactly: its level path)."""
+    if draft_tree_of(speculative_config) is None:
+        return None
+    used = [f"{name}={getattr(params, name)}" for name, neutral in PENALTY_FIELDS
+            if getattr(params, name, neutral) != neutral]
+    if not used:
+        return None
+    return (f"draft_tree_widths on Model Runner V2 does not support sampling penalties yet ({', '.join(used)}): "
+            "a tree node's penalties would see other nodes' drafts. Send the request without penalties, or run the "
+            "tree on the V1 runner (unset VLLM_TREEWY_TRY_V2_TREES) or without draft_tree_widths")
+
+
+def _refusing_tree_penalties(original):
+    @functools.wraps(original)
+    def validate(self, params, *args, **kwargs):
+        if getattr(self.vllm_config, "use_v2_model_runner", False) and hasattr(params, "repetition_penalty"):
+            reason = penalties_refusal(params, self.speculative_config)
+            if reason is not None:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(reason)
+        return original(self, params, *args, **kwargs)
+
+    return validate
+
+
 # -- the MTP drafter -------------------------------------------------------------------------------------------
 
 def _strip_tree(attn_metadata):
@@ -299,6 +355,20 @@ def level_slot_mappings(block_tables, block_sizes, block_positions: torch.Tensor
                         for table, size in zip(block_tables, block_sizes)])
 
 
+def check_level_budget(widths, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """Start-up refusal: on V2 the drafting levels run every request of a batch at once (no request chunks, so that
+    their graphs have static shapes), and the deepest level forwards 1 + (nodes above the leaves) tokens per request
+    for every request, including requests that verified one token this step. So max_num_seqs such blocks must fit
+    the token budget that sizes the head's buffers."""
+    widest = 1 + nodes_below_depth(list(widths))[-2]
+    if max_num_seqs * widest > max_num_batched_tokens:
+        raise ValueError(
+            f"draft_tree_widths={list(widths)} on Model Runner V2: max_num_seqs={max_num_seqs} requests x {widest} "
+            f"tokens of the deepest drafting level exceed max_num_batched_tokens={max_num_batched_tokens}; raise "
+            f"max_num_batched_tokens to >= {max_num_seqs * widest} or lower max_num_seqs to <= "
+            f"{max_num_batched_tokens // widest} (the V1 runner drafts such batches in request chunks)")
+
+
 def make_tree_speculator_class(base):
     """V2's MTP speculator with MTP draft trees (module docstring, 4.); chains run `base` unchanged."""
 
@@ -317,12 +387,8 @@ def make_tree_speculator_class(base):
             self.widths = list(spec.draft_tree_widths)
             self.levels = level_trees(self.widths)
             self.nodes_below = nodes_below_depth(self.widths)
+            check_level_budget(self.widths, self.max_num_reqs, self.max_num_tokens)
             self._level_constants: dict[int, TreeConstants] = {}
-
-        def set_attn(self, model_state, *args, **kwargs):
-            super().set_attn(model_state, *args, **kwargs)
-            if self.tree_state is not None:
-                _STATES_BY_MODEL_STATE[model_state] = self.tree_state
 
         def capture(self):
             if self.tree_state is None:
@@ -367,10 +433,6 @@ def make_tree_speculator_class(base):
         def _draft_levels(self, root_positions, root_inputs, root_output, upper_bound) -> torch.Tensor:
             num_reqs = root_positions.numel()
             widest = 1 + self.nodes_below[-2]
-            if num_reqs * widest > self.max_num_tokens:
-                raise NotImplementedError(
-                    f"draft_tree_widths on Model Runner V2: {num_reqs} requests x {widest} level tokens exceed "
-                    f"max_num_batched_tokens={self.max_num_tokens} (request chunks: V1 only so far)")
             tokens = torch.empty(num_reqs, self.tree.num_nodes, dtype=torch.long, device=self.device)
             root_logits = self.model.compute_logits(root_output)
             tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
@@ -442,6 +504,9 @@ def install() -> None:
         tree_class = make_tree_speculator_class(V2_MTP_SPECULATOR.resolve())
         tree_class._treewy_tree_speculator = True
         V2_MTP_SPECULATOR.replace(tree_class)
+    for point in (V2_RUNNER_EXECUTE_MODEL, V2_RUNNER_CAPTURE_MODEL, V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY):
+        point.wrap(_binding_tree_state)
+    INPUT_PROCESSOR_VALIDATE_PARAMS.wrap(_refusing_tree_penalties)
     V2_RUNNER_PREPARE_ATTN.wrap(_finding_tree_rows)
     V2_MAMBA_PREPARE_ATTN.wrap(_handing_tree_to_attention)
     V2_RUNNER_SAMPLE.wrap(_sampling_trees)
