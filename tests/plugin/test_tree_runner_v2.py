@@ -10,6 +10,7 @@ node-by-node reference. What needs a GPU (V2's runner end to end, FULL graphs, T
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -207,6 +208,7 @@ class FakeV2Speculator:
         self.kv_cache_config = None
         self.first_pass_calls = []
         self.level_metadata = []
+        self.level_slots, self.level_positions = [], []
 
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
                 num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dummy_run=False,
@@ -229,6 +231,8 @@ class FakeV2Speculator:
         return metadata
 
     def _run_model(self, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp):
+        self.level_slots.append(slot_mappings.clone())  # what the level's forward writes its K/V to
+        self.level_positions.append(self.input_buffers.positions[:num_tokens].clone())
         out = self.head.forward(self.input_buffers.input_ids[:num_tokens].long(), self.hidden_states[:num_tokens])
         return out, out
 
@@ -248,8 +252,11 @@ def reference_tree(head, root_token, root_hidden, widths):
     return tokens
 
 
+@pytest.mark.parametrize("graph_size", [None, 5])
 @pytest.mark.parametrize("widths", [[2, 2, 1], [2, 1, 1], [3, 2]])
-def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths):
+def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_size):
+    """graph_size 5: the levels as a captured graph of 5 padded requests replays them (the same body, `_draft_levels`,
+    over the persistent buffers; padding rows write no K/V); None: eagerly for the 3 requests."""
     import vllm.v1.attention.backends.triton_attn as triton_attn
 
     monkeypatch.setattr(triton_attn, "TritonAttentionMetadata", FakeMetadata)
@@ -270,6 +277,11 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths):
     accepted_nodes[0, :2] = torch.tensor([0, first_child])
     acceptance = SimpleNamespace(accepted_nodes=accepted_nodes)
     speculator.tree_state.accepted = (step, acceptance)
+    if graph_size is not None:  # a stand-in of the captured graph: its replay runs the captured body
+        inputs = speculator._level_inputs(graph_size, torch.full((graph_size,), 1024, dtype=torch.int32))
+        speculator._tree_buffers().root_positions[:graph_size] = 500  # stale rows: replays must reset the padding
+        replay = functools.partial(speculator._draft_levels, graph_size, inputs)
+        speculator._level_graphs[graph_size] = (SimpleNamespace(replay=replay), inputs)
     num_tokens = batch.positions.numel()
     batch.input_ids = torch.arange(num_tokens, dtype=torch.int32) % VOCAB
     batch.seq_lens_cpu_upper_bound = torch.tensor([20 + block, 10, 60 + block], dtype=torch.int32)
@@ -292,13 +304,17 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths):
         assert drafts[r].tolist() == reference_tree(speculator.head, int(last_sampled[r]), chain_hidden[r], widths)
     # one eager forward per level below the leaves, each with the level tree's bias and KV slots P0 + block index
     assert len(speculator.level_metadata) == len(widths) - 1
-    for (metadata, slots), level in zip(speculator.level_metadata, tree_runner_v2.level_trees(widths)):
+    for (metadata, _), slots, level in zip(speculator.level_metadata, speculator.level_slots,
+                                           tree_runner_v2.level_trees(widths)):
         assert tree_qq_bias_of(metadata["mtp.attn"]).shape[1] == 1 + level.num_nodes
         level_block = 1 + level.num_nodes
         expected = torch.cat([torch.arange(p, p + level_block) for p in (22, 9, 60)])
         table = speculator.block_tables.input_block_tables[0]
         rows = torch.arange(3).repeat_interleave(level_block)
-        assert slots[0].tolist() == (table[rows, expected // 16].long() * 16 + expected % 16).tolist()
+        assert slots[0, : 3 * level_block].tolist() == (table[rows, expected // 16].long() * 16
+                                                         + expected % 16).tolist()
+        assert slots.shape[1] == (graph_size or 3) * level_block
+        assert (slots[0, 3 * level_block :] == tree_runner_v2.PAD_SLOT).all()  # graph padding writes no K/V
 
 
 def test_tree_speculator_runs_chains_as_vllm():
