@@ -333,7 +333,7 @@ def test_tree_state_is_bound_for_the_runner_call_only():
     seen = []
 
     class Runner:
-        speculator = SimpleNamespace(tree_state="the runner's tree state")
+        speculator = SimpleNamespace(tree_state=tree_runner_v2.TreeRunStateV2(DraftTree.from_widths([2, 1])))
 
         def execute_model(self, *args):
             seen.append(tree_runner_v2._CALL_TREE_STATE.get())
@@ -342,7 +342,7 @@ def test_tree_state_is_bound_for_the_runner_call_only():
     wrapped = tree_runner_v2._binding_tree_state(Runner.execute_model)
     with pytest.raises(RuntimeError):
         wrapped(Runner())
-    assert seen == ["the runner's tree state"] and tree_runner_v2._CALL_TREE_STATE.get() is None
+    assert seen == [Runner.speculator.tree_state] and tree_runner_v2._CALL_TREE_STATE.get() is None
     assert not any(isinstance(v, dict) and v for k, v in vars(tree_runner_v2).items() if k.isupper())
 
 
@@ -379,3 +379,86 @@ def test_level_budget_that_could_overflow_is_refused_at_startup():
     tree_runner_v2.check_level_budget([2, 2, 1], 64, 64 * 7)  # deepest level: root + 6 nodes above the leaves
     with pytest.raises(ValueError, match=r"max_num_batched_tokens to >= 455 or lower max_num_seqs to <= 64"):
         tree_runner_v2.check_level_budget([2, 2, 1], 65, 64 * 7)
+
+
+def _tree_speculator(widths):
+    tree = DraftTree.from_widths(widths)
+    spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
+                           num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
+                           uses_dynamic_speculative_decoding=lambda: False)
+    return tree_runner_v2.make_tree_speculator_class(FakeV2Speculator)(
+        SimpleNamespace(speculative_config=spec), torch.device("cpu"))
+
+
+def test_level_graphs_are_captured_per_padded_size_of_v2s_first_pass_graphs(monkeypatch):
+    """The capture wrapper's host side (CPU cannot capture): one graph of the levels' body per padded request count
+    of V2's FULL first-pass graphs, recorded as V2 records its own (its pool, the capture stream), after a warm-up;
+    padding rows write no K/V; the host bound restored; nothing captured inside V2's graph-memory profiling."""
+    import contextlib
+
+    import vllm.compilation.cudagraph_pool as cudagraph_pool
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    import vllm.v1.attention.backends.triton_attn as triton_attn
+
+    monkeypatch.setattr(triton_attn, "TritonAttentionMetadata", FakeMetadata)
+    monkeypatch.setattr("vllm.v1.worker.gpu.attn_utils.build_slot_mappings_by_layer", lambda slots, config: slots)
+    recording = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool, stream=None):
+        recording.append(graph)
+        yield
+        recording.pop()
+
+    bodies = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(cudagraph_pool, "capture_pool", lambda pool, config: contextlib.nullcontext(pool))
+    monkeypatch.setattr(parallel_state, "graph_capture", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr("vllm.utils.torch_utils.current_stream", lambda: None)
+    speculator = _tree_speculator([2, 2, 1])
+    speculator.vllm_config = None
+    original = speculator._draft_levels
+    monkeypatch.setattr(speculator, "_draft_levels",
+                        lambda n, inputs: (bodies.append((n, bool(recording))), original(n, inputs))[1])
+    full = [BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=11 * n, num_reqs=n) for n in (1, 8)]
+    speculator.prefill_cudagraph_manager = SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, pool="v2's pool", _capture_descs={CUDAGraphMode.FULL: full})
+    speculator.draft_max_seq_len = 77
+    speculator.tree_state.profiling_capture = True
+    speculator._capture_levels()
+    assert speculator._level_graphs == {} and bodies == []
+    speculator.tree_state.profiling_capture = False
+    speculator._capture_levels()
+    assert sorted(speculator._level_graphs) == [1, 8]
+    assert bodies == [(8, False), (8, True), (1, False), (1, True)]  # warm-up, then the captured body
+    assert speculator.draft_max_seq_len == 77
+    assert (speculator._tree_buffers().slots[0, : 8 * 7] == tree_runner_v2.PAD_SLOT).all()  # captured with PAD slots
+    assert speculator._level_graph_size(1) == 1 and speculator._level_graph_size(3) == 8
+    assert speculator._level_graph_size(9) is None  # eager above the captured sizes
+
+
+def test_profiling_flag_follows_vllms_profiling_calls():
+    state = tree_runner_v2.TreeRunStateV2(DraftTree.from_widths([2, 1]))
+    seen = []
+
+    class Runner:
+        speculator = SimpleNamespace(tree_state=state)
+
+        def capture_model(self, *, profile_only=False):
+            seen.append(("capture", state.profiling_capture))
+
+        def profile_cudagraph_memory(self):
+            seen.append(("profile", state.profiling_capture))
+            capture(self, profile_only=True)
+            seen.append(("after inner", state.profiling_capture))
+
+    capture = tree_runner_v2._binding_tree_state(Runner.capture_model)
+    profile = tree_runner_v2._binding_tree_state(Runner.profile_cudagraph_memory)
+    profile(Runner())
+    capture(Runner())
+    assert seen == [("profile", True), ("capture", True), ("after inner", True), ("capture", False)]
+    assert state.profiling_capture is False

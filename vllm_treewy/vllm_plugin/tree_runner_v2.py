@@ -97,6 +97,7 @@ class TreeRunStateV2(TreeRunState):
 
     sampling_step: TreeStep | None = None
     capturing_drafter: bool = False
+    profiling_capture: bool = False  # inside V2's graph-memory profiling: its captures are thrown away
 
 
 # -- the step's tree rows from V2's input batch -----------------------------------------------------------------
@@ -230,13 +231,21 @@ def tree_state_of_runner(runner) -> TreeRunStateV2 | None:
 
 
 def _binding_tree_state(original):
+    profiling_call = original.__name__ == "profile_cudagraph_memory"
+
     @functools.wraps(original)
     def bound(self, *args, **kwargs):
-        token = _CALL_TREE_STATE.set(getattr(getattr(self, "speculator", None), "tree_state", None))
+        state = getattr(getattr(self, "speculator", None), "tree_state", None)
+        profiling = state.profiling_capture if state is not None else False
+        if state is not None:
+            state.profiling_capture = profiling or profiling_call or bool(kwargs.get("profile_only", False))
+        token = _CALL_TREE_STATE.set(state)
         try:
             return original(self, *args, **kwargs)
         finally:
             _CALL_TREE_STATE.reset(token)
+            if state is not None:
+                state.profiling_capture = profiling
 
     return bound
 
@@ -561,11 +570,18 @@ def make_tree_speculator_class(base):
             """One CUDA graph of `_draft_levels` per padded request count of V2's FULL first-pass graphs (the same
             batch sizes; captured in V2's capture phase, into V2's graph pool). Captured with PAD slots (no K/V
             written) and the lengths' host bound at max_model_len, which every replay stays within."""
+            from vllm.compilation.cudagraph_pool import capture_pool
             from vllm.config.compilation import CUDAGraphMode
             from vllm.distributed.parallel_state import graph_capture
+            from vllm.utils.torch_utils import current_stream
 
+            self._level_graphs.clear()  # a capture replaces every earlier one
             manager = getattr(self, "prefill_cudagraph_manager", None)
             if manager is None or manager.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL:
+                return
+            if self.tree_state.profiling_capture:
+                # V2's graph-memory profiling throws its captures (and their pool) away before the real capture; the
+                # level graphs (the head over <= max_num_seqs x 1 + nodes above the leaves tokens) stay out of it.
                 return
             sizes = sorted({desc.num_reqs for desc in manager._capture_descs.get(CUDAGraphMode.FULL, ())
                             if desc.num_reqs})
@@ -580,7 +596,9 @@ def make_tree_speculator_class(base):
                         inputs = self._level_inputs(size, upper)
                         self._draft_levels(size, inputs)  # warm-up
                         graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=manager.pool):
+                        # as V2's CudaGraphManager.capture records its graphs: its pool, the capture stream
+                        with (capture_pool(manager.pool, self.vllm_config) as pool,
+                              torch.cuda.graph(graph, pool, stream=current_stream())):
                             self._draft_levels(size, inputs)
                         self._level_graphs[size] = (graph, inputs)
             finally:
