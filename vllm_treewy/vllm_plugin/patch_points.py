@@ -362,6 +362,16 @@ INPUT_PROCESSOR_VALIDATE_PARAMS = PatchPoint(
     "would see a tree row's drafts in node order, not each node's path)", ("self", "params", "supported_tasks"),
     only_on="cuda",
 )
+V2_CAPTURE_POOL = PatchPoint(
+    "vllm.compilation.cudagraph_pool", "capture_pool", "calls",
+    "draft trees on V2: the level graphs recorded into V2's graph pool as its CudaGraphManager records its own",
+    ("pool", "vllm_config"), only_on="cuda",
+)
+V2_GRAPH_CAPTURE = PatchPoint(
+    "vllm.distributed.parallel_state", "graph_capture", "calls",
+    "draft trees on V2: the level graphs captured inside vLLM's graph-capture context, as V2's own",
+    ("device",), only_on="cuda",
+)
 V2_MTP_SPECULATOR = PatchPoint(
     "vllm.v1.worker.gpu.spec_decode.mtp.speculator", "MTPSpeculator", "rebinds",
     "draft trees on V2: init_speculator imports the MTP speculator from here at call time; the subclass drafts trees "
@@ -376,7 +386,8 @@ V2_SPECULATOR_PROPOSE = PatchPoint(
 )
 V2_SPECULATOR_RUN_MODEL = PatchPoint(
     "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "TargetDependentARSpeculator._run_model",
-    "calls", "draft trees on V2: one eager head forward per tree level, on the drafter's input buffers",
+    "calls", "draft trees on V2: one head forward per tree level, on the drafter's input buffers (eagerly or inside "
+    "the level graphs)",
     ("self", "num_tokens", "attn_metadata", "slot_mappings", "num_tokens_across_dp"), only_on="cuda",
 )
 V2_SPECULATOR_BUILD_ATTN_METADATA = PatchPoint(
@@ -504,6 +515,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     V2_RUNNER_CAPTURE_MODEL,
     V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY,
     INPUT_PROCESSOR_VALIDATE_PARAMS,
+    V2_CAPTURE_POOL,
+    V2_GRAPH_CAPTURE,
     V2_MTP_SPECULATOR,
     V2_SPECULATOR_PROPOSE,
     V2_SPECULATOR_RUN_MODEL,
@@ -572,10 +585,17 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes(
         "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "TargetDependentARSpeculator",
         ("hidden_states", "input_buffers", "last_token_indices", "draft_tokens", "max_num_tokens", "max_model_len",
-         "block_tables", "kv_cache_config", "draft_max_seq_len", "model", "device", "model_state"),
+         "block_tables", "kv_cache_config", "draft_max_seq_len", "model", "device", "model_state", "max_num_reqs",
+         "prefill_cudagraph_manager", "vllm_config"),
         "reads; sets draft_tokens, draft_max_seq_len and the input buffers",
-        "draft trees on V2: the first pass's root outputs, positions and tokens; the levels' inputs",
+        "draft trees on V2: the first pass's root outputs, positions and tokens; the levels' inputs; the first pass's "
+        "graph manager, whose FULL sizes and pool the level graphs take",
         assigned_in="vllm.v1.worker.gpu.spec_decode.speculator",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", ("_capture_descs", "pool", "cudagraph_mode"),
+        "reads", "draft trees on V2: the level graphs are captured per padded request count of the first pass's FULL "
+        "graphs, into the same pool",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu.sample.sampler", "Sampler", ("req_states", "sampling_states", "logprobs_mode"), "reads",

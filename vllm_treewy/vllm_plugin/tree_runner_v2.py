@@ -1,5 +1,6 @@
-"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN): EXPERIMENTAL, not yet run
-on a GPU. vLLM's V2 feature check keeps trees on the V1 runner unless `VLLM_TREEWY_TRY_V2_TREES=1` is set in the
+"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN): EXPERIMENTAL. First H200 call
+(2026-12-04, eager levels): fp16 [2,2,1] passed the tie-aware check at B = 1/8/64 with FULL decode graphs; the level
+graphs, the penalty refusal and the start-up budget check since then are not yet run on a GPU. vLLM's V2 feature check keeps trees on the V1 runner unless `VLLM_TREEWY_TRY_V2_TREES=1` is set in the
 environment of every vLLM process (the GPU check sets it; the switch goes once V2 trees are verified there).
 
 What V2 shares with the V1 tree path (`tree_runner`) unchanged:
@@ -11,7 +12,7 @@ What V2 shares with the V1 tree path (`tree_runner`) unchanged:
   and `unified_attention` wrappers are runner-independent);
 - the GDN side: V2 calls the same GDN metadata builder, so `step_metadata` gives the tree's commit nodes and counts,
   and the reconstruct layer verifies along the tree (nothing V2-specific);
-- acceptance (`spec_decode.acceptance.greedy_tree_acceptance` as the walk), the output rows
+- acceptance (main's one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws`), the output rows
   (`tree_sampler.tree_output_rows`), the accepted path's K/V compaction (`tree_sampler.commit_accepted_path`), the
   accepted leaf into each GDN slot's count (`tree_sampler.record_accepted_leaves`);
 - the MTP drafting levels' topology (`spec_decode.tree_drafting`) and the first pass's accepted-path-as-chain inputs
@@ -31,17 +32,31 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
 3. `GPUModelRunner.sample` (V2_RUNNER_SAMPLE): tree acceptance instead of V2's rejection sampler. V2's sampler draws
    every verified token's row in ONE call (`Sampler.sample`), its Gumbel noise keyed by (request seed, position):
    with depth positions, a node at depth d draws with the noise plain decoding uses at that position, so walking the
-   tree over these draws (`greedy_tree_acceptance`: move to the child carrying the draw) emits exactly what the
-   request's sampling would (the proof in `spec_decode.tree_sampling` needs one fresh draw per walked level; nodes off
-   the walk use noise of positions the walk either emits at or never reaches this step, and a step's stopping depth
-   depends only on the noise up to it). Greedy rows take the argmax there. One sampler call, no host sync.
-   Limitation: V2's penalties and logits processors see a tree row's drafts in node order (as a chain), not its
-   path; the V1 path treats them exactly.
+   tree over these draws (main's one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws` over
+   `acceptance.uniform_tree_acceptance`: move to the child carrying the draw, a fixed number of ops) emits exactly
+   what the request's sampling would (the proof in `spec_decode.tree_sampling` needs one fresh draw per walked level;
+   nodes off the walk use noise of positions the walk either emits at or never reaches this step, and a step's
+   stopping depth depends only on the noise up to it). Greedy rows take the argmax there. One sampler call, no host
+   sync. Penalties: V2's repetition/frequency/presence penalties would read a tree row's drafts in node order (as a
+   chain), so a node's penalties would count its siblings' drafts: such requests are REFUSED at admission on V2 trees
+   (INPUT_PROCESSOR_VALIDATE_PARAMS, `penalties_refusal`, a VLLMValidationError naming the penalty); the V1 runner
+   treats them exactly (its level path). Logits processors other than penalties see the rows as V2 gives them.
 4. The MTP drafter: V2 builds it in `init_speculator` from `spec_decode.mtp.speculator.MTPSpeculator`
    (V2_MTP_SPECULATOR, rebound to `TreeMtpSpeculatorV2`, vLLM's class unchanged for chains). Per step: V2's own
    first pass (`propose` with one draft, FULL graphs included) over the verified tokens with each tree row's
-   accepted path laid out as a chain, on attention metadata without the tree; then one eager head forward per
-   level over every request's level block, with the tree bias, depth positions and KV slots P0 + block index.
+   accepted path laid out as a chain, on attention metadata without the tree; then the drafting levels: one head
+   forward per level over every request's level block, with the tree bias, depth positions and KV slots
+   P0 + block index. The levels are one function, `_draft_levels`, over persistent buffers (`TreeLevelBuffers`):
+   static shapes, no host sync, so the same body runs eagerly or as a CUDA graph captured per padded request count of
+   V2's FULL first-pass graphs, in V2's capture phase (`_capture_levels`; `propose` fills the root buffers and
+   replays). Batches above the captured sizes (or without FULL graphs) run the body eagerly. Every request drafts at
+   once (no request chunks on V2): a max_num_seqs x (1 + nodes above the leaves) over max_num_batched_tokens is
+   refused at start-up (`check_level_budget`).
+
+State across calls: the speculator's `TreeRunStateV2` (`tree_state`), which the runner owns through its speculator.
+The model state's `prepare_attn` does not reach the runner, so the runner's entry points (execute_model,
+capture_model, profile_cudagraph_memory) bind the state to a ContextVar for the call only (`_CALL_TREE_STATE`, reset
+after it): no module state outlives a call, and no attribute is added to vLLM's objects.
 """
 
 from __future__ import annotations
