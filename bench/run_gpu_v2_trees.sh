@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# MTP draft trees on Model Runner V2 (vllm_plugin/tree_runner_v2.py; drafting levels in CUDA graphs since 2cbc043/
-# 666d33c, unverified until this passes), in one device command meant to finish within 190 s on a warm H200: four
-# engines start at once (bench/gpu_v2_chains.py's turns: starts overlap, timings do not), on the fixture's blurred-MTP
-# variant (its head right about half the time, so trees branch usefully):
+# MTP draft trees on Model Runner V2 (vllm_plugin/tree_runner_v2.py, drafting levels in CUDA graphs), in one device
+# command meant to finish within 190 s on a warm H200: four engines start at once (bench/gpu_v2_chains.py's turns:
+# starts overlap, timings do not), on the fixture's blurred-MTP variant (its head right about half the time, so trees
+# branch usefully):
 #   fp16, judged tie-aware against no speculation (fp16) at B = 1 / 8 / 64:  MTP trees [2,2,1] and [2,1,1] on V2
 #     (one timed pass each: their outputs are what is judged);
 #   bf16, tokens/s at B = 1 / 8 / 64 (median of 3 passes) and acceptance length:  tree [2,2,1] on V2 (reported, not
-#     judged against the fp16 reference). The reconstruct chain k = 3 on V2 is left out to fit the time: its figures
-#     from the first call (2026-12-04, /work/.device/4/v2_trees: 801 / 5,362 / 18,673 tokens/s, bf16) stand.
+#     judged against the fp16 reference). The reconstruct chain k = 3 on V2 is left out to fit the time (its figures:
+#     bench/results/gpu_v2_trees/).
 # The no-speculation reference times one pass and skips its control in smaller batches (the fixture's fp16 floor,
 # PASS in the first call). Trees reach V2 only through VLLM_TREEWY_TRY_V2_TREES=1 (--try-v2-trees); each run records
 # the runner vLLM picked ("model_runner"), so a tree that fell back to V1 shows as such.
