@@ -1,7 +1,7 @@
-"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN): EXPERIMENTAL. First H200 call
-(2026-12-04, eager levels): fp16 [2,2,1] passed the tie-aware check at B = 1/8/64 with FULL decode graphs; the level
-graphs, the penalty refusal and the start-up budget check since then are not yet run on a GPU. vLLM's V2 feature check keeps trees on the V1 runner unless `VLLM_TREEWY_TRY_V2_TREES=1` is set in the
-environment of every vLLM process (the GPU check sets it; the switch goes once V2 trees are verified there).
+"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN). Opt-in until the GPU checks
+of `bench/run_gpu_v2_trees.sh` cover the graphed levels and several tree shapes (`bench/results/gpu_v2_trees/`):
+vLLM's V2 feature check keeps trees on the V1 runner unless `VLLM_TREEWY_TRY_V2_TREES=1` is set in the environment
+of every vLLM process.
 
 What V2 shares with the V1 tree path (`tree_runner`) unchanged:
 
@@ -12,7 +12,7 @@ What V2 shares with the V1 tree path (`tree_runner`) unchanged:
   and `unified_attention` wrappers are runner-independent);
 - the GDN side: V2 calls the same GDN metadata builder, so `step_metadata` gives the tree's commit nodes and counts,
   and the reconstruct layer verifies along the tree (nothing V2-specific);
-- acceptance (main's one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws`), the output rows
+- acceptance (the one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws`), the output rows
   (`tree_sampler.tree_output_rows`), the accepted path's K/V compaction (`tree_sampler.commit_accepted_path`), the
   accepted leaf into each GDN slot's count (`tree_sampler.record_accepted_leaves`);
 - the MTP drafting levels' topology (`spec_decode.tree_drafting`) and the first pass's accepted-path-as-chain inputs
@@ -32,7 +32,7 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
 3. `GPUModelRunner.sample` (V2_RUNNER_SAMPLE): tree acceptance instead of V2's rejection sampler. V2's sampler draws
    every verified token's row in ONE call (`Sampler.sample`), its Gumbel noise keyed by (request seed, position):
    with depth positions, a node at depth d draws with the noise plain decoding uses at that position, so walking the
-   tree over these draws (main's one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws` over
+   tree over these draws (the one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws` over
    `acceptance.uniform_tree_acceptance`: move to the child carrying the draw, a fixed number of ops) emits exactly
    what the request's sampling would (the proof in `spec_decode.tree_sampling` needs one fresh draw per walked level;
    nodes off the walk use noise of positions the walk either emits at or never reaches this step, and a step's
@@ -171,7 +171,7 @@ def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: tor
 
     block_rows = cu[step.request_indices][:, None] + _arange(block_len, device)  # [R, 1 + N]
     drafts = input_ids[step.token_indices.view(num_requests, block_len)[:, 1:]].long()  # [R, N]
-    # main's walk over every node's draw at once (uniform_tree_acceptance: a fixed number of ops, whatever the depth)
+    # the walk over every node's draw at once (uniform_tree_acceptance: a fixed number of ops, whatever the depth)
     acceptance = sampled_tree_acceptance_of_draws(_walk_tables(step.tree.parents, device), drafts,
                                                   row_draws[block_rows].long())
     drafts = drafts.reshape(-1)  # [R * N]
