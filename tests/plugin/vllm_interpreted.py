@@ -86,9 +86,13 @@ def load_vllm_module(name: str) -> types.ModuleType:
         spec = importlib.util.spec_from_file_location(private, importlib.util.find_spec(name).origin)
         module = importlib.util.module_from_spec(spec)
         current_platform.is_cpu = lambda: False  # an instance attribute over the class's method, for the import
+        sys.modules[private] = module  # registered first: its dataclasses resolve their module while it runs
         try:
             with _real_triton():
                 spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[private]
+            raise
         finally:
             del current_platform.is_cpu
         sys.modules[private] = _interpretable(module)
