@@ -346,16 +346,19 @@ def test_tree_state_is_bound_for_the_runner_call_only():
     assert not any(isinstance(v, dict) and v for k, v in vars(tree_runner_v2).items() if k.isupper())
 
 
-def test_penalties_are_refused_at_admission_on_v2_trees():
+def test_path_dependent_parameters_are_refused_at_admission_on_v2_trees():
     from vllm import SamplingParams
 
     tree_spec = SimpleNamespace(is_draft_tree=True, draft_tree=DraftTree.from_widths([2, 2, 1]),
                                 draft_tree_widths=[2, 2, 1])
-    assert tree_runner_v2.penalties_refusal(SamplingParams(temperature=0.8), tree_spec) is None
-    for field, value in (("repetition_penalty", 1.2), ("frequency_penalty", 0.5), ("presence_penalty", 0.5)):
-        reason = tree_runner_v2.penalties_refusal(SamplingParams(**{field: value}), tree_spec)
+    assert tree_runner_v2.v2_tree_refusal(SamplingParams(temperature=0.8), tree_spec) is None
+    assert tree_runner_v2.v2_tree_refusal(SamplingParams(temperature=0.8, min_p=0.1, logit_bias={3: 1.0}),
+                                          tree_spec) is None  # per-row parameters: exact on a tree
+    for field, value in (("repetition_penalty", 1.2), ("frequency_penalty", 0.5), ("presence_penalty", 0.5),
+                         ("bad_words", ["a b c"]), ("thinking_token_budget", 16)):
+        reason = tree_runner_v2.v2_tree_refusal(SamplingParams(**{field: value}), tree_spec)
         assert reason is not None and field in reason and "Model Runner V2" in reason
-        assert tree_runner_v2.penalties_refusal(SamplingParams(**{field: value}), None) is None  # chains: vLLM's
+        assert tree_runner_v2.v2_tree_refusal(SamplingParams(**{field: value}), None) is None  # chains: vLLM's
 
     calls = []
 
@@ -366,11 +369,11 @@ def test_penalties_are_refused_at_admission_on_v2_trees():
         def _validate_params(self, params, supported_tasks):
             calls.append(params)
 
-    validate = tree_runner_v2._refusing_tree_penalties(Processor._validate_params)
+    validate = tree_runner_v2._refusing_path_dependent_params(Processor._validate_params)
     validate(Processor(), SamplingParams(temperature=0.5), ("generate",))
     from vllm.exceptions import VLLMValidationError
 
-    with pytest.raises(VLLMValidationError, match="penalties"):
+    with pytest.raises(VLLMValidationError, match="repetition_penalty"):
         validate(Processor(), SamplingParams(repetition_penalty=1.1), ("generate",))
     assert len(calls) == 1
 

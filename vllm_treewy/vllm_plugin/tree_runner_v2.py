@@ -37,10 +37,13 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    what the request's sampling would (the proof in `spec_decode.tree_sampling` needs one fresh draw per walked level;
    nodes off the walk use noise of positions the walk either emits at or never reaches this step, and a step's
    stopping depth depends only on the noise up to it). Greedy rows take the argmax there. One sampler call, no host
-   sync. Penalties: V2's repetition/frequency/presence penalties would read a tree row's drafts in node order (as a
-   chain), so a node's penalties would count its siblings' drafts: such requests are REFUSED at admission on V2 trees
-   (INPUT_PROCESSOR_VALIDATE_PARAMS, `penalties_refusal`, a VLLMValidationError naming the penalty); the V1 runner
-   treats them exactly (its level path). Logits processors other than penalties see the rows as V2 gives them.
+   sync. What reads a row's tokens as a chain is not exact on a tree: V2's repetition / frequency / presence
+   penalties and its bad-words matching (a node's prefix match would read its siblings' drafts, for bad words of
+   3 or more tokens) take the row's drafts in node order, and its thinking-token budget counts a node's context as
+   the root plus its place in node order. Requests that use any of them are REFUSED at admission on V2 trees
+   (INPUT_PROCESSOR_VALIDATE_PARAMS, `v2_tree_refusal`: a VLLMValidationError naming the parameter; bad words are
+   refused whatever their length, which is known only after tokenization); the V1 runner treats penalties and bad
+   words exactly (its level path). Temperature, top-k, top-p, min-p and logit bias act per row and are exact.
 4. The MTP drafter: V2 builds it in `init_speculator` from `spec_decode.mtp.speculator.MTPSpeculator`
    (V2_MTP_SPECULATOR, rebound to `TreeMtpSpeculatorV2`, vLLM's class unchanged for chains). Per step: V2's own
    first pass (`propose` with one draft, FULL graphs included) over the verified tokens with each tree row's
@@ -323,30 +326,29 @@ def _sampling_trees(original):
     return sample
 
 
-PENALTY_FIELDS = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0))
+PATH_DEPENDENT_FIELDS = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                         ("bad_words", None), ("thinking_token_budget", None))
 
 
-def penalties_refusal(params, speculative_config) -> str | None:
-    """Why a request is refused on V2 trees (None: admitted): V2's penalties read a row's verified tokens in node
-    order, so a tree node's penalties would count its siblings' and cousins' drafts; until each node sees the
-    committed output plus its own path only, such requests are refused at admission (the V1 runner treats them
-    exactly: its level path)."""
+def v2_tree_refusal(params, speculative_config) -> str | None:
+    """Why a request is refused on V2 trees (None: admitted): the sampling parameters whose V2 processors read a
+    tree row's verified tokens as a chain (module docstring, 3.), so a node would see other nodes' drafts."""
     if draft_tree_of(speculative_config) is None:
         return None
-    used = [f"{name}={getattr(params, name)}" for name, neutral in PENALTY_FIELDS
-            if getattr(params, name, neutral) != neutral]
+    used = [f"{name}={getattr(params, name)}" for name, neutral in PATH_DEPENDENT_FIELDS
+            if getattr(params, name, neutral) not in (neutral, [])]
     if not used:
         return None
-    return (f"draft_tree_widths on Model Runner V2 does not support sampling penalties yet ({', '.join(used)}): "
-            "a tree node's penalties would see other nodes' drafts. Send the request without penalties, or run the "
-            "tree on the V1 runner (unset VLLM_TREEWY_TRY_V2_TREES) or without draft_tree_widths")
+    return (f"draft_tree_widths on Model Runner V2 does not support these sampling parameters yet ({', '.join(used)}):"
+            " a tree node would see other nodes' drafts. Send the request without them, or run the tree on the V1 "
+            "runner (unset VLLM_TREEWY_TRY_V2_TREES) or without draft_tree_widths")
 
 
-def _refusing_tree_penalties(original):
+def _refusing_path_dependent_params(original):
     @functools.wraps(original)
     def validate(self, params, *args, **kwargs):
         if getattr(self.vllm_config, "use_v2_model_runner", False) and hasattr(params, "repetition_penalty"):
-            reason = penalties_refusal(params, self.speculative_config)
+            reason = v2_tree_refusal(params, self.speculative_config)
             if reason is not None:
                 from vllm.exceptions import VLLMValidationError
 
@@ -638,7 +640,7 @@ def install() -> None:
         V2_MTP_SPECULATOR.replace(tree_class)
     for point in (V2_RUNNER_EXECUTE_MODEL, V2_RUNNER_CAPTURE_MODEL, V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY):
         point.wrap(_binding_tree_state)
-    INPUT_PROCESSOR_VALIDATE_PARAMS.wrap(_refusing_tree_penalties)
+    INPUT_PROCESSOR_VALIDATE_PARAMS.wrap(_refusing_path_dependent_params)
     V2_RUNNER_PREPARE_ATTN.wrap(_finding_tree_rows)
     V2_MAMBA_PREPARE_ATTN.wrap(_handing_tree_to_attention)
     V2_RUNNER_SAMPLE.wrap(_sampling_trees)
