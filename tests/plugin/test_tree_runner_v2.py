@@ -19,7 +19,7 @@ import torch
 
 from vllm_treewy.spec_decode.acceptance import greedy_tree_acceptance_reference
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin import runner_v2, tree_runner_v2
+from vllm_treewy.vllm_plugin import runner_v2, tree_runner_v2, tree_sampler_v2, tree_speculator_v2
 from vllm_treewy.vllm_plugin.tree_metadata import tree_qq_bias_of, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.tree_step import block_depths, override_positions
 
@@ -120,7 +120,7 @@ def test_accept_tree_rows_walks_the_draws_as_the_reference(seed):
             child = children[int(torch.randint(0, len(children), (1,), generator=gen))]
             draws[int(cu[req]) + 1 + current] = drafts[child]
             current = child
-    result = tree_runner_v2.accept_tree_rows(step, draws, cu, input_ids, num_speculative_steps=N)
+    result = tree_sampler_v2.accept_tree_rows(step, draws, cu, input_ids, num_speculative_steps=N)
     assert result.sampled.shape == (4, 1 + N)
     assert result.sampled[0, 0] == draws[0] and result.sampled[2, 0] == draws[int(cu[3]) - 1]
     assert (result.sampled[[0, 2], 1:] == -1).all() and result.num_sampled[[0, 2]].tolist() == [1, 1]
@@ -145,7 +145,7 @@ def test_accept_tree_rows_walks_the_draws_as_the_reference(seed):
 def test_level_slots_in_every_group():
     tables = [torch.tensor([[3, 9, 4], [7, 2, 8]], dtype=torch.int32), torch.tensor([[1], [5]], dtype=torch.int32)]
     positions = torch.tensor([[14, 15, 16], [30, 31, 32]])
-    slots = tree_runner_v2.level_slot_mappings(tables, [16, 64], positions, max_model_len=32)
+    slots = tree_speculator_v2.level_slot_mappings(tables, [16, 64], positions, max_model_len=32)
     assert slots[0].tolist() == [3 * 16 + 14, 3 * 16 + 15, 9 * 16 + 0, 2 * 16 + 14, 2 * 16 + 15, -1]
     assert slots[1].tolist() == [64 + 14, 64 + 15, 64 + 16, 5 * 64 + 30, 5 * 64 + 31, -1]
 
@@ -159,7 +159,7 @@ def test_the_drafters_first_pass_sees_no_tree():
     bias = torch.zeros(2, 2)
     plain = FakeMetadata(3)
     treed = with_tree(FakeMetadata(L), tree_qq_bias=bias)
-    stripped = tree_runner_v2._strip_tree({"a": plain, "b": treed})
+    stripped = tree_speculator_v2._strip_tree({"a": plain, "b": treed})
     assert stripped["a"] is plain
     assert tree_qq_bias_of(stripped["b"]) is None and tree_step_of(stripped["b"]) is None
     assert stripped["b"].max_query_len == L and tree_qq_bias_of(treed) is bias  # the target's keeps its tree
@@ -265,7 +265,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
     spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
                            num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
                            uses_dynamic_speculative_decoding=lambda: False)
-    speculator = tree_runner_v2.make_tree_speculator_class(FakeV2Speculator)(
+    speculator = tree_speculator_v2.make_tree_speculator_class(FakeV2Speculator)(
         SimpleNamespace(speculative_config=spec), torch.device("cpu"))
     # a tree row (1 + N tokens, 2 accepted: nodes 0 then its first child), a one-token decode, a tree row (none)
     block = 1 + tree.num_nodes
@@ -305,7 +305,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
     # one eager forward per level below the leaves, each with the level tree's bias and KV slots P0 + block index
     assert len(speculator.level_metadata) == len(widths) - 1
     for (metadata, _), slots, level in zip(speculator.level_metadata, speculator.level_slots,
-                                           tree_runner_v2.level_trees(widths)):
+                                           tree_speculator_v2.level_trees(widths)):
         assert tree_qq_bias_of(metadata["mtp.attn"]).shape[1] == 1 + level.num_nodes
         level_block = 1 + level.num_nodes
         expected = torch.cat([torch.arange(p, p + level_block) for p in (22, 9, 60)])
@@ -314,12 +314,12 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
         assert slots[0, : 3 * level_block].tolist() == (table[rows, expected // 16].long() * 16
                                                          + expected % 16).tolist()
         assert slots.shape[1] == (graph_size or 3) * level_block
-        assert (slots[0, 3 * level_block :] == tree_runner_v2.PAD_SLOT).all()  # graph padding writes no K/V
+        assert (slots[0, 3 * level_block :] == tree_speculator_v2.PAD_SLOT).all()  # graph padding writes no K/V
 
 
 def test_tree_speculator_runs_chains_as_vllm():
     spec = SimpleNamespace(is_draft_tree=False, num_speculative_tokens=3)
-    speculator = tree_runner_v2.make_tree_speculator_class(FakeV2Speculator)(
+    speculator = tree_speculator_v2.make_tree_speculator_class(FakeV2Speculator)(
         SimpleNamespace(speculative_config=spec), torch.device("cpu"))
     assert speculator.tree_state is None
     batch = v2_batch([4], [3], [False], [10])
@@ -333,7 +333,7 @@ def test_tree_state_is_bound_for_the_runner_call_only():
     seen = []
 
     class Runner:
-        speculator = SimpleNamespace(tree_state=tree_runner_v2.TreeRunStateV2(DraftTree.from_widths([2, 1])))
+        speculator = SimpleNamespace(tree_state=tree_speculator_v2.TreeRunStateV2(DraftTree.from_widths([2, 1])))
 
         def execute_model(self, *args):
             seen.append(tree_runner_v2._CALL_TREE_STATE.get())
@@ -343,7 +343,8 @@ def test_tree_state_is_bound_for_the_runner_call_only():
     with pytest.raises(RuntimeError):
         wrapped(Runner())
     assert seen == [Runner.speculator.tree_state] and tree_runner_v2._CALL_TREE_STATE.get() is None
-    assert not any(isinstance(v, dict) and v for k, v in vars(tree_runner_v2).items() if k.isupper())
+    assert not any(isinstance(v, dict) and v for module in (tree_runner_v2, tree_sampler_v2, tree_speculator_v2)
+                   for k, v in vars(module).items() if k.isupper())
 
 
 def test_path_dependent_parameters_are_refused_at_admission_on_v2_trees():
@@ -379,9 +380,9 @@ def test_path_dependent_parameters_are_refused_at_admission_on_v2_trees():
 
 
 def test_level_budget_that_could_overflow_is_refused_at_startup():
-    tree_runner_v2.check_level_budget([2, 2, 1], 64, 64 * 7)  # deepest level: root + 6 nodes above the leaves
+    tree_speculator_v2.check_level_budget([2, 2, 1], 64, 64 * 7)  # deepest level: root + 6 nodes above the leaves
     with pytest.raises(ValueError, match=r"max_num_batched_tokens to >= 455 or lower max_num_seqs to <= 64"):
-        tree_runner_v2.check_level_budget([2, 2, 1], 65, 64 * 7)
+        tree_speculator_v2.check_level_budget([2, 2, 1], 65, 64 * 7)
 
 
 def _tree_speculator(widths):
@@ -389,7 +390,7 @@ def _tree_speculator(widths):
     spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
                            num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
                            uses_dynamic_speculative_decoding=lambda: False)
-    return tree_runner_v2.make_tree_speculator_class(FakeV2Speculator)(
+    return tree_speculator_v2.make_tree_speculator_class(FakeV2Speculator)(
         SimpleNamespace(speculative_config=spec), torch.device("cpu"))
 
 
@@ -439,13 +440,14 @@ def test_level_graphs_are_captured_per_padded_size_of_v2s_first_pass_graphs(monk
     assert sorted(speculator._level_graphs) == [1, 8]
     assert bodies == [(8, False), (8, True), (1, False), (1, True)]  # warm-up, then the captured body
     assert speculator.draft_max_seq_len == 77
-    assert (speculator._tree_buffers().slots[0, : 8 * 7] == tree_runner_v2.PAD_SLOT).all()  # captured with PAD slots
+    # captured with PAD slots
+    assert (speculator._tree_buffers().slots[0, : 8 * 7] == tree_speculator_v2.PAD_SLOT).all()
     assert speculator._level_graph_size(1) == 1 and speculator._level_graph_size(3) == 8
     assert speculator._level_graph_size(9) is None  # eager above the captured sizes
 
 
 def test_profiling_flag_follows_vllms_profiling_calls():
-    state = tree_runner_v2.TreeRunStateV2(DraftTree.from_widths([2, 1]))
+    state = tree_speculator_v2.TreeRunStateV2(DraftTree.from_widths([2, 1]))
     seen = []
 
     class Runner:

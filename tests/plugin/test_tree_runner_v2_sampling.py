@@ -67,7 +67,7 @@ from tests.spec_decode.test_tree_sampling import (
     roots_for,
 )
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin import tree_runner_v2
+from vllm_treewy.vllm_plugin import tree_runner_v2, tree_sampler_v2, tree_speculator_v2
 
 TRIALS = 20_000
 P_MIN = 1e-3
@@ -256,7 +256,7 @@ class KnownModel:
 def v2_runner(sampler, tree: DraftTree, table: torch.Tensor):
     return SimpleNamespace(
         sampler=sampler, model=KnownModel(table), num_speculative_steps=tree.num_nodes,
-        speculator=SimpleNamespace(tree_state=tree_runner_v2.TreeRunStateV2(tree)), speculative_config=None,
+        speculator=SimpleNamespace(tree_state=tree_speculator_v2.TreeRunStateV2(tree)), speculative_config=None,
         batch_sharder=None, rejection_sampler=None,
         compilation_config=SimpleNamespace(static_forward_context={}),
         kv_cache_config=SimpleNamespace(kv_cache_groups=[]))
@@ -367,13 +367,13 @@ def test_twins_are_v2s_interpreted_kernels(monkeypatch, setting):
     root_positions = PROMPT_LEN + torch.randint(0, 1000, (num_reqs,), generator=generator)
     idx_mapping = torch.randperm(num_reqs, generator=generator)
     draws = []
-    accept = tree_runner_v2.accept_tree_rows
+    accept = tree_sampler_v2.accept_tree_rows
 
     def recording(step, row_draws, *args, **kwargs):
         draws.append(row_draws.clone())
         return accept(step, row_draws, *args, **kwargs)
 
-    monkeypatch.setattr(tree_runner_v2, "accept_tree_rows", recording)
+    monkeypatch.setattr(tree_sampler_v2, "accept_tree_rows", recording)
     outputs = []
     for interpreted in (True, False):
         with v2_kernels(monkeypatch, interpreted):
@@ -398,8 +398,8 @@ def test_v2_tree_sampling_emits_the_models_distribution(monkeypatch, tree_name, 
 
 # Planted bugs, each in the adapter's path on V2's sampler.
 def _parents_draw(monkeypatch, tree: DraftTree):
-    walk = tree_runner_v2.sampled_tree_acceptance_of_draws
-    monkeypatch.setattr(tree_runner_v2, "sampled_tree_acceptance_of_draws",
+    walk = tree_sampler_v2.sampled_tree_acceptance_of_draws
+    monkeypatch.setattr(tree_sampler_v2, "sampled_tree_acceptance_of_draws",
                         lambda tables, drafts, node_draws: walk(tables, drafts, parents_draw(tree.parents, node_draws)))
 
 
