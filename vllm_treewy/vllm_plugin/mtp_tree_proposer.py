@@ -85,7 +85,7 @@ class TreeMtpProposer(EagleProposer):
                                    common_attn_metadata, sampling_metadata, *args, **kwargs)
         accepted, self.tree_state.accepted = self.tree_state.accepted, None
         if accepted is not None:
-            target_token_ids, target_positions, target_hidden_states = _accepted_paths_as_chains(
+            target_token_ids, target_positions, target_hidden_states = accepted_paths_as_chains(
                 *accepted, target_token_ids, target_positions, target_hidden_states)
         sample_rows = (token_indices_to_sample if token_indices_to_sample is not None
                        else common_attn_metadata.query_start_loc[1:] - 1)
@@ -143,7 +143,7 @@ class TreeMtpProposer(EagleProposer):
         block_len = 1 + self.nodes_below[-2]
         depths = self._constants(self.levels[-1]).depths
         positions = (root_positions[:, None] + depths).clamp_(max=self.max_model_len - 1)
-        slots = _slots(cad.block_table_tensor, root_positions[:, None] + self._block_offsets(block_len),
+        slots = kv_slots(cad.block_table_tensor, root_positions[:, None] + self._block_offsets(block_len),
                        self.block_size, self.max_model_len)
         return _LevelBlocks(positions, slots, root_positions.to(cad.seq_lens.dtype))
 
@@ -245,7 +245,7 @@ class _LevelBlocks(NamedTuple):
     seq_lens: torch.Tensor  # [R] each root's position in vLLM's sequence-length dtype: a level adds its block length
 
 
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, max_model_len: int) -> torch.Tensor:
+def kv_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, max_model_len: int) -> torch.Tensor:
     """KV slots of `positions [R, n]` (request r's row of the block table); padding past max_model_len."""
     valid = positions < max_model_len
     clamped = positions.clamp(max=max_model_len - 1)
@@ -261,7 +261,7 @@ def _requests_of(cad, rows: slice):
                                seq_lens_cpu_upper_bound=None if upper is None else upper[rows])
 
 
-def _accepted_paths_as_chains(step: TreeStep, acceptance: TreeAcceptance, token_ids, positions, hidden_states):
+def accepted_paths_as_chains(step: TreeStep, acceptance: TreeAcceptance, token_ids, positions, hidden_states):
     """The first pass's inputs with every tree row's verified block laid out as its accepted path's chain
     (`accepted_path_sources`): token ids and hidden states gathered, positions root + row. New tensors."""
     num_requests, block_len = step.num_requests, step.block_len

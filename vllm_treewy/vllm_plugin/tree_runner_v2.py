@@ -16,7 +16,7 @@ What V2 shares with the V1 tree path (`tree_runner`) unchanged:
   (`tree_sampler.tree_output_rows`), the accepted path's K/V compaction (`tree_sampler.commit_accepted_path`), the
   accepted leaf into each GDN slot's count (`tree_sampler.record_accepted_leaves`);
 - the MTP drafting levels' topology (`spec_decode.tree_drafting`) and the first pass's accepted-path-as-chain inputs
-  (`mtp_tree_proposer._accepted_paths_as_chains`, `_slots`).
+  (`mtp_tree_proposer.accepted_paths_as_chains`, `kv_slots`).
 
 What V2 does its own way, and the hook for each (all in `patch_points.py`):
 

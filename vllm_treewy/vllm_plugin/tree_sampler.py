@@ -160,12 +160,13 @@ def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sample
     device = logits.device
     num_reqs, num_rows, block_len = sampled_end.numel(), logits.shape[0], step.block_len
     last_rows = sampled_end - 1  # every request's last logits row: a non-tree request's only one
-    block_rows = (sampled_end[step.request_indices] - block_len)[:, None] + _arange(block_len, device)  # [R, 1 + N]
+    block_starts = sampled_end[step.request_indices] - block_len
+    block_rows = block_starts[:, None] + device_arange(block_len, device)  # [R, 1 + N]
     metadata = _node_rows_metadata(sampling_metadata, lambda: _row_requests(sampled_end, num_rows),
                                    lambda: _block_columns(last_rows, block_rows, step.request_indices))
     output = sampler(logits, metadata, predict_bonus_token=True)
     draws = output.sampled_token_ids.view(-1)
-    acceptance = sampled_tree_acceptance_of_draws(_walk_tables(step.tree.parents, device),
+    acceptance = sampled_tree_acceptance_of_draws(walk_tables(step.tree.parents, device),
                                                   draft_tokens.view(step.num_requests, -1), draws[block_rows])
     out = torch.full((num_reqs, block_len), PLACEHOLDER_TOKEN, dtype=torch.long, device=device)
     out[:, 0] = draws[last_rows]
@@ -184,17 +185,17 @@ def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sample
 
 def _row_requests(sampled_end: torch.Tensor, num_rows: int) -> torch.Tensor:
     """`[num_rows]` int64: the request of every logits row (`sampled_end [num_reqs]`: each request's rows end)."""
-    return torch.searchsorted(sampled_end, _arange(num_rows, sampled_end.device), right=True)
+    return torch.searchsorted(sampled_end, device_arange(num_rows, sampled_end.device), right=True)
 
 
 @functools.lru_cache(maxsize=64)
-def _arange(n: int, device: torch.device) -> torch.Tensor:
+def device_arange(n: int, device: torch.device) -> torch.Tensor:
     """`arange(n)` int64 on the device, built once (read only)."""
     return torch.arange(n, device=device)
 
 
 @functools.lru_cache(maxsize=16)
-def _walk_tables(parents: tuple[int, ...], device: torch.device) -> UniformWalkTables:
+def walk_tables(parents: tuple[int, ...], device: torch.device) -> UniformWalkTables:
     """A tree's walk tables on the device, built once (read only)."""
     return UniformWalkTables.of(parents, device)
 

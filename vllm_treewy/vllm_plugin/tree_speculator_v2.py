@@ -60,10 +60,10 @@ def _strip_tree(attn_metadata):
 def level_slot_mappings(block_tables, block_sizes, block_positions: torch.Tensor, max_model_len: int) -> torch.Tensor:
     """`[num_groups, R * L]` KV slots of `block_positions [R, L]` in every KV-cache group (`block_tables`: each
     group's `[>= R, max_blocks]` rows of the batch); PAD past max_model_len."""
-    from vllm_treewy.vllm_plugin.mtp_tree_proposer import _slots
+    from vllm_treewy.vllm_plugin.mtp_tree_proposer import kv_slots
 
     num_requests = block_positions.shape[0]
-    return torch.stack([_slots(table[:num_requests], block_positions, size, max_model_len).reshape(-1)
+    return torch.stack([kv_slots(table[:num_requests], block_positions, size, max_model_len).reshape(-1)
                         for table, size in zip(block_tables, block_sizes)])
 
 
@@ -137,12 +137,12 @@ def make_tree_speculator_class(base):
                 return call(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                             num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
                             num_speculative_tokens=num_speculative_tokens)
-            from vllm_treewy.vllm_plugin.mtp_tree_proposer import _accepted_paths_as_chains
+            from vllm_treewy.vllm_plugin.mtp_tree_proposer import accepted_paths_as_chains
 
             accepted, self.tree_state.accepted = self.tree_state.accepted, None
             hidden = last_hidden_states
             if accepted is not None:
-                ids, positions, hidden = _accepted_paths_as_chains(*accepted, input_batch.input_ids,
+                ids, positions, hidden = accepted_paths_as_chains(*accepted, input_batch.input_ids,
                                                                    input_batch.positions, last_hidden_states)
                 input_batch = dataclasses.replace(input_batch, input_ids=ids, positions=positions)
             call(input_batch, _strip_tree(attn_metadata), slot_mappings, hidden, aux_hidden_states, num_sampled,
@@ -210,8 +210,8 @@ def make_tree_speculator_class(base):
             """Every request's tree into `tree buffers.tokens[:num_reqs]`, from the root buffers: device ops of
             static shapes only (no host sync, no allocation that depends on data), so that the same function runs
             eagerly and inside a CUDA graph. `level_inputs`: `_level_inputs(num_reqs, ...)`."""
-            from vllm_treewy.vllm_plugin.mtp_tree_proposer import _slots
-            from vllm_treewy.vllm_plugin.tree_sampler import _arange  # cached: built before any capture (warm-up)
+            from vllm_treewy.vllm_plugin.mtp_tree_proposer import kv_slots
+            from vllm_treewy.vllm_plugin.tree_sampler import device_arange  # cached: built before any capture (warm-up)
 
             bufs = self._tree_buffers()
             buffers = self.input_buffers
@@ -222,14 +222,14 @@ def make_tree_speculator_class(base):
             root_logits = self.model.compute_logits(bufs.root_output[:num_reqs])
             tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
             # The deepest level's block: every level's block is a prefix of it (positions, KV slots once per step).
-            offsets = _arange(widest, self.device)
+            offsets = device_arange(widest, self.device)
             positions = (root_positions[:, None] + self._constants(self.levels[-1]).depths).clamp_(
                 max=self.max_model_len - 1)
             block_positions = root_positions[:, None] + offsets
             valid = bufs.valid[:num_reqs, None]
-            slots = [torch.where(valid, _slots(table[:num_reqs], block_positions, size, self.max_model_len), PAD_SLOT)
+            slots = [torch.where(valid, kv_slots(table[:num_reqs], block_positions, size, self.max_model_len), PAD_SLOT)
                      for table, size in zip(self.block_tables.input_block_tables, self.block_tables.block_sizes)]
-            query_offsets = _arange(self.max_num_reqs + 1, self.device)
+            query_offsets = device_arange(self.max_num_reqs + 1, self.device)
             for level, (tree, (attn_metadata, slot_mappings)) in enumerate(zip(self.levels, level_inputs), start=1):
                 first, last = self.nodes_below[level - 1], self.nodes_below[level]  # this level's nodes [first, last)
                 block_len = 1 + tree.num_nodes
