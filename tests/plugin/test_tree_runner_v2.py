@@ -349,6 +349,7 @@ def test_tree_state_is_bound_for_the_runner_call_only():
 
 def test_path_dependent_parameters_are_refused_at_admission_on_v2_trees():
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     tree_spec = SimpleNamespace(is_draft_tree=True, draft_tree=DraftTree.from_widths([2, 2, 1]),
                                 draft_tree_widths=[2, 2, 1])
@@ -356,7 +357,8 @@ def test_path_dependent_parameters_are_refused_at_admission_on_v2_trees():
     assert tree_runner_v2.v2_tree_refusal(SamplingParams(temperature=0.8, min_p=0.1, logit_bias={3: 1.0}),
                                           tree_spec) is None  # per-row parameters: exact on a tree
     for field, value in (("repetition_penalty", 1.2), ("frequency_penalty", 0.5), ("presence_penalty", 0.5),
-                         ("bad_words", ["a b c"]), ("thinking_token_budget", 16)):
+                         ("bad_words", ["a b c"]), ("thinking_token_budget", 16),
+                         ("structured_outputs", StructuredOutputsParams(choice=["yes", "no"]))):
         reason = tree_runner_v2.v2_tree_refusal(SamplingParams(**{field: value}), tree_spec)
         assert reason is not None and field in reason and "Model Runner V2" in reason
         assert tree_runner_v2.v2_tree_refusal(SamplingParams(**{field: value}), None) is None  # chains: vLLM's

@@ -40,7 +40,8 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    sync. What reads a row's tokens as a chain is not exact on a tree: V2's repetition / frequency / presence
    penalties and its bad-words matching (a node's prefix match would read its siblings' drafts, for bad words of
    3 or more tokens) take the row's drafts in node order, and its thinking-token budget counts a node's context as
-   the root plus its place in node order. Requests that use any of them are REFUSED at admission on V2 trees
+   the root plus its place in node order; a grammar's state (structured outputs) follows one path. Requests that
+   use any of them are REFUSED at admission on V2 trees
    (INPUT_PROCESSOR_VALIDATE_PARAMS, `v2_tree_refusal`: a VLLMValidationError naming the parameter; bad words are
    refused whatever their length, which is known only after tokenization); the V1 runner treats penalties and bad
    words exactly (its level path). Temperature, top-k, top-p, min-p and logit bias act per row and are exact.
@@ -214,7 +215,7 @@ def _sampling_trees(original):
 
 
 PATH_DEPENDENT_FIELDS = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                         ("bad_words", None), ("thinking_token_budget", None))
+                         ("bad_words", None), ("thinking_token_budget", None), ("structured_outputs", None))
 
 
 def v2_tree_refusal(params, speculative_config) -> str | None:
