@@ -20,6 +20,7 @@ import torch
 from vllm_treewy.spec_decode.acceptance import greedy_tree_acceptance_reference
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import runner_v2, tree_runner_v2, tree_sampler_v2, tree_speculator_v2
+from vllm_treewy.vllm_plugin.mtp_tree_proposer import PADDING_SLOT, kv_slots
 from vllm_treewy.vllm_plugin.tree_metadata import tree_qq_bias_of, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.tree_step import block_depths, override_positions
 
@@ -143,9 +144,10 @@ def test_accept_tree_rows_walks_the_draws_as_the_reference(seed):
 
 
 def test_level_slots_in_every_group():
+    """The drafting levels' KV slots in each KV-cache group (`kv_slots` per group, as `_draft_levels` takes them)."""
     tables = [torch.tensor([[3, 9, 4], [7, 2, 8]], dtype=torch.int32), torch.tensor([[1], [5]], dtype=torch.int32)]
     positions = torch.tensor([[14, 15, 16], [30, 31, 32]])
-    slots = tree_speculator_v2.level_slot_mappings(tables, [16, 64], positions, max_model_len=32)
+    slots = [kv_slots(table, positions, size, max_model_len=32).reshape(-1) for table, size in zip(tables, [16, 64])]
     assert slots[0].tolist() == [3 * 16 + 14, 3 * 16 + 15, 9 * 16 + 0, 2 * 16 + 14, 2 * 16 + 15, -1]
     assert slots[1].tolist() == [64 + 14, 64 + 15, 64 + 16, 5 * 64 + 30, 5 * 64 + 31, -1]
 
@@ -314,7 +316,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
         assert slots[0, : 3 * level_block].tolist() == (table[rows, expected // 16].long() * 16
                                                          + expected % 16).tolist()
         assert slots.shape[1] == (graph_size or 3) * level_block
-        assert (slots[0, 3 * level_block :] == tree_speculator_v2.PAD_SLOT).all()  # graph padding writes no K/V
+        assert (slots[0, 3 * level_block :] == PADDING_SLOT).all()  # graph padding writes no K/V
 
 
 def test_tree_speculator_runs_chains_as_vllm():
@@ -443,7 +445,7 @@ def test_level_graphs_are_captured_per_padded_size_of_v2s_first_pass_graphs(monk
     assert bodies == [(8, False), (8, True), (1, False), (1, True)]  # warm-up, then the captured body
     assert speculator.draft_max_seq_len == 77
     # captured with PAD slots
-    assert (speculator._tree_buffers().slots[0, : 8 * 7] == tree_speculator_v2.PAD_SLOT).all()
+    assert (speculator._tree_buffers().slots[0, : 8 * 7] == PADDING_SLOT).all()
     assert speculator._level_graph_size(1) == 1 and speculator._level_graph_size(3) == 8
     assert speculator._level_graph_size(9) is None  # eager above the captured sizes
 

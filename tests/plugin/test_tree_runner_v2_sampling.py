@@ -65,6 +65,7 @@ from tests.spec_decode.test_tree_sampling import (
     model_logits,
     parents_draw,
     roots_for,
+    sampling_distribution,
 )
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import tree_runner_v2, tree_sampler_v2, tree_speculator_v2
@@ -79,22 +80,6 @@ CPU = torch.device("cpu")
 
 
 # -- the exact law ------------------------------------------------------------------------------------------------
-def sampling_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """vLLM's rule, float64: logits / T; top-k (ties at the k-th value kept); top-p over the renormalized rest
-    (ascending sort, drop cumulative probability <= 1 - top_p, always keep the largest)."""
-    z = logits.double() / temperature
-    if 0 < top_k < z.shape[-1]:
-        kth = z.sort(dim=-1, descending=True).values[..., top_k - 1 : top_k]
-        z = z.masked_fill(z < kth, float("-inf"))
-    p = torch.softmax(z, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = p.sort(dim=-1)
-        dropped = sorted_p.cumsum(-1) <= 1 - top_p
-        dropped[..., -1] = False
-        p = p.scatter(-1, order, sorted_p.masked_fill(dropped, 0.0))
-    return p / p.sum(-1, keepdim=True)
-
-
 def model_table() -> torch.Tensor:
     """`[VOCAB, VOCAB]` float32 logits of the next token given the last one (what the sampler sees)."""
     return model_logits().float()
@@ -330,7 +315,8 @@ def run_trials(runner, tree: DraftTree, ranking: torch.Tensor, roots: torch.Tens
 def judged_run(monkeypatch, tree_name: str, setting: str, seed: int, trials: int = TRIALS):
     tree = DraftTree.from_widths(TREES[tree_name])
     table = model_table()
-    probs = sampling_distribution(table, *SETTINGS[setting])
+    temperature, top_k, top_p = SETTINGS[setting]
+    probs = sampling_distribution(table, temperature, top_p, top_k=top_k)
     roots = roots_for(trials)
     sampler = v2_sampler(monkeypatch, trials, setting, tree.num_nodes)
     with v2_kernels(monkeypatch, interpreted=False):
@@ -349,8 +335,8 @@ def test_the_law_is_vllms_rule():
         scaled = table / temperature
         kept = apply_top_k_top_p(scaled.clone(), torch.full((VOCAB,), top_k or VOCAB),
                                  torch.full((VOCAB,), top_p)).isfinite()
-        assert torch.equal(kept, sampling_distribution(table, temperature, top_k, top_p) > 0)
-    assert int((sampling_distribution(table, 0.7, 0, 0.9) == 0).sum()) > 0
+        assert torch.equal(kept, sampling_distribution(table, temperature, top_p, top_k=top_k) > 0)
+    assert int((sampling_distribution(table, 0.7, 0.9) == 0).sum()) > 0
 
 
 @pytest.mark.parametrize("setting", ["t1.0", "t0.7-p0.9"])

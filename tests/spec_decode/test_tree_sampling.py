@@ -58,10 +58,15 @@ TREES = {  # parent arrays
 
 
 # -- the known model ---------------------------------------------------------------------------------------------
-def sampling_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Rows of logits -> sampling probabilities, float64: logits / T, then top-p (ascending sort, drop cumulative
-    probability <= 1 - top_p, always keep the largest)."""
-    p = torch.softmax(logits.double() / temperature, dim=-1)
+def sampling_distribution(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """Rows of logits -> sampling probabilities as vLLM's rule gives them, float64: logits / T; top-k (ties at the
+    k-th value kept; 0: off); top-p over the renormalised rest (ascending sort, drop cumulative probability
+    <= 1 - top_p, always keep the largest)."""
+    z = logits.double() / temperature
+    if 0 < top_k < z.shape[-1]:
+        kth = z.sort(dim=-1, descending=True).values[..., top_k - 1 : top_k]
+        z = z.masked_fill(z < kth, float("-inf"))
+    p = torch.softmax(z, dim=-1)
     if top_p >= 1.0:
         return p
     sorted_p, order = p.sort(dim=-1)

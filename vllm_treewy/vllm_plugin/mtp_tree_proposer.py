@@ -43,7 +43,7 @@ from vllm_treewy.spec_decode.tree_drafting import (
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.tree_metadata import replace_metadata, with_tree
 from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
-from vllm_treewy.vllm_plugin.tree_step import TreeConstants, TreeStep, uniform_tree_step
+from vllm_treewy.vllm_plugin.tree_step import TreeConstants, TreeStep, device_arange, uniform_tree_step
 
 PADDING_SLOT = -1  # vLLM's PADDING_SLOT_ID: the cache write skips the token
 
@@ -73,7 +73,6 @@ class TreeMtpProposer(EagleProposer):
         self.levels = level_trees(self.widths)
         self.nodes_below = nodes_below_depth(self.widths)
         self._level_constants: dict[int, TreeConstants] = {}  # per level tree (by node count), on the device
-        self._offsets: dict[int, torch.Tensor] = {}  # block length -> arange on the device
         self._host_query_starts: dict[tuple[int, int], torch.Tensor] = {}  # (requests, block length) -> host layout
 
     # -- vLLM's entry points ----------------------------------------------------------------------------------
@@ -143,15 +142,9 @@ class TreeMtpProposer(EagleProposer):
         block_len = 1 + self.nodes_below[-2]
         depths = self._constants(self.levels[-1]).depths
         positions = (root_positions[:, None] + depths).clamp_(max=self.max_model_len - 1)
-        slots = kv_slots(cad.block_table_tensor, root_positions[:, None] + self._block_offsets(block_len),
-                       self.block_size, self.max_model_len)
+        slots = kv_slots(cad.block_table_tensor, root_positions[:, None] + device_arange(block_len, self.device),
+                         self.block_size, self.max_model_len)
         return _LevelBlocks(positions, slots, root_positions.to(cad.seq_lens.dtype))
-
-    def _block_offsets(self, block_len: int) -> torch.Tensor:
-        """`arange(block_len)` on the device, built once per length (read only)."""
-        if block_len not in self._offsets:
-            self._offsets[block_len] = torch.arange(block_len, device=self.device)
-        return self._offsets[block_len]
 
     def _query_start_loc_cpu(self, num_reqs: int, block_len: int) -> torch.Tensor:
         """The level's query layout on the host, built once per shape (read only)."""

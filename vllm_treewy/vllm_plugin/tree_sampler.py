@@ -44,7 +44,7 @@ from vllm_treewy.spec_decode.acceptance import TreeAcceptance, UniformWalkTables
 from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance, sampled_tree_acceptance_of_draws
 from vllm_treewy.vllm_plugin.tree_attention_cpu import compact_accepted_kv
 from vllm_treewy.vllm_plugin.tree_attention_triton import compact_accepted_kv_paged
-from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep
+from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep, device_arange
 
 PLACEHOLDER_TOKEN = -1  # vLLM's padding of sampled_token_ids
 LOGPROBS_FIELDS = ("logprob_token_ids", "logprobs", "selected_token_ranks")  # vLLM's LogprobsTensors, per row
@@ -186,12 +186,6 @@ def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sample
 def _row_requests(sampled_end: torch.Tensor, num_rows: int) -> torch.Tensor:
     """`[num_rows]` int64: the request of every logits row (`sampled_end [num_reqs]`: each request's rows end)."""
     return torch.searchsorted(sampled_end, device_arange(num_rows, sampled_end.device), right=True)
-
-
-@functools.lru_cache(maxsize=64)
-def device_arange(n: int, device: torch.device) -> torch.Tensor:
-    """`arange(n)` int64 on the device, built once (read only)."""
-    return torch.arange(n, device=device)
 
 
 @functools.lru_cache(maxsize=16)

@@ -13,10 +13,7 @@ from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.spec_decode.tree_drafting import accepted_path_sources
 from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance_of_draws
 from vllm_treewy.vllm_plugin.tree_speculator_v2 import TreeRunStateV2
-from vllm_treewy.vllm_plugin.tree_step import TreeStep
-
-PLACEHOLDER_TOKEN = -1  # V2's padding of sampled_token_ids
-
+from vllm_treewy.vllm_plugin.tree_step import TreeStep, device_arange
 
 # -- acceptance on V2's logits layout --------------------------------------------------------------------------
 
@@ -37,7 +34,7 @@ def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: tor
     device = row_draws.device
     cu = cu_num_logits.long()
     num_reqs, num_logits = cu.numel() - 1, row_draws.numel()
-    from vllm_treewy.vllm_plugin.tree_sampler import device_arange, walk_tables, tree_output_rows
+    from vllm_treewy.vllm_plugin.tree_sampler import PLACEHOLDER_TOKEN, tree_output_rows, walk_tables
 
     block_rows = cu[step.request_indices][:, None] + device_arange(block_len, device)  # [R, 1 + N]
     drafts = input_ids[step.token_indices.view(num_requests, block_len)[:, 1:]].long()  # [R, N]

@@ -27,11 +27,11 @@ import torch
 
 from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
 from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.mtp_tree_proposer import PADDING_SLOT, accepted_paths_as_chains, kv_slots
 from vllm_treewy.vllm_plugin.tree_metadata import replace_metadata, with_tree
 from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
-from vllm_treewy.vllm_plugin.tree_step import TreeConstants, TreeStep
+from vllm_treewy.vllm_plugin.tree_step import TreeConstants, TreeStep, device_arange
 
-PAD_SLOT = -1  # vLLM's PAD_SLOT_ID
 
 
 @dataclass
@@ -55,16 +55,6 @@ def _strip_tree(attn_metadata):
     return {name: (with_tree(m, tree_step=None, tree_qq_bias=None)
                    if tree_step_of(m) is not None or tree_qq_bias_of(m) is not None else m)
             for name, m in attn_metadata.items()}
-
-
-def level_slot_mappings(block_tables, block_sizes, block_positions: torch.Tensor, max_model_len: int) -> torch.Tensor:
-    """`[num_groups, R * L]` KV slots of `block_positions [R, L]` in every KV-cache group (`block_tables`: each
-    group's `[>= R, max_blocks]` rows of the batch); PAD past max_model_len."""
-    from vllm_treewy.vllm_plugin.mtp_tree_proposer import kv_slots
-
-    num_requests = block_positions.shape[0]
-    return torch.stack([kv_slots(table[:num_requests], block_positions, size, max_model_len).reshape(-1)
-                        for table, size in zip(block_tables, block_sizes)])
 
 
 def check_level_budget(widths, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -103,7 +93,7 @@ class TreeLevelBuffers:
         return cls(zeros(max_reqs, dtype=torch.long), zeros(max_reqs, dtype=id_dtype), zeros(max_reqs, hidden_size),
                    zeros(max_reqs, hidden_size), zeros(max_reqs, dtype=torch.bool),
                    zeros(max_reqs, num_nodes, dtype=torch.long), zeros(max_reqs, widest, hidden_size),
-                   torch.full((num_groups, max_tokens), PAD_SLOT, dtype=torch.long, device=device))
+                   torch.full((num_groups, max_tokens), PADDING_SLOT, dtype=torch.long, device=device))
 
 
 def make_tree_speculator_class(base):
@@ -137,8 +127,6 @@ def make_tree_speculator_class(base):
                 return call(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                             num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
                             num_speculative_tokens=num_speculative_tokens)
-            from vllm_treewy.vllm_plugin.mtp_tree_proposer import accepted_paths_as_chains
-
             accepted, self.tree_state.accepted = self.tree_state.accepted, None
             hidden = last_hidden_states
             if accepted is not None:
@@ -210,9 +198,6 @@ def make_tree_speculator_class(base):
             """Every request's tree into `tree buffers.tokens[:num_reqs]`, from the root buffers: device ops of
             static shapes only (no host sync, no allocation that depends on data), so that the same function runs
             eagerly and inside a CUDA graph. `level_inputs`: `_level_inputs(num_reqs, ...)`."""
-            from vllm_treewy.vllm_plugin.mtp_tree_proposer import kv_slots
-            from vllm_treewy.vllm_plugin.tree_sampler import device_arange  # cached: built before any capture (warm-up)
-
             bufs = self._tree_buffers()
             buffers = self.input_buffers
             widest = 1 + self.nodes_below[-2]
@@ -227,7 +212,8 @@ def make_tree_speculator_class(base):
                 max=self.max_model_len - 1)
             block_positions = root_positions[:, None] + offsets
             valid = bufs.valid[:num_reqs, None]
-            slots = [torch.where(valid, kv_slots(table[:num_reqs], block_positions, size, self.max_model_len), PAD_SLOT)
+            slots = [torch.where(valid, kv_slots(table[:num_reqs], block_positions, size, self.max_model_len),
+                                 PADDING_SLOT)
                      for table, size in zip(self.block_tables.input_block_tables, self.block_tables.block_sizes)]
             query_offsets = device_arange(self.max_num_reqs + 1, self.device)
             for level, (tree, (attn_metadata, slot_mappings)) in enumerate(zip(self.levels, level_inputs), start=1):

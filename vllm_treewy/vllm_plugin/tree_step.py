@@ -173,3 +173,9 @@ def _uniform_template(tree: DraftTree, num_requests: int, constants: TreeConstan
         position_shifts=(torch.arange(block_len, device=device) - constants.depths).repeat(num_requests),
         covers_batch=True,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def device_arange(n: int, device: torch.device) -> torch.Tensor:
+    """`arange(n)` int64 on the device, built once (read only)."""
+    return torch.arange(n, device=device)
