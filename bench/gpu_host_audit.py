@@ -68,7 +68,10 @@ WAITING_BUILTIN = re.compile(r"synchronize|'(item|tolist|cpu|to|copy_|numpy)'|\b
 RUNNER_METHODS = ("execute_model", "sample_tokens", "_update_states", "_prepare_inputs", "_build_attention_metadata",
                   "_determine_batch_execution_and_padding", "_model_forward", "_sample",
                   "_update_states_after_model_execute", "propose_draft_token_ids", "_bookkeeping_sync",
-                  "take_draft_token_ids")
+                  "take_draft_token_ids",
+                  # Model Runner V2's (vllm/v1/worker/gpu/model_runner.py); absent names are skipped
+                  "update_requests", "add_requests", "gather_batch_req_state", "prepare_inputs", "prepare_attn",
+                  "sample", "postprocess_sampled")
 STEPS = "runner.execute_model"
 # cProfile: (what, file suffix, function); every function of that name in the file counts
 KEY_METHODS = (
@@ -157,17 +160,30 @@ def largest_differences(base: dict, subject: dict, value, top: int) -> list[dict
     return sorted(rows, key=lambda row: (-abs(row["difference"]), row["key"]))[:top]
 
 
+def audit_role(run: dict) -> str:
+    """'subject' or 'base': a run's side of the comparison (its `audit_role`; runs written before trees were audited
+    have none: reconstruct is the subject, store_all the base)."""
+    return run.get("audit_role") or ("subject" if run["strategy"] == SUBJECT else "base")
+
+
+def run_label(run: dict) -> str:
+    """A run's label in the report: its name (its strategy for runs written before names were recorded)."""
+    return run.get("name", run["strategy"])
+
+
 def diff_report(runs: dict, top: int = 20) -> dict:
-    """The subject's (reconstruct's) run beside the base's (store_all's), from their per-strategy results (the
-    strategies' JSON files, by name); None where either lacks the pass."""
-    by_strategy = {run["strategy"]: run for run in runs.values()}
-    base, subject = by_strategy.get(BASE), by_strategy.get(SUBJECT)
+    """The subject's run (reconstruct's; with --tree-widths the tree's) beside the base's (store_all's; the chain
+    of the tree's depth), from their results (the runs' JSON files, by name); None where either lacks the pass."""
+    by_role = {audit_role(run): run for run in runs.values()}
+    base, subject = by_role.get("base"), by_role.get("subject")
+    by_strategy = {run_label(run): run for run in (base, subject) if run is not None}
 
     def passes(name):
         found = [(r or {}).get("passes", {}).get(name) for r in (base, subject)]
         return found if all(found) else None
 
-    report = {"wall_ms_per_step": {s: (r.get("passes", {}).get("timed") or {}).get("wall_ms_per_step")
+    report = {"names": {role: run_label(run) for role, run in by_role.items()},
+              "wall_ms_per_step": {s: (r.get("passes", {}).get("timed") or {}).get("wall_ms_per_step")
                                    for s, r in by_strategy.items()},
               "methods": None, "waits": None, "sync_sites": None, "functions": None, "cudagraph_modes": None}
     if timed := passes("timed"):
@@ -176,7 +192,7 @@ def diff_report(runs: dict, top: int = 20) -> dict:
         report["waits"] = {"more_in_subject": more_in_subject(timed[0]["waits"], timed[1]["waits"], "us_per_step",
                                                               tolerance=1.0),
                            "more_calls_in_subject": more_in_subject(timed[0]["waits"], timed[1]["waits"])}
-        report["cudagraph_modes"] = {s: t["cudagraph_modes"] for s, t in zip((BASE, SUBJECT), timed)}
+        report["cudagraph_modes"] = {run_label(r): t["cudagraph_modes"] for r, t in zip((base, subject), timed)}
     if (audit := passes("sync_audit")) and all(a["available"] for a in audit):
         report["sync_sites"] = more_in_subject(audit[0]["sites"], audit[1]["sites"])
     if profile := passes("profile"):
@@ -186,14 +202,16 @@ def diff_report(runs: dict, top: int = 20) -> dict:
 
 
 def print_report(report: dict) -> None:
+    names = report.get("names") or {}
+    base, subject = names.get("base", BASE), names.get("subject", SUBJECT)
     print("\nwall per engine step, ms (timed pass):", json.dumps(report["wall_ms_per_step"]))
     if report["methods"]:
-        print(f"\nhost us per step (timed pass)     {BASE:>10}{SUBJECT:>12}{'diff':>9}  method")
+        print(f"\nhost us per step (timed pass)      {base:>16} {subject:>20}{'diff':>9}  method")
         for row in report["methods"]:
             print(f"{'':34}{row['base']:10.1f}{row['subject']:12.1f}{row['difference']:+9.1f}  {row['key']}")
     if report["waits"] is not None:
         rows = report["waits"]["more_in_subject"]
-        print(f"\nexplicit waits, us per step more in {SUBJECT} (timed pass): {len(rows)} sites")
+        print(f"\nexplicit waits, us per step more in {subject} (timed pass): {len(rows)} sites")
         for row in rows:
             print(f"  {row['base']:10.1f}{row['subject']:10.1f}{row['difference']:+9.1f}  {row['site']}"
                   f"{'  (only here)' if row['only_in_subject'] else ''}")
@@ -202,14 +220,14 @@ def print_report(report: dict) -> None:
     if report["sync_sites"] is None:
         print("\nsync audit: not in both strategies' results (it needs CUDA)")
     else:
-        print(f"\nsynchronizing ops per step more in {SUBJECT}: {len(report['sync_sites'])} sites")
+        print(f"\nsynchronizing ops per step more in {subject}: {len(report['sync_sites'])} sites")
         for row in report["sync_sites"]:
             print(f"  {row['base']:6.2f} -> {row['subject']:6.2f}  {row['site']}"
                   f"{'  (only here)' if row['only_in_subject'] else ''}")
             for chain in list(row["chains"])[:2]:
                 print(f"      {chain}")
     if report["functions"]:
-        print(f"\ncProfile cumulative us per step {BASE:>10}{SUBJECT:>12}{'diff':>9}  function")
+        print(f"\ncProfile cumulative us per step  {base:>16} {subject:>20}{'diff':>9}  function")
         for row in report["functions"]:
             print(f"{'':32}{row['base']:10.1f}{row['subject']:12.1f}{row['difference']:+9.1f}  {row['key']}")
     if report["cudagraph_modes"]:
@@ -247,8 +265,11 @@ class StepTimers:
         return True
 
     def record_cudagraph_modes(self, runner) -> None:
-        """Each step's CUDA graph mode and padded token count, as the runner's dispatch returns them."""
-        determine = runner._determine_batch_execution_and_padding
+        """Each step's CUDA graph mode and padded token count, as the V1 runner's dispatch returns them (V2 has no
+        such method: nothing recorded)."""
+        determine = getattr(runner, "_determine_batch_execution_and_padding", None)
+        if determine is None:
+            return
 
         @functools.wraps(determine)
         def recorded(*args, **kwargs):
@@ -373,7 +394,8 @@ def install_step_timers(timers: StepTimers, llm, scheduler, runner) -> list[str]
                (gpu_model_runner.AsyncGPUModelRunnerOutput, "get_output", "AsyncGPUModelRunnerOutput.get_output"),
                (GDNAttentionMetadataBuilder, "build", "GDN metadata build (vLLM's and the adapter's)"),
                (step_metadata, "with_commit_nodes", "adapter: with_commit_nodes"),
-               (accepted_counts, "record_chain_accepted_counts", "adapter: record_chain_accepted_counts")]
+               (accepted_counts, "record_chain_accepted_counts", "adapter: record_chain_accepted_counts"),
+               (getattr(runner, "speculator", None), "propose", "V2 speculator.propose")]
     timers.record_cudagraph_modes(runner)  # before the runner's timer wraps the same method
     return [label for owner, name, label in targets if not timers.wrap(owner, name, label)]
 
@@ -457,8 +479,8 @@ def engine_args(args) -> argparse.Namespace:
     return options
 
 
-def run_name(strategy: str, k: int) -> str:
-    return f"{strategy}-k{k}"
+def run_name(strategy: str, k: int, tree_widths=None) -> str:
+    return f"{strategy}-tree{''.join(map(str, tree_widths))}" if tree_widths else f"{strategy}-k{k}"
 
 
 def write_json(path: Path, data) -> None:
@@ -474,10 +496,12 @@ def run_strategy(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = run_name(args.strategy, args.k)
+    name = run_name(args.strategy, args.k, args.tree_widths)
     cuda = torch.cuda.is_available()
     waits = SiteLog()
-    result = {"name": name, "strategy": args.strategy, "k": args.k, "batch": args.batch, "max_tokens": args.max_tokens,
+    result = {"name": name, "strategy": args.strategy, "k": args.k, "tree_widths": args.tree_widths,
+              "audit_role": args.audit_role, "blurred_mtp": args.blurred_mtp, "batch": args.batch,
+              "max_tokens": args.max_tokens,
               "wait_timers": install_wait_timers(waits) if cuda else "none: vLLM's CPU backend makes waits no-ops",
               "passes": {}, "errors": {}}
 
@@ -486,17 +510,27 @@ def run_strategy(args) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     gpu_site.seed_model_info_cache()
+    if args.tree_widths:
+        from vllm_treewy.vllm_plugin.tree_runner_v2 import TRY_V2_TREES_ENV
+
+        os.environ[TRY_V2_TREES_ENV] = "1"  # trees on V2 (vLLM's GPU default); read when the plugin installs
     plugin.register()
-    model, prompts = gpu_vllm_e2e.prompts_and_model()
+    model, prompts = gpu_vllm_e2e.tree_model(args)
     prompts = prompts[: args.batch]
     options = engine_args(args)
     if args.batch > max(options.batch_sizes):
         raise SystemExit(f"--batch {args.batch} exceeds the engine's max_num_seqs {max(options.batch_sizes)}")
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
             **gpu_site.SPECULATIVE}
+    tokens_per_request = 1 + args.k
+    if args.tree_widths:
+        from vllm_treewy.tree import DraftTree
+
+        spec.update(num_speculative_tokens=len(args.tree_widths), draft_tree_widths=list(args.tree_widths))
+        tokens_per_request = 1 + DraftTree.from_widths(args.tree_widths).num_nodes
     timers = StepTimers()
     start = time.perf_counter()
-    with engine(model, speculative_config=spec, **gpu_vllm_e2e.engine_kwargs(options, 1 + args.k)) as llm:
+    with engine(model, speculative_config=spec, **gpu_vllm_e2e.engine_kwargs(options, tokens_per_request)) as llm:
         result["engine_start_s"] = time.perf_counter() - start
         result.update(gpu_vllm_e2e.device_facts())
         scheduler, runner = in_process_runner(llm)
@@ -559,9 +593,11 @@ def run_strategy(args) -> int:
 
 
 def audit_args(args) -> list[str]:
-    """This invocation's options for a `strategy` process."""
+    """This invocation's options for a `strategy` process (all but the tree and the role, which `run_all` sets)."""
     argv = ["--out", args.out, "--k", str(args.k), "--batch", str(args.batch), "--max-tokens", str(args.max_tokens),
             "--top", str(args.top)]
+    if args.blurred_mtp:
+        argv.append("--blurred-mtp")
     if args.engine_batch_sizes:
         argv += ["--engine-batch-sizes", *map(str, args.engine_batch_sizes)]
     for flag in ("eager", "no_async_scheduling"):
@@ -573,8 +609,23 @@ def audit_args(args) -> list[str]:
     return argv
 
 
+def audited_runs(args) -> list[tuple[str, list[str]]]:
+    """(run name, `strategy` options) per engine: each of `--strategies` (reconstruct the subject, store_all the
+    base); with `--tree-widths`, the reconstruct tree (subject, on V2) and the reconstruct chain of its depth (base)."""
+    if args.tree_widths:
+        depth = len(args.tree_widths)
+        tree = ["--tree-widths", *map(str, args.tree_widths)]
+        return [(run_name(SUBJECT, depth, args.tree_widths),
+                 ["--strategy", SUBJECT, *tree, "--audit-role", "subject"]),
+                (run_name(SUBJECT, depth), ["--strategy", SUBJECT, "--audit-role", "base"])]
+    return [(run_name(strategy, args.k), ["--strategy", strategy, "--audit-role",
+                                          "subject" if strategy == SUBJECT else "base"])
+            for strategy in args.strategies]
+
+
 def run_all(args) -> int:
-    """One `strategy` process per strategy, one after another (each cut at `--strategy-timeout-s`), then `diff`."""
+    """One `strategy` process per run (`audited_runs`), one after another (each cut at `--strategy-timeout-s`), then
+    `diff`."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stops the running strategy too
@@ -582,14 +633,16 @@ def run_all(args) -> int:
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     started = time.monotonic()
     processes = {}
-    for strategy in args.strategies:
-        name = run_name(strategy, args.k)
+    for name, options in audited_runs(args):
         print(f"=== {name} at {time.monotonic() - started:.0f} s", flush=True)
         begun = time.monotonic()
         with open(out / f"{name}.log", "w") as log:
             # in this process group: whatever stops the call stops it too
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "strategy", "--strategy",
-                                     strategy, *audit_args(args)], cwd=ROOT, env=env, stdout=log,
+            argv = audit_args(args)
+            if args.tree_widths:  # the chain's k: the tree's depth
+                argv[argv.index("--k") + 1] = str(len(args.tree_widths))
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "strategy", *options, *argv],
+                                    cwd=ROOT, env=env, stdout=log,
                                     stderr=subprocess.STDOUT)
             try:
                 rc = proc.wait(timeout=args.strategy_timeout_s)
@@ -607,7 +660,8 @@ def run_all(args) -> int:
 def run_diff(args, processes: dict | None = None) -> int:
     """`host_audit.json` and the table, from the strategies' files under `--out` (no engine)."""
     out = Path(args.out)
-    runs = {path.stem: json.loads(path.read_text()) for path in sorted(out.glob(f"*-k{args.k}.json"))}
+    runs = {path.stem: json.loads(path.read_text()) for path in sorted(out.glob("*.json"))
+            if path.name != "host_audit.json"}
     first = next(iter(runs.values()), {})
     report = {"command": args.command or " ".join([sys.executable, *sys.argv]),
               "device": {k: first.get(k) for k in ("device", "nvidia_smi", "torch", "vllm", "python",
@@ -617,8 +671,8 @@ def run_diff(args, processes: dict | None = None) -> int:
     for name, run in runs.items():
         print(f"{name}: passes {sorted(run['passes'])}, errors in {sorted(run['errors'])}")
     print_report(report["diff"])
-    complete = {run["strategy"] for run in runs.values() if not run["errors"] and "profile" in run["passes"]}
-    return 0 if {BASE, SUBJECT} <= complete else 1
+    complete = {audit_role(run) for run in runs.values() if not run["errors"] and "profile" in run["passes"]}
+    return 0 if {"base", "subject"} <= complete else 1
 
 
 def add_audit_args(parser) -> None:
@@ -634,6 +688,8 @@ def add_audit_args(parser) -> None:
     parser.add_argument("--no-async-scheduling", action="store_true", help="a second opinion: vLLM's sync scheduler")
     parser.add_argument("--cudagraph-mode", default=None, help="default: vLLM's (FULL_AND_PIECEWISE)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
+    parser.add_argument("--blurred-mtp", action="store_true",
+                        help="the fixture's blurred-MTP variant (same target; its head right about half the time)")
 
 
 def main(argv=None) -> int:
@@ -642,6 +698,9 @@ def main(argv=None) -> int:
     run = sub.add_parser("run", help="every strategy, one process each, then diff")
     add_audit_args(run)
     run.add_argument("--strategies", nargs="+", default=[SUBJECT, BASE], choices=[SUBJECT, BASE])
+    run.add_argument("--tree-widths", type=int, nargs="+", default=None,
+                     help="audit the reconstruct MTP tree of these widths on V2 against the reconstruct chain of its "
+                          "depth (instead of --strategies)")
     run.add_argument("--strategy-timeout-s", type=float, default=None,
                      help="a strategy's process is cut (its files so far kept) after this long")
     run.add_argument("--command", default=None, help="the whole shell command, for the report")
@@ -649,9 +708,10 @@ def main(argv=None) -> int:
     strategy = sub.add_parser("strategy", help="one engine's audit (run starts these)")
     add_audit_args(strategy)
     strategy.add_argument("--strategy", required=True, choices=[SUBJECT, BASE])
+    strategy.add_argument("--tree-widths", type=int, nargs="+", default=None, help="an MTP tree (on V2) of these widths")
+    strategy.add_argument("--audit-role", choices=["subject", "base"], default=None)
     diff = sub.add_parser("diff", help="host_audit.json and the table from the files under --out")
     diff.add_argument("--out", required=True)
-    diff.add_argument("--k", type=int, default=3)
     diff.add_argument("--command", default=None)
     diff.add_argument("--top-diff", type=int, default=20)
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """bench/gpu_host_audit.py: call sites, per-step figures and the reconstruct / store_all comparison on synthetic
 inputs; the instruments on CPU; and (e2e) the whole flow on vLLM's CPU backend, where the sync audit is unavailable."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -209,3 +210,17 @@ def test_the_whole_flow_on_vllms_cpu_backend(tmp_path):
     assert timed["adapter: with_commit_nodes"]["calls_per_step"] > 0  # the adapter's wrappers ran, and were timed
     assert report["diff"]["functions"] and report["diff"]["sync_sites"] is None
     assert "cProfile cumulative us per step" in done.stdout
+
+
+def test_a_tree_is_audited_against_the_chain_of_its_depth():
+    args = argparse.Namespace(tree_widths=[2, 2, 1], strategies=["reconstruct", "store_all"], k=3)
+    runs = audit.audited_runs(args)
+    assert [name for name, _ in runs] == ["reconstruct-tree221", "reconstruct-k3"]
+    assert runs[0][1] == ["--strategy", "reconstruct", "--tree-widths", "2", "2", "1", "--audit-role", "subject"]
+    assert runs[1][1] == ["--strategy", "reconstruct", "--audit-role", "base"]
+    tree = dict(run_result("reconstruct", {("vllm/a.py:1 f",): 4}, steps=2), name="reconstruct-tree221",
+                audit_role="subject")
+    chain = dict(run_result("reconstruct", {}, steps=2), name="reconstruct-k3", audit_role="base")
+    report = audit.diff_report({"reconstruct-tree221": tree, "reconstruct-k3": chain})
+    assert report["names"] == {"subject": "reconstruct-tree221", "base": "reconstruct-k3"}
+    assert [(r["site"], r["base"], r["subject"]) for r in report["sync_sites"]] == [("vllm/a.py:1 f", 0.0, 2.0)]
