@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # MTP draft trees on Model Runner V2 (vllm_plugin/tree_runner_v2.py, drafting levels in CUDA graphs), in one device
-# command meant to finish within 190 s on a warm H200: four engines start at once (bench/gpu_v2_chains.py's turns:
-# starts overlap, timings do not), on the fixture's blurred-MTP variant (its head right about half the time, so trees
-# branch usefully):
-#   fp16, judged tie-aware against no speculation (fp16) at B = 1 / 8 / 64:  MTP trees [2,2,1] and [2,1,1] on V2
-#     (one timed pass each: their outputs are what is judged);
-#   bf16, tokens/s at B = 1 / 8 / 64 (median of 3 passes) and acceptance length:  tree [2,2,1] on V2 (reported, not
-#     judged against the fp16 reference). The reconstruct chain k = 3 on V2 is left out to fit the time (its figures:
-#     bench/results/gpu_v2_trees/).
+# command: the chosen engines start at once (bench/gpu_v2_chains.py's turns: starts overlap, timings do not), on the
+# fixture's blurred-MTP variant (its head right about half the time, so trees branch usefully):
+#   fp16 trees, judged tie-aware against no speculation (fp16) at every batch size (one timed pass each: their
+#     outputs are what is judged);
+#   bf16 trees and chains, tokens/s (median of 3 passes) and acceptance length, reported, not judged against the fp16
+#     reference: a tree beside the chain of its depth in the same call.
 # The no-speculation reference times one pass and skips its control in smaller batches (the fixture's fp16 floor,
 # PASS in the first call). Trees reach V2 only through VLLM_TREEWY_TRY_V2_TREES=1 (--try-v2-trees); each run records
 # the runner vLLM picked ("model_runner"), so a tree that fell back to V1 shows as such.
@@ -15,8 +13,8 @@
 #   bash bench/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96]
 #   DRY_RUN=1 bash bench/run_gpu_v2_trees.sh OUT_DIR   # prints the engine commands and checks their arguments only
 # OUT_DIR gets log.txt (summary), gpu_v2_trees.json (the reference's report) and engines.tar.gz (every engine's log
-# and run JSON). KV_BYTES (default 8 GiB) per engine, GPU_UTIL (0.1), CALL_LIMIT_S (480) per engine, STAGGER_S (1)
-# between engine starts.
+# and run JSON). ENGINES (names from the catalog below) and BATCHES choose what runs; KV_BYTES (default 8 GiB) per
+# engine, GPU_UTIL (0.1), CALL_LIMIT_S (480) per engine, STAGGER_S (1) between engine starts.
 set -u
 out=$1; shift
 work=${WORK:-/tmp/v2-trees}
@@ -24,13 +22,25 @@ rm -rf "$work"; mkdir -p "$out" "$work/runs" "$work/turns" "$work/logs"
 log=$out/log.txt; : >"$log"
 start=$(date +%s)
 limit=${CALL_LIMIT_S:-480}
-batches=(--batch-sizes 1 8 64)
-# name | engine arguments (the strategy is reconstruct for all)
-engines=(
-  "tree221-fp16|--tree-widths 2 2 1 --dtype float16 --try-v2-trees --blurred-mtp --name-suffix fp16 --timing-repeats 1"
-  "tree211-fp16|--tree-widths 2 1 1 --dtype float16 --try-v2-trees --blurred-mtp --name-suffix fp16 --timing-repeats 1"
-  "tree221-bf16|--tree-widths 2 2 1 --dtype bfloat16 --try-v2-trees --blurred-mtp --name-suffix bf16 --timing-repeats 3"
-)
+# The engine catalog: name -> engine arguments (the strategy is reconstruct for all). ENGINES picks the call's
+# engines by name (default: the fp16 trees [2,2,1] and [2,1,1] and the bf16 tree [2,2,1]); BATCHES the batch sizes.
+# fp16 engines are judged (one timed pass: their outputs are what is judged); bf16 ones report tokens/s (median of
+# 3 passes) and acceptance beside the bf16 chains of the same depth (k3: depth 3, k2: depth 2 for [4,2]).
+declare -A catalog
+for w in 221 211 322 42; do
+  widths=$(echo "$w" | sed 's/./& /g')
+  catalog[tree$w-fp16]="--tree-widths $widths--dtype float16 --try-v2-trees --blurred-mtp --name-suffix fp16 --timing-repeats 1"
+  catalog[tree$w-bf16]="--tree-widths $widths--dtype bfloat16 --try-v2-trees --blurred-mtp --name-suffix bf16 --timing-repeats 3"
+done
+for k in 3 2; do
+  catalog[k$k-bf16]="--k $k --dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
+done
+engines=()
+for name in ${ENGINES:-tree221-fp16 tree211-fp16 tree221-bf16}; do
+  [ -n "${catalog[$name]:-}" ] || { echo "unknown engine $name (catalog: ${!catalog[*]})" >&2; exit 2; }
+  engines+=("$name|${catalog[$name]}")
+done
+batches=(--batch-sizes ${BATCHES:-1 8 64})
 n=$(( ${#engines[@]} + 1 ))
 common=(--kv-cache-memory-bytes "${KV_BYTES:-8589934592}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
         --turns-dir "$work/turns" --engines "$n" "${batches[@]}")

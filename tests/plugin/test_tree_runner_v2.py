@@ -94,6 +94,27 @@ def test_tree_rows_roots_and_depth_positions_in_v2_layout():
     assert tree_runner_v2.find_tree_step_v2(TREE, v2_batch([1, 3], [0, 0], [False, True], [4, 0])) is None
 
 
+def test_a_batch_of_tree_rows_only_takes_the_cached_uniform_step():
+    """Every request a tree row: the cached uniform step equals the general one field by field (the same rows,
+    tokens, roots, shifts), and a batch with any other row takes the general path."""
+    from vllm_treewy.vllm_plugin.tree_step import TreeConstants
+
+    constants = TreeConstants.of(TREE, torch.device("cpu"))
+    batch = v2_batch([L, L, L], [N, N, N], [False, False, False], [5, 60, 9])
+    general, uniform = tree_runner_v2.find_tree_step_v2(TREE, batch), tree_runner_v2.find_tree_step_v2(
+        TREE, batch, constants)
+    assert 3 in constants.uniform_steps  # the template, built at this batch size's first step
+    for field in ("request_indices", "token_indices", "query_start_loc", "root_positions", "parents", "cu_nodes",
+                  "position_shifts"):
+        assert torch.equal(getattr(uniform, field).long(), getattr(general, field).long()), field
+    assert uniform.covers_batch and general.covers_batch
+    batch.positions.fill_(-1)  # V2 rewrites its persistent positions next step
+    assert uniform.root_positions.tolist() == [5, 60, 9]  # the step's own copy of the roots
+    mixed = v2_batch([L, 1, L], [N, 0, N], [False, False, False], [5, 6, 9])
+    assert tree_runner_v2.find_tree_step_v2(TREE, mixed, constants).request_indices.tolist() == [0, 2]
+    assert 2 not in constants.uniform_steps  # the general path
+
+
 def test_a_prompt_tail_run_as_decode_is_a_tree_row_and_partial_trees_are_refused():
     batch = v2_batch([L], [N], [True], [12], runs_as_decode=[True])
     assert tree_runner_v2.find_tree_step_v2(TREE, batch).request_indices.tolist() == [0]

@@ -77,7 +77,13 @@ from vllm_treewy.vllm_plugin.patch_points import (
 )
 from vllm_treewy.vllm_plugin.tree_sampler_v2 import sample_tree_step
 from vllm_treewy.vllm_plugin.tree_speculator_v2 import TreeRunStateV2, make_tree_speculator_class
-from vllm_treewy.vllm_plugin.tree_step import TreeStep, find_tree_step, override_positions
+from vllm_treewy.vllm_plugin.tree_step import (
+    TreeConstants,
+    TreeStep,
+    find_tree_step,
+    override_positions,
+    uniform_tree_step,
+)
 
 TRY_V2_TREES_ENV = "VLLM_TREEWY_TRY_V2_TREES"
 
@@ -99,9 +105,11 @@ def decode_draft_counts(num_draft_tokens_per_req: np.ndarray | None, is_prefilli
     return np.where(np.asarray(is_prefilling[:num_reqs], dtype=bool), -1, drafts), drafts
 
 
-def find_tree_step_v2(tree: DraftTree, input_batch) -> TreeStep | None:
+def find_tree_step_v2(tree: DraftTree, input_batch, constants: TreeConstants | None = None) -> TreeStep | None:
     """The step's tree rows in V2's `InputBatch`, with each root's position read from V2's device positions (before
-    they are overridden). Host arrays only decide which rows: no host sync."""
+    they are overridden). Host arrays only decide which rows: no host sync. When every request is a tree row (the
+    decode steps V2 replays FULL graphs for) and the tree's `constants` on the device are given, the step is the
+    batch size's cached `uniform_tree_step`: no host-to-device copy, a handful of launches."""
     num_reqs = input_batch.num_reqs
     is_prefilling = np.asarray(input_batch.is_prefilling_np[:num_reqs], dtype=bool)
     if input_batch.prefill_runs_as_decode_np is not None:
@@ -109,6 +117,12 @@ def find_tree_step_v2(tree: DraftTree, input_batch) -> TreeStep | None:
         is_prefilling = is_prefilling & ~np.asarray(input_batch.prefill_runs_as_decode_np[:num_reqs], dtype=bool)
     decode_drafts, drafts = decode_draft_counts(input_batch.num_draft_tokens_per_req, is_prefilling, num_reqs)
     positions = input_batch.positions
+    if constants is not None and num_reqs > 0 and bool((decode_drafts == tree.num_nodes).all()):
+        # Every row a tree row: V2 lays the blocks out back to back from token 0; a copy of the roots' positions
+        # (the buffer is V2's persistent one, rewritten next step).
+        block_len = 1 + tree.num_nodes
+        roots = positions[: num_reqs * block_len].view(num_reqs, block_len)[:, 0].long().clone()
+        return uniform_tree_step(tree, roots, constants)
     step = find_tree_step(tree, decode_drafts, drafts, np.asarray(input_batch.query_start_loc_np[: num_reqs + 1]),
                           np.zeros(num_reqs, dtype=np.int64), positions.device)
     if step is None:
@@ -163,7 +177,7 @@ def _finding_tree_rows(original):
         state = tree_state_of_runner(self)
         if state is None:
             return result
-        step = find_tree_step_v2(state.tree, input_batch)
+        step = find_tree_step_v2(state.tree, input_batch, self.speculator.tree_constants(state.tree))
         if step is not None:
             override_positions(input_batch.positions, step)
         state.pending_step, state.prepared, state.sampling_step = step, True, step

@@ -208,7 +208,7 @@ def make_tree_speculator_class(base):
             tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
             # The deepest level's block: every level's block is a prefix of it (positions, KV slots once per step).
             offsets = device_arange(widest, self.device)
-            positions = (root_positions[:, None] + self._constants(self.levels[-1]).depths).clamp_(
+            positions = (root_positions[:, None] + self.tree_constants(self.levels[-1]).depths).clamp_(
                 max=self.max_model_len - 1)
             block_positions = root_positions[:, None] + offsets
             valid = bufs.valid[:num_reqs, None]
@@ -220,7 +220,7 @@ def make_tree_speculator_class(base):
                 first, last = self.nodes_below[level - 1], self.nodes_below[level]  # this level's nodes [first, last)
                 block_len = 1 + tree.num_nodes
                 num_tokens = num_reqs * block_len
-                constants = self._constants(tree)
+                constants = self.tree_constants(tree)
                 input_ids = buffers.input_ids[:num_tokens].view(num_reqs, block_len)
                 input_ids[:, 0] = bufs.root_tokens[:num_reqs]
                 input_ids[:, 1:] = tokens[:, :last]
@@ -293,7 +293,8 @@ def make_tree_speculator_class(base):
             finally:
                 self.draft_max_seq_len = saved
 
-        def _constants(self, tree) -> TreeConstants:
+        def tree_constants(self, tree) -> TreeConstants:
+            """`tree`'s constants on the device (the verified tree's, or a drafting level's), built once."""
             if tree.num_nodes not in self._level_constants:
                 self._level_constants[tree.num_nodes] = TreeConstants.of(tree, self.device)
             return self._level_constants[tree.num_nodes]
