@@ -52,9 +52,10 @@ def _strip_tree(attn_metadata):
 
     if not isinstance(attn_metadata, dict):
         return attn_metadata
-    return {name: (with_tree(m, tree_step=None, tree_qq_bias=None)
-                   if tree_step_of(m) is not None or tree_qq_bias_of(m) is not None else m)
-            for name, m in attn_metadata.items()}
+    stripped = dict(attn_metadata)
+    replace_metadata(stripped, lambda name, m: with_tree(m, tree_step=None, tree_qq_bias=None)
+                     if tree_step_of(m) is not None or tree_qq_bias_of(m) is not None else None)
+    return stripped  # layers that share one metadata object share its copy
 
 
 def check_level_budget(widths, max_num_seqs: int, max_num_batched_tokens: int) -> None:
