@@ -510,10 +510,6 @@ def run_strategy(args) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     gpu_site.seed_model_info_cache()
-    if args.tree_widths:
-        from vllm_treewy.vllm_plugin.tree_runner_v2 import TRY_V2_TREES_ENV
-
-        os.environ[TRY_V2_TREES_ENV] = "1"  # trees on V2 (vLLM's GPU default); read when the plugin installs
     plugin.register()
     model, prompts = gpu_vllm_e2e.tree_model(args)
     prompts = prompts[: args.batch]

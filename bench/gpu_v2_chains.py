@@ -275,8 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="default: the runner vLLM picks (V2 on CUDA); v1: VLLM_USE_V2_MODEL_RUNNER=0")
     spec.add_argument("--tree-widths", type=int, nargs="+", default=None,
                       help="an MTP draft tree of these widths instead of the chain of --k drafts")
-    spec.add_argument("--try-v2-trees", action="store_true",
-                      help="lets draft trees run on Model Runner V2 (VLLM_TREEWY_TRY_V2_TREES=1; unverified)")
     spec.add_argument("--blurred-mtp", action="store_true", help="the fixture's blurred-MTP variant (same target)")
     spec.add_argument("--name-suffix", default="", help="appended to the run's name (e.g. its dtype)")
     ref.add_argument("--expect", type=int, required=True, help="speculative runs to wait for and judge")
@@ -292,10 +290,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "runner", "default") == "v1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # read when the engine's config is built
-    if getattr(args, "try_v2_trees", False):
-        from vllm_treewy.vllm_plugin.tree_runner_v2 import TRY_V2_TREES_ENV
-
-        os.environ[TRY_V2_TREES_ENV] = "1"  # before register(): the plugin reads it when it installs its hooks
     turns = Turns(args)
     gpu_site.seed_model_info_cache()
     try:

@@ -7,8 +7,7 @@
 #   bf16 trees and chains, tokens/s (median of 3 passes) and acceptance length, reported, not judged against the fp16
 #     reference: a tree beside the chain of its depth in the same call.
 # The no-speculation reference times one pass and skips its control in smaller batches (the fixture's fp16 floor,
-# PASS in the first call). Trees reach V2 only through VLLM_TREEWY_TRY_V2_TREES=1 (--try-v2-trees); each run records
-# the runner vLLM picked ("model_runner"), so a tree that fell back to V1 shows as such.
+# PASS in the first call). Each run records the runner vLLM picked ("model_runner"): V2 expected for every engine.
 # Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
 #   bash bench/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96]
 #   DRY_RUN=1 bash bench/run_gpu_v2_trees.sh OUT_DIR   # prints the engine commands and checks their arguments only
@@ -29,8 +28,8 @@ limit=${CALL_LIMIT_S:-480}
 declare -A catalog
 for w in 221 211 322 42; do
   widths=$(echo "$w" | sed 's/./& /g')
-  catalog[tree$w-fp16]="--tree-widths $widths--dtype float16 --try-v2-trees --blurred-mtp --name-suffix fp16 --timing-repeats 1"
-  catalog[tree$w-bf16]="--tree-widths $widths--dtype bfloat16 --try-v2-trees --blurred-mtp --name-suffix bf16 --timing-repeats 3"
+  catalog[tree$w-fp16]="--tree-widths $widths--dtype float16 --blurred-mtp --name-suffix fp16 --timing-repeats 1"
+  catalog[tree$w-bf16]="--tree-widths $widths--dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
 done
 for k in 3 2; do
   catalog[k$k-bf16]="--k $k --dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
@@ -60,7 +59,7 @@ for flag, kw in (("--turns-dir", {}), ("--turn", {"type": int}), ("--engines", {
     spec.add_argument(flag, required=True, **kw)
 spec.add_argument("--strategy", default="reconstruct"); spec.add_argument("--k", type=int, default=3)
 spec.add_argument("--runner", default="default"); spec.add_argument("--tree-widths", type=int, nargs="+")
-spec.add_argument("--try-v2-trees", action="store_true"); spec.add_argument("--blurred-mtp", action="store_true")
+spec.add_argument("--blurred-mtp", action="store_true")
 spec.add_argument("--name-suffix", default="")
 args = parser.parse_args(["spec", "--runs", "R", "--turn", "0", *sys.argv[2:]])
 print(sys.argv[1], "->", g.run_name(args), g.speculative_config(args), "tokens/request", g.tokens_per_request(args))
@@ -93,7 +92,7 @@ done
 VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/gpu_v2_chains.py reference --runs "$work/runs" \
   --expect $((n - 1)) --out "$out/gpu_v2_trees.json" --turn "$turn" --dtype float16 --timing-repeats 1 \
   --no-shape-control "${common[@]}" \
-  --command "bash bench/run_gpu_v2_trees.sh \$OUT $*" "$@" >"$work/logs/reference.log" 2>&1 &
+  --command "ENGINES='${ENGINES:-}' BATCHES='${BATCHES:-}' bash bench/run_gpu_v2_trees.sh \$OUT $*" "$@" >"$work/logs/reference.log" 2>&1 &
 pids+=($!); echo "=== reference (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
 for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
 echo "=== all engines done at $(( $(date +%s) - start )) s (target: 190 s)" >>"$log"

@@ -19,7 +19,7 @@ import torch
 
 from vllm_treewy.spec_decode.acceptance import greedy_tree_acceptance_reference
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin import runner_v2, tree_runner_v2, tree_sampler_v2, tree_speculator_v2
+from vllm_treewy.vllm_plugin import tree_runner_v2, tree_sampler_v2, tree_speculator_v2
 from vllm_treewy.vllm_plugin.mtp_tree_proposer import PADDING_SLOT, kv_slots
 from vllm_treewy.vllm_plugin.tree_metadata import tree_qq_bias_of, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.tree_step import block_depths, override_positions
@@ -35,26 +35,10 @@ def tree_config(widths=WIDTHS):
     return SimpleNamespace(is_draft_tree=any(w > 1 for w in widths), draft_tree=tree, draft_tree_widths=widths)
 
 
-def test_trees_stay_on_v1_unless_the_gpu_check_tries_them(monkeypatch):
-    monkeypatch.delenv(tree_runner_v2.TRY_V2_TREES_ENV, raising=False)
-    assert "draft_tree_widths=[2, 2, 1]" in runner_v2.draft_trees_stay_on_v1(tree_config())
-    assert runner_v2.draft_trees_stay_on_v1(tree_config([1, 1, 1])) is None  # chains run on V2
-    monkeypatch.setenv(tree_runner_v2.TRY_V2_TREES_ENV, "0")
-    assert runner_v2.draft_trees_stay_on_v1(tree_config()) is not None
-    monkeypatch.setenv(tree_runner_v2.TRY_V2_TREES_ENV, "1")
-    assert runner_v2.draft_trees_stay_on_v1(tree_config()) is None
-
-
-def test_install_hooks_nothing_unless_tried(monkeypatch):
-    from vllm_treewy.vllm_plugin import patch_points
-
-    monkeypatch.delenv(tree_runner_v2.TRY_V2_TREES_ENV, raising=False)
-    before = [p.resolve() for p in (patch_points.V2_RUNNER_PREPARE_ATTN, patch_points.V2_MAMBA_PREPARE_ATTN,
-                                    patch_points.V2_RUNNER_SAMPLE, patch_points.V2_MTP_SPECULATOR)]
-    tree_runner_v2.install()
-    after = [p.resolve() for p in (patch_points.V2_RUNNER_PREPARE_ATTN, patch_points.V2_MAMBA_PREPARE_ATTN,
-                                   patch_points.V2_RUNNER_SAMPLE, patch_points.V2_MTP_SPECULATOR)]
-    assert before == after
+def v2_config(spec, batch_sharded_sampling=False):
+    """The parts of a VllmConfig the tree speculator reads."""
+    return SimpleNamespace(speculative_config=spec,
+                           parallel_config=SimpleNamespace(enable_batch_sharded_sampling=batch_sharded_sampling))
 
 
 def v2_batch(query_lens, drafts, prefilling, num_computed, runs_as_decode=None):
@@ -289,7 +273,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
                            num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
                            uses_dynamic_speculative_decoding=lambda: False)
     speculator = tree_speculator_v2.make_tree_speculator_class(FakeV2Speculator)(
-        SimpleNamespace(speculative_config=spec), torch.device("cpu"))
+        v2_config(spec), torch.device("cpu"))
     # a tree row (1 + N tokens, 2 accepted: nodes 0 then its first child), a one-token decode, a tree row (none)
     block = 1 + tree.num_nodes
     batch = v2_batch([block, 1, block], [tree.num_nodes, 0, tree.num_nodes], [False] * 3, [20, 9, 60])
@@ -343,7 +327,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
 def test_tree_speculator_runs_chains_as_vllm():
     spec = SimpleNamespace(is_draft_tree=False, num_speculative_tokens=3)
     speculator = tree_speculator_v2.make_tree_speculator_class(FakeV2Speculator)(
-        SimpleNamespace(speculative_config=spec), torch.device("cpu"))
+        v2_config(spec), torch.device("cpu"))
     assert speculator.tree_state is None
     batch = v2_batch([4], [3], [False], [10])
     speculator.propose(batch, {}, None, torch.zeros(4, HIDDEN), None, None, torch.tensor([1]), torch.tensor([5]),
@@ -410,13 +394,18 @@ def test_level_budget_that_could_overflow_is_refused_at_startup():
         tree_speculator_v2.check_level_budget([2, 2, 1], 65, 64 * 7)
 
 
-def _tree_speculator(widths):
+def _tree_speculator(widths, batch_sharded_sampling=False):
     tree = DraftTree.from_widths(widths)
     spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
                            num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
                            uses_dynamic_speculative_decoding=lambda: False)
     return tree_speculator_v2.make_tree_speculator_class(FakeV2Speculator)(
-        SimpleNamespace(speculative_config=spec), torch.device("cpu"))
+        v2_config(spec, batch_sharded_sampling), torch.device("cpu"))
+
+
+def test_batch_sharded_sampling_is_refused_at_start_up():
+    with pytest.raises(NotImplementedError, match="batch-sharded sampling"):
+        _tree_speculator([2, 1], batch_sharded_sampling=True)
 
 
 def test_level_graphs_are_captured_per_padded_size_of_v2s_first_pass_graphs(monkeypatch):

@@ -69,6 +69,7 @@ from tests.spec_decode.test_tree_sampling import (
 )
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import tree_runner_v2, tree_sampler_v2, tree_speculator_v2
+from vllm_treewy.vllm_plugin.tree_step import TreeConstants
 
 TRIALS = 20_000
 P_MIN = 1e-3
@@ -239,9 +240,11 @@ class KnownModel:
 
 
 def v2_runner(sampler, tree: DraftTree, table: torch.Tensor):
+    constants = TreeConstants.of(tree, torch.device("cpu"))  # the speculator's, as V2's decode steps use them
+    speculator = SimpleNamespace(tree_state=tree_speculator_v2.TreeRunStateV2(tree), tree_constants=lambda t: constants)
     return SimpleNamespace(
         sampler=sampler, model=KnownModel(table), num_speculative_steps=tree.num_nodes,
-        speculator=SimpleNamespace(tree_state=tree_speculator_v2.TreeRunStateV2(tree)), speculative_config=None,
+        speculator=speculator, speculative_config=None,
         batch_sharder=None, rejection_sampler=None,
         compilation_config=SimpleNamespace(static_forward_context={}),
         kv_cache_config=SimpleNamespace(kv_cache_groups=[]))

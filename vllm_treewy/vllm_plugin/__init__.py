@@ -29,7 +29,6 @@ def register() -> None:
     step_metadata.install()
     accepted_counts.install()  # V1 runner (vLLM's CPU backend runs V1)
     prefix_caching.install()  # V1 runner, mamba_cache_mode "align"
-    runner_v2.install(runner_hooks=current_platform.is_cuda())  # Model Runner V2, vLLM's default on CUDA
     tree_budget.install()
     if current_platform.is_cpu():
         from vllm_treewy.vllm_plugin import cpu_rejection_expand, gdn_cpu
@@ -39,6 +38,7 @@ def register() -> None:
     if current_platform.is_cuda():
         full_graph_batches.install()
         startup_memory.install()
-        tree_runner_v2.install()  # draft trees on Model Runner V2: only with VLLM_TREEWY_TRY_V2_TREES=1 (unverified)
+        runner_v2.install()  # Model Runner V2, vLLM's default on CUDA: reconstruct chains
+        tree_runner_v2.install()  # and draft trees
     if current_platform.is_cpu() or current_platform.is_cuda():
         tree_runner.install()  # draft trees: vLLM's CPU attention, or TRITON_ATTN on CUDA

@@ -301,7 +301,7 @@ V2_RUNNER_POSTPROCESS_SAMPLED = PatchPoint(
     ("self", "idx_mapping", "sampled_tokens", "num_sampled", "num_rejected"), only_on="cuda",
 )
 
-# Draft trees on Model Runner V2 (`tree_runner_v2`; installed only with VLLM_TREEWY_TRY_V2_TREES=1 until verified).
+# Draft trees on Model Runner V2 (`tree_runner_v2`, CUDA).
 V2_RUNNER_PREPARE_ATTN = PatchPoint(
     _RUNNER_V2, "GPUModelRunner.prepare_attn", "wraps",
     "draft trees on V2: after V2's slot mappings (from its device positions), find the step's tree rows from the input "

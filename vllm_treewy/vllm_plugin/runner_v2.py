@@ -19,9 +19,8 @@ derives (`step_metadata`: V2 calls the same builder's `build`, at FULL-graph cap
   batch out, `decode_graph_eligible`; a one-token prompt tail that runs as a decode is a speculative row of the GDN
   builder too), i.e. the batches the builder stages into its graph buffers, and the commit nodes with them. V1's
   runner needed `full_graph_batches` for a prompt chunk of a decode's length; V2's dispatch never lets one in.
-- Draft trees stay on the V1 runner by default: vLLM's V2 feature check lists them, so vLLM falls back to V1 and logs
-  why, or refuses an explicit VLLM_USE_V2_MODEL_RUNNER=1. With VLLM_TREEWY_TRY_V2_TREES=1 (the GPU check's switch,
-  until V2 trees are verified there) the entry goes and `tree_runner_v2` hooks V2 instead.
+- Draft trees run on V2 through `tree_runner_v2`'s hooks (VLLM_USE_V2_MODEL_RUNNER=0 puts them on the V1 runner's,
+  `tree_runner`).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts, rec
 from vllm_treewy.vllm_plugin.patch_points import (
     GDN_METADATA_UPDATE_BLOCK_TABLE,
     V2_RUNNER_POSTPROCESS_SAMPLED,
-    V2_UNSUPPORTED_FEATURES,
 )
 from vllm_treewy.vllm_plugin.step_metadata import with_commit_nodes
 
@@ -79,33 +77,7 @@ def _regathering_commit_nodes(original):
     return update_block_table
 
 
-def draft_trees_stay_on_v1(speculative_config) -> str | None:
-    """The feature vLLM's V2 check lists for a draft-tree config (None for chains, and for trees when the GPU check
-    tries them on V2: `tree_runner_v2.TRY_V2_TREES_ENV`), naming why."""
-    from vllm_treewy.vllm_plugin.tree_runner_v2 import trees_tried_on_v2
-
-    if draft_tree_of(speculative_config) is None or trees_tried_on_v2():
-        return None
-    return (f"vllm-treewy draft trees (draft_tree_widths={speculative_config.draft_tree_widths}: the tree proposer, "
-            "sampler and input hooks are the V1 runner's)")
-
-
-def _v2_unsupported_with_draft_trees(original):
-    @functools.wraps(original)
-    def unsupported_features(self) -> list[str]:
-        features = original(self)
-        tree_feature = draft_trees_stay_on_v1(self.speculative_config)
-        if tree_feature is not None:
-            features.append(tree_feature)
-        return features
-
-    return unsupported_features
-
-
-def install(runner_hooks: bool) -> None:
-    """The V2 feature check (every process: the front end picks the runner); with `runner_hooks` (CUDA, where V2
-    runs) the metadata and sampling hooks."""
-    V2_UNSUPPORTED_FEATURES.wrap(_v2_unsupported_with_draft_trees)
-    if runner_hooks:
-        GDN_METADATA_UPDATE_BLOCK_TABLE.wrap(_regathering_commit_nodes)
-        V2_RUNNER_POSTPROCESS_SAMPLED.wrap(_recording_sampled_counts)
+def install() -> None:
+    """CUDA only (V2 runs there): the metadata and sampling hooks."""
+    GDN_METADATA_UPDATE_BLOCK_TABLE.wrap(_regathering_commit_nodes)
+    V2_RUNNER_POSTPROCESS_SAMPLED.wrap(_recording_sampled_counts)

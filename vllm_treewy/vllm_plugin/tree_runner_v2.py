@@ -1,7 +1,5 @@
-"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN). Opt-in until the GPU checks
-of `bench/run_gpu_v2_trees.sh` cover the graphed levels and several tree shapes (`bench/results/gpu_v2_trees/`):
-vLLM's V2 feature check keeps trees on the V1 runner unless `VLLM_TREEWY_TRY_V2_TREES=1` is set in the environment
-of every vLLM process.
+"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN), the runner vLLM picks on
+CUDA; VLLM_USE_V2_MODEL_RUNNER=0 puts them on the V1 runner's hooks (`tree_runner`), as vLLM's CPU backend does.
 
 What V2 shares with the V1 tree path (`tree_runner`) unchanged:
 
@@ -58,7 +56,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -84,14 +81,6 @@ from vllm_treewy.vllm_plugin.tree_step import (
     override_positions,
     uniform_tree_step,
 )
-
-TRY_V2_TREES_ENV = "VLLM_TREEWY_TRY_V2_TREES"
-
-
-def trees_tried_on_v2() -> bool:
-    """Whether draft trees may run on Model Runner V2 (the GPU check's switch; off by default until verified)."""
-    return os.environ.get(TRY_V2_TREES_ENV, "0") not in ("", "0")
-
 
 # -- the step's tree rows from V2's input batch -----------------------------------------------------------------
 
@@ -242,8 +231,8 @@ def v2_tree_refusal(params, speculative_config) -> str | None:
     if not used:
         return None
     return (f"draft_tree_widths on Model Runner V2 does not support these sampling parameters yet ({', '.join(used)}):"
-            " a tree node would see other nodes' drafts. Send the request without them, or run the tree on the V1 "
-            "runner (unset VLLM_TREEWY_TRY_V2_TREES) or without draft_tree_widths")
+            " a tree node would see other nodes' drafts. Send the request without them, or serve the tree on the V1 "
+            "runner (VLLM_USE_V2_MODEL_RUNNER=0: penalties and bad words exact there) or without draft_tree_widths")
 
 
 def _refusing_path_dependent_params(original):
@@ -261,9 +250,7 @@ def _refusing_path_dependent_params(original):
 
 
 def install() -> None:
-    """CUDA only (V2 runs there), and only when the GPU check tries trees on V2."""
-    if not trees_tried_on_v2():
-        return
+    """CUDA only (V2 runs there)."""
     if not getattr(V2_MTP_SPECULATOR.resolve(), "_treewy_tree_speculator", False):
         tree_class = make_tree_speculator_class(V2_MTP_SPECULATOR.resolve())
         tree_class._treewy_tree_speculator = True

@@ -112,6 +112,9 @@ def make_tree_speculator_class(base):
             if spec.enable_adaptive_verification or spec.uses_dynamic_speculative_decoding():
                 raise NotImplementedError("draft_tree_widths on Model Runner V2: adaptive verification and dynamic "
                                           "speculative decoding change the drafts per request (a tree is static)")
+            if vllm_config.parallel_config.enable_batch_sharded_sampling:
+                raise NotImplementedError("draft_tree_widths on Model Runner V2: batch-sharded sampling is not "
+                                          "supported (the tree's acceptance reads every node's draw of the batch)")
             self.widths = list(spec.draft_tree_widths)
             self.levels = level_trees(self.widths)
             self.nodes_below = nodes_below_depth(self.widths)
