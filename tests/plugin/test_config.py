@@ -255,16 +255,14 @@ def test_compute_hash(fixture_model):
     # widths will change the graph. Hashing the widths as given (the plugin's choice: they differ) is the safe side.
 
 
-def test_reconstruct_chains_run_on_the_v2_runner_and_trees_fall_back_to_v1(fixture_model):
-    """vLLM picks Model Runner V2 unless its feature check lists something: reconstruct chains list nothing (they run
-    there: runner_v2), draft trees list themselves with the reason (their hooks are the V1 runner's)."""
-    for chain in (mtp(mamba_state_commit="reconstruct"), mtp(mamba_state_commit="reconstruct", k=1),
-                  mtp(mamba_state_commit="reconstruct", draft_tree_widths=[1, 1, 1]),
-                  mtp(mamba_state_commit="store_all")):
-        assert engine_config(fixture_model, chain)._get_v2_model_runner_unsupported_features() == []
-    tree = engine_config(fixture_model, mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1]))
-    (feature,) = tree._get_v2_model_runner_unsupported_features()
-    assert "draft trees" in feature and "[2, 2, 1]" in feature and "V1 runner" in feature
+def test_reconstruct_chains_and_trees_run_on_the_v2_runner(fixture_model):
+    """vLLM picks Model Runner V2 unless its feature check lists something: reconstruct chains and draft trees list
+    nothing (they run there: runner_v2, tree_runner_v2)."""
+    for config in (mtp(mamba_state_commit="reconstruct"), mtp(mamba_state_commit="reconstruct", k=1),
+                   mtp(mamba_state_commit="reconstruct", draft_tree_widths=[1, 1, 1]),
+                   mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1]),
+                   mtp(mamba_state_commit="store_all")):
+        assert engine_config(fixture_model, config)._get_v2_model_runner_unsupported_features() == []
 
 
 def test_config_pickles(fixture_model):
