@@ -18,6 +18,10 @@ V1: vLLM's real `Sampler` and `MinTokensLogitsProcessor` (state from a `BatchUpd
 it) through `tree_sampler.sample_with_trees`, on both paths (one call: greedy and random; levels: forced by a bad
 word and by seeded generators). V2: one tree step of V2's real sampler, its `LogitBiasState` kernel interpreted
 (`tests/plugin/vllm_interpreted`), with the positions the adapter's prepare_attn hook writes.
+
+Planted bugs must change some request's row: on V1 every row at its root's output length (what both paths did
+before), a node at its index in the verified block, every row one token deeper; on V2 the depth positions not
+written (root + block index) and every node at its root's position.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ NEVER = 6  # a token no row draws: the bad word that sends a batch down the leve
 TREE = DraftTree.from_widths([2, 2, 1])  # depth 3; node j's index differs from its depth
 # (committed output length, min_tokens, verifies a tree): min_tokens - length from 0 past the tree's depth, a
 # request past its min_tokens, one-row requests on either side.
-REQUESTS = ((3, 3, True), (4, 5, True), (2, 4, True), (5, 8, True), (1, 5, True), (0, 6, True), (6, 2, True),
+REQUESTS = ((3, 3, True), (4, 5, True), (2, 4, True), (5, 8, True), (1, 5, True), (2, 7, True), (6, 2, True),
             (3, 4, False), (2, 2, False))
 
 
@@ -178,3 +182,117 @@ def test_v1_tree_rows_mask_stop_tokens_at_their_depth(batch):
     got, expected = v1_run(**V1_BATCHES[batch])
     assert got == expected, "\n".join(f"request {REQUESTS[i]}: got {g}, plain decoding {e}"
                                       for i, (g, e) in enumerate(zip(got, expected)) if g != e)
+
+
+def _root_length(monkeypatch):
+    """Every row at its root's output length (vLLM's `apply` as it is: what both paths did before)."""
+    monkeypatch.setattr(tree_sampler, "_at_depth", lambda processor, depth: processor)
+
+
+def _node_order_index(monkeypatch):
+    """Node j - 1 at output length committed + j (its index in the verified block) instead of its depth."""
+    monkeypatch.setattr(tree_sampler, "block_depths", lambda tree: np.arange(1 + tree.num_nodes))
+
+
+def _one_deeper(monkeypatch):
+    """Every row one token deeper than it is."""
+    at_depth = tree_sampler._at_depth
+    monkeypatch.setattr(tree_sampler, "_at_depth", lambda processor, depth: at_depth(processor, depth + 1))
+
+
+V1_PLANTED = {"root-length": _root_length, "node-order-index": _node_order_index, "one-deeper": _one_deeper}
+
+
+@pytest.mark.parametrize(("bug", "batch"), [(bug, batch) for bug in V1_PLANTED
+                                             for batch in ("every-node-random", "levels-bad-word")
+                                             if not (bug == "node-order-index" and batch.startswith("levels"))])
+def test_v1_planted_bug_fails(monkeypatch, bug, batch):
+    """Each plant on both paths, node-order-index on the one-call path only (the level path has no block index:
+    its rows' depth is the level)."""
+    V1_PLANTED[bug](monkeypatch)
+    got, expected = v1_run(**V1_BATCHES[batch])
+    assert got != expected
+
+
+# -- V2 --------------------------------------------------------------------------------------------------------------
+PROMPT_LEN = 12
+TREE_REQUESTS = [i for i, (_, _, tree) in enumerate(REQUESTS) if tree]
+
+
+def v2_run(monkeypatch):
+    """One V2 step of the tree requests (batch order reversed), through the adapter's prepare_attn and sample hooks:
+    `(sampled rows by request, plain decoding's rows)`."""
+    import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+    import vllm.v1.worker.gpu.sample.sampler as v2_sampler_module
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.states import RequestState
+
+    from tests.plugin.test_tree_runner_v2_sampling import (
+        _vllm_config,
+        run_v2_step,
+        v2_kernels,
+        v2_runner,
+        v2_tree_batch,
+    )
+    from tests.plugin.vllm_interpreted import load_vllm_module
+
+    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: False)
+    # V2's min-tokens mask (`_bias_kernel`) and its staged writes of the stop tokens are Triton kernels: interpreted
+    monkeypatch.setattr(v2_sampler_module, "LogitBiasState",
+                        load_vllm_module("vllm.v1.worker.gpu.sample.logit_bias").LogitBiasState)
+    monkeypatch.setattr(buffer_utils, "_apply_write_kernel",
+                        load_vllm_module("vllm.v1.worker.gpu.buffer_utils")._apply_write_kernel)
+    num_reqs, cpu = len(TREE_REQUESTS), torch.device("cpu")
+    req_states = RequestState(num_reqs, PROMPT_LEN + 64, num_reqs * (1 + TREE.num_nodes), TREE.num_nodes, VOCAB, cpu)
+    req_states.prompt_len.np[:num_reqs] = PROMPT_LEN
+    req_states.prefill_len.np[:num_reqs] = PROMPT_LEN
+    req_states.prefill_len.copy_to_uva()
+    sampler = v2_sampler_module.Sampler(_vllm_config(), num_reqs, VOCAB, cpu, req_states,
+                                        num_speculative_tokens=TREE.num_nodes)
+    for i, request in enumerate(TREE_REQUESTS):
+        _, min_tokens, _ = REQUESTS[request]
+        sampler.add_request(i, SamplingParams(temperature=1.0, min_tokens=min_tokens, stop_token_ids=[EOS]))
+    sampler.apply_staged_writes()
+    roots = [request % EOS for request in TREE_REQUESTS]
+    lengths = torch.tensor([REQUESTS[request][0] for request in TREE_REQUESTS])
+    drafts = torch.tensor([drafts_below(root) for root in roots])
+    idx_mapping = torch.arange(num_reqs).flip(0)
+    # the root, the last emitted token, sits at the committed length's position: prompt + output - 1
+    batch = v2_tree_batch(torch.tensor(roots), drafts, PROMPT_LEN + lengths - 1, idx_mapping)
+    with v2_kernels(monkeypatch, interpreted=False):
+        output, _, _ = run_v2_step(v2_runner(sampler, TREE, model_table()), batch)
+    sampled = torch.empty_like(output.sampled_token_ids)
+    sampled[idx_mapping] = output.sampled_token_ids
+    expected = expected_rows([request % EOS for request in range(len(REQUESTS))])
+    return sampled.tolist(), [expected[request] for request in TREE_REQUESTS]
+
+
+def _chain_positions(monkeypatch):
+    """The depth positions not written: a node keeps V2's root + block index."""
+    from vllm_treewy.vllm_plugin import tree_runner_v2
+
+    monkeypatch.setattr(tree_runner_v2, "override_positions", lambda positions, step: None)
+
+
+def _root_position(monkeypatch):
+    """Every node at its root's position."""
+    from vllm_treewy.vllm_plugin import tree_runner_v2
+
+    def every_node_at_the_root(positions, step):
+        block = step.token_indices.view(step.num_requests, step.block_len)
+        positions[block] = positions[block[:, :1]]
+
+    monkeypatch.setattr(tree_runner_v2, "override_positions", every_node_at_the_root)
+
+
+def test_v2_tree_rows_mask_stop_tokens_at_their_depth(monkeypatch):
+    got, expected = v2_run(monkeypatch)
+    assert got == expected, "\n".join(f"request {REQUESTS[TREE_REQUESTS[i]]}: got {g}, plain decoding {e}"
+                                      for i, (g, e) in enumerate(zip(got, expected)) if g != e)
+
+
+@pytest.mark.parametrize("bug", ["chain-positions", "root-position"])
+def test_v2_planted_position_bug_fails(monkeypatch, bug):
+    {"chain-positions": _chain_positions, "root-position": _root_position}[bug](monkeypatch)
+    got, expected = v2_run(monkeypatch)
+    assert got != expected
