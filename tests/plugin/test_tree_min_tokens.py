@@ -16,8 +16,10 @@ every request must emit: `sampled_tree_acceptance_reference` over the exact per-
 
 V1: vLLM's real `Sampler` and `MinTokensLogitsProcessor` (state from a `BatchUpdate`, as the persistent batch gives
 it) through `tree_sampler.sample_with_trees`, on both paths (one call: greedy and random; levels: forced by a bad
-word and by seeded generators). V2: one tree step of V2's real sampler, its `LogitBiasState` kernel interpreted
-(`tests/plugin/vllm_interpreted`), with the positions the adapter's prepare_attn hook writes.
+word and by seeded generators), and the depth view of the processor row by row against vLLM's own chain mask
+(`apply_with_spec_decode`, structured-output restore included). V2: one tree step of V2's real sampler, its
+`LogitBiasState` kernel interpreted (`tests/plugin/vllm_interpreted`), with the positions the adapter's prepare_attn
+hook writes.
 
 Planted bugs must change some request's row: on V1 every row at its root's output length (what both paths did
 before), a node at its index in the verified block, every row one token deeper; on V2 the depth positions not
@@ -182,6 +184,33 @@ def test_v1_tree_rows_mask_stop_tokens_at_their_depth(batch):
     got, expected = v1_run(**V1_BATCHES[batch])
     assert got == expected, "\n".join(f"request {REQUESTS[i]}: got {g}, plain decoding {e}"
                                       for i, (g, e) in enumerate(zip(got, expected)) if g != e)
+
+
+def test_a_depths_mask_is_vllms_chain_mask_at_that_position():
+    """`_MinTokensAtDepth(d)` on one row per request masks exactly what vLLM's rejection sampler masks at a chain's
+    draft position d (`apply_with_spec_decode`), structured-output requests' restore included (a row the grammar
+    leaves only stop tokens keeps them), on random logits with some rows all -inf but for the stop tokens."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+
+    depth_limit, stops = 4, [EOS, NEVER]
+    generator = torch.Generator().manual_seed(3)
+    outputs = [[0] * length for length in (2, 5, 1, 3, 0, 7)]
+    added = [(i, SamplingParams(min_tokens=min_tokens, stop_token_ids=stops,
+                                structured_outputs=StructuredOutputsParams(regex="a+") if i % 2 else None),
+              [0], outputs[i]) for i, min_tokens in enumerate((4, 6, 3, 3, 2, 9))]
+    processor = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
+    processor.update_state(BatchUpdate(batch_size=len(outputs), removed=[], added=added, moved=[]))
+    chain = torch.randn(len(outputs), depth_limit, VOCAB, generator=generator)
+    only_stops = torch.rand(len(outputs), depth_limit, generator=generator) < 0.5
+    chain[only_stops] = chain[only_stops].index_fill(-1, torch.tensor([0, 1, 2, 3, 4]), float("-inf"))
+    vllms = processor.apply_with_spec_decode(chain.clone().flatten(0, 1), [depth_limit] * len(outputs))
+    vllms = vllms.view_as(chain)
+    for depth in range(depth_limit):
+        ours = tree_sampler._at_depth(processor, depth).apply(chain[:, depth].clone())
+        assert torch.equal(ours, vllms[:, depth]), depth
+    assert bool(vllms.isneginf().any()) and bool((vllms[..., EOS].isfinite() & only_stops).any())
 
 
 def _root_length(monkeypatch):
