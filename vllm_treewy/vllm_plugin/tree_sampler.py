@@ -26,7 +26,8 @@ d tokens past the committed output, as plain decoding would there. vLLM's min-to
 output length (its `apply` masks a request's stop tokens at every row while that length is short); both paths give
 it each row's depth (`_MinTokensAtDepth`: the one-call path per verified-block column, whose depth `block_depths`
 gives; the level path per level), so a stop token is masked exactly while committed + depth < min_tokens, at the
-root, at every node and at the bonus. Stop tokens, EOS and max_tokens act after sampling, in vLLM's scheduler, token
+root, at every node and at the bonus (vLLM's own chain masks its draft rows so, `apply_with_spec_decode`, but its
+bonus row at the committed length). Stop tokens, EOS and max_tokens act after sampling, in vLLM's scheduler, token
 by token over the emitted row, as for a chain.
 
 Each tree row's output becomes `[accepted path tokens..., bonus, -1...]`, so vLLM's bookkeeping counts
