@@ -47,7 +47,7 @@ def _metadata(processors):
 
 def _columns():
     block_rows = (SAMPLED_END[TREE_REQUESTS] - 3)[:, None] + torch.arange(3)
-    return tree_sampler._block_columns(SAMPLED_END - 1, block_rows, TREE_REQUESTS)
+    return tree_sampler._block_columns(SAMPLED_END - 1, block_rows, TREE_REQUESTS, [0, 1, 1])
 
 
 def test_rows_know_their_request():

@@ -10,16 +10,18 @@ accepted path's tokens followed by the bonus.
 Proof that the emitted tokens are distributed as plain sampling would emit them. Let y_1, y_2, ... be what plain
 autoregressive sampling would produce: y_1 ~ p(. | c), y_2 ~ p(. | c, y_1), ... Couple the walk with it: the draw at
 the root is y_1; the walk moves to a child only when that child's token equals the draw, so the node it reaches
-after i moves carries exactly the context (c, y_1, .., y_i), and its target row computes p(. | c, y_1, .., y_i):
-the next draw is y_{i+1}. The walk therefore emits y_1, .., y_{m+1}, a prefix of the plain sample, whose length
-m + 1 is a stopping time of the draws (it depends only on y_1 .. y_{m+1} and the fixed drafts). The next step
-starts from y_{m+1} with fresh draws, so by induction over steps the whole output is the plain sample. No draft
-probability enters: the rule is exact for any deterministic candidates (children with equal tokens only waste
-nodes; the first in node order is taken). Equivalently, one can try v's children in order and accept child c with
-probability p_v(c) / (1 - sum of the p_v of children already rejected), emitting a draw from p_v restricted to the
-tokens of no child when all are rejected: both give P(move to c) = p_v(c) and P(stop with x) = p_v(x) for x carried
-by no child. Greedy decoding is the limit where p_v is a point mass at the argmax: the walk is
-`greedy_tree_acceptance`.
+after i moves carries exactly the context (c, y_1, .., y_i), and its target row computes p(. | c, y_1, .., y_i): the
+next draw is y_{i+1}. (The context is also a position: the node after i moves is i tokens past the committed output,
+so whatever the sampling parameters make of the output length, such as a minimum length masking stop tokens, must be
+made of committed + i at it, not of the root's length nor of the node's index in node order.) The walk therefore
+emits y_1, .., y_{m+1}, a prefix of the plain sample, whose length m + 1 is a stopping time of the draws (it depends
+only on y_1 .. y_{m+1} and the fixed drafts). The next step starts from y_{m+1} with fresh draws, so by induction
+over steps the whole output is the plain sample. No draft probability enters: the rule is exact for any
+deterministic candidates (children with equal tokens only waste nodes; the first in node order is taken).
+Equivalently, one can try v's children in order and accept child c with probability p_v(c) / (1 - sum of the p_v of
+children already rejected), emitting a draw from p_v restricted to the tokens of no child when all are rejected:
+both give P(move to c) = p_v(c) and P(stop with x) = p_v(x) for x carried by no child. Greedy decoding is the limit
+where p_v is a point mass at the argmax: the walk is `greedy_tree_acceptance`.
 
 One draw per node, all at once. The walk may equally be given a draw at EVERY verified token up front (the root
 and all N nodes, each from its own node's distribution, independently: one sampler call over all the rows) and read

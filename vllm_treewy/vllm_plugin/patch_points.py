@@ -259,6 +259,12 @@ RUNNER_SAMPLE = PatchPoint(
     "draft trees: tree acceptance with vLLM's sampler level by level instead of the chain rejection sampler; the output rows it returns keep "
     "vLLM's accepted-token bookkeeping right", ("self", "logits", "spec_decode_metadata"),
 )
+MIN_TOKENS_MASK = PatchPoint(
+    "vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor._mask_stop_token_logits", "calls",
+    "draft trees (tree_sampler._MinTokensAtDepth): a tree node's stop tokens masked at its depth's output length, "
+    "with vLLM's restore for structured-output rows",
+    ("self", "logits", "logits_slice", "restore_logits_slice"),
+)
 CPU_ATTENTION_FORWARD = PatchPoint(
     "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward", "wraps",
     "draft trees: tree-masked attention overwrites the tree rows' output of vLLM's causal CPU kernel",
@@ -498,6 +504,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_BUILD_ATTENTION_METADATA,
     RUNNER_EAGLE_PROPOSER,
     RUNNER_SAMPLE,
+    MIN_TOKENS_MASK,
     RUNNER_AFTER_SAMPLING,
     CPU_ATTENTION_FORWARD,
     RUNNER_DETERMINE_BATCH_EXECUTION,
@@ -617,6 +624,11 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes(
         "vllm.v1.worker.gpu.buffer_utils", "StagedWriteTensor", ("gpu",), "reads",
         "a V2 block table's device tensor, at a fixed address (the count-address table keeps it)",
+    ),
+    InternalAttributes(
+        "vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor", ("min_toks", "neg_inf_tensor"), "reads",
+        "draft trees (tree_sampler): each request's (min_tokens, output list, stop tokens, structured) and whether "
+        "any is pending, to mask a tree node's stop tokens at its depth",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu_input_batch", "InputBatch",

@@ -21,6 +21,15 @@ top-p, min-p, allowed tokens, logits processors; greedy requests take the argmax
   the level's call, so its seeded stream is the one it would have without speculation). Both need the path on the
   host: one device sync per level.
 
+What depends on how many tokens a request has emitted sees each row at its own position: a node at depth d sits
+d tokens past the committed output, as plain decoding would there. vLLM's min-tokens processor reads the committed
+output length (its `apply` masks a request's stop tokens at every row while that length is short); both paths give
+it each row's depth (`_MinTokensAtDepth`: the one-call path per verified-block column, whose depth `block_depths`
+gives; the level path per level), so a stop token is masked exactly while committed + depth < min_tokens, at the
+root, at every node and at the bonus (vLLM's own chain masks its draft rows so, `apply_with_spec_decode`, but its
+bonus row at the committed length). Stop tokens, EOS and max_tokens act after sampling, in vLLM's scheduler, token
+by token over the emitted row, as for a chain.
+
 Each tree row's output becomes `[accepted path tokens..., bonus, -1...]`, so vLLM's bookkeeping counts
 num_accepted_tokens = accepted + 1 and advances num_computed_tokens past the root and the accepted path; its
 logprobs (when asked) are the sampler's at each emitted position (the row of the node the token was drawn at), laid
@@ -44,7 +53,7 @@ from vllm_treewy.spec_decode.acceptance import TreeAcceptance, UniformWalkTables
 from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance, sampled_tree_acceptance_of_draws
 from vllm_treewy.vllm_plugin.tree_attention_cpu import compact_accepted_kv
 from vllm_treewy.vllm_plugin.tree_attention_triton import compact_accepted_kv_paged
-from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep, device_arange
+from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep, block_depths, device_arange
 
 PLACEHOLDER_TOKEN = -1  # vLLM's padding of sampled_token_ids
 LOGPROBS_FIELDS = ("logprob_token_ids", "logprobs", "selected_token_ranks")  # vLLM's LogprobsTensors, per row
@@ -89,6 +98,7 @@ class _LevelSampler:
         self.path_on_host = _needs_path_on_host(sampling_metadata)
         self.path: list[list[int]] = [[] for _ in range(sampled_end.numel())]  # per request, on the host
         self.tree_rows = set(step.request_indices.tolist()) if self.path_on_host else set()
+        self.depth_keyed = any(_at_depth(p, 1) is not p for p in sampling_metadata.logitsprocs.all)
 
     def __call__(self, level: int, block_rows: torch.Tensor) -> torch.Tensor:
         # block_rows: each tree row's current token in the packed verified blocks (walk_tree's numbering); its
@@ -99,6 +109,10 @@ class _LevelSampler:
         metadata = self.sampling_metadata
         if self.path_on_host:
             metadata = dataclasses.replace(metadata, spec_token_ids=[list(p) for p in self.path])
+        if self.depth_keyed:
+            # a walking tree row sits `level` tokens past its committed output (any other row's draw at a level > 0
+            # is not read)
+            metadata = dataclasses.replace(metadata, logitsprocs=_processors_at_depth(metadata.logitsprocs, level))
         # Seeded requests that do not walk this level: their generators' states, to give back after the draw.
         held = {request: generator.get_state() for request, generator in metadata.generators.items()
                 if level > 0 and not self._walking(request, level)}
@@ -163,7 +177,8 @@ def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sample
     block_starts = sampled_end[step.request_indices] - block_len
     block_rows = block_starts[:, None] + device_arange(block_len, device)  # [R, 1 + N]
     metadata = _node_rows_metadata(sampling_metadata, lambda: _row_requests(sampled_end, num_rows),
-                                   lambda: _block_columns(last_rows, block_rows, step.request_indices))
+                                   lambda: _block_columns(last_rows, block_rows, step.request_indices,
+                                                          block_depths(step.tree).tolist()))
     output = sampler(logits, metadata, predict_bonus_token=True)
     draws = output.sampled_token_ids.view(-1)
     acceptance = sampled_tree_acceptance_of_draws(walk_tables(step.tree.parents, device),
@@ -197,7 +212,8 @@ def walk_tables(parents: tuple[int, ...], device: torch.device) -> UniformWalkTa
 def _node_rows_metadata(sampling_metadata, row_requests, columns):
     """vLLM's per-request sampling metadata for every logits row (`row_requests()`: `[rows]` each row's request,
     built only if a field needs it), as vLLM's rejection sampler expands it to draft tokens; logits processors that
-    are not idle wrapped to run once per verified-block column (`columns()`: `_block_columns`). Only for batches
+    are not idle wrapped to run once per verified-block column (`columns()`: `_block_columns`), min-tokens at the
+    column's depth (`_MinTokensAtDepth`). Only for batches
     `_needs_level_path` lets through (no penalties, bad words, generators: nothing else keyed by request row is
     read)."""
     rows = []
@@ -214,8 +230,9 @@ def _node_rows_metadata(sampling_metadata, row_requests, columns):
     if active:
         from vllm.v1.sample.logits_processor import LogitsProcessors
 
-        built = columns()
-        processors = LogitsProcessors(_ColumnwiseProcessor(p, *built) for p in active)
+        rows_of_columns, valid, depths = columns()
+        processors = LogitsProcessors(_ColumnwiseProcessor(_per_column(p, depths), rows_of_columns, valid)
+                                      for p in active)
     return dataclasses.replace(
         sampling_metadata, temperature=by_row(sampling_metadata.temperature), top_p=by_row(sampling_metadata.top_p),
         top_k=by_row(sampling_metadata.top_k), allowed_token_ids_mask=by_row(sampling_metadata.allowed_token_ids_mask),
@@ -240,33 +257,107 @@ def _idle(processor) -> bool:
     return False
 
 
-def _block_columns(last_rows: torch.Tensor, block_rows: torch.Tensor, tree_requests: torch.Tensor):
-    """`(rows [1 + N, num_reqs], valid [1 + N, num_reqs])`: column j holds one logits row per request, a tree row's
-    verified-block token j or any other request's one row (valid only in column 0)."""
+def _block_columns(last_rows: torch.Tensor, block_rows: torch.Tensor, tree_requests: torch.Tensor,
+                   depths: list[int]):
+    """`(rows [1 + N, num_reqs], valid [1 + N, num_reqs], depths)`: column j holds one logits row per request, a tree
+    row's verified-block token j or any other request's one row (valid only in column 0); `depths [1 + N]` (host
+    ints, `block_depths`): how many tokens past the committed output column j's valid rows sit."""
     block_len = block_rows.shape[1]
     rows = last_rows[None, :].repeat(block_len, 1)
     rows[:, tree_requests] = block_rows.T
     valid = torch.zeros_like(rows, dtype=torch.bool)
     valid[0] = True
     valid[:, tree_requests] = True
-    return rows, valid
+    return rows, valid, depths
 
 
 class _ColumnwiseProcessor:
     """A vLLM logits processor (row i of its logits = request i) applied to every logits row of the step: once per
-    verified-block column, over one row per request; rows that a column repeats for a request without that column
-    (a non-tree request's one row) are left as they were."""
+    verified-block column, over one row per request (`processors[j]`: column j's, the processor itself or, for
+    min-tokens, its view at the column's depth); rows that a column repeats for a request without that column (a
+    non-tree request's one row) are left as they were."""
 
-    def __init__(self, processor, rows: torch.Tensor, valid: torch.Tensor):
-        self.processor, self.rows, self.valid = processor, rows, valid
+    def __init__(self, processors: list, rows: torch.Tensor, valid: torch.Tensor):
+        self.processors, self.rows, self.valid = processors, rows, valid
 
     def is_argmax_invariant(self) -> bool:
-        return self.processor.is_argmax_invariant()
+        return self.processors[0].is_argmax_invariant()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for rows, valid in zip(self.rows, self.valid):
-            processed = self.processor.apply(logits[rows])
+        for processor, rows, valid in zip(self.processors, self.rows, self.valid):
+            processed = processor.apply(logits[rows])
             logits[rows] = torch.where(valid[:, None], processed, logits[rows])
+        return logits
+
+
+def _per_column(processor, depths: list[int]) -> list:
+    """`processor` for each column of the given depths (one min-tokens view per distinct depth)."""
+    at = {depth: _at_depth(processor, depth) for depth in set(depths)}
+    return [at[depth] for depth in depths]
+
+
+def _at_depth(processor, depth: int):
+    """The processor as rows `depth` tokens past each request's committed output must see it: vLLM's min-tokens
+    processor reads the committed output length (`_MinTokensAtDepth`); every other processor as it is."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    if depth and type(processor) is MinTokensLogitsProcessor and processor.min_toks:
+        return _MinTokensAtDepth(processor, depth)
+    return processor
+
+
+def _processors_at_depth(processors, depth: int):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+
+    return LogitsProcessors(_at_depth(p, depth) for p in processors.all)
+
+
+class _MinTokensAtDepth:
+    """vLLM's `MinTokensLogitsProcessor` (row i = request i) for rows `depth` tokens past each request's committed
+    output: request i's stop tokens masked while its committed output length + depth < its min_tokens, which is
+    what plain decoding masks at that position (vLLM's `apply` is the case depth 0, and its rejection sampler's
+    `apply_with_spec_decode` masks a chain's draft position i at depth i). A request with structured output gets
+    vLLM's own restore (a row where masking its stop tokens would leave nothing keeps them). Read from the
+    processor's host state at the first `apply` (one step's view: the state does not change within a step)."""
+
+    def __init__(self, processor, depth: int):
+        self.processor, self.depth = processor, depth
+        self.slices = None
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def _build(self, device):
+        from vllm.utils.torch_utils import async_tensor_h2d
+
+        rows, tokens, restore_rows, restore_tokens = [], [], [], []
+        for index, (min_tokens, output, stop_tokens, structured) in self.processor.min_toks.items():
+            if len(output) + self.depth >= min_tokens:
+                continue
+            stops = list(stop_tokens)
+            rows += [index] * len(stops)
+            tokens += stops
+            if structured:
+                restore_rows += [index] * len(stops)
+                restore_tokens += stops
+
+        def h2d(values):
+            return async_tensor_h2d(values, device=device, dtype=torch.int64)
+
+        masked = (h2d(rows), h2d(tokens)) if rows else None
+        restore = (h2d(restore_rows), h2d(restore_tokens)) if restore_rows else None
+        return masked, restore
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.slices is None:
+            self.slices = self._build(logits.device)
+        masked, restore = self.slices
+        if masked is None:
+            return logits
+        if restore is None:
+            logits.index_put_(masked, self.processor.neg_inf_tensor)
+        else:
+            self.processor._mask_stop_token_logits(logits, masked, restore)
         return logits
 
 
