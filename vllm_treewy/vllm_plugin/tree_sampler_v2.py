@@ -1,6 +1,8 @@
 """Tree acceptance on Model Runner V2's logits layout: the sampling path of `tree_runner_v2`'s hook 3 (its module
 docstring, 3., says why it is exact): one draw per logits row from V2's sampler, the one-call walk over them, V2's
-output rows, and the compaction, GDN slots' accepted leaves and acceptance for the drafter.
+output rows, and the compaction, GDN slots' accepted leaves and acceptance for the drafter. Everything after V2's
+draws that has static shapes is one function, `accept_and_commit_tree_rows`: run eagerly, or replayed as a CUDA graph
+for steps whose requests are all tree rows (`tree_accept_graphs`).
 """
 
 from __future__ import annotations
