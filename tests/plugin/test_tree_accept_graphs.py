@@ -154,6 +154,18 @@ def test_graphed_body_equals_the_eager_body_and_padded_rows_act_on_nothing(width
     assert moved or widths == [1, 1, 1]  # a tree's accepted paths moved K/V (a chain's are in place)
 
 
+def test_the_captured_body_compacts_each_cache_group_in_one_call(monkeypatch):
+    from vllm_treewy.vllm_plugin import tree_sampler
+
+    calls = []
+    compact = tree_sampler.compact_accepted_kv_paged
+    monkeypatch.setattr(tree_sampler, "compact_accepted_kv_paged",
+                        lambda caches, *args: (calls.append(len(caches)), compact(caches, *args))[1])
+    graphs = graphs_of(World(seed=5), DraftTree.from_widths([2, 1]), [4])
+    graphs.run_body(4)
+    assert calls == [2, 1]
+
+
 def test_steps_the_graphs_do_not_hold_run_eagerly():
     """None (the caller runs the body eagerly), nothing copied or replayed: a batch with another request than tree
     rows, more requests than the largest graph, layers grouped otherwise than captured or on the CPU layout, logits

@@ -106,8 +106,9 @@ class TreeAcceptGraphs:
         bufs, block_len = self.buffers, 1 + self.tree.num_nodes
         step = uniform_tree_step(self.tree, bufs.root_positions[:size], self.constants)
         step.covers_batch = True
-        step.attention_layers = [PagedLayerCaches(cache, table[:size])
-                                 for caches, table in zip(self.cache_groups, bufs.block_tables) for cache in caches]
+        tables = [table[:size] for table in bufs.block_tables]  # one view per group: its layers compacted at once
+        step.attention_layers = [PagedLayerCaches(cache, table)
+                                 for caches, table in zip(self.cache_groups, tables) for cache in caches]
         result = accept_and_commit_tree_rows(
             step, bufs.draws[: size * block_len], step.query_start_loc, bufs.input_ids[: size * block_len],
             self.num_speculative_steps, bufs.idx_mapping[:size], self.gdn_groups if gdn_groups is None else gdn_groups)
