@@ -198,6 +198,43 @@ def test_commit_accepted_path_compacts_recorded_triton_layers():
     assert list(tree.parents)[5] == 1  # the accepted path 1 -> 5 is one of the tree's
 
 
+def test_commit_accepted_path_compacts_layers_sharing_a_block_table_in_one_call(monkeypatch):
+    """Layers that share their tree rows' block table (one KV-cache group, as `_hand_to_triton_layers` records them)
+    are compacted by ONE `compact_accepted_kv_paged` call with all their caches (the moves computed once per table);
+    each cache ends as compacting it alone leaves it; a CPU-layout layer is still compacted on its own."""
+    from vllm_treewy.vllm_plugin import tree_sampler
+    from vllm_treewy.vllm_plugin.tree_step import AttentionLayerCaches
+
+    generator = torch.Generator().manual_seed(3)
+    shared, other = torch.tensor([[1, 0], [2, 3]]), torch.tensor([[0, 2], [3, 1]])
+    caches = [torch.randn(4, 1, 16, 4, generator=generator) for _ in range(4)]
+    layers = [PagedLayerCaches(caches[0], shared), PagedLayerCaches(caches[1], other),
+              PagedLayerCaches(caches[2], shared), PagedLayerCaches(caches[3], other)]
+    key_cache, value_cache = (torch.randn(8, 1, 16, 2, generator=generator) for _ in range(2))
+    cpu_layer = AttentionLayerCaches(key_cache, value_cache, torch.tensor([[0, 1], [2, 3]]), "vec")
+    accepted = torch.tensor([[1, 5], [0, 2]])  # tree [2, 2]: 1 -> 5 (both moved), 0 -> 2 (2 moved)
+    roots = torch.tensor([5, 17])
+    expected = [c.clone() for c in caches]
+    originals = [c.clone() for c in caches]
+    for cache, layer in zip(expected, layers):
+        tree_sampler.compact_accepted_kv_paged(cache, layer.block_table, accepted, roots)
+    expected_cpu = (key_cache.clone(), value_cache.clone())
+    tree_sampler.compact_accepted_kv(*expected_cpu, cpu_layer.block_table, accepted, roots, isa="vec")
+    calls = []
+    compact = tree_sampler.compact_accepted_kv_paged
+    monkeypatch.setattr(tree_sampler, "compact_accepted_kv_paged",
+                        lambda kv_caches, table, *args: (calls.append((list(kv_caches), table)),
+                                                         compact(kv_caches, table, *args))[1])
+    step = SimpleNamespace(attention_layers=[layers[0], cpu_layer, *layers[1:]], root_positions=roots)
+    commit_accepted_path(step, SimpleNamespace(accepted_nodes=accepted))
+    assert [(len(kv), table is shared) for kv, table in calls] == [(2, True), (2, False)]
+    assert calls[0][0][0] is caches[0] and calls[0][0][1] is caches[2] and calls[1][0][1] is caches[3]
+    for cache, want in zip(caches, expected):
+        assert torch.equal(cache, want)
+    assert torch.equal(key_cache, expected_cpu[0]) and torch.equal(value_cache, expected_cpu[1])
+    assert not any(torch.equal(want, before) for want, before in zip(expected, originals))  # every cache moved
+
+
 def test_vllms_triton_forward_launches_the_module_global_with_a_qq_bias_parameter():
     """What the qq_bias route relies on: forward calls the `unified_attention` name of its module (which the plugin
     wraps), and that function still takes `qq_bias`."""

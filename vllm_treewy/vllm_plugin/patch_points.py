@@ -355,7 +355,8 @@ V2_RUNNER_EXECUTE_MODEL = PatchPoint(
 V2_RUNNER_CAPTURE_MODEL = PatchPoint(
     _RUNNER_V2, "GPUModelRunner.capture_model", "wraps",
     "draft trees on V2: the runner's tree state bound while V2 captures its graphs (the target's FULL decode graphs "
-    "get the tree bias through the model state's prepare_attn)", ("self",), only_on="cuda",
+    "get the tree bias through the model state's prepare_attn); after it, the post-sampler graphs of tree steps "
+    "(tree_accept_graphs)", ("self",), only_on="cuda",
 )
 V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY = PatchPoint(
     _RUNNER_V2, "GPUModelRunner.profile_cudagraph_memory", "wraps",
@@ -370,12 +371,14 @@ INPUT_PROCESSOR_VALIDATE_PARAMS = PatchPoint(
 )
 V2_CAPTURE_POOL = PatchPoint(
     "vllm.compilation.cudagraph_pool", "capture_pool", "calls",
-    "draft trees on V2: the level graphs recorded into V2's graph pool as its CudaGraphManager records its own",
+    "draft trees on V2: the level graphs and the post-sampler graphs recorded into V2's graph pool as its "
+    "CudaGraphManager records its own",
     ("pool", "vllm_config"), only_on="cuda",
 )
 V2_GRAPH_CAPTURE = PatchPoint(
     "vllm.distributed.parallel_state", "graph_capture", "calls",
-    "draft trees on V2: the level graphs captured inside vLLM's graph-capture context, as V2's own",
+    "draft trees on V2: the level graphs and the post-sampler graphs captured inside vLLM's graph-capture "
+    "context, as V2's own",
     ("device",), only_on="cuda",
 )
 V2_MTP_SPECULATOR = PatchPoint(
@@ -570,8 +573,14 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes(
         _RUNNER_V2, "GPUModelRunner",
         ("speculator", "sampler", "rejection_sampler", "model", "num_speculative_steps", "batch_sharder",
-         "model_state"),
-        "reads", "draft trees on V2 (tree_runner_v2): the tree speculator's state, the sampler, the logprobs helper",
+         "model_state", "attn_groups"),
+        "reads", "draft trees on V2 (tree_runner_v2): the tree speculator's state, the sampler, the logprobs helper; "
+        "the attention groups whose TRITON_ATTN caches the post-sampler graphs compact (tree_accept_graphs)",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.utils", "AttentionGroup", ("backend", "layer_names", "kv_cache_group_id"), "reads",
+        "draft trees on V2: the TRITON_ATTN layers of each KV-cache group, for the post-sampler graphs "
+        "(tree_accept_graphs.triton_cache_groups)",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu.input_batch", "InputBatch",

@@ -43,7 +43,10 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    (INPUT_PROCESSOR_VALIDATE_PARAMS, `v2_tree_refusal`: a VLLMValidationError naming the parameter; bad words are
    refused whatever their length, which is known only after tokenization); the V1 runner treats penalties and bad
    words exactly (its level path). Temperature, top-k, top-p, min-p and logit bias act per row and are exact.
-   The acceptance on V2's logits layout (`accept_tree_rows`, `sample_tree_step`): `tree_sampler_v2`.
+   The acceptance on V2's logits layout (`accept_tree_rows`, `sample_tree_step`): `tree_sampler_v2`. A step whose
+   requests are all tree rows replays its post-sampler work (walk, compaction, GDN counts) as one CUDA graph per
+   padded request count, captured right after V2's capture phase (V2_RUNNER_CAPTURE_MODEL, again):
+   `tree_accept_graphs`.
 4. The MTP drafter (V2_MTP_SPECULATOR, `TreeMtpSpeculatorV2`): `tree_speculator_v2`.
 
 State across calls: the speculator's `TreeRunStateV2` (`tree_state`), which the runner owns through its speculator.
@@ -159,6 +162,22 @@ def _binding_tree_state(original):
     return bound
 
 
+def _capturing_tree_acceptance(original):
+    """V2's capture phase, then the post-sampler graphs (`tree_accept_graphs.capture_accept_graphs`)."""
+
+    @functools.wraps(original)
+    def capture_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        state = getattr(getattr(self, "speculator", None), "tree_state", None)
+        if state is not None:
+            from vllm_treewy.vllm_plugin.tree_accept_graphs import capture_accept_graphs
+
+            capture_accept_graphs(self, state)
+        return result
+
+    return capture_model
+
+
 def _finding_tree_rows(original):
     @functools.wraps(original)
     def prepare_attn(self, input_batch, *args, **kwargs):
@@ -255,6 +274,7 @@ def install() -> None:
         tree_class = make_tree_speculator_class(V2_MTP_SPECULATOR.resolve())
         tree_class._treewy_tree_speculator = True
         V2_MTP_SPECULATOR.replace(tree_class)
+    V2_RUNNER_CAPTURE_MODEL.wrap(_capturing_tree_acceptance)  # inside the state binding (its profiling flag)
     for point in (V2_RUNNER_EXECUTE_MODEL, V2_RUNNER_CAPTURE_MODEL, V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY):
         point.wrap(_binding_tree_state)
     INPUT_PROCESSOR_VALIDATE_PARAMS.wrap(_refusing_path_dependent_params)

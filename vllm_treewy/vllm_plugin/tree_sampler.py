@@ -375,13 +375,24 @@ def _chain_layout_logprobs(per_level: list, block_len: int):
     return type(per_level[0])(*fields)
 
 
-def commit_accepted_path(step: TreeStep, acceptance: TreeAcceptance) -> None:
-    """Compacts the recorded full-attention layers' K/V along each accepted path (CPU layout or TRITON_ATTN's)."""
-    for layer in step.attention_layers:
+def paged_cache_groups(layers) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The recorded TRITON_ATTN layers (`PagedLayerCaches`) as `(block_table, [kv_cache, ...])` per block table they
+    share, in record order (the layers of one KV-cache group share their tree rows' table: `tree_runner`)."""
+    groups: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+    for layer in layers:
         if isinstance(layer, PagedLayerCaches):
-            compact_accepted_kv_paged(layer.kv_cache, layer.block_table, acceptance.accepted_nodes,
-                                      step.root_positions)
-        else:
+            groups.setdefault(id(layer.block_table), (layer.block_table, []))[1].append(layer.kv_cache)
+    return list(groups.values())
+
+
+def commit_accepted_path(step: TreeStep, acceptance: TreeAcceptance) -> None:
+    """Compacts the recorded full-attention layers' K/V along each accepted path: TRITON_ATTN layers in one
+    `compact_accepted_kv_paged` call per shared block table (the moves are computed once for all its layers), the CPU
+    layout per layer."""
+    for block_table, kv_caches in paged_cache_groups(step.attention_layers):
+        compact_accepted_kv_paged(kv_caches, block_table, acceptance.accepted_nodes, step.root_positions)
+    for layer in step.attention_layers:
+        if not isinstance(layer, PagedLayerCaches):
             compact_accepted_kv(layer.key_cache, layer.value_cache, layer.block_table, acceptance.accepted_nodes,
                                 step.root_positions, isa=layer.isa)
 

@@ -1,6 +1,8 @@
 """Tree acceptance on Model Runner V2's logits layout: the sampling path of `tree_runner_v2`'s hook 3 (its module
 docstring, 3., says why it is exact): one draw per logits row from V2's sampler, the one-call walk over them, V2's
-output rows, and the compaction, GDN slots' accepted leaves and acceptance for the drafter.
+output rows, and the compaction, GDN slots' accepted leaves and acceptance for the drafter. Everything after V2's
+draws that has static shapes is one function, `accept_and_commit_tree_rows`: run eagerly, or replayed as a CUDA graph
+for steps whose requests are all tree rows (`tree_accept_graphs`).
 """
 
 from __future__ import annotations
@@ -54,15 +56,40 @@ def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: tor
     return TreeSampling(sampled, num_sampled, acceptance, chain_rows)
 
 
+def accept_and_commit_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: torch.Tensor,
+                                input_ids: torch.Tensor, num_speculative_steps: int, idx_mapping: torch.Tensor,
+                                gdn_groups) -> TreeSampling:
+    """Everything of a tree step after V2's draws that has static shapes: the walk (`accept_tree_rows`), the accepted
+    paths' K/V compaction (`commit_accepted_path`, the layers recorded in `step`) and each tree row's accepted leaf
+    into its GDN slots (`record_accepted_leaves`). `idx_mapping [num_reqs]`: V2's batch row -> request state;
+    `gdn_groups`: `(count state, V2's block table [max_num_reqs, max_blocks] by request state)` per counted GDN
+    group (column 0 of a request's row is its slot). Device ops of host-known shapes, no host sync: the one body
+    that runs eagerly, or inside a CUDA graph over padded buffers (`tree_accept_graphs`)."""
+    from vllm_treewy.vllm_plugin.tree_sampler import commit_accepted_path, record_accepted_leaves
+
+    result = accept_tree_rows(step, row_draws, cu_num_logits, input_ids, num_speculative_steps)
+    commit_accepted_path(step, result.acceptance)
+    tree_rows = idx_mapping[step.request_indices]
+    for counts, block_table in gdn_groups:
+        record_accepted_leaves(counts, block_table[tree_rows, 0], result.acceptance)
+    return result
+
+
+def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(count state, V2's block table by request state)` per GDN group that keeps slot counts."""
+    from vllm_treewy.vllm_plugin.accepted_counts import counted_gdn_groups
+
+    return [(counts, runner.block_tables.block_tables[group_id].gpu) for group_id, counts in counted_gdn_groups(runner)]
+
+
 def sample_tree_step(runner, hidden_states: torch.Tensor, input_batch, step: TreeStep, state: TreeRunStateV2):
     """V2's `sample` for a step with tree rows: `(SamplerOutput, num_sampled, num_rejected)` as V2's rejection
-    sampler gives them; then the compaction, the GDN slots' accepted leaves, and the acceptance for the drafter."""
+    sampler gives them; then the compaction, the GDN slots' accepted leaves, and the acceptance for the drafter.
+    A step whose requests are all tree rows replays the captured graph of `accept_and_commit_tree_rows` where one
+    holds the batch (`TreeAcceptGraphs.replay`); any other runs it eagerly."""
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.sample.output import SamplerOutput
     from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
-
-    from vllm_treewy.vllm_plugin.accepted_counts import counted_gdn_groups
-    from vllm_treewy.vllm_plugin.tree_sampler import commit_accepted_path, record_accepted_leaves
 
     sampler = runner.sampler
     logits = runner.model.compute_logits(hidden_states[input_batch.logits_indices])
@@ -71,8 +98,12 @@ def sample_tree_step(runner, hidden_states: torch.Tensor, input_batch, step: Tre
     draws, processed = sampler.sample(
         logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping, input_batch.idx_mapping_np,
         input_batch.positions[rows], input_batch.input_ids[rows], input_batch.expanded_local_pos, upper_bound)
-    result = accept_tree_rows(step, draws, input_batch.cu_num_logits, input_batch.input_ids,
-                              runner.num_speculative_steps)
+    graphs = state.accept_graphs
+    result = None if graphs is None else graphs.replay(step, draws, input_batch)
+    if result is None:
+        result = accept_and_commit_tree_rows(step, draws, input_batch.cu_num_logits, input_batch.input_ids,
+                                             runner.num_speculative_steps, input_batch.idx_mapping,
+                                             gdn_groups_of(runner))
     num_sampled, num_rejected = get_num_sampled_and_rejected(
         result.num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
         sampler.req_states.prefill_len.gpu)
@@ -85,11 +116,6 @@ def sample_tree_step(runner, hidden_states: torch.Tensor, input_batch, step: Tre
         logprobs = runner.rejection_sampler._get_logprobs_tensors(
             result.sampled, num_sampled, source[result.chain_rows], input_batch.cu_num_logits,
             input_batch.cu_num_logits_np, max_num_logprobs)
-    commit_accepted_path(step, result.acceptance)
-    tree_rows = input_batch.idx_mapping[step.request_indices]
-    for group_id, counts in counted_gdn_groups(runner):
-        slots = runner.block_tables.block_tables[group_id].gpu[tree_rows, 0]
-        record_accepted_leaves(counts, slots, result.acceptance)
     state.accepted = (step, result.acceptance)
     output = SamplerOutput(sampled_token_ids=result.sampled, logprobs_tensors=logprobs, num_nans=None,
                            num_sampled=num_sampled, num_rejected=num_rejected)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ from vllm_treewy.vllm_plugin.tree_metadata import replace_metadata, with_tree
 from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
 from vllm_treewy.vllm_plugin.tree_step import TreeConstants, TreeStep, device_arange
 
+if TYPE_CHECKING:
+    from vllm_treewy.vllm_plugin.tree_accept_graphs import TreeAcceptGraphs
 
 
 @dataclass
@@ -42,6 +45,7 @@ class TreeRunStateV2(TreeRunState):
     sampling_step: TreeStep | None = None
     capturing_drafter: bool = False
     profiling_capture: bool = False  # inside V2's graph-memory profiling: its captures are thrown away
+    accept_graphs: TreeAcceptGraphs | None = None  # the post-sampler graphs (`tree_accept_graphs`), once captured
 
 
 # -- the MTP drafter -------------------------------------------------------------------------------------------
