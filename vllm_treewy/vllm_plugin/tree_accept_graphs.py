@@ -24,6 +24,7 @@ states and V2 block tables (persistent).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from vllm_treewy.vllm_plugin.tree_sampler_v2 import TreeSampling, accept_and_com
 from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeConstants, TreeStep, uniform_tree_step
 
 TRITON_ATTN = "TRITON_ATTN"
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines, as it configures them
 
 
 @dataclass
@@ -209,3 +211,5 @@ def capture_accept_graphs(runner, state) -> None:
                               gdn_groups_of(runner), max(sizes), speculator.max_model_len, speculator.device)
     graphs.capture(sizes, speculator.prefill_cudagraph_manager.pool, speculator.vllm_config, speculator.device)
     state.accept_graphs = graphs
+    logger.info("vllm-treewy: captured the draft tree's acceptance as CUDA graphs for %d batch sizes (up to %d "
+                "requests)", len(sizes), max(sizes))
