@@ -37,7 +37,7 @@ import torch
 
 from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance_reference
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin import tree_sampler
+from vllm_treewy.vllm_plugin import min_tokens_at_depth, tree_sampler
 from vllm_treewy.vllm_plugin.tree_step import find_tree_step
 
 VOCAB = 7
@@ -187,7 +187,7 @@ def test_v1_tree_rows_mask_stop_tokens_at_their_depth(batch):
 
 
 def test_a_depths_mask_is_vllms_chain_mask_at_that_position():
-    """`_MinTokensAtDepth(d)` on one row per request masks exactly what vLLM's rejection sampler masks at a chain's
+    """`MinTokensAtDepth(d)` on one row per request masks exactly what vLLM's rejection sampler masks at a chain's
     draft position d (`apply_with_spec_decode`), structured-output requests' restore included (a row the grammar
     leaves only stop tokens keeps them), on random logits with some rows all -inf but for the stop tokens."""
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -208,14 +208,20 @@ def test_a_depths_mask_is_vllms_chain_mask_at_that_position():
     vllms = processor.apply_with_spec_decode(chain.clone().flatten(0, 1), [depth_limit] * len(outputs))
     vllms = vllms.view_as(chain)
     for depth in range(depth_limit):
-        ours = tree_sampler._at_depth(processor, depth).apply(chain[:, depth].clone())
+        ours = min_tokens_at_depth.at_depth(processor, depth).apply(chain[:, depth].clone())
         assert torch.equal(ours, vllms[:, depth]), depth
     assert bool(vllms.isneginf().any()) and bool((vllms[..., EOS].isfinite() & only_stops).any())
 
 
+def _plant_at_depth(monkeypatch, planted):
+    """`at_depth` replaced where both tree paths reach it (the module's own callers and tree_sampler's import)."""
+    monkeypatch.setattr(min_tokens_at_depth, "at_depth", planted)
+    monkeypatch.setattr(tree_sampler, "at_depth", planted)
+
+
 def _root_length(monkeypatch):
     """Every row at its root's output length (vLLM's `apply` as it is: what both paths did before)."""
-    monkeypatch.setattr(tree_sampler, "_at_depth", lambda processor, depth: processor)
+    _plant_at_depth(monkeypatch, lambda processor, depth: processor)
 
 
 def _node_order_index(monkeypatch):
@@ -225,8 +231,8 @@ def _node_order_index(monkeypatch):
 
 def _one_deeper(monkeypatch):
     """Every row one token deeper than it is."""
-    at_depth = tree_sampler._at_depth
-    monkeypatch.setattr(tree_sampler, "_at_depth", lambda processor, depth: at_depth(processor, depth + 1))
+    at_depth = min_tokens_at_depth.at_depth
+    _plant_at_depth(monkeypatch, lambda processor, depth: at_depth(processor, depth + 1))
 
 
 V1_PLANTED = {"root-length": _root_length, "node-order-index": _node_order_index, "one-deeper": _one_deeper}

@@ -261,7 +261,7 @@ RUNNER_SAMPLE = PatchPoint(
 )
 MIN_TOKENS_MASK = PatchPoint(
     "vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor._mask_stop_token_logits", "calls",
-    "draft trees (tree_sampler._MinTokensAtDepth): a tree node's stop tokens masked at its depth's output length, "
+    "draft trees (min_tokens_at_depth): a tree node's stop tokens masked at its depth's output length, "
     "with vLLM's restore for structured-output rows",
     ("self", "logits", "logits_slice", "restore_logits_slice"),
 )

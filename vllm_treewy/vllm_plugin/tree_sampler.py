@@ -24,7 +24,7 @@ top-p, min-p, allowed tokens, logits processors; greedy requests take the argmax
 What depends on how many tokens a request has emitted sees each row at its own position: a node at depth d sits
 d tokens past the committed output, as plain decoding would there. vLLM's min-tokens processor reads the committed
 output length (its `apply` masks a request's stop tokens at every row while that length is short); both paths give
-it each row's depth (`_MinTokensAtDepth`: the one-call path per verified-block column, whose depth `block_depths`
+it each row's depth (`min_tokens_at_depth`: the one-call path per verified-block column, whose depth `block_depths`
 gives; the level path per level), so a stop token is masked exactly while committed + depth < min_tokens, at the
 root, at every node and at the bonus (vLLM's own chain masks its draft rows so, `apply_with_spec_decode`, but its
 bonus row at the committed length). Stop tokens, EOS and max_tokens act after sampling, in vLLM's scheduler, token
@@ -51,6 +51,7 @@ import torch
 
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance, UniformWalkTables
 from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance, sampled_tree_acceptance_of_draws
+from vllm_treewy.vllm_plugin.min_tokens_at_depth import at_depth, per_column, processors_at_depth
 from vllm_treewy.vllm_plugin.tree_attention_cpu import compact_accepted_kv
 from vllm_treewy.vllm_plugin.tree_attention_triton import compact_accepted_kv_paged
 from vllm_treewy.vllm_plugin.tree_step import PagedLayerCaches, TreeStep, block_depths, device_arange
@@ -98,7 +99,7 @@ class _LevelSampler:
         self.path_on_host = _needs_path_on_host(sampling_metadata)
         self.path: list[list[int]] = [[] for _ in range(sampled_end.numel())]  # per request, on the host
         self.tree_rows = set(step.request_indices.tolist()) if self.path_on_host else set()
-        self.depth_keyed = any(_at_depth(p, 1) is not p for p in sampling_metadata.logitsprocs.all)
+        self.depth_keyed = any(at_depth(p, 1) is not p for p in sampling_metadata.logitsprocs.all)
 
     def __call__(self, level: int, block_rows: torch.Tensor) -> torch.Tensor:
         # block_rows: each tree row's current token in the packed verified blocks (walk_tree's numbering); its
@@ -112,7 +113,7 @@ class _LevelSampler:
         if self.depth_keyed:
             # a walking tree row sits `level` tokens past its committed output (any other row's draw at a level > 0
             # is not read)
-            metadata = dataclasses.replace(metadata, logitsprocs=_processors_at_depth(metadata.logitsprocs, level))
+            metadata = dataclasses.replace(metadata, logitsprocs=processors_at_depth(metadata.logitsprocs, level))
         # Seeded requests that do not walk this level: their generators' states, to give back after the draw.
         held = {request: generator.get_state() for request, generator in metadata.generators.items()
                 if level > 0 and not self._walking(request, level)}
@@ -213,7 +214,7 @@ def _node_rows_metadata(sampling_metadata, row_requests, columns):
     """vLLM's per-request sampling metadata for every logits row (`row_requests()`: `[rows]` each row's request,
     built only if a field needs it), as vLLM's rejection sampler expands it to draft tokens; logits processors that
     are not idle wrapped to run once per verified-block column (`columns()`: `_block_columns`), min-tokens at the
-    column's depth (`_MinTokensAtDepth`). Only for batches
+    column's depth (`min_tokens_at_depth`). Only for batches
     `_needs_level_path` lets through (no penalties, bad words, generators: nothing else keyed by request row is
     read)."""
     rows = []
@@ -231,7 +232,7 @@ def _node_rows_metadata(sampling_metadata, row_requests, columns):
         from vllm.v1.sample.logits_processor import LogitsProcessors
 
         rows_of_columns, valid, depths = columns()
-        processors = LogitsProcessors(_ColumnwiseProcessor(_per_column(p, depths), rows_of_columns, valid)
+        processors = LogitsProcessors(_ColumnwiseProcessor(per_column(p, depths), rows_of_columns, valid)
                                       for p in active)
     return dataclasses.replace(
         sampling_metadata, temperature=by_row(sampling_metadata.temperature), top_p=by_row(sampling_metadata.top_p),
@@ -287,77 +288,6 @@ class _ColumnwiseProcessor:
         for processor, rows, valid in zip(self.processors, self.rows, self.valid):
             processed = processor.apply(logits[rows])
             logits[rows] = torch.where(valid[:, None], processed, logits[rows])
-        return logits
-
-
-def _per_column(processor, depths: list[int]) -> list:
-    """`processor` for each column of the given depths (one min-tokens view per distinct depth)."""
-    at = {depth: _at_depth(processor, depth) for depth in set(depths)}
-    return [at[depth] for depth in depths]
-
-
-def _at_depth(processor, depth: int):
-    """The processor as rows `depth` tokens past each request's committed output must see it: vLLM's min-tokens
-    processor reads the committed output length (`_MinTokensAtDepth`); every other processor as it is."""
-    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
-
-    if depth and type(processor) is MinTokensLogitsProcessor and processor.min_toks:
-        return _MinTokensAtDepth(processor, depth)
-    return processor
-
-
-def _processors_at_depth(processors, depth: int):
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-
-    return LogitsProcessors(_at_depth(p, depth) for p in processors.all)
-
-
-class _MinTokensAtDepth:
-    """vLLM's `MinTokensLogitsProcessor` (row i = request i) for rows `depth` tokens past each request's committed
-    output: request i's stop tokens masked while its committed output length + depth < its min_tokens, which is
-    what plain decoding masks at that position (vLLM's `apply` is the case depth 0, and its rejection sampler's
-    `apply_with_spec_decode` masks a chain's draft position i at depth i). A request with structured output gets
-    vLLM's own restore (a row where masking its stop tokens would leave nothing keeps them). Read from the
-    processor's host state at the first `apply` (one step's view: the state does not change within a step)."""
-
-    def __init__(self, processor, depth: int):
-        self.processor, self.depth = processor, depth
-        self.slices = None
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def _build(self, device):
-        from vllm.utils.torch_utils import async_tensor_h2d
-
-        rows, tokens, restore_rows, restore_tokens = [], [], [], []
-        for index, (min_tokens, output, stop_tokens, structured) in self.processor.min_toks.items():
-            if len(output) + self.depth >= min_tokens:
-                continue
-            stops = list(stop_tokens)
-            rows += [index] * len(stops)
-            tokens += stops
-            if structured:
-                restore_rows += [index] * len(stops)
-                restore_tokens += stops
-
-        def h2d(values):
-            return async_tensor_h2d(values, device=device, dtype=torch.int64)
-
-        masked = (h2d(rows), h2d(tokens)) if rows else None
-        restore = (h2d(restore_rows), h2d(restore_tokens)) if restore_rows else None
-        return masked, restore
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.slices is None:
-            self.slices = self._build(logits.device)
-        masked, restore = self.slices
-        if masked is None:
-            return logits
-        if restore is None:
-            logits.index_put_(masked, self.processor.neg_inf_tensor)
-        else:
-            self.processor._mask_stop_token_logits(logits, masked, restore)
         return logits
 
 
