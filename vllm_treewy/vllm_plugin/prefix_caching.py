@@ -68,6 +68,7 @@ import functools
 import torch
 
 from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch, sampled_rows
+from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin import sampling_tables
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import (
@@ -100,12 +101,17 @@ def boundary_layers(layers, block_tables) -> list[BoundaryLayer]:
             for layer, block_table in zip(layers, block_tables)]
 
 
-def _runner_boundary_layers(runner, block_table_of):
+def _runner_boundary_layers(runner, block_table_of=None):
     """(the runner's reconstruct GDN layers as `BoundaryLayer`s, each beside its group's device block table
-    `block_table_of(group id)`, their Triton table or None on CPU, the GDN block size): one of the runner's
-    `SamplingTables`, built again only where a layer's state or a block table moved. The first view is the first
-    group's first layer, whose count state that group's count update writes (`step_metadata.counts_layer`)."""
+    `block_table_of(group id)` (default: the V1 runner's, batch rows), their Triton table or None where the torch
+    twin runs (`slot_counts.launches_triton`: CPU), the GDN block size): one of the runner's `SamplingTables`, built
+    again only where a layer's state or a block table moved. The first view is the first group's first layer, whose
+    count state that group's count update writes (`step_metadata.counts_layer`)."""
     from vllm.v1.kv_cache_interface import MambaSpec
+
+    if block_table_of is None:
+        def block_table_of(group_id):
+            return runner.input_batch.block_table[group_id].block_table.gpu
 
     layers, block_tables, block_size = [], [], None
     forward_context = runner.compilation_config.static_forward_context
@@ -123,7 +129,7 @@ def _runner_boundary_layers(runner, block_table_of):
     def build():
         views = boundary_layers(layers, block_tables)
         table = None
-        if views[0].state.is_cuda:
+        if slot_counts.launches_triton(views[0].counts):
             from vllm_treewy.kernels.triton.boundary_states import boundary_table
 
             table = boundary_table(views)
@@ -139,8 +145,7 @@ def record_after_sampling(runner, num_reqs: int) -> None:
     boundary states its accepted tokens reached, in every GDN layer (one launch on CUDA). Device tensors only."""
     from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
-    views, table, block_size = _runner_boundary_layers(
-        runner, lambda group_id: runner.input_batch.block_table[group_id].block_table.gpu)
+    views, table, block_size = _runner_boundary_layers(runner)
     if not views:
         return
     args = (runner.seq_lens, runner.num_decode_draft_tokens.gpu, runner.num_accepted_tokens.gpu, num_reqs)
