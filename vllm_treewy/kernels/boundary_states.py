@@ -102,7 +102,7 @@ def sampled_rows(counts: torch.Tensor, block_table: torch.Tensor, idx_mapping: t
     but verified its node 0, as vLLM's own `max(num_sampled, 1)` has it. Call it before any count is rewritten."""
     requests = idx_mapping[:num_rows].long()
     live = requests >= 0
-    columns = (seq_lens[:num_rows].long() - 1).clamp(min=0) // block_size
+    columns = torch.where(live, (seq_lens[:num_rows].long() - 1).clamp(min=0) // block_size, 0)
     slots = block_table[requests.clamp(min=0), columns].long()
     count = torch.where(live & (slots != null_block), counts[slots].long(), 0)
     accepted = num_sampled[:num_rows].clamp(min=1)
