@@ -25,7 +25,6 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 
 from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch
-from vllm_treewy.kernels.factor_rows import slot_factor_width
 from vllm_treewy.kernels.gdn_step_torch import committed_states
 from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin import prefix_caching, runner_v2
@@ -166,7 +165,9 @@ def test_v2_writes_what_v1_writes_for_the_same_step(path, seed, monkeypatch):
     monkeypatch.setattr(slot_counts, "launches_triton", lambda counts: path == "triton")
     gen = torch.Generator().manual_seed(seed)
     idx_mapping = [4, 1, 3, 0, -1, 5, 2]
-    # running (tokens through the root) = seq_len - drafts: 8 + 1 root ends block 1 at accepted 1 .. etc.
+    # block size 4; per row (tokens through the root, reached): (8, 8) the root ends a block (node 0, the previous
+    # column); (7, 9) node 1; (9, 12) all 4 accepted, the running block's end (in place); (7, 7) zero drafts, no
+    # boundary; skipped; a prompt chunk; (10, 11) no boundary
     seq_lens = [11, 10, 12, 7, 9, 8, 13]
     drafts = [3, 3, 3, 0, 3, -1, 3]
     num_sampled = [1, 3, 4, 1, 2, 1, 2]
