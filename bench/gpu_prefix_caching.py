@@ -5,7 +5,9 @@ engines at once in one device call (`bench/run_gpu_prefix_caching.sh`).
 Engines (one process each, started at once with a fixed KV budget; `--kv-cache-memory-bytes` skips vLLM's memory
 profiling, which the others' allocations would disturb; tokens/s are not measured):
 - `spec --strategy reconstruct|store_all|none`: MTP k = 3 (or none) with vLLM's default prefix caching (its default
-  retention: the prompts' replay boundaries), on the runner vLLM picks (reconstruct with prefix caching keeps to V1).
+  retention: the prompts' replay boundaries), on the runner vLLM picks (Model Runner V2 on CUDA, reconstruct with
+  prefix caching included since issue 35), or forced onto V1 with `--runner v1` (VLLM_USE_V2_MODEL_RUNNER=0; the run's
+  name ends in `-v1`). Each run records the runner vLLM picked and the runner class that ran it.
   The shared-prefix workload: 64 requests over 8 prefixes of 15,000 tokens (past two attention blocks of every engine:
   5,000-7,000 tokens with the fp32 state, so hits happen; the long-context fixture copy, 16,384 positions), each with
   its own suffix, 48 greedy tokens, at B = 1 (16 requests, one at a time), 8 (64, eight at a time) and 64 (all at
@@ -18,11 +20,13 @@ profiling, which the others' allocations would disturb; tokens/s are not measure
 - `reference`: no speculation, prefix caching off, raw logits: the same batches, then it judges every run that
   arrives (tie-aware: a divergence passes within one bf16 step of the reference's top two logits, or where the fp64
   fixture, on the GPU, does not prefer the reference's token by more), generating the dense run's two turns' references
-  from that run's own prompts.
+  from that run's own prompts. Every reconstruct run on the runner vLLM picked must have run on
+  `--expect-reconstruct-runner` (default V2) for the verdict to pass; `runners` in the report lists each run's.
 
     python3 bench/gpu_prefix_caching.py spec --strategy reconstruct --runs R --dtype float16 ...
     python3 bench/gpu_prefix_caching.py reference --runs R --expect 4 --out report.json --dtype float16 ...
     python3 bench/gpu_prefix_caching.py serve-check --out serve.json ...     # the README's `vllm serve` command
+    ... --dry-run          # any role: checks and prints the parsed arguments, starts nothing (DRY_RUN=1 in the script)
 
 The runs are fp16 (activations): fp16 rounds 8x finer than bf16, so the batch shape stays within the verdict's one
 bf16 step at B = 64 and a divergence beyond it is a wrong state (bench/results/gpu_vllm_e2e/README.md).
@@ -43,6 +47,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import gpu_site
+from bench.gpu_v2_chains import engine_facts
 from bench.gpu_vllm_e2e import (LONG_CONTEXT_POSITIONS, add_common_args, device_facts, engine_kwargs,
                                 long_context_model, prompts_and_model, verdict_record)
 
@@ -120,8 +125,9 @@ def two_turns(llm, tokens: list[int], block: int) -> dict:
 
 
 def run_name(args) -> str:
-    return f"{args.strategy}-k{K}-dense" if args.dense else (args.strategy if args.strategy == "none" else
+    name = f"{args.strategy}-k{K}-dense" if args.dense else (args.strategy if args.strategy == "none" else
                                                               f"{args.strategy}-k{K}")
+    return name + ("-v1" if args.runner == "v1" else "")
 
 
 def run_spec(args) -> int:
@@ -148,8 +154,7 @@ def run_spec(args) -> int:
             result.update(engine_start_s=time.perf_counter() - start,
                           mamba_cache_mode=config.cache_config.mamba_cache_mode,
                           prefix_cache_retention_interval=config.cache_config.prefix_cache_retention_interval,
-                          model_runner="V2" if config.use_v2_model_runner else "V1",
-                          kv_cache=asdict(kv_cache_report(llm)))
+                          **engine_facts(llm), kv_cache=asdict(kv_cache_report(llm)))
             print(name, "started", json.dumps({k: v for k, v in result.items() if k != "kv_cache"}),
                   result["kv_cache"], flush=True)
             if args.dense:
@@ -246,10 +251,13 @@ def run_reference(args) -> int:
             report["runs"][run["name"]] = entry
     report["gdn_pages_per_request"] = {name: e.get("kv_cache", {}).get("gdn_blocks_per_request")
                                        for name, e in report["runs"].items()}
+    report["runners"] = {name: [e.get("model_runner"), e.get("runner_class")] for name, e in report["runs"].items()}
+    report["expect_reconstruct_runner"] = args.expect_reconstruct_runner
     report["hit_rates"] = {name: {b: r["hit_rate"] for b, r in e.get("batches", {}).items()}
                            for name, e in report["runs"].items()}
     print("GDN pages per request:", report["gdn_pages_per_request"], flush=True)
     print("hit rates:", report["hit_rates"], flush=True)
+    print("runners:", report["runners"], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     verdicts = [b["verdict"] for name, e in report["runs"].items() if name.startswith("reconstruct")
@@ -258,7 +266,12 @@ def run_reference(args) -> int:
                  for key, v in e.get("two_turns", {}).items() if key.endswith("_verdict")]
     hits = all(r["prefix_cache_hits"] > 0 for name, e in report["runs"].items() if name.startswith("reconstruct")
                for b, r in e.get("batches", {}).items() if args.batches[int(b)] > PREFIXES)
-    ok = bool(verdicts) and all(v["passed"] for v in verdicts) and hits
+    picked = [e.get("model_runner") for name, e in report["runs"].items()
+              if name.startswith("reconstruct") and not name.endswith("-v1") and "error" not in e]
+    on_runner = args.expect_reconstruct_runner == "any" or all(r == args.expect_reconstruct_runner for r in picked)
+    if not on_runner:
+        print(f"reconstruct ran on {picked}, expected {args.expect_reconstruct_runner}", flush=True)
+    ok = bool(verdicts) and all(v["passed"] for v in verdicts) and hits and on_runner
     print("RECONSTRUCT PASSES WITH PREFIX CACHING" if ok else "RECONSTRUCT FAILS", flush=True)
     return 0 if ok else 1
 
@@ -333,11 +346,15 @@ def main() -> int:
     add_common_args(spec)
     spec.add_argument("--strategy", required=True, choices=["reconstruct", "store_all", "none"])
     spec.add_argument("--dense", action="store_true", help="keep every boundary state; the two-turn chats")
+    spec.add_argument("--runner", default="default", choices=["default", "v1"],
+                      help="default: the runner vLLM picks (V2 on CUDA); v1: VLLM_USE_V2_MODEL_RUNNER=0")
     reference = sub.add_parser("reference")
     add_common_args(reference)
     reference.add_argument("--out", required=True)
     reference.add_argument("--expect", type=int, required=True, help="runs to wait for")
     reference.add_argument("--command", default=None)
+    reference.add_argument("--expect-reconstruct-runner", default="V2", choices=["V1", "V2", "any"],
+                           help="the runner every reconstruct run on vLLM's pick must report (not the -v1 runs)")
     serve = sub.add_parser("serve-check")
     add_common_args(serve, runs=False)
     serve.add_argument("--out", required=True)
@@ -350,11 +367,18 @@ def main() -> int:
         p.add_argument("--turn-block", type=int, default=None,
                        help="the dense run's first turns end this many tokens in (default: the engine's block size)")
         p.add_argument("--runs-wait-s", type=float, default=RUNS_WAIT_S, help="the reference's wait for the runs")
+        p.add_argument("--dry-run", action="store_true", help="check and print the arguments; start nothing")
     args = parser.parse_args()
     if args.command_name != "serve-check" and args.max_tokens == 128:  # add_common_args' default
         args.max_tokens = MAX_TOKENS
     args.batches = dict(tuple(map(int, pair.split(":"))) for pair in args.batches.split())
     args.batch_sizes = sorted(args.batches)
+    if args.dry_run:
+        print(args.command_name, "arguments", json.dumps({k: v for k, v in vars(args).items()}, default=str),
+              flush=True)
+        return 0
+    if getattr(args, "runner", "default") == "v1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # read when the engine's config is built
     return {"spec": run_spec, "reference": run_reference, "serve-check": run_serve_check}[args.command_name](args)
 
 

@@ -17,6 +17,7 @@ from vllm_treewy.kernels.boundary_states import (
     BoundaryLayer,
     boundary_rows,
     record_accepted_and_boundaries_torch,
+    sampled_rows,
 )
 from vllm_treewy.kernels.factor_rows import slot_factor_width
 from vllm_treewy.kernels.gdn_step_torch import gdn_step_packed
@@ -30,6 +31,7 @@ from vllm_treewy.kernels.triton import gdn_commit_triton  # noqa: E402
 from vllm_treewy.kernels.triton.boundary_states import (  # noqa: E402
     boundary_table,
     record_accepted_and_boundaries_triton,
+    sampled_rows_triton,
 )
 
 NULL_BLOCK = 0
@@ -231,3 +233,60 @@ def test_boundary_rows_semantics():
     assert info.dest_columns.tolist() == [0, 0, 1]
     assert boundary_rows(seq_lens, drafts, torch.tensor([1, 1, 3, 1], dtype=torch.int32), 4, 4).nodes.tolist() == \
         [-1, 0, -1]
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=batches(), seed=st.integers(0, 2**16))
+def test_v2_rows_through_idx_mapping_match_the_batch_rows(case, seed):
+    """Model Runner V2's rows: block-table rows per request state reached through `idx_mapping` (out of order, -1
+    rows skipped), the drafts read from the slots' counts (`sampled_rows`, its kernel equal to the twin): the writes
+    equal those on the batch-ordered table with the drafts given (V1), on both paths."""
+    block_size, num_nodes, batch, null_slots, freed = case
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_slots = _block_tables(batch, block_size, null_slots, freed, 1, gen)
+    (layer,) = _layers(1, 1, tables, num_slots, num_nodes, torch.float32, False, gen)
+    seq_lens, drafts, num_sampled = (torch.tensor([r[i] for r in batch], dtype=torch.int32) for i in range(3))
+    num_sampled[drafts < 0] = 0  # a prompt chunk samples nothing
+    skipped = torch.rand(len(batch), generator=gen) < 0.2
+    # the step's count update: each speculative row's node count in its slot; the other rows' slots (null here:
+    # `_block_tables` gives only the speculative rows blocks of their own) and the null block hold 0
+    counts = layer.counts
+    for row, (seq_len, draft, _) in enumerate(batch):
+        if draft < 0:
+            tables[0][row, (seq_len - 1) // block_size] = NULL_BLOCK
+        else:
+            counts[int(tables[0][row, (seq_len - 1) // block_size])] = draft + 1
+    counts[NULL_BLOCK] = 0
+    # V2's request rows: a permutation, with stale rows between
+    order = torch.randperm(2 * len(batch), generator=gen)[: len(batch)]
+    v2_table = torch.randint(1, num_slots, (2 * len(batch), tables[0].shape[1]), dtype=torch.int32, generator=gen)
+    v2_table[order] = tables[0]
+    idx_mapping = torch.where(skipped, -1, order)
+    v1_drafts = torch.where(skipped | (counts[tables[0][torch.arange(len(batch)), (seq_lens.long() - 1) // block_size]
+                                              .long()] == 0), -1, drafts)
+
+    expected = _clone([layer])
+    expected[0] = expected[0]._replace(block_table=tables[0].masked_fill(skipped[:, None], NULL_BLOCK))
+    record_accepted_and_boundaries_torch(expected, seq_lens, v1_drafts, num_sampled.clamp(min=1), len(batch),
+                                         block_size=block_size, null_block=NULL_BLOCK)
+    v2 = [layer._replace(block_table=v2_table)]
+    twin = _clone(v2)
+    rows = sampled_rows(twin[0].counts, v2_table, idx_mapping, seq_lens, num_sampled, len(batch),
+                        block_size=block_size, null_block=NULL_BLOCK)
+    assert torch.equal(rows[0], v1_drafts) and torch.equal(rows[1], num_sampled.clamp(min=1))
+    record_accepted_and_boundaries_torch(twin, seq_lens, *rows, len(batch), block_size=block_size,
+                                         null_block=NULL_BLOCK, idx_mapping=idx_mapping)
+    kernel = [BoundaryLayer(*(t.to(DEVICE) for t in view)) for view in _as_views_of(_clone(v2), v2)]
+    device_rows = sampled_rows_triton(kernel[0].counts, kernel[0].block_table, idx_mapping.to(DEVICE),
+                                      seq_lens.to(DEVICE), num_sampled.to(DEVICE), len(batch), block_size=block_size,
+                                      null_block=NULL_BLOCK)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(device_rows, rows))
+    record_accepted_and_boundaries_triton(kernel, boundary_table(kernel), seq_lens.to(DEVICE), *device_rows,
+                                          len(batch), block_size=block_size, null_block=NULL_BLOCK,
+                                          idx_mapping=idx_mapping.to(DEVICE))
+    for result in (twin[0], BoundaryLayer(*(t.cpu() for t in kernel[0]))):
+        assert torch.equal(result.counts, expected[0].counts)
+        assert torch.equal(result.conv_history, expected[0].conv_history)
+    assert torch.equal(twin[0].state, expected[0].state)
+    # the kernel sums the commit's terms in the state pass's order (the twin in its own), as on V1's rows
+    assert relative_error(kernel[0].state.cpu(), expected[0].state.double()) <= STATE_TOLERANCE[torch.float32]

@@ -1,8 +1,8 @@
 """Which runner prefix caching of GDN states brings (vLLM's `mamba_cache_mode="align"`): reconstruct with prefix caching
-stays on the V1 runner, whose hooks write the boundary states (vLLM's V2 feature check lists it, with the reason),
-while chains without prefix caching and vLLM's own MTP keep to vLLM's choice; reconstruct with prefix caching forced
-onto Model Runner V2 is refused at start-up with one message. Configs only, no engine (draft trees with prefix
-caching: tests/e2e/test_prefix_caching.py)."""
+keeps to vLLM's choice of runner (V2's hooks write the boundary states there: tests/plugin/test_prefix_caching_v2.py)
+except with pipeline parallelism, where vLLM's V2 feature check lists it with the reason and forcing V2 is refused
+at start-up with one message; chains without prefix caching and vLLM's own MTP keep to vLLM's choice. Configs only,
+no engine (draft trees with prefix caching: tests/e2e/test_prefix_caching.py)."""
 
 from __future__ import annotations
 
@@ -32,23 +32,33 @@ def _prefix_caching_features(config) -> list[str]:
     return [f for f in config._get_v2_model_runner_unsupported_features() if "prefix caching" in f]
 
 
-def test_reconstruct_with_prefix_caching_stays_on_v1(fixture_model):
+def _with_pipeline_parallelism(config, size: int):
+    """The config's caching and speculation with `size` pipeline stages (a stand-in: vLLM's CPU backend does not
+    build pipeline-parallel configs)."""
+    return SimpleNamespace(cache_config=config.cache_config, speculative_config=config.speculative_config,
+                           parallel_config=SimpleNamespace(pipeline_parallel_size=size), use_v2_model_runner=True)
+
+
+def test_reconstruct_with_prefix_caching_is_not_listed_for_v2(fixture_model):
+    from vllm_treewy.vllm_plugin.prefix_caching import v2_unsupported_with_prefix_caching
+
     config = engine_config(fixture_model, RECONSTRUCT, prefix_caching=True)
     assert config.cache_config.mamba_cache_mode == "align"
-    (feature,) = _prefix_caching_features(config)
-    assert "reconstruct" in feature and "V1 runner" in feature
-    assert not config.use_v2_model_runner
+    assert _prefix_caching_features(config) == []
     assert _prefix_caching_features(engine_config(fixture_model, RECONSTRUCT, prefix_caching=False)) == []
     assert _prefix_caching_features(engine_config(fixture_model, STORE_ALL, prefix_caching=True)) == []
+    # pipeline parallelism: listed, with the reason
+    feature = v2_unsupported_with_prefix_caching(_with_pipeline_parallelism(config, 2))
+    assert "reconstruct" in feature and "pipeline parallelism" in feature
+    assert v2_unsupported_with_prefix_caching(_with_pipeline_parallelism(config, 1)) is None
 
 
-def test_reconstruct_with_prefix_caching_on_v2_is_refused(fixture_model):
+def test_reconstruct_with_prefix_caching_runs_on_v2_but_not_with_pipeline_parallelism(fixture_model):
     """(vLLM's CPU backend has no Model Runner V2: the layer's check on a config that asks for it.)"""
     from vllm_treewy.vllm_plugin.gdn_layer import _check_prefix_caching
 
     config = engine_config(fixture_model, RECONSTRUCT, prefix_caching=True)
-    as_v2 = SimpleNamespace(cache_config=config.cache_config, speculative_config=config.speculative_config,
-                            use_v2_model_runner=True)
-    with pytest.raises(ValueError, match=r"reconstruct' with prefix caching runs on the V1 model runner"):
-        _check_prefix_caching(as_v2, reconstructs_state=True, keeps_slot_counts=True)
+    _check_prefix_caching(_with_pipeline_parallelism(config, 1), reconstructs_state=True, keeps_slot_counts=True)
+    with pytest.raises(ValueError, match=r"pipeline parallelism .* runs on the V1 model runner"):
+        _check_prefix_caching(_with_pipeline_parallelism(config, 2), reconstructs_state=True, keeps_slot_counts=True)
     _check_prefix_caching(config, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs

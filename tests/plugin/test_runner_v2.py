@@ -62,6 +62,7 @@ def v2_setup(tmp_path_factory):
     tables = [torch.zeros(MAX_REQS, width, dtype=torch.int32) for width in (8, 1, 1)]
     runner = SimpleNamespace(
         speculative_config=config.speculative_config, compilation_config=config.compilation_config,
+        cache_config=SimpleNamespace(mamba_cache_mode="none"),  # align mode: tests/plugin/test_prefix_caching_v2.py
         kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
         block_tables=SimpleNamespace(block_tables=[SimpleNamespace(gpu=t) for t in tables]),
     )

@@ -21,6 +21,11 @@ root, and ``reached = running + accepted - 1`` with the accepted node. Per specu
     counts[slot] = accepted, or 0 where dest is the slot itself (then the row verified a whole block's last token
     and accepted it all: the commit happens here, in place, and the next step has nothing to commit)
 
+Model Runner V2 keeps a block-table row per request state for the request's life and maps batch rows to them
+(`idx_mapping [rows]`, -1: skip the row); given one, ``block_table[row]`` above reads ``block_table[idx_mapping[row]]``.
+V2 has no per-row draft counts on the device: `sampled_rows` derives them from the slots' counts, which the step's
+count update left at each speculative row's node count (1 + drafts) and at 0 in every other row's slot.
+
 The null block (a freed column) is never written. Rows hold distinct slots, and a row's boundary block is its own
 (the block before its running one, or that one): no two rows write the same block. Chains only (draft trees are
 refused with prefix caching). The commit sums its terms as `gdn_commit_packed` does (`committed_states`); fp32.
@@ -87,13 +92,35 @@ def conv_windows(conv_history: torch.Tensor, conv_inputs: torch.Tensor, slots: t
     return torch.where((position < history_len)[..., None], from_history, from_inputs).transpose(1, 2)
 
 
+def sampled_rows(counts: torch.Tensor, block_table: torch.Tensor, idx_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                 num_sampled: torch.Tensor, num_rows: int, *, block_size: int,
+                 null_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """V2's rows as `record_accepted_and_boundaries_torch` takes them: (draft tokens, accepted) int32 `[num_rows]`.
+    A row speculated iff its slot (`block_table[idx_mapping[row], (seq_len - 1) // block_size]`, in the group whose
+    `counts [S]` the step's count update wrote) holds a count: drafts = count - 1, else -1 (also for skipped rows and
+    the null block). Accepted = max(num_sampled, 1): a one-token prompt tail that ran as a decode samples nothing
+    but verified its node 0, as vLLM's own `max(num_sampled, 1)` has it. Call it before any count is rewritten."""
+    requests = idx_mapping[:num_rows].long()
+    live = requests >= 0
+    columns = torch.where(live, (seq_lens[:num_rows].long() - 1).clamp(min=0) // block_size, 0)
+    slots = block_table[requests.clamp(min=0), columns].long()
+    count = torch.where(live & (slots != null_block), counts[slots].long(), 0)
+    accepted = num_sampled[:num_rows].clamp(min=1)
+    return (count - 1).to(torch.int32), accepted.to(torch.int32)
+
+
 def record_accepted_and_boundaries_torch(layers: Sequence[BoundaryLayer], seq_lens: torch.Tensor,
                                          draft_tokens: torch.Tensor, accepted: torch.Tensor, num_rows: int, *,
-                                         block_size: int, null_block: int) -> None:
-    """The module docstring's writes, for every layer."""
+                                         block_size: int, null_block: int,
+                                         idx_mapping: torch.Tensor | None = None) -> None:
+    """The module docstring's writes, for every layer. `idx_mapping [>= num_rows]` (V2): each batch row's
+    block-table row, -1 to skip the row; None: the batch row itself (V1)."""
     if num_rows == 0:
         return
     rows = boundary_rows(seq_lens, draft_tokens, accepted, num_rows, block_size)
+    if idx_mapping is not None:
+        requests = idx_mapping[:num_rows].long()[rows.rows]
+        rows = BoundaryRows(*(x[requests >= 0] for x in (requests, *rows[1:])))
     for layer in layers:
         slots = layer.block_table[rows.rows, rows.slot_columns].long()
         dests = layer.block_table[rows.rows, rows.dest_columns].long()

@@ -28,7 +28,7 @@ def register() -> None:
     pseudo_value_buffer.install()
     step_metadata.install()
     accepted_counts.install()  # V1 runner (vLLM's CPU backend runs V1)
-    prefix_caching.install()  # V1 runner, mamba_cache_mode "align"
+    prefix_caching.install(runner_v2_hooks=current_platform.is_cuda())  # mamba_cache_mode "align": V1 and V2
     tree_budget.install()
     if current_platform.is_cpu():
         from vllm_treewy.vllm_plugin import cpu_rejection_expand, gdn_cpu

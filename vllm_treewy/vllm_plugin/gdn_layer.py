@@ -228,8 +228,8 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
 
 def _check_prefix_caching(vllm_config, reconstructs_state: bool, keeps_slot_counts: bool) -> None:
-    """Prefix caching of GDN states (align mode) runs reconstruct chains on the V1 runner (`prefix_caching`);
-    draft trees and Model Runner V2 are refused with it."""
+    """Prefix caching of GDN states (align mode) runs reconstruct chains on either runner (`prefix_caching`), but
+    on Model Runner V2 not with pipeline parallelism; draft trees are refused with it."""
     mode = vllm_config.cache_config.mamba_cache_mode
     if not keeps_slot_counts or mode == "none":
         return
@@ -239,8 +239,10 @@ def _check_prefix_caching(vllm_config, reconstructs_state: bool, keeps_slot_coun
         raise ValueError("draft_tree_widths with prefix caching (mamba_cache_mode='align') is not supported yet: "
                          "disable prefix caching (--no-enable-prefix-caching) or draft a chain")
     if reconstructs_state and vllm_config.use_v2_model_runner:
-        raise ValueError("mamba_state_commit='reconstruct' with prefix caching runs on the V1 model runner: unset "
-                         "VLLM_USE_V2_MODEL_RUNNER=1 or disable prefix caching (--no-enable-prefix-caching)")
+        feature = prefix_caching.v2_unsupported_with_prefix_caching(vllm_config)
+        if feature is not None:
+            raise ValueError(f"{feature} runs on the V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER=1 or disable "
+                             "prefix caching (--no-enable-prefix-caching)")
 
 
 def install() -> None:

@@ -445,6 +445,29 @@ MAMBA_ALIGN_POSTPROCESS = PatchPoint(
     "accepted counts stay 1, so the next migration copies at offset 0",
     ("bufs", "num_reqs", "num_accepted_tokens_gpu", "num_accepted_tokens_cpu_tensor"),
 )
+MAMBA_GROUPS = PatchPoint(
+    _MAMBA_WORKER_UTILS, "get_mamba_groups", "calls",
+    "prefix caching under reconstruct on V2: the GDN groups' specs, whose mamba types the model's copy functions "
+    "are asked for (as V2's own initialize_kv_cache asks)", ("kv_cache_config",),
+)
+MAMBA_VALIDATE_STATE_COPY_FUNCS = PatchPoint(
+    _MAMBA_WORKER_UTILS, "validate_mamba_state_copy_funcs", "calls",
+    "prefix caching under reconstruct on V2: vLLM's check of the copy functions (with the buffer's) against the pages",
+    ("mamba_groups", "copy_funcs"),
+)
+_MAMBA_HYBRID_STATE = "vllm.v1.worker.gpu.model_states.mamba_hybrid"
+V2_MAMBA_INITIALIZE_KV_CACHE = PatchPoint(
+    _MAMBA_HYBRID_STATE, "MambaHybridModelState.initialize_kv_cache", "wraps",
+    "prefix caching under reconstruct on V2: its fused pre-copy's state table is built here from the model's copy "
+    "functions, which get the pseudo-value buffer's three states first (the pending commit moves with the slot)",
+    ("self", "kv_cache_config", "block_tables"), only_on="cuda",
+)
+V2_MAMBA_POSTPROCESS_STATE = PatchPoint(
+    _MAMBA_HYBRID_STATE, "MambaHybridModelState.postprocess_state", "wraps",
+    "prefix caching under reconstruct on V2: V2's accepted counts stay 1 (its pre-copy migrates at offset 0) and "
+    "its store_all boundary copy is skipped; runner_v2's postprocess_sampled hook writes the boundary states",
+    ("self", "idx_mapping", "num_sampled", "num_computed_tokens"), only_on="cuda",
+)
 MAMBA_TEMPORAL_COPY_SPEC = PatchPoint(
     "vllm.model_executor.layers.mamba.mamba_utils", "get_temporal_copy_spec", "calls",
     "the whole-block copy function of vLLM's align-mode migration, for the pseudo-value buffer's states",
@@ -538,6 +561,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_MAMBA_STATE_COPY_FUNCS,
     RUNNER_MAMBA_BUFFERS,
     MAMBA_ALIGN_POSTPROCESS,
+    MAMBA_GROUPS,
+    MAMBA_VALIDATE_STATE_COPY_FUNCS,
+    V2_MAMBA_INITIALIZE_KV_CACHE,
+    V2_MAMBA_POSTPROCESS_STATE,
     MAMBA_TEMPORAL_COPY_SPEC,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
     SCHEDULER_MAKE_STATS,
@@ -569,6 +596,18 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         _RUNNER_V2, "GPUModelRunner", ("block_tables", "kv_cache_config", "compilation_config", "speculative_config"),
         "reads", "Model Runner V2: the GDN groups' block tables (rows per request state), the KV-cache groups and the "
         "layers (runner_v2)",
+    ),
+    InternalAttributes(
+        _RUNNER_V2, "GPUModelRunner", ("cache_config", "input_buffers"), "reads",
+        "prefix caching under reconstruct on V2: whether GDN states are cached (align mode) and the step's seq lens "
+        "(its persistent input buffer, batch rows) for the boundary states",
+    ),
+    InternalAttributes(
+        _MAMBA_HYBRID_STATE, "MambaHybridModelState",
+        ("_align_mode", "_mamba_state_copy_funcs", "recoverssm", "vllm_config", "model"), "reads; sets "
+        "_mamba_state_copy_funcs (before V2 would, once)",
+        "prefix caching under reconstruct on V2: whether V2 runs its align mode, the copy functions of its fused "
+        "pre-copy (the buffer's states added), KDA's recoverssm (refused), the config and the model's copy functions",
     ),
     InternalAttributes(
         _RUNNER_V2, "GPUModelRunner",

@@ -37,8 +37,26 @@ vLLM's report):
 - A cache hit restores through vLLM's migration copy and prefill, as without speculation; the restored page's count
   is zeroed by the prefill row (`step_metadata`), and a boundary block is written with count 0 anyway.
 
-Draft trees with prefix caching are refused (`gdn_layer`), and reconstruct with prefix caching keeps to the V1
-runner (vLLM's V2 feature check lists it) until its hooks exist for V2. The runner-independent parts (the kernels,
+On Model Runner V2 (`vllm/v1/worker/gpu/model_states/mamba_hybrid.py`: its own align mode, on the device):
+- V2 keeps a running column per request (`_mamba_state_idx_gpu`) and a per-request accepted count
+  (`num_accepted_tokens_gpu`). Before the forward, `preprocess_state` emits each request's source column (the last
+  running one) and offset (accepted - 1), advances the column and, where it moved, copies every state its copy
+  functions name from the source column (shifted by the offset) into the new one
+  (`MambaSpecDecodeGPUContext.run_fused_precopy`). Its copy functions come from the model
+  (`initialize_kv_cache`); reconstruct's add the buffer's three states, as on V1.
+- After sampling, `postprocess_state` stores each row's sampled count (accepted + 1) as that accepted count and
+  runs store_all's boundary copy (`run_fused_postprocess_align`). Reconstruct skips both: V2's accepted counts stay
+  1 (it seeds them 1 and its pre-copy only resets them to 1), so the pre-copy migrates at offset 0, and the GDN
+  metadata gets 1s as on V1. The boundary states and counts are written right after, from V2's
+  `postprocess_sampled` (`runner_v2`), by the same kernel as on V1, with V2's tensors: the step's seq lens (its
+  persistent input buffer, batch rows), `idx_mapping` to each row's block-table row, the sampled counts, and the
+  rows' drafts from their slots' counts (one more launch: `sampled_rows`). Device tensors only, no host sync; both
+  run outside V2's graphs (after sampling), as V2's own align post-processing does.
+- With pipeline parallelism, V2's earlier ranks post-process a step pp_size steps later, after later steps rewrote
+  the batch's seq lens: reconstruct with prefix caching keeps to the V1 runner there (the V2 feature check lists
+  it).
+
+Draft trees with prefix caching are refused (`gdn_layer`). The runner-independent parts (the kernels,
 `boundary_layers`) take tensors only.
 """
 
@@ -49,14 +67,19 @@ import functools
 
 import torch
 
-from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch
+from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch, sampled_rows
+from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin import sampling_tables
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import (
     MAMBA_ALIGN_POSTPROCESS,
+    MAMBA_GROUPS,
     MAMBA_TEMPORAL_COPY_SPEC,
+    MAMBA_VALIDATE_STATE_COPY_FUNCS,
     RUNNER_MAMBA_BUFFERS,
     RUNNER_MAMBA_STATE_COPY_FUNCS,
+    V2_MAMBA_INITIALIZE_KV_CACHE,
+    V2_MAMBA_POSTPROCESS_STATE,
     V2_UNSUPPORTED_FEATURES,
 )
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout, GDNPage
@@ -78,11 +101,17 @@ def boundary_layers(layers, block_tables) -> list[BoundaryLayer]:
             for layer, block_table in zip(layers, block_tables)]
 
 
-def _runner_boundary_layers(runner):
-    """(the V1 runner's reconstruct GDN layers as `BoundaryLayer`s, their Triton table or None on CPU, the GDN
-    block size): one of the runner's `SamplingTables`, built again only where a layer's state or a block table
-    moved."""
+def _runner_boundary_layers(runner, block_table_of=None):
+    """(the runner's reconstruct GDN layers as `BoundaryLayer`s, each beside its group's device block table
+    `block_table_of(group id)` (default: the V1 runner's, batch rows), their Triton table or None where the torch
+    twin runs (`slot_counts.launches_triton`: CPU), the GDN block size): one of the runner's `SamplingTables`, built
+    again only where a layer's state or a block table moved. The first view is the first group's first layer, whose
+    count state that group's count update writes (`step_metadata.counts_layer`)."""
     from vllm.v1.kv_cache_interface import MambaSpec
+
+    if block_table_of is None:
+        def block_table_of(group_id):
+            return runner.input_batch.block_table[group_id].block_table.gpu
 
     layers, block_tables, block_size = [], [], None
     forward_context = runner.compilation_config.static_forward_context
@@ -93,14 +122,14 @@ def _runner_boundary_layers(runner):
         for name in group.layer_names:
             if getattr(forward_context[name], "reconstructs_state", False):
                 layers.append(forward_context[name])
-                block_tables.append(runner.input_batch.block_table[group_id].block_table.gpu)
+                block_tables.append(block_table_of(group_id))
     if not layers:
         return [], None, block_size
 
     def build():
         views = boundary_layers(layers, block_tables)
         table = None
-        if views[0].state.is_cuda:
+        if slot_counts.launches_triton(views[0].counts):
             from vllm_treewy.kernels.triton.boundary_states import boundary_table
 
             table = boundary_table(views)
@@ -128,18 +157,91 @@ def record_after_sampling(runner, num_reqs: int) -> None:
         record_accepted_and_boundaries_triton(views, table, *args, block_size=block_size, null_block=NULL_BLOCK_ID)
 
 
+def record_after_sampling_v2(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor) -> None:
+    """Model Runner V2, right after sampling (`postprocess_sampled`, before the drafter proposes): what
+    `record_after_sampling` does on V1, for V2's batch rows `idx_mapping [rows]` (each row's request state, whose
+    block-table row V2 keeps for the request's life; -1: skip) and sampled counts `num_sampled [rows]` (accepted +
+    1). The step's seq lens are V2's persistent input buffer (batch rows, as the forward had them); the rows' drafts
+    come from the first group's slot counts (`sampled_rows`). Device tensors only, no host sync; CUDA: two launches
+    for every layer of every group."""
+    from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+    views, table, block_size = _runner_boundary_layers(
+        runner, lambda group_id: runner.block_tables.block_tables[group_id].gpu)
+    if not views:
+        return
+    num_rows = idx_mapping.shape[0]
+    seq_lens = runner.input_buffers.seq_lens
+    counts_layer = views[0]
+    rows = (counts_layer.counts, counts_layer.block_table, idx_mapping, seq_lens, num_sampled, num_rows)
+    if table is None:
+        drafts, accepted = sampled_rows(*rows, block_size=block_size, null_block=NULL_BLOCK_ID)
+        record_accepted_and_boundaries_torch(views, seq_lens, drafts, accepted, num_rows, block_size=block_size,
+                                             null_block=NULL_BLOCK_ID, idx_mapping=idx_mapping)
+    else:
+        from vllm_treewy.kernels.triton.boundary_states import (
+            record_accepted_and_boundaries_triton,
+            sampled_rows_triton,
+        )
+
+        drafts, accepted = sampled_rows_triton(*rows, block_size=block_size, null_block=NULL_BLOCK_ID)
+        record_accepted_and_boundaries_triton(views, table, seq_lens, drafts, accepted, num_rows,
+                                              block_size=block_size, null_block=NULL_BLOCK_ID,
+                                              idx_mapping=idx_mapping)
+
+
+def with_buffer_copies(funcs):
+    """vLLM's copy functions per mamba type, followed by a whole-block copy for each of the pseudo-value buffer's
+    factors, conv inputs and count (the page's states in `GDNPage` order): the migration to a new running block takes
+    the pending commit with it (at offset 0: the runner's accepted counts stay 1)."""
+    extra = (MAMBA_TEMPORAL_COPY_SPEC.resolve(),) * len(BufferLayout.dtypes(torch.float32))
+    return {mamba_type: (*copy_funcs, *extra) for mamba_type, copy_funcs in funcs.items()}
+
+
 def _copying_pseudo_value_buffer(original):
     @functools.wraps(original)
     def get_mamba_state_copy_funcs(self):
         funcs = original(self)
         if not reconstructs_mamba_state(self.speculative_config):
             return funcs
-        # the pseudo-value buffer's factors, conv inputs and count: each a whole-block copy (at offset 0: the runner's
-        # accepted counts stay 1)
-        extra = (MAMBA_TEMPORAL_COPY_SPEC.resolve(),) * len(BufferLayout.dtypes(torch.float32))
-        return {mamba_type: (*copy_funcs, *extra) for mamba_type, copy_funcs in funcs.items()}
+        return with_buffer_copies(funcs)
 
     return get_mamba_state_copy_funcs
+
+
+def _reconstructs_in_align_mode_v2(model_state) -> bool:
+    """A V2 model state in align mode (`MambaHybridModelState._align_mode`) under reconstruct."""
+    return model_state._align_mode and reconstructs_mamba_state(model_state.vllm_config.speculative_config)
+
+
+def _v2_copying_pseudo_value_buffer(original):
+    @functools.wraps(original)
+    def initialize_kv_cache(self, kv_cache_config, block_tables):
+        if _reconstructs_in_align_mode_v2(self) and self._mamba_state_copy_funcs is None:
+            if self.recoverssm is not None:
+                raise ValueError("mamba_state_commit='reconstruct' does not run with use_kda_recoverssm")
+            # V2's own choice (the model's copy functions), then the buffer's; V2 keeps them for its fused
+            # pre-copy's state table and takes them as they are from here on (the profiling KV cache's teardown
+            # keeps them too)
+            groups = MAMBA_GROUPS.resolve()(kv_cache_config)
+            funcs = with_buffer_copies(self.model.get_mamba_state_copy_funcs({spec.mamba_type for spec in groups}))
+            MAMBA_VALIDATE_STATE_COPY_FUNCS.resolve()(groups, funcs)
+            self._mamba_state_copy_funcs = funcs
+        return original(self, kv_cache_config, block_tables)
+
+    return initialize_kv_cache
+
+
+def _v2_keeping_offset_zero(original):
+    @functools.wraps(original)
+    def postprocess_state(self, idx_mapping, num_sampled, num_computed_tokens=None):
+        if not _reconstructs_in_align_mode_v2(self):
+            return original(self, idx_mapping, num_sampled, num_computed_tokens)
+        # reconstruct: V2's accepted counts stay 1 (its pre-copy migrates at offset 0) and store_all's boundary copy
+        # does not run; `record_after_sampling_v2` writes the boundary states (recoverssm, KDA's, is refused above)
+        return None
+
+    return postprocess_state
 
 
 def _without_speculative_postprocess(original):
@@ -166,14 +268,18 @@ def _keeping_offset_zero(original):
 
 
 def v2_unsupported_with_prefix_caching(vllm_config) -> str | None:
-    """The feature vLLM's V2 check lists for reconstruct with prefix caching of GDN states (None otherwise)."""
+    """The feature vLLM's V2 check lists for reconstruct with prefix caching of GDN states: only with pipeline
+    parallelism (the module docstring says why); None otherwise."""
     cache_config = vllm_config.cache_config
     if not reconstructs_mamba_state(vllm_config.speculative_config):
         return None
     if not (cache_config.enable_prefix_caching or caches_gdn_prefixes(cache_config)):
         return None
-    return ("mamba_state_commit='reconstruct' with prefix caching (vllm-treewy writes the GDN block-boundary states "
-            "from its V1 runner hooks)")
+    if vllm_config.parallel_config.pipeline_parallel_size <= 1:
+        return None
+    return ("mamba_state_commit='reconstruct' with prefix caching and pipeline parallelism (V2's earlier ranks "
+            "post-process a step after later steps rewrote its seq lens; vllm-treewy's V1 runner hooks write the GDN "
+            "block-boundary states)")
 
 
 def _v2_unsupported_with_prefix_caching(original):
@@ -188,8 +294,13 @@ def _v2_unsupported_with_prefix_caching(original):
     return unsupported_features
 
 
-def install() -> None:
+def install(runner_v2_hooks: bool) -> None:
+    """The V2 feature check and the V1 runner's hooks (every process); with `runner_v2_hooks` (CUDA, where V2 runs)
+    V2's model-state hooks (its boundary writer is `runner_v2`'s postprocess_sampled hook)."""
     V2_UNSUPPORTED_FEATURES.wrap(_v2_unsupported_with_prefix_caching)
     RUNNER_MAMBA_STATE_COPY_FUNCS.wrap(_copying_pseudo_value_buffer)
     RUNNER_MAMBA_BUFFERS.wrap(_without_speculative_postprocess)
     MAMBA_ALIGN_POSTPROCESS.wrap(_keeping_offset_zero)
+    if runner_v2_hooks:
+        V2_MAMBA_INITIALIZE_KV_CACHE.wrap(_v2_copying_pseudo_value_buffer)
+        V2_MAMBA_POSTPROCESS_STATE.wrap(_v2_keeping_offset_zero)

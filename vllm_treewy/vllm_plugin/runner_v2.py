@@ -14,7 +14,9 @@ derives (`step_metadata`: V2 calls the same builder's `build`, at FULL-graph cap
   proposes. There every speculative row's count goes into its slot in every GDN group
   (`slot_counts.record_sampled_counts_triton`, one launch). V2 keeps a request's block-table row for the request's
   life (`idx_mapping` maps batch rows to them) and, under its default async scheduling, prepares the next step on
-  the host before this one's tokens are known: device tensors only, no host sync.
+  the host before this one's tokens are known: device tensors only, no host sync. With prefix caching of GDN states
+  (align mode) the slot is the request's running block, which moves: there `prefix_caching.record_after_sampling_v2`
+  writes the counts and the block-boundary states instead (V2's own align post-processing is skipped there).
 - FULL decode graphs: V2 replays a FULL decode graph only for a batch whose rows all decode (a prefill keeps the
   batch out, `decode_graph_eligible`; a one-token prompt tail that runs as a decode is a speculative row of the GDN
   builder too), i.e. the batches the builder stages into its graph buffers, and the commit nodes with them. V1's
@@ -30,6 +32,7 @@ import functools
 import torch
 
 from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.vllm_plugin import prefix_caching
 from vllm_treewy.vllm_plugin.accepted_counts import count_table_of, counted_gdn_groups
 from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import (
@@ -61,7 +64,10 @@ def _recording_sampled_counts(original):
         original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
         config = self.speculative_config
         if reconstructs_mamba_state(config) and draft_tree_of(config) is None:
-            record_sampled_counts(self, idx_mapping, num_sampled)
+            if prefix_caching.caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
+                prefix_caching.record_after_sampling_v2(self, idx_mapping, num_sampled)
+            else:
+                record_sampled_counts(self, idx_mapping, num_sampled)
 
     return postprocess_sampled
 

@@ -10,7 +10,9 @@ block_size / accepted tokens) the boundary node's state of value head hv, in BV 
 channels hv * DC .. (hv + 1) * DC - 1. The commit sums its terms in the order of the GDN step's state pass
 (`state_pass._commit_path`, `_committed_chunk`): the state written at a boundary is the one the next step's commit
 would make (bit for bit in the interpreter, tests/kernels/test_boundary_states.py). No host sync; one compiled
-variant per model (the row count, the block size and the strides are not specialised).
+variant per model and runner (the row count, the block size and the strides are not specialised; V1's batch rows and
+V2's `idx_mapping` are two variants). On V2, `sampled_rows_triton` first derives the rows' draft and accepted
+counts (one more launch).
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ def boundary_table(layers: Sequence[BoundaryLayer]) -> torch.Tensor:
 def record_accepted_and_boundaries_triton(layers: Sequence[BoundaryLayer], table: torch.Tensor,
                                           seq_lens: torch.Tensor, draft_tokens: torch.Tensor,
                                           accepted: torch.Tensor, num_rows: int, *, block_size: int,
-                                          null_block: int) -> None:
+                                          null_block: int, idx_mapping: torch.Tensor | None = None) -> None:
     """`record_accepted_and_boundaries_torch` for the layers of `table` (`boundary_table(layers)`; `layers` give
     the shapes and strides), in one launch (none without rows). seq_lens, draft_tokens, accepted: int32 `[>=
-    num_rows]`, contiguous."""
+    num_rows]`, contiguous; `idx_mapping` (V2: each batch row's block-table row, -1 to skip; V2 keeps it int64)
+    contiguous, or None (V1: the batch row)."""
     if num_rows == 0:
         return
     first = layers[0]
@@ -64,15 +67,17 @@ def record_accepted_and_boundaries_triton(layers: Sequence[BoundaryLayer], table
     assert first.block_table.stride(1) == 1 and table.shape == (len(layers), TABLE_COLUMNS)
     for x in (seq_lens, draft_tokens, accepted):
         assert x.dtype == torch.int32 and x.stride(0) == 1
+    assert idx_mapping is None or idx_mapping.stride(0) == 1
     channels = triton.cdiv(D, HV)
     _boundary_kernel[(HV, len(layers), triton.cdiv(num_rows, BLOCK_ROWS))](
-        table, seq_lens, draft_tokens, accepted, num_rows, block_size,
+        table, seq_lens, draft_tokens, accepted, seq_lens if idx_mapping is None else idx_mapping, num_rows,
+        block_size,
         *first.state.stride()[:3], *first.factors.stride()[:2], *first.conv_history.stride(),
         *first.conv_inputs.stride()[:2], first.counts.stride(0), first.block_table.stride(0),
         HV=HV, K=K, V=V, T=T, D=D, W1=W1, DC=channels, STATE_DTYPE=_DTYPES[first.state.dtype],
         CONV_DTYPE=_DTYPES[first.conv_history.dtype], NULL_BLOCK=null_block, BLOCK=BLOCK_ROWS,
         BV=min(STATE_ROWS, V), BK=min(STATE_COLUMNS, K), BD=min(CONV_CHANNELS, triton.next_power_of_2(channels)),
-        num_warps=2)
+        HAS_IDX_MAPPING=idx_mapping is not None, num_warps=2)
 
 
 @triton.jit
@@ -86,8 +91,18 @@ def _typed(address, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _request(idx_mapping, rows, live, HAS_IDX_MAPPING: tl.constexpr):
+    """The block-table row of batch `rows` (-1: skip)."""
+    if HAS_IDX_MAPPING:
+        return tl.load(idx_mapping + rows, mask=live, other=-1)
+    else:
+        return tl.where(live, rows, -1)
+
+
+@triton.jit
 def _row(seq_lens, draft_tokens, accepted, rows, live, block_size):
-    """(speculative, slot column, boundary node (-1: none), boundary column, accepted) of `rows`."""
+    """(speculative, slot column, boundary node (-1: none), boundary column, accepted) of `rows` (`live`: rows
+    with a block-table row)."""
     draft = tl.load(draft_tokens + rows, mask=live, other=-1)
     spec = live & (draft >= 0)
     seq_len = tl.load(seq_lens + rows, mask=spec, other=1)
@@ -101,14 +116,14 @@ def _row(seq_lens, draft_tokens, accepted, rows, live, block_size):
 
 # the arrays are read as scalars or gathers, the row count and the block size vary: neither is specialised
 @triton.jit(do_not_specialize=["num_rows", "block_size"],
-            do_not_specialize_on_alignment=["table", "seq_lens", "draft_tokens", "accepted"])
+            do_not_specialize_on_alignment=["table", "seq_lens", "draft_tokens", "accepted", "idx_mapping"])
 def _boundary_kernel(
-    table, seq_lens, draft_tokens, accepted, num_rows, block_size,
+    table, seq_lens, draft_tokens, accepted, idx_mapping, num_rows, block_size,
     stride_slot, stride_head, stride_v, stride_fslot, stride_frow, stride_cslot, stride_cdim, stride_ccol,
     stride_islot, stride_irow, stride_count, stride_bt,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T: tl.constexpr, D: tl.constexpr, W1: tl.constexpr,
     DC: tl.constexpr, STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, NULL_BLOCK: tl.constexpr,
-    BLOCK: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+    BLOCK: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, HAS_IDX_MAPPING: tl.constexpr,
 ):
     i_hv, i_layer, i_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = table + i_layer * 6  # a row of `boundary_table`
@@ -120,9 +135,10 @@ def _boundary_kernel(
     block_table = tl.load(entry + 5).to(tl.pointer_type(tl.int32))
 
     rows = i_block * BLOCK + tl.arange(0, BLOCK)
-    spec, slot_col, node, dest_col, accept = _row(seq_lens, draft_tokens, accepted, rows, rows < num_rows,
+    requests = _request(idx_mapping, rows, rows < num_rows, HAS_IDX_MAPPING)
+    spec, slot_col, node, dest_col, accept = _row(seq_lens, draft_tokens, accepted, rows, requests >= 0,
                                                   block_size)
-    bt_rows = block_table + rows.to(tl.int64) * stride_bt
+    bt_rows = block_table + requests.to(tl.int64) * stride_bt
     slot = tl.load(bt_rows + slot_col, mask=spec, other=NULL_BLOCK)
     real = spec & (slot != NULL_BLOCK)
     dest = tl.load(bt_rows + dest_col, mask=real & (node >= 0), other=NULL_BLOCK)
@@ -138,10 +154,11 @@ def _boundary_kernel(
     for i in range(0, BLOCK):
         row = i_block * BLOCK + i
         if row < num_rows:
-            spec_i, slot_col_i, node_i, dest_col_i, _ = _row(seq_lens, draft_tokens, accepted, row, row < num_rows,
+            request = _request(idx_mapping, row, row < num_rows, HAS_IDX_MAPPING)
+            spec_i, slot_col_i, node_i, dest_col_i, _ = _row(seq_lens, draft_tokens, accepted, row, request >= 0,
                                                             block_size)
             if node_i >= 0:
-                bt_row = block_table + row.to(tl.int64) * stride_bt
+                bt_row = block_table + request.to(tl.int64) * stride_bt
                 src = tl.load(bt_row + slot_col_i).to(tl.int64)
                 dst = tl.load(bt_row + dest_col_i).to(tl.int64)
                 if (src != NULL_BLOCK) & (dst != NULL_BLOCK):
@@ -180,3 +197,42 @@ def _boundary_kernel(
                         for c in tl.static_range(W1):
                             tl.store(conv + dst * stride_cslot + ch * stride_cdim + c * stride_ccol, window[c],
                                      mask=on)
+
+
+def sampled_rows_triton(counts: torch.Tensor, block_table: torch.Tensor, idx_mapping: torch.Tensor,
+                        seq_lens: torch.Tensor, num_sampled: torch.Tensor, num_rows: int, *, block_size: int,
+                        null_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.boundary_states.sampled_rows` in one launch: (draft tokens, accepted) int32 `[num_rows]`, new
+    tensors (contiguous, as `record_accepted_and_boundaries_triton` takes them). counts `[S]` int32 (any stride),
+    block_table `[R, C]` int32 (rows per request state), idx_mapping, seq_lens, num_sampled `[>= num_rows]`
+    integer, contiguous. A separate launch from the boundary kernel: that one rewrites the counts it would read."""
+    drafts = torch.empty(num_rows, dtype=torch.int32, device=counts.device)
+    accepted = torch.empty_like(drafts)
+    if num_rows == 0:
+        return drafts, accepted
+    assert counts.dtype == torch.int32 and block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    for x in (idx_mapping, seq_lens, num_sampled):
+        assert x.stride(0) == 1
+    _sampled_rows_kernel[(triton.cdiv(num_rows, BLOCK_ROWS),)](
+        counts, counts.stride(0), block_table, block_table.stride(0), idx_mapping, seq_lens, num_sampled, drafts,
+        accepted, num_rows, block_size, NULL_BLOCK=null_block, BLOCK=BLOCK_ROWS)
+    return drafts, accepted
+
+
+@triton.jit(do_not_specialize=["counts_stride", "bt_stride", "num_rows", "block_size"],
+            do_not_specialize_on_alignment=["counts", "block_table", "idx_mapping", "seq_lens", "num_sampled"])
+def _sampled_rows_kernel(counts, counts_stride, block_table, bt_stride, idx_mapping, seq_lens, num_sampled, drafts,
+                         accepted, num_rows, block_size, NULL_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < num_rows
+    request = tl.load(idx_mapping + rows, mask=live, other=-1)
+    on = live & (request >= 0)
+    seq_len = tl.load(seq_lens + rows, mask=on, other=1)
+    column = tl.maximum(seq_len - 1, 0) // block_size
+    slot = tl.load(block_table + request.to(tl.int64) * bt_stride + column, mask=on, other=NULL_BLOCK)
+    on = on & (slot != NULL_BLOCK)
+    # int64: the stride is a KV-cache page (megabytes), so slot * stride passes 2**31
+    count = tl.load(counts + slot.to(tl.int64) * counts_stride, mask=on, other=0)
+    tl.store(drafts + rows, count - 1, mask=live)
+    sampled = tl.load(num_sampled + rows, mask=live, other=1)
+    tl.store(accepted + rows, tl.maximum(sampled, 1).to(tl.int32), mask=live)
