@@ -11,11 +11,13 @@ refusal planted away, vLLM's tracker reads the tree as a chain and the tree rows
 budget, on the one-call path and on the level path alike (the level path as a budget alone reached it before: vLLM's
 `spec_token_ids`, the drafts in node order, and the tracker's state advanced once per level).
 
-Why V1 refuses structured outputs: vLLM's scheduler fills a request's grammar bitmask row i from the grammar advanced
-over drafts 0 .. i - 1 (a chain), which `apply_grammar_bitmask` puts on logits row i (a tree's node i, whose path is
-not those drafts). Nothing of that can be made right per node from the runner, so the request is refused at
-admission, and a grammar bitmask that reaches the V1 tree runner raises before vLLM applies it
-(`tree_runner._refusing_grammar_on_trees`).
+Why V1 refuses structured outputs, on vLLM's real `StructuredOutputManager` with a toy grammar whose every path of
+the tree is valid: the scheduler validates a row's drafts as a chain in node order (`validate_tokens`: it keeps them
+up to the first node that does not follow its predecessor, a partial tree) and fills bitmask row i from the grammar
+advanced over drafts 0 .. i - 1 (`grammar_bitmask`), which `apply_grammar_bitmask` puts on logits row i (a tree's
+node i, whose path is not those drafts). The scheduler side cannot be made right from the runner, so the request is
+refused at admission (a planted admission without it fails), and a grammar bitmask that reaches the V1 tree runner
+raises before vLLM applies it (`tree_runner._refusing_grammar_on_trees`).
 """
 
 from __future__ import annotations
@@ -307,3 +309,105 @@ def test_planted_missing_refusal_fails(monkeypatch, route):
     assert got is not None and got != expected
     late = [b for b, g, e in zip(BUDGETS, got, expected) if THINK_END in e[: TREE.max_depth + 1] and g != e]
     assert late, (got, expected)
+
+
+# -- a grammar on V1 tree rows ------------------------------------------------------------------------------------------
+GRAMMAR_VOCAB = 32  # one bitmask word
+
+
+class DoublingGrammar:
+    """A toy `StructuredOutputGrammar`: after token s the grammar allows exactly 2s and 2s + 1 (mod 32), so its
+    state is the last token and every node of `doubling_drafts` is allowed after its parent."""
+
+    def __init__(self, root: int):
+        self.accepted = [root]
+
+    def allowed(self, state: int) -> set[int]:
+        return {(2 * state) % GRAMMAR_VOCAB, (2 * state + 1) % GRAMMAR_VOCAB}
+
+    def accept_tokens(self, request_id, tokens) -> bool:
+        for token in tokens:
+            if token not in self.allowed(self.accepted[-1]):
+                return False
+            self.accepted.append(token)
+        return True
+
+    def validate_tokens(self, tokens) -> list[int]:
+        state, valid = self.accepted[-1], []
+        for token in tokens:
+            if token not in self.allowed(state):
+                break
+            valid.append(token)
+            state = token
+        return valid
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens:]
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index] = bitmask_of(self.allowed(self.accepted[-1]))
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        del self.accepted[1:]
+
+
+def bitmask_of(tokens: set[int]) -> int:
+    word = sum(1 << t for t in tokens)
+    return word - (1 << 32) if word >= 1 << 31 else word  # int32
+
+
+def doubling_drafts(root: int) -> list[int]:
+    """Node tokens that follow the grammar on every path: a first child 2s, a second child 2s + 1."""
+    tokens, seen = [], {}
+    for parent in TREE.parents:
+        rank = seen.get(parent, 0)
+        seen[parent] = rank + 1
+        tokens.append((2 * (root if parent < 0 else tokens[parent]) + rank) % GRAMMAR_VOCAB)
+    return tokens
+
+
+def vllms_grammar_view(root: int, drafts: list[int]) -> tuple[list[int], list[int]]:
+    """What vLLM 0.32's structured-output manager makes of a row's drafts: the drafts the scheduler keeps
+    (`validate_tokens`, `Scheduler.update_draft_token_ids`) and the bitmask of each verified row, root first
+    (`grammar_bitmask`, the rows `apply_grammar_bitmask` puts on the row's logits in order)."""
+    import vllm.v1.structured_output as structured_output
+
+    manager = object.__new__(structured_output.StructuredOutputManager)
+    manager.vllm_config = SimpleNamespace(num_speculative_tokens=N, scheduler_config=SimpleNamespace(max_num_seqs=1),
+                                          model_config=SimpleNamespace(is_diffusion=False))
+    manager.backend = SimpleNamespace(allocate_token_bitmask=lambda n: torch.zeros(n, 1, dtype=torch.int32))
+    manager.enable_in_reasoning, manager.fill_bitmask_parallel_threshold = True, 128
+    manager._grammar_bitmask, manager._full_mask = None, torch.tensor(-1, dtype=torch.int32)
+    request = SimpleNamespace(use_structured_output=True,
+                              structured_output_request=SimpleNamespace(grammar=DoublingGrammar(root)))
+    kept = manager.validate_tokens(request, list(drafts))
+    rows = manager.grammar_bitmask({"r": request}, ["r"], {"r": list(drafts)})
+    return kept, rows[:, 0].tolist()
+
+
+def test_v1_tree_rows_get_each_nodes_grammar_or_are_refused():
+    """Exact would be: the scheduler keeps every node (each is allowed after its parent) and node i's row is masked
+    by the grammar after node i's path. vLLM validates and masks the drafts as a chain in node order: it keeps the
+    drafts up to the first node that is not its predecessor's child (a partial tree, which `find_tree_step` raises
+    on) and masks a sibling's row by the grammar after its elder sibling. So V1 trees refuse grammar requests."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    root = 3
+    drafts = doubling_drafts(root)
+    grammar = DoublingGrammar(root)
+    per_path = [bitmask_of(grammar.allowed(token)) for token in [root, *drafts]]
+    kept, rows = vllms_grammar_view(root, drafts)
+    assert kept == drafts[:1] and rows[:2] == per_path[:2] and rows != per_path  # vLLM's chain view
+    refusal = tree_admission.tree_refusal(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
+                                          tree_spec(), use_v2_model_runner=False)
+    assert refusal is not None or (kept == drafts and rows == per_path)
+
+
+def test_planted_grammar_admission_fails(monkeypatch):
+    monkeypatch.setattr(tree_runner, "REFUSED_ON_V1_TREES", (("thinking_token_budget", None),))
+    with pytest.raises(AssertionError):
+        test_v1_tree_rows_get_each_nodes_grammar_or_are_refused()

@@ -313,9 +313,10 @@ def _sampling_trees(original):
 # - thinking_token_budget: vLLM's `ThinkingBudgetStateHolder` counts a row's context as its committed output plus
 #   `spec_token_ids` (a tree row's drafts in node order) and advances its state machine on every sampler call (the
 #   level path calls it once per level), so a node's forced end-of-thinking lands at the wrong depth or not at all;
-# - structured_outputs: the scheduler validates a row's drafts as a chain (truncating the tree where node order
-#   leaves the grammar) and fills the grammar bitmask of draft position i from the grammar advanced over drafts
-#   0 .. i - 1 in node order, which `apply_grammar_bitmask` puts on the logits row of node i, not of its path.
+# - structured_outputs: the scheduler validates a row's drafts as a chain in node order (keeping them up to the
+#   first node that does not follow its predecessor: a partial tree, which `find_tree_step` raises on) and fills the
+#   grammar bitmask of draft position i from the grammar advanced over drafts 0 .. i - 1, which
+#   `apply_grammar_bitmask` puts on the logits row of node i, not of its path.
 # Penalties, bad words and seeds are exact on V1 (the level path hands vLLM each node's path).
 REFUSED_ON_V1_TREES = (("thinking_token_budget", None), ("structured_outputs", None))
 
