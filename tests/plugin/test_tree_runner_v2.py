@@ -354,40 +354,6 @@ def test_tree_state_is_bound_for_the_runner_call_only():
                    for k, v in vars(module).items() if k.isupper())
 
 
-def test_path_dependent_parameters_are_refused_at_admission_on_v2_trees():
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    tree_spec = SimpleNamespace(is_draft_tree=True, draft_tree=DraftTree.from_widths([2, 2, 1]),
-                                draft_tree_widths=[2, 2, 1])
-    assert tree_runner_v2.v2_tree_refusal(SamplingParams(temperature=0.8), tree_spec) is None
-    assert tree_runner_v2.v2_tree_refusal(SamplingParams(temperature=0.8, min_p=0.1, logit_bias={3: 1.0}),
-                                          tree_spec) is None  # per-row parameters: exact on a tree
-    for field, value in (("repetition_penalty", 1.2), ("frequency_penalty", 0.5), ("presence_penalty", 0.5),
-                         ("bad_words", ["a b c"]), ("thinking_token_budget", 16),
-                         ("structured_outputs", StructuredOutputsParams(choice=["yes", "no"]))):
-        reason = tree_runner_v2.v2_tree_refusal(SamplingParams(**{field: value}), tree_spec)
-        assert reason is not None and field in reason and "Model Runner V2" in reason
-        assert tree_runner_v2.v2_tree_refusal(SamplingParams(**{field: value}), None) is None  # chains: vLLM's
-
-    calls = []
-
-    class Processor:
-        vllm_config = SimpleNamespace(use_v2_model_runner=True)
-        speculative_config = tree_spec
-
-        def _validate_params(self, params, supported_tasks):
-            calls.append(params)
-
-    validate = tree_runner_v2._refusing_path_dependent_params(Processor._validate_params)
-    validate(Processor(), SamplingParams(temperature=0.5), ("generate",))
-    from vllm.exceptions import VLLMValidationError
-
-    with pytest.raises(VLLMValidationError, match="repetition_penalty"):
-        validate(Processor(), SamplingParams(repetition_penalty=1.1), ("generate",))
-    assert len(calls) == 1
-
-
 def test_level_budget_that_could_overflow_is_refused_at_startup():
     tree_speculator_v2.check_level_budget([2, 2, 1], 64, 64 * 7)  # deepest level: root + 6 nodes above the leaves
     with pytest.raises(ValueError, match=r"max_num_batched_tokens to >= 455 or lower max_num_seqs to <= 64"):

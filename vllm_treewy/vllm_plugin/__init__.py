@@ -18,6 +18,7 @@ def register() -> None:
         runner_v2,
         startup_memory,
         step_metadata,
+        tree_admission,
         tree_budget,
         tree_runner,
         tree_runner_v2,
@@ -41,4 +42,5 @@ def register() -> None:
         runner_v2.install()  # Model Runner V2, vLLM's default on CUDA: reconstruct chains
         tree_runner_v2.install()  # and draft trees
     if current_platform.is_cpu() or current_platform.is_cuda():
+        tree_admission.install()  # draft trees: what each runner's tree path does not make exact, refused
         tree_runner.install()  # draft trees: vLLM's CPU attention, or TRITON_ATTN on CUDA

@@ -36,8 +36,10 @@ class MinTokensAtDepth:
     output: request i's stop tokens masked while its committed output length + depth < its min_tokens, which is
     what plain decoding masks at that position (vLLM's `apply` is the case depth 0, and its rejection sampler's
     `apply_with_spec_decode` masks a chain's draft position i at depth i). A request with structured output gets
-    vLLM's own restore (a row where masking its stop tokens would leave nothing keeps them). Read from the
-    processor's host state at the first `apply` (one step's view: the state does not change within a step)."""
+    vLLM's own restore (a row where masking its stop tokens would leave nothing keeps them), as vLLM's processor
+    does (structured outputs are refused on trees at admission; the view stays the processor's at any depth). Read
+    from the processor's host state at the first `apply` (one step's view: the state does not change within a
+    step)."""
 
     def __init__(self, processor, depth: int):
         self.processor, self.depth = processor, depth

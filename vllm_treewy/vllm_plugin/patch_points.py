@@ -259,6 +259,11 @@ RUNNER_SAMPLE = PatchPoint(
     "draft trees: tree acceptance with vLLM's sampler level by level instead of the chain rejection sampler; the output rows it returns keep "
     "vLLM's accepted-token bookkeeping right", ("self", "logits", "spec_decode_metadata"),
 )
+RUNNER_SAMPLE_TOKENS = PatchPoint(
+    _RUNNER, "GPUModelRunner.sample_tokens", "wraps",
+    "draft trees on V1: a grammar bitmask (structured outputs, refused at admission on trees) raises before vLLM's "
+    "apply_grammar_bitmask would mask tree rows as a chain", ("self", "grammar_output"),
+)
 MIN_TOKENS_MASK = PatchPoint(
     "vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor._mask_stop_token_logits", "calls",
     "draft trees (min_tokens_at_depth): a tree node's stop tokens masked at its depth's output length, "
@@ -365,9 +370,9 @@ V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY = PatchPoint(
 )
 INPUT_PROCESSOR_VALIDATE_PARAMS = PatchPoint(
     "vllm.v1.engine.input_processor", "InputProcessor._validate_params", "wraps",
-    "draft trees on V2: requests with repetition/frequency/presence penalties refused at admission (V2's penalties "
-    "would see a tree row's drafts in node order, not each node's path)", ("self", "params", "supported_tasks"),
-    only_on="cuda",
+    "draft trees: requests with the sampling parameters a runner's tree path does not make exact refused at "
+    "admission (tree_admission: V1's thinking budget and structured outputs; V2's also penalties and bad words)",
+    ("self", "params", "supported_tasks"),
 )
 V2_CAPTURE_POOL = PatchPoint(
     "vllm.compilation.cudagraph_pool", "capture_pool", "calls",
@@ -530,6 +535,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_BUILD_ATTENTION_METADATA,
     RUNNER_EAGLE_PROPOSER,
     RUNNER_SAMPLE,
+    RUNNER_SAMPLE_TOKENS,
     MIN_TOKENS_MASK,
     RUNNER_AFTER_SAMPLING,
     CPU_ATTENTION_FORWARD,
@@ -575,6 +581,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
 
 _ATTN_LAYER = "vllm.model_executor.layers.attention.attention"
 INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
+    InternalAttributes(
+        "vllm.v1.engine.input_processor", "InputProcessor", ("vllm_config", "speculative_config"), "reads",
+        "admission on draft trees (tree_admission): the engine's tree and which runner serves it",
+    ),
     InternalAttributes(
         _RUNNER, "GPUModelRunner",
         ("input_batch", "num_accepted_tokens", "num_decode_draft_tokens", "positions", "query_start_loc",

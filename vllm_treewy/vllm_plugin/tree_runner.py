@@ -25,6 +25,11 @@ Per step, when the speculative config has a tree (`draft_tree_widths` with a wid
    leaf written into each GDN slot's count state for the next step's commit; the acceptance left in the tree state
    for the MTP proposer (`mtp_tree_proposer`), which drafts the next tree in the same step.
 
+Refused at admission (`REFUSED_ON_V1_TREES`, through `tree_admission`): a thinking-token budget and structured
+outputs, the two sampling parameters whose vLLM state reads a tree row's drafts as a chain (below). A grammar bitmask
+that still reaches the runner (`sample_tokens`, before vLLM's `apply_grammar_bitmask` masks a row's logits by its
+position in node order) raises instead of being applied.
+
 CUDA graphs: FULL for uniform decode batches of tree rows (vLLM's FULL_AND_PIECEWISE or FULL_DECODE_ONLY), attention
 outside the graphs otherwise. `cudagraph_mode` FULL (mixed batches in full graphs too) is refused: a mixed batch's
 tree rows need the eager post-pass.
@@ -48,6 +53,7 @@ from vllm_treewy.vllm_plugin.patch_points import (
     RUNNER_EAGLE_PROPOSER,
     RUNNER_PREPARE_INPUTS,
     RUNNER_SAMPLE,
+    RUNNER_SAMPLE_TOKENS,
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
 )
@@ -303,6 +309,30 @@ def _sampling_trees(original):
     return sample
 
 
+# What the V1 tree path does not make exact, as (name, neutral value); refused at admission (`tree_admission`):
+# - thinking_token_budget: vLLM's `ThinkingBudgetStateHolder` counts a row's context as its committed output plus
+#   `spec_token_ids` (a tree row's drafts in node order) and advances its state machine on every sampler call (the
+#   level path calls it once per level), so a node's forced end-of-thinking lands at the wrong depth or not at all;
+# - structured_outputs: the scheduler validates a row's drafts as a chain in node order (keeping them up to the
+#   first node that does not follow its predecessor: a partial tree, which `find_tree_step` raises on) and fills the
+#   grammar bitmask of draft position i from the grammar advanced over drafts 0 .. i - 1, which
+#   `apply_grammar_bitmask` puts on the logits row of node i, not of its path.
+# Penalties, bad words and seeds are exact on V1 (the level path hands vLLM each node's path).
+REFUSED_ON_V1_TREES = (("thinking_token_budget", None), ("structured_outputs", None))
+
+
+def _refusing_grammar_on_trees(original):
+    @functools.wraps(original)
+    def sample_tokens(self, grammar_output, *args, **kwargs):
+        if grammar_output is not None and tree_state_of(self) is not None:
+            raise NotImplementedError(
+                "draft_tree_widths on the V1 model runner: structured outputs are refused at admission (the grammar "
+                "bitmask is laid out for a chain of drafts, not a tree), yet a grammar bitmask reached the tree runner")
+        return original(self, grammar_output, *args, **kwargs)
+
+    return sample_tokens
+
+
 def install() -> None:
     from vllm.platforms import current_platform
 
@@ -310,6 +340,7 @@ def install() -> None:
     RUNNER_PREPARE_INPUTS.wrap(_preparing_tree_rows)
     RUNNER_BUILD_ATTENTION_METADATA.wrap(_handing_tree_step_to_attention)
     RUNNER_SAMPLE.wrap(_sampling_trees)
+    RUNNER_SAMPLE_TOKENS.wrap(_refusing_grammar_on_trees)
     if current_platform.is_cpu():
         CPU_ATTENTION_FORWARD.wrap(_attending_tree_rows)
     else:

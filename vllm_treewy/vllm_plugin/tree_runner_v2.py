@@ -40,9 +40,10 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    3 or more tokens) take the row's drafts in node order, and its thinking-token budget counts a node's context as
    the root plus its place in node order; a grammar's state (structured outputs) follows one path. Requests that
    use any of them are REFUSED at admission on V2 trees
-   (INPUT_PROCESSOR_VALIDATE_PARAMS, `v2_tree_refusal`: a VLLMValidationError naming the parameter; bad words are
+   (`REFUSED_ON_V2_TREES`, through `tree_admission`: a VLLMValidationError naming the parameter; bad words are
    refused whatever their length, which is known only after tokenization); the V1 runner treats penalties and bad
-   words exactly (its level path). Temperature, top-k, top-p, min-p and logit bias act per row and are exact.
+   words exactly (its level path) and refuses the thinking budget and structured outputs (`tree_runner`).
+   Temperature, top-k, top-p, min-p and logit bias act per row and are exact.
    The acceptance on V2's logits layout (`accept_tree_rows`, `sample_tree_step`): `tree_sampler_v2`. A step whose
    requests are all tree rows replays its post-sampler work (walk, compaction, GDN counts) as one CUDA graph per
    padded request count, captured right after V2's capture phase (V2_RUNNER_CAPTURE_MODEL, again):
@@ -66,7 +67,6 @@ import numpy as np
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import (
-    INPUT_PROCESSOR_VALIDATE_PARAMS,
     V2_MAMBA_PREPARE_ATTN,
     V2_MTP_SPECULATOR,
     V2_RUNNER_CAPTURE_MODEL,
@@ -236,36 +236,11 @@ def _sampling_trees(original):
     return sample
 
 
-PATH_DEPENDENT_FIELDS = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                         ("bad_words", None), ("thinking_token_budget", None), ("structured_outputs", None))
-
-
-def v2_tree_refusal(params, speculative_config) -> str | None:
-    """Why a request is refused on V2 trees (None: admitted): the sampling parameters whose V2 processors read a
-    tree row's verified tokens as a chain (module docstring, 3.), so a node would see other nodes' drafts."""
-    if draft_tree_of(speculative_config) is None:
-        return None
-    used = [f"{name}={getattr(params, name)}" for name, neutral in PATH_DEPENDENT_FIELDS
-            if getattr(params, name, neutral) not in (neutral, [])]
-    if not used:
-        return None
-    return (f"draft_tree_widths on Model Runner V2 does not support these sampling parameters yet ({', '.join(used)}):"
-            " a tree node would see other nodes' drafts. Send the request without them, or serve the tree on the V1 "
-            "runner (VLLM_USE_V2_MODEL_RUNNER=0: penalties and bad words exact there) or without draft_tree_widths")
-
-
-def _refusing_path_dependent_params(original):
-    @functools.wraps(original)
-    def validate(self, params, *args, **kwargs):
-        if getattr(self.vllm_config, "use_v2_model_runner", False) and hasattr(params, "repetition_penalty"):
-            reason = v2_tree_refusal(params, self.speculative_config)
-            if reason is not None:
-                from vllm.exceptions import VLLMValidationError
-
-                raise VLLMValidationError(reason)
-        return original(self, params, *args, **kwargs)
-
-    return validate
+# What V2's tree path does not make exact (module docstring, 3.): its penalties and bad-words matching read a tree
+# row's drafts in node order, its thinking-token budget counts a node's context as the root plus its place in node
+# order, and a grammar's state follows one path. Refused at admission (`tree_admission`), as (name, neutral value).
+REFUSED_ON_V2_TREES = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                       ("bad_words", None), ("thinking_token_budget", None), ("structured_outputs", None))
 
 
 def install() -> None:
@@ -277,7 +252,6 @@ def install() -> None:
     V2_RUNNER_CAPTURE_MODEL.wrap(_capturing_tree_acceptance)  # inside the state binding (its profiling flag)
     for point in (V2_RUNNER_EXECUTE_MODEL, V2_RUNNER_CAPTURE_MODEL, V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY):
         point.wrap(_binding_tree_state)
-    INPUT_PROCESSOR_VALIDATE_PARAMS.wrap(_refusing_path_dependent_params)
     V2_RUNNER_PREPARE_ATTN.wrap(_finding_tree_rows)
     V2_MAMBA_PREPARE_ATTN.wrap(_handing_tree_to_attention)
     V2_RUNNER_SAMPLE.wrap(_sampling_trees)

@@ -6,8 +6,8 @@ sampling distribution) draws with vLLM's `Sampler` and the request's own samplin
 top-p, min-p, allowed tokens, logits processors; greedy requests take the argmax, so greedy trees accept as
 `greedy_tree_acceptance` does). One production path per kind of batch, chosen by what the batch needs:
 
-- Every node at once (`_sample_every_node`; batches without penalties, bad words, per-request seeds, thinking
-  budgets or logprobs of chosen token ids): ONE sampler call over every logits row of the step (each tree row's
+- Every node at once (`_sample_every_node`; batches without penalties, bad words, per-request seeds or logprobs of
+  chosen token ids): ONE sampler call over every logits row of the step (each tree row's
   root and N nodes, every other request's one row), with the per-request metadata expanded to the rows as vLLM's
   rejection sampler expands it to draft tokens (temperature, top-k, top-p and the allowed-token mask gathered by
   each row's request; a logits processor that is not idle applied once per verified-block column over one row per
@@ -20,6 +20,12 @@ top-p, min-p, allowed tokens, logits processors; greedy requests take the argmax
   it is not walking, because it has no tree this step or its walk stopped, its generator gets its state back after
   the level's call, so its seeded stream is the one it would have without speculation). Both need the path on the
   host: one device sync per level.
+
+A thinking-token budget is refused at admission on V1 trees (`tree_runner.REFUSED_ON_V1_TREES`): vLLM's tracker
+(`ThinkingBudgetStateHolder`, called inside its sampler) counts a row's context as the committed output plus
+`spec_token_ids` (a tree row's drafts in node order, not the path walked) and advances its state on every call (the
+level path would call it once per level), so it would force the end of thinking at the wrong node. A batch whose
+tracker holds requests raises here instead of being sampled.
 
 What depends on how many tokens a request has emitted sees each row at its own position: a node at depth d sits
 d tokens past the committed output, as plain decoding would there. vLLM's min-tokens processor reads the committed
@@ -80,11 +86,9 @@ def _needs_path_on_host(sampling_metadata) -> bool:
 
 
 def _needs_level_path(sampling_metadata) -> bool:
-    """The batch's draws must be made level by level: the path on the host, a thinking budget (it tracks the
-    spec tokens per request) or logprobs of chosen token ids (keyed by request row)."""
-    holder = sampling_metadata.thinking_budget_state_holder
-    return (_needs_path_on_host(sampling_metadata) or bool(sampling_metadata.logprob_token_ids)
-            or (holder is not None and holder.has_tracked_requests()))
+    """The batch's draws must be made level by level: the path on the host or logprobs of chosen token ids (keyed
+    by request row)."""
+    return _needs_path_on_host(sampling_metadata) or bool(sampling_metadata.logprob_token_ids)
 
 
 class _LevelSampler:
@@ -147,11 +151,22 @@ class _LevelSampler:
                 self.path[request].append(drawn[i])
 
 
+def refuse_thinking_budget(sampling_metadata) -> None:
+    """Raises when vLLM's thinking-budget tracker holds a request of the batch: refused at admission on V1 trees
+    (module docstring), so one that reaches the tree sampler is not sampled with the wrong context."""
+    holder = sampling_metadata.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        raise NotImplementedError("draft_tree_widths on the V1 model runner: thinking_token_budget is refused at "
+                                  "admission (vLLM's budget tracker reads a tree row's drafts as a chain), yet a "
+                                  "batch with a tracked budget reached the tree sampler")
+
+
 def sample_with_trees(logits: torch.Tensor, spec_decode_metadata, step: TreeStep, sampler, sampling_metadata
                       ) -> tuple[torch.Tensor, TreeAcceptance, object]:
     """`sampled_token_ids [num_reqs, 1 + N]` of a step with tree rows (other rows: one token), after the accepted
     paths' K/V compaction; the tree rows' acceptance; and the logprobs tensors (None unless asked). The path by what
-    the batch needs (module docstring)."""
+    the batch needs (module docstring). A thinking budget raises (`refuse_thinking_budget`)."""
+    refuse_thinking_budget(sampling_metadata)
     sampled_end = spec_decode_metadata.cu_num_sampled_tokens.long()  # each row's drafts + 1, summed: on the device
     draft_tokens = spec_decode_metadata.draft_token_ids  # only tree rows have drafts (partial trees are refused)
     sample = _sample_by_levels if _needs_level_path(sampling_metadata) else _sample_every_node
