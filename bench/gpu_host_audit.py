@@ -704,7 +704,8 @@ def main(argv=None) -> int:
     strategy = sub.add_parser("strategy", help="one engine's audit (run starts these)")
     add_audit_args(strategy)
     strategy.add_argument("--strategy", required=True, choices=[SUBJECT, BASE])
-    strategy.add_argument("--tree-widths", type=int, nargs="+", default=None, help="an MTP tree (on V2) of these widths")
+    strategy.add_argument("--tree-widths", type=int, nargs="+", default=None,
+                          help="an MTP tree (on V2) of these widths")
     strategy.add_argument("--audit-role", choices=["subject", "base"], default=None)
     diff = sub.add_parser("diff", help="host_audit.json and the table from the files under --out")
     diff.add_argument("--out", required=True)

@@ -158,7 +158,8 @@ def run_spec(args) -> int:
             print(name, "started", json.dumps({k: v for k, v in result.items() if k != "kv_cache"}),
                   result["kv_cache"], flush=True)
             if args.dense:
-                result["two_turns"] = two_turns(llm, tokens, args.turn_block or result["kv_cache"]["attention_block_size"])
+                block = args.turn_block or result["kv_cache"]["attention_block_size"]
+                result["two_turns"] = two_turns(llm, tokens, block)
             else:
                 result["batches"] = run_batches(llm, shared_prefix_workload(tokens, args.prefix_tokens,
                                                                             max(args.batches.values())),

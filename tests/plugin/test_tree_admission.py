@@ -130,7 +130,7 @@ def test_the_wrapper_calls_vllm_only_for_admitted_requests():
     assert len(calls) == 1
 
 
-# -- a grammar bitmask on the V1 tree runner ----------------------------------------------------------------------------
+# -- a grammar bitmask on the V1 tree runner ---------------------------------------------------------------------------
 class FakeRunner:
     """What `_refusing_grammar_on_trees` reads of vLLM's GPUModelRunner: its drafter's tree state."""
 
@@ -163,7 +163,7 @@ def test_the_grammar_guard_wraps_vllms_sample_tokens():
     assert getattr(GPUModelRunner.sample_tokens, "_treewy__refusing_grammar_on_trees", False)
 
 
-# -- a thinking-token budget on V1 tree rows ----------------------------------------------------------------------------
+# -- a thinking-token budget on V1 tree rows ---------------------------------------------------------------------------
 VOCAB = 7
 THINK_START, THINK_END = 5, 6
 PROMPT = [1, 2, THINK_START]  # opens a thinking section: every output token counts against the budget
@@ -311,7 +311,7 @@ def test_planted_missing_refusal_fails(monkeypatch, route):
     assert late, (got, expected)
 
 
-# -- a grammar on V1 tree rows ------------------------------------------------------------------------------------------
+# -- a grammar on V1 tree rows -----------------------------------------------------------------------------------------
 GRAMMAR_VOCAB = 32  # one bitmask word
 
 

@@ -52,7 +52,8 @@ def v2_batch(query_lens, drafts, prefilling, num_computed, runs_as_decode=None):
 
 
 def test_decode_draft_counts_mark_prefills():
-    decode, drafts = tree_runner_v2.decode_draft_counts(np.array([0, N, 0, N]), np.array([True, False, False, False]), 4)
+    decode, drafts = tree_runner_v2.decode_draft_counts(np.array([0, N, 0, N]), np.array([True, False, False, False]),
+                                                        4)
     assert decode.tolist() == [-1, N, 0, N] and drafts.tolist() == [0, N, 0, N]
     decode, drafts = tree_runner_v2.decode_draft_counts(None, np.array([False, True]), 2)
     assert decode.tolist() == [0, -1] and drafts.tolist() == [0, 0]

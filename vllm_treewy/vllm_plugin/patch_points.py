@@ -256,8 +256,8 @@ RUNNER_EAGLE_PROPOSER = PatchPoint(
 )
 RUNNER_SAMPLE = PatchPoint(
     _RUNNER, "GPUModelRunner._sample", "wraps",
-    "draft trees: tree acceptance with vLLM's sampler level by level instead of the chain rejection sampler; the output rows it returns keep "
-    "vLLM's accepted-token bookkeeping right", ("self", "logits", "spec_decode_metadata"),
+    "draft trees: tree acceptance with vLLM's sampler level by level instead of the chain rejection sampler; the "
+    "output rows it returns keep vLLM's accepted-token bookkeeping right", ("self", "logits", "spec_decode_metadata"),
 )
 RUNNER_SAMPLE_TOKENS = PatchPoint(
     _RUNNER, "GPUModelRunner.sample_tokens", "wraps",
