@@ -27,7 +27,7 @@ from vllm_treewy.vllm_plugin import tree_accept_graphs, tree_runner_v2
 from vllm_treewy.vllm_plugin.tree_accept_graphs import TreeAcceptGraphs
 from vllm_treewy.vllm_plugin.tree_sampler_v2 import accept_and_commit_tree_rows
 from vllm_treewy.vllm_plugin.tree_speculator_v2 import TreeRunStateV2
-from vllm_treewy.vllm_plugin.tree_step import AttentionLayerCaches, PagedLayerCaches
+from vllm_treewy.vllm_plugin.tree_step import AttentionLayerCaches, PagedLayerCaches, TreeConstants
 
 MAX_MODEL_LEN = 64
 BLOCK_SIZES = (16, 8)  # the two TRITON_ATTN cache groups'
@@ -100,7 +100,7 @@ def uniform_step(tree: DraftTree, num_reqs: int, gen: torch.Generator):
 def graphs_of(world: World, tree: DraftTree, sizes) -> TreeAcceptGraphs:
     """The world's graphs with a stand-in per size whose replay runs the captured body."""
     graphs = TreeAcceptGraphs(tree, tree.num_nodes, world.caches, world.gdn_groups, max(sizes), MAX_MODEL_LEN,
-                              torch.device("cpu"))
+                              TreeConstants.of(tree, torch.device("cpu")))
     graphs.replays = []
     for size in sizes:
         graphs.graphs[size] = SimpleNamespace(
@@ -260,7 +260,8 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_the_levels_sizes(monkeyp
     level_graphs = {}
     speculator = SimpleNamespace(tree_state=state, _level_graphs=level_graphs, max_model_len=MAX_MODEL_LEN,
                                  device=torch.device("cpu"), vllm_config=None,
-                                 prefill_cudagraph_manager=SimpleNamespace(pool="v2's pool"))
+                                 prefill_cudagraph_manager=SimpleNamespace(pool="v2's pool"),
+                                 tree_constants=lambda t: TreeConstants.of(t, torch.device("cpu")))
 
     def capture_model(self, *, profile_only=False):
         level_graphs.clear()

@@ -87,16 +87,18 @@ class TreeAcceptGraphs:
 
     `cache_groups`: `triton_cache_groups`; `gdn_groups`: `tree_sampler_v2.gdn_groups_of`; `max_model_len` bounds the
     positions a move touches, so a group's table buffer holds cdiv(max_model_len, block size) + 1 columns (a step's
-    table rows are copied up to that width: no position past it is ever read)."""
+    table rows are copied up to that width: no position past it is ever read). `constants`: the tree's on the device
+    (the speculator's `tree_constants`, whose uniform steps the runner's all-tree steps share)."""
 
     def __init__(self, tree: DraftTree, num_speculative_steps: int, cache_groups: list[list[torch.Tensor]],
-                 gdn_groups: list[tuple[torch.Tensor, torch.Tensor]], max_reqs: int, max_model_len: int, device):
+                 gdn_groups: list[tuple[torch.Tensor, torch.Tensor]], max_reqs: int, max_model_len: int,
+                 constants: TreeConstants):
         self.tree, self.num_speculative_steps = tree, num_speculative_steps
         self.cache_groups, self.gdn_groups, self.max_reqs = cache_groups, gdn_groups, max_reqs
         self.group_keys = [_cache_key(caches) for caches in cache_groups]
         widths = [-(-max_model_len // caches[0].shape[2]) + 1 for caches in cache_groups]
-        self.buffers = AcceptGraphBuffers.allocate(max_reqs, 1 + tree.num_nodes, widths, device)
-        self.constants = TreeConstants.of(tree, device)
+        self.buffers = AcceptGraphBuffers.allocate(max_reqs, 1 + tree.num_nodes, widths, constants.parents.device)
+        self.constants = constants
         self.graphs: dict[int, object] = {}  # padded request count -> its graph (anything with `replay()`)
         self.outputs: dict[int, TreeSampling] = {}  # padded request count -> the body's result, read after replay
 
@@ -106,8 +108,7 @@ class TreeAcceptGraphs:
         result kept as `outputs[size]`. What a graph of `size` captures (`gdn_groups=()`: the capture's warm-up,
         which records no count)."""
         bufs, block_len = self.buffers, 1 + self.tree.num_nodes
-        step = uniform_tree_step(self.tree, bufs.root_positions[:size], self.constants)
-        step.covers_batch = True
+        step = uniform_tree_step(self.tree, bufs.root_positions[:size], self.constants)  # covers the batch
         tables = [table[:size] for table in bufs.block_tables]  # one view per group: its layers compacted at once
         step.attention_layers = [PagedLayerCaches(cache, table)
                                  for caches, table in zip(self.cache_groups, tables) for cache in caches]
@@ -208,7 +209,8 @@ def capture_accept_graphs(runner, state) -> None:
     from vllm_treewy.vllm_plugin.tree_sampler_v2 import gdn_groups_of
 
     graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, triton_cache_groups(runner),
-                              gdn_groups_of(runner), max(sizes), speculator.max_model_len, speculator.device)
+                              gdn_groups_of(runner), max(sizes), speculator.max_model_len,
+                              speculator.tree_constants(state.tree))
     graphs.capture(sizes, speculator.prefill_cudagraph_manager.pool, speculator.vllm_config, speculator.device)
     state.accept_graphs = graphs
     logger.info("vllm-treewy: captured the draft tree's acceptance as CUDA graphs for %d batch sizes (up to %d "
