@@ -255,7 +255,7 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_the_levels_sizes(monkeyp
     world = World(seed=2)
     before = world.clone()
     monkeypatch.setattr(tree_accept_graphs, "triton_cache_groups", lambda runner: world.caches)
-    monkeypatch.setattr("vllm_treewy.vllm_plugin.tree_sampler_v2.gdn_groups_of", lambda runner: world.gdn_groups)
+    monkeypatch.setattr("vllm_treewy.vllm_plugin.runner_v2.gdn_groups_of", lambda runner: world.gdn_groups)
     state = TreeRunStateV2(tree)
     level_graphs = {}
     speculator = SimpleNamespace(tree_state=state, _level_graphs=level_graphs, max_model_len=MAX_MODEL_LEN,

@@ -42,13 +42,18 @@ from vllm_treewy.vllm_plugin.patch_points import (
 from vllm_treewy.vllm_plugin.step_metadata import with_commit_nodes
 
 
+def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(count state, V2's block table by request state)` per GDN group that keeps slot counts (column 0 of a
+    request's row is its slot)."""
+    return [(counts, runner.block_tables.block_tables[group_id].gpu) for group_id, counts in counted_gdn_groups(runner)]
+
+
 def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor) -> None:
     """After V2's sampler counted this step's tokens per batch row (`num_sampled [rows]`; `idx_mapping [rows]`: each
     row's request state, -1 to skip): the speculative rows' counts into their slots in every GDN group that keeps slot
     counts. A row speculated this step iff its slot holds a count (the step's count update gave it its node count,
     every other row's slot 0), so no per-row flag is needed. Device tensors only; CUDA: one launch for every group."""
-    groups = [(counts, runner.block_tables.block_tables[group_id].gpu)
-              for group_id, counts in counted_gdn_groups(runner)]
+    groups = gdn_groups_of(runner)
     if not groups:
         return
     num_rows = idx_mapping.shape[0]

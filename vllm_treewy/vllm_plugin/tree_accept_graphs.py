@@ -85,7 +85,7 @@ def _cache_key(caches) -> frozenset:
 class TreeAcceptGraphs:
     """The captured graphs of `accept_and_commit_tree_rows` by padded request count, with their buffers.
 
-    `cache_groups`: `triton_cache_groups`; `gdn_groups`: `tree_sampler_v2.gdn_groups_of`; `max_model_len` bounds the
+    `cache_groups`: `triton_cache_groups`; `gdn_groups`: `runner_v2.gdn_groups_of`; `max_model_len` bounds the
     positions a move touches, so a group's table buffer holds cdiv(max_model_len, block size) + 1 columns (a step's
     table rows are copied up to that width: no position past it is ever read). `constants`: the tree's on the device
     (the speculator's `tree_constants`, whose uniform steps the runner's all-tree steps share)."""
@@ -206,7 +206,7 @@ def capture_accept_graphs(runner, state) -> None:
     state.accept_graphs = None
     if not sizes:
         return
-    from vllm_treewy.vllm_plugin.tree_sampler_v2 import gdn_groups_of
+    from vllm_treewy.vllm_plugin.runner_v2 import gdn_groups_of
 
     graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, triton_cache_groups(runner),
                               gdn_groups_of(runner), max(sizes), speculator.max_model_len,

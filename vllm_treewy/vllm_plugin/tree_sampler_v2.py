@@ -14,6 +14,7 @@ import torch
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.spec_decode.tree_drafting import accepted_path_sources
 from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance_of_draws
+from vllm_treewy.vllm_plugin.runner_v2 import gdn_groups_of
 from vllm_treewy.vllm_plugin.tree_speculator_v2 import TreeRunStateV2
 from vllm_treewy.vllm_plugin.tree_step import TreeStep, device_arange
 
@@ -73,13 +74,6 @@ def accept_and_commit_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_
     for counts, block_table in gdn_groups:
         record_accepted_leaves(counts, block_table[tree_rows, 0], result.acceptance)
     return result
-
-
-def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`(count state, V2's block table by request state)` per GDN group that keeps slot counts."""
-    from vllm_treewy.vllm_plugin.accepted_counts import counted_gdn_groups
-
-    return [(counts, runner.block_tables.block_tables[group_id].gpu) for group_id, counts in counted_gdn_groups(runner)]
 
 
 def sample_tree_step(runner, hidden_states: torch.Tensor, input_batch, step: TreeStep, state: TreeRunStateV2):
