@@ -98,6 +98,24 @@ BAD_CONFIGS = [
     ("too-few-levels", mtp(draft_tree_widths=[1, 1]), r"2 levels but num_speculative_tokens is 3"),
     ("too-many-levels", mtp(draft_tree_widths=[1, 1, 1, 1]), r"4 levels but num_speculative_tokens is 3"),
     ("tree-ngram", {**NGRAM, "draft_tree_widths": [2, 1, 1]}, r"draft trees .*need method mtp or custom_class"),
+    ("threshold-negative", mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1],
+                               draft_tree_max_batch_size=-1),
+     r"draft_tree_max_batch_size must be an integer >= 0 \(or None\), got -1"),
+    ("threshold-on-a-chain", mtp(mamba_state_commit="reconstruct", draft_tree_max_batch_size=4),
+     r"draft_tree_max_batch_size=4 needs a draft tree"),
+    ("threshold-store-all", mtp(draft_tree_widths=[2, 2, 1], draft_tree_max_batch_size=4),
+     r"draft_tree_max_batch_size=4 needs method 'mtp' and mamba_state_commit='reconstruct'.*'store_all'"),
+    ("threshold-custom-drafter", {**TREE_DRAFTER, "draft_tree_widths": [2, 1, 1], "mamba_state_commit": "reconstruct",
+                                  "draft_tree_max_batch_size": 4},
+     r"draft_tree_max_batch_size=4 needs method 'mtp'.*got method='custom_class'"),
+    ("tree-with-a-user-schedule", mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1],
+                                      num_speculative_tokens_per_batch_size=[(1, 4, 10)]),
+     r"num_speculative_tokens_per_batch_size=\[\(1, 4, 10\)\] with draft_tree_widths=\[2, 2, 1\].*set "
+     r"draft_tree_max_batch_size instead"),
+    ("threshold-and-a-user-schedule", mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1],
+                                          draft_tree_max_batch_size=2,
+                                          num_speculative_tokens_per_batch_size=[(1, 2, 10), (3, 8, 2)]),
+     r"draft_tree_max_batch_size=2 sets the schedule itself; give one or the other"),
     ("reconstruct-ngram", {**NGRAM, "mamba_state_commit": "reconstruct"},
      r"mamba_state_commit='reconstruct' supports method mtp or custom_class, got method='ngram'"),
 ]
@@ -317,3 +335,27 @@ def test_tree_config_schedules_every_node(fixture_model, widths, num_nodes):
     assert config.draft_tree_depth == len(widths) and config.draft_tree.num_nodes == num_nodes
     rebuilt = pickle.loads(pickle.dumps(config))
     assert rebuilt.num_speculative_tokens == num_nodes and rebuilt.draft_tree_widths == widths
+
+
+@pytest.mark.parametrize("threshold,schedule", [
+    (None, None),
+    (0, [(1, 1 << 30, 3)]),  # the chain at every batch size
+    (2, [(1, 2, 10), (3, 1 << 30, 3)]),
+])
+def test_tree_threshold_sets_vllms_dynamic_schedule(fixture_model, threshold, schedule):
+    """draft_tree_max_batch_size T: batches of <= T requests draft the [2, 2, 1] tree's 10 nodes, larger ones the
+    chain of its depth 3, through vLLM's own dynamic speculative decoding schedule; kept by a rebuilt copy."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    spec = mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1], draft_tree_max_batch_size=threshold)
+    engine = engine_config(fixture_model, spec)
+    config = engine.speculative_config
+    assert config.num_speculative_tokens == 10 and config.num_speculative_tokens_per_batch_size == schedule
+    rebuilt = pickle.loads(pickle.dumps(config))
+    assert rebuilt.num_speculative_tokens_per_batch_size == schedule
+    assert rebuilt.compute_hash() == config.compute_hash()
+    if threshold is not None:
+        lookup = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=6, vllm_num_speculative_tokens=10)
+        assert lookup[1:] == [10 if b <= threshold else 3 for b in range(1, 7)]
+        other = engine_config(fixture_model, {**spec, "draft_tree_max_batch_size": threshold + 1})
+        assert other.speculative_config.compute_hash() != config.compute_hash()

@@ -7,6 +7,12 @@
   baseline on CPU: a GDN state per node, each from its parent's, in 1 + N blocks per request): the user writes
   num_speculative_tokens = depth, and the config then holds N there, so that vLLM's scheduler and runner
   schedule, verify and account N draft tokens per request (`draft_tree_depth` keeps the depth).
+- `draft_tree_max_batch_size` (draft trees under reconstruct, method "mtp"): T >= 0, the largest batch whose steps
+  verify the tree; larger batches verify the MTP chain of the tree's depth D, which costs less verify compute (a
+  tree is never used where it is slower than the chain). The rule rides on vLLM's dynamic speculative decoding: the
+  config holds the schedule `[(1, T, N), (T + 1, ..., D)]` in `num_speculative_tokens_per_batch_size` (T = 0: the
+  chain at every batch size), so vLLM's scheduler asks the drafter for N or D drafts per step. None (the default):
+  the tree at every batch size. The user sets T from a device measurement of tree vs chain tokens/s per batch size.
 
 The subclass lives in an importable module because the engine core unpickles `VllmConfig` before it loads
 plugins. Invalid values fail while the config is built, in the front end, with one message.
@@ -44,15 +50,50 @@ class TreewySpeculativeConfig(SpeculativeConfig):
     draft_tree_widths: list[int] | None = None
     """Children per node at each draft level (one entry per speculative token). None or all 1: a chain."""
 
+    draft_tree_max_batch_size: int | None = None
+    """Draft trees only: the largest batch (requests per step) that verifies the tree; larger batches verify the
+    MTP chain of the tree's depth. None: the tree at every batch size; 0: the chain at every batch size."""
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_draft_tree_widths()
         if self.mamba_state_commit == "reconstruct":
             self._validate_reconstruct()
+        self._validate_draft_tree_max_batch_size()
         if self.is_draft_tree:
             self._validate_tree_drafting()
             # vLLM schedules, verifies and accounts num_speculative_tokens drafts per request: all N nodes.
             self.num_speculative_tokens = self.draft_tree.num_nodes
+            if self.draft_tree_max_batch_size is not None:
+                self.num_speculative_tokens_per_batch_size = threshold_schedule(
+                    self.draft_tree_max_batch_size, self.draft_tree.num_nodes, self.draft_tree_depth)
+
+    def _validate_draft_tree_max_batch_size(self) -> None:
+        threshold = self.draft_tree_max_batch_size
+        user_schedule = self.num_speculative_tokens_per_batch_size
+        if threshold is None:
+            if self.is_draft_tree and user_schedule is not None:
+                raise ValueError(
+                    f"num_speculative_tokens_per_batch_size={user_schedule} with draft_tree_widths="
+                    f"{self.draft_tree_widths}: a draft tree verifies one static shape; to verify the chain at large "
+                    "batches, set draft_tree_max_batch_size instead")
+            return
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"draft_tree_max_batch_size must be an integer >= 0 (or None), got {threshold!r}")
+        if not self.is_draft_tree:
+            raise ValueError(f"draft_tree_max_batch_size={threshold} needs a draft tree (draft_tree_widths with a "
+                             f"width > 1), got draft_tree_widths={self.draft_tree_widths}")
+        if self.mamba_state_commit != "reconstruct" or self.method != "mtp":
+            raise ValueError(f"draft_tree_max_batch_size={threshold} needs method 'mtp' and "
+                             f"mamba_state_commit='reconstruct', got method={self.method!r}, "
+                             f"mamba_state_commit={self.mamba_state_commit!r}")
+        # A rebuilt copy arrives with the schedule this config set; any other is the user's.
+        expected = threshold_schedule(threshold, self.draft_tree.num_nodes, self.draft_tree_depth)
+        if user_schedule is not None and [tuple(entry) for entry in user_schedule] != expected:
+            raise ValueError(
+                f"num_speculative_tokens_per_batch_size={user_schedule} with draft_tree_widths="
+                f"{self.draft_tree_widths}: draft_tree_max_batch_size={threshold} sets the schedule itself; "
+                "give one or the other")
 
     def _validate_draft_tree_widths(self) -> None:
         widths = self.draft_tree_widths
@@ -116,8 +157,28 @@ class TreewySpeculativeConfig(SpeculativeConfig):
 
     def compute_hash(self) -> str:
         # Both options change what the GDN layers compute and which state slots exist.
-        factors = [super().compute_hash(), self.mamba_state_commit, self.draft_tree_widths]
+        factors = [super().compute_hash(), self.mamba_state_commit, self.draft_tree_widths,
+                   self.draft_tree_max_batch_size]
         return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
+
+
+# The schedule's last range ends past any batch: vLLM clamps it to max_num_seqs (`build_dynamic_sd_schedule_lookup`).
+UNBOUNDED_BATCH = 1 << 30
+
+
+def threshold_schedule(max_tree_batch: int, num_nodes: int, depth: int) -> list[tuple[int, int, int]]:
+    """vLLM's dynamic speculative decoding schedule of `draft_tree_max_batch_size`: batches of 1 .. T requests
+    draft the tree's N nodes, larger ones the chain of depth D."""
+    if max_tree_batch == 0:
+        return [(1, UNBOUNDED_BATCH, depth)]
+    return [(1, max_tree_batch, num_nodes), (max_tree_batch + 1, max(UNBOUNDED_BATCH, max_tree_batch + 1), depth)]
+
+
+def tree_threshold_of(speculative_config) -> int | None:
+    """The draft tree's `draft_tree_max_batch_size` (None: no threshold, the tree at every batch size)."""
+    if draft_tree_of(speculative_config) is None:
+        return None
+    return getattr(speculative_config, "draft_tree_max_batch_size", None)
 
 
 def reconstructs_mamba_state(speculative_config) -> bool:

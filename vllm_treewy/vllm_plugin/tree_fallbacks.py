@@ -1,7 +1,8 @@
 """Tree fallbacks as users see them: a counter in vLLM's metrics and a log line.
 
 A tree fallback is a request step that ran without speculation because the request's whole draft tree did not fit
-the step's token budget (`tree_budget`). Each scheduler's fallbacks are kept by one `TreeFallbacks`, which the
+the step's token budget, or (with `draft_tree_max_batch_size`) whose chain drafts met tree rows in one step
+(`tree_budget`). Each scheduler's fallbacks are kept by one `TreeFallbacks`, which the
 scheduler hooks own (nothing is added to vLLM's scheduler). They reach the front end in the step's SchedulerStats,
 in the field `plugin_counters` that `patches/vllm-0.32.0-plugin-counters.diff` adds to vLLM (msgspec carries only
 SchedulerStats' declared fields from the engine-core process, and vLLM 0.32 has none for a plugin's counts); vLLM's
@@ -55,8 +56,8 @@ class TreeFallbacks:
             f"{FALLBACK_METRIC} is not exported: the installed vLLM lacks {PATCH}; `python3 -m "
             "vllm_treewy.vllm_patches` applies it")
         logger.info(
-            "Draft trees: %d request steps without speculation since the last report (the whole tree did not fit the "
-            "step's token budget; %s)", self.unlogged, where)
+            "Draft trees: %d request steps without speculation since the last report (a partial tree, or chain "
+            "drafts in a step of trees; %s)", self.unlogged, where)
         self.unlogged, self.logged_at = 0, now
         return True
 
