@@ -10,7 +10,9 @@ import torch
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.accepted_counts import (
+    chain_step_of_tree_config,
     count_table_of,
     gdn_counts_and_block_tables,
     record_chain_accepted_counts,
@@ -88,3 +90,28 @@ def test_the_kernel_follows_a_kv_cache_that_moved(count_updates):
     record_chain_accepted_counts(runner, 1)
     assert _counts(runner, "gdn.0")[3] == 3 and _counts(runner, "gdn.1")[4] == 3
     assert [name for name in vars(runner) if "treewy" in name] == []  # nothing kept on vLLM's runner
+
+
+def test_a_chain_step_of_a_tree_config_records_its_counts_past_the_trees():
+    """draft_tree_max_batch_size: a chain row's count c names chain block c - (2 + N) in the commit table, after the
+    tree's 1 + N rows (`step_metadata.commit_ancestor_table`); rows without drafts keep their slot's count."""
+    runner = _runner([_block_table([1, 2, 3], 4), _block_table([3, 5, 6], 1), _block_table([7, 1, 2], 3)])
+    runner.num_decode_draft_tokens.gpu[:3] = torch.tensor([3, -1, 2])
+    runner.num_accepted_tokens.gpu[:3] = torch.tensor([4, 2, 1])  # row 0 accepted all 3 drafts, row 2 none
+    record_chain_accepted_counts(runner, 3, offset=11)  # the [2, 2, 1] tree: 1 + N = 11
+    assert _counts(runner, "gdn.0") == [0, 0, 0, 15, 0, 0, 12, 0]
+    assert _counts(runner, "gdn.1") == [0, 0, 12, 0, 0, 0, 0, 15]
+
+
+def test_which_steps_of_a_tree_config_verify_chains():
+    tree = DraftTree.from_widths([2, 2, 1])
+    config = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_max_batch_size=2)
+
+    def step(*drafts):
+        return SimpleNamespace(scheduled_spec_decode_tokens={f"r{i}": [0] * n for i, n in enumerate(drafts)})
+
+    assert chain_step_of_tree_config(config, step(3, 1))
+    assert chain_step_of_tree_config(config, step())  # prefills only: counts of rows without drafts stay put
+    assert not chain_step_of_tree_config(config, step(10, 10))
+    config.draft_tree_max_batch_size = None  # no threshold: every step is the tree's
+    assert not chain_step_of_tree_config(config, step(3))

@@ -17,6 +17,7 @@ from vllm_treewy.vllm_plugin import reconstruct
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.patch_points import MODEL_STATE_SHAPES
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout, PseudoValueBuffer, install
+from vllm_treewy.vllm_plugin.step_metadata import commit_ancestor_table, verified_tree_ancestors
 
 H, HV, K, V, WIDTH, NUM_SPEC, NUM_SLOTS = 2, 4, 8, 8, 4, 3, 5
 CONV_DIM = 2 * H * K + HV * V
@@ -56,7 +57,7 @@ def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):
         ancestors = ancestor_table_torch(parents, cu, tree.max_depth)
         tree_ancestors = ancestors[:n]
     return SimpleNamespace(spec_slots=slots, spec_query_start_loc=cu, parents=parents, ancestors=ancestors,
-                           tree_ancestors=tree_ancestors,
+                           tree_ancestors=tree_ancestors, commit_ancestors=tree_ancestors,
                            commit_nodes=torch.tensor(commit_nodes, dtype=torch.int32),
                            node_slots=slots.long().repeat_interleave(n),
                            node_indices=torch.arange(n).repeat(len(slots)))
@@ -260,3 +261,80 @@ def test_model_state_shapes_match_the_layers_page(strategy, tree):
         assert model_cls.get_mamba_state_shape_from_config(vllm_config) == expected
         dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
         assert len(dtypes) == len(expected)
+
+
+# draft_tree_max_batch_size: the [2, 2, 1] tree (N = 10) at small batches, the chain of its depth (D = 3) above;
+# a slot commits what it verified last, of either shape, through one table (`commit_ancestor_table`).
+THRESHOLD_TREE = DraftTree.from_widths([2, 2, 1])
+N_NODES, DEPTH = THRESHOLD_TREE.num_nodes, THRESHOLD_TREE.max_depth
+
+
+def _shape_metadata(slots, commit_nodes, shape: str, commit_ancestors):
+    """Step metadata of requests in `slots`, each verifying the tree's block (`shape` "tree") or the chain of its
+    depth ("chain"), committing `commit_nodes` (rows of `commit_ancestors`)."""
+    if shape == "tree":
+        metadata = _step_metadata(slots, commit_nodes, THRESHOLD_TREE.with_root())
+    else:
+        n = 1 + DEPTH
+        cu = torch.arange(len(slots) + 1, dtype=torch.int32) * n
+        metadata = SimpleNamespace(spec_slots=torch.tensor(slots, dtype=torch.int32), spec_query_start_loc=cu,
+                                   parents=chain_parents(cu, int(cu[-1])), ancestors=None, tree_ancestors=None,
+                                   commit_nodes=torch.tensor(commit_nodes, dtype=torch.int32),
+                                   node_slots=torch.tensor(slots).repeat_interleave(n),
+                                   node_indices=torch.arange(n).repeat(len(slots)))
+    metadata.commit_ancestors = commit_ancestors
+    return metadata
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("first, second, accepted", [
+    # slot 3 accepted chain block 3 (the whole chain), slot 1 block 2
+    ("chain", "tree", (("chain", 3), ("chain", 2))),
+    ("chain", "chain", (("chain", 1), ("chain", 0))),
+    # slot 3 accepted tree block 9 (path 0, 2, 5, 9), slot 1 block 4 (path 0, 1, 4)
+    ("tree", "chain", (("tree", 9), ("tree", 4))),
+], ids=["chain-then-tree", "chain-then-chain", "tree-then-chain"])
+def test_a_slot_commits_the_shape_it_verified_last(first, second, accepted, triton):
+    """A chain step of a tree config verifies the chain while its commit follows the previous step's tree, and the
+    other way round: the committed SSM state and conv history are the fp64 recurrence along the accepted path of
+    what the slot verified last. Commit nodes are the combined table's rows: tree block b is row b, chain block j
+    row N + 1 + j (a recorded count c = 1 + row)."""
+    torch.manual_seed(0)
+    table = commit_ancestor_table(THRESHOLD_TREE, "cpu")
+    assert table.shape == ((1 + N_NODES) + (1 + DEPTH), DEPTH + 1)
+    assert torch.equal(table[: 1 + N_NODES], verified_tree_ancestors(THRESHOLD_TREE, "cpu"))
+    assert table[1 + N_NODES + 3].tolist() == [3, 2, 1, 0] and table[1 + N_NODES].tolist() == [0, -1, -1, -1]
+    block = THRESHOLD_TREE.with_root()
+    sizes = {"tree": block.num_nodes, "chain": 1 + DEPTH}
+    layer = _gdn_layer_stand_in()
+    caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3,
+                  conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
+                  ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1,
+                  buffer=_empty_buffer(layout=_layout(block)))
+    if triton:
+        caches["ssm_state"] = caches["ssm_state"].bfloat16()
+    before = {name: caches[name].clone() for name in ("conv_history", "ssm_state")}
+    inputs = [(torch.randn(2 * sizes[shape], CONV_DIM), torch.randn(2 * sizes[shape], HV),
+               torch.randn(2 * sizes[shape], HV)) for shape in (first, second)]
+
+    def step(metadata, x, a, b):
+        if not triton:
+            return reconstruct.step_torch(layer, metadata, x, a, b, **caches)
+        out = torch.full((x.shape[0], HV, V), float("nan"))
+        reconstruct.step_triton(layer, metadata, x, a, b, torch.randn(x.shape[0], HV, V), out, **caches)
+        return out
+
+    step(_shape_metadata([3, 1], [-1, -1], first, table), *inputs[0])
+    commit_nodes = [node if shape == "tree" else 1 + N_NODES + node for shape, node in accepted]
+    out2 = step(_shape_metadata([3, 1], commit_nodes, second, table), *inputs[1])
+    assert not bool(out2.isnan().any())
+    tolerance = dict(rtol=1e-2, atol=1e-3) if triton else dict(rtol=1e-5, atol=1e-6)
+    n = sizes[first]
+    for request, (slot, (shape, node)) in enumerate(zip((3, 1), accepted)):
+        assert shape == first
+        local = _path(block, node) if shape == "tree" else list(range(node + 1))
+        path = [request * n + i for i in local]
+        h, history = _path_recurrence(layer, caches["conv_weight"], before["conv_history"][slot],
+                                      before["ssm_state"][slot], *inputs[0], path)
+        torch.testing.assert_close(caches["ssm_state"][slot].double(), h, **tolerance)
+        torch.testing.assert_close(caches["conv_history"][slot].double(), history, rtol=0, atol=0)

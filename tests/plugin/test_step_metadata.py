@@ -69,9 +69,10 @@ def _builder(full_graphs: bool, widths=None):
     return builder, counts.view(-1)
 
 
-def _build(builder, metadata):
-    """The wrapped build, then the step's count update, as the group's first GDN layer runs it in the forward."""
-    result = with_commit_nodes(builder, metadata)
+def _build(builder, metadata, tree_verify=True):
+    """The wrapped build, then the step's count update, as the group's first GDN layer runs it in the forward
+    (`tree_verify`: a tree config's step verifies its tree, `step_metadata.verifies_tree`)."""
+    result = with_commit_nodes(builder, metadata, tree_verify)
     result.update_counts("gdn.0")
     return result
 
@@ -150,7 +151,7 @@ def test_a_speculative_batch_updates_its_counts_in_the_first_layers_forward_only
     builder, counts = _builder(full_graphs=True)
     builder.layer_names = ["gdn.0", "gdn.4"]
     _sampled(counts, [3], [3])
-    metadata = with_commit_nodes(builder, _spec_step([3], [4], [3], padding_rows=1))
+    metadata = with_commit_nodes(builder, _spec_step([3], [4], [3], padding_rows=1), False)
     assert counts[3] == 3 and metadata.counts_layer == "gdn.0"  # nothing ran yet
     metadata.update_counts("gdn.4")
     assert counts[3] == 3
@@ -158,7 +159,7 @@ def test_a_speculative_batch_updates_its_counts_in_the_first_layers_forward_only
     assert counts[3] == 4 and metadata.commit_nodes.tolist() == [2, -1]
     prefills = _mixed_step([], [], [], prefill_slots=[3])
     prefills.num_spec_decodes, prefills.spec_state_indices_tensor = 0, None
-    assert with_commit_nodes(builder, prefills).count_update is None and counts[3] == 0
+    assert with_commit_nodes(builder, prefills, False).count_update is None and counts[3] == 0
 
 
 def test_the_count_state_must_sit_in_the_layer_that_runs_first():
@@ -167,7 +168,7 @@ def test_the_count_state_must_sit_in_the_layer_that_runs_first():
     builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]] = \
         builder.vllm_config.compilation_config.static_forward_context["gdn.0"]
     with pytest.raises(RuntimeError, match="layers.1.linear_attn runs first"):
-        with_commit_nodes(builder, _spec_step([3], [4], [1]))
+        with_commit_nodes(builder, _spec_step([3], [4], [1]), False)
 
 
 def test_each_node_has_its_own_block():

@@ -107,18 +107,26 @@ def conv_commit_packed(
     conv_state[slots[active]] = source[rows].transpose(1, 2)
 
 
-def commit_row_parents(rows_per_slot: int, num_slots: int, commit_ancestors: torch.Tensor | None,
-                        device: torch.device) -> torch.Tensor:
-    """``[num_slots * rows_per_slot]`` int32 local parents of the previous step's per-slot rows (slot after slot): a
-    chain's, or the tree of ``commit_ancestors [T, D]`` (node i's parent is its ancestor d = 1; rows past T, never
-    on a committed path, hang below the root). No host sync."""
-    cu = torch.arange(num_slots + 1, device=device) * rows_per_slot
+def commit_rows_and_parents(rows_per_slot: int, commit_nodes: torch.Tensor,
+                            commit_ancestors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``[B]`` each slot's commit node as its row of the slot's previous rows, -1 kept; ``[B * rows_per_slot]``
+    int32 local parents of those rows, slot after slot) for the commit at ``commit_nodes [B]``: along a chain (the
+    node is its row), or along ``commit_ancestors [T, P]``, whose row a is commit node a's path in the slot's rows,
+    node first, -1 past the root. T may exceed the rows (one table for several block shapes, e.g. a tree's and a
+    chain's): each slot's rows get its path's parents, rows off the path hang below the root (never on the path).
+    No host sync."""
+    num_slots, device = commit_nodes.shape[0], commit_nodes.device
     if commit_ancestors is None:
-        return chain_parents(cu, num_slots * rows_per_slot)
-    parents = torch.full((rows_per_slot,), -1, dtype=torch.int32, device=device)
-    if commit_ancestors.shape[1] > 1:
-        parents[: commit_ancestors.shape[0]] = commit_ancestors[:, 1]
-    return parents.repeat(num_slots)
+        cu = torch.arange(num_slots + 1, device=device) * rows_per_slot
+        return commit_nodes, chain_parents(cu, num_slots * rows_per_slot)
+    nodes = commit_nodes.long()
+    path = commit_ancestors.long()[nodes.clamp(min=0)]  # [B, P]
+    rows = torch.where(nodes >= 0, path[:, 0], -1).to(commit_nodes.dtype)
+    # column rows_per_slot takes the writes of entries past the root, then goes
+    parents = torch.full((num_slots, rows_per_slot + 1), -1, dtype=torch.int32, device=device)
+    children = torch.where(path[:, :-1] >= 0, path[:, :-1], rows_per_slot)
+    parents.scatter_(1, children, path[:, 1:].to(torch.int32))
+    return rows, parents[:, :rows_per_slot].reshape(-1)
 
 
 def conv_step_packed(
@@ -144,9 +152,8 @@ def conv_step_packed(
         rows_per_slot = inputs.shape[1]
         previous_rows = inputs[slots.clamp(min=0)].reshape(-1, inputs.shape[2])  # a copy: step 3 overwrites them
         previous_cu = torch.arange(slots.numel() + 1, device=x.device) * rows_per_slot
-        conv_commit_packed(conv_state, state_indices, previous_rows,
-                           commit_row_parents(rows_per_slot, slots.numel(), commit_ancestors, x.device), previous_cu,
-                           commit_nodes)
+        commit_rows, commit_parents = commit_rows_and_parents(rows_per_slot, commit_nodes, commit_ancestors)
+        conv_commit_packed(conv_state, state_indices, previous_rows, commit_parents, previous_cu, commit_rows)
     out = conv_verify_packed(x, conv_state, state_indices, weight, bias, parents, cu_nodes, activation=activation)
     requests = node_requests(cu_nodes, x.shape[0])
     local = torch.arange(x.shape[0], device=x.device) - cu_nodes.long()[requests]

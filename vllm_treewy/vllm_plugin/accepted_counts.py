@@ -7,8 +7,10 @@ and vLLM re-adds it with a count of 1 (`GPUModelRunner._update_states`, `InputBa
 that read it would rebuild the state at the wrong node (`tests/plugin/test_step_metadata.py`). The slot does not
 move, so the count state of the pseudo-value buffer (in vLLM's KV cache) keeps it until the request's next step:
 1 + the accepted node's index in the verified block (chains: vLLM's accepted count; draft trees: written by the
-tree sampler). Device work right after vLLM's own update, no host sync; for chains on CUDA one Triton launch for
-every group (`kernels.triton.slot_counts`).
+tree sampler). With a tree's `draft_tree_max_batch_size`, a step without tree rows verifies chains, whose counts go
+in with `step_metadata.chain_count_offset` (the commit table's chain rows follow the tree's); a step with tree rows
+has no chain rows (`tree_budget`) and leaves its counts to the tree sampler. Device work right after vLLM's own
+update, no host sync; for chains on CUDA one Triton launch for every group (`kernels.triton.slot_counts`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin import prefix_caching, sampling_tables
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
+from vllm_treewy.vllm_plugin.step_metadata import chain_count_offset
 
 
 def counted_gdn_groups(runner):
@@ -55,14 +58,17 @@ def gdn_counts_and_block_tables(runner) -> list[tuple[torch.Tensor, torch.Tensor
             for group_id, counts in counted_gdn_groups(runner)]
 
 
-def record_chain_accepted_counts(runner, num_reqs: int) -> None:
-    """After vLLM counted this step's accepted tokens per row (its `num_reqs` rows): the speculative rows' counts into
-    their slots (rows that verified no drafts, e.g. prefills, keep their slot's count). Device tensors only: no host
-    sync. CUDA: one launch for every group (it runs every step, outside the graphs)."""
+def record_chain_accepted_counts(runner, num_reqs: int, offset: int = 0) -> None:
+    """After vLLM counted this step's accepted tokens per row (its `num_reqs` rows): the speculative rows' counts
+    (+ `offset`, `step_metadata.chain_count_offset`) into their slots (rows that verified no drafts, e.g. prefills,
+    keep their slot's count). Device tensors only: no host sync. CUDA: one launch for every group (it runs every
+    step, outside the graphs)."""
     groups = gdn_counts_and_block_tables(runner)
     if not groups:
         return
     draft_tokens, accepted = runner.num_decode_draft_tokens.gpu, runner.num_accepted_tokens.gpu
+    if offset:
+        accepted = accepted[:num_reqs] + offset
     if slot_counts.launches_triton(groups[0][0]):
         slot_counts.record_accepted_counts_triton(count_table_of(runner, groups), draft_tokens, accepted, num_reqs)
     else:
@@ -76,16 +82,30 @@ def count_table_of(runner, groups) -> torch.Tensor:
     return sampling_tables.of_runner(runner).get("count", addresses, lambda: slot_counts.count_table(groups))
 
 
+def chain_step_of_tree_config(speculative_config, scheduler_output) -> bool:
+    """Whether a step of a tree config with `draft_tree_max_batch_size` verified chains: no request was scheduled
+    the tree's N drafts (host values, `tree_budget`'s invariant: never both shapes in a step)."""
+    if chain_count_offset(speculative_config) == 0:
+        return False
+    num_nodes = draft_tree_of(speculative_config).num_nodes
+    return all(len(drafts) != num_nodes for drafts in scheduler_output.scheduled_spec_decode_tokens.values())
+
+
 def _recording_accepted_counts(original):
     @functools.wraps(original)
     def update_states_after_model_execute(self, output_token_ids, scheduler_output):
         original(self, output_token_ids, scheduler_output)
         config = self.speculative_config
-        if reconstructs_mamba_state(config) and draft_tree_of(config) is None:
+        if not reconstructs_mamba_state(config):
+            return
+        tree = draft_tree_of(config)
+        if tree is None:
             if prefix_caching.caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
                 prefix_caching.record_after_sampling(self, output_token_ids.size(0))
             else:
                 record_chain_accepted_counts(self, output_token_ids.size(0))
+        elif chain_step_of_tree_config(config, scheduler_output):
+            record_chain_accepted_counts(self, output_token_ids.size(0), chain_count_offset(config))
 
     return update_states_after_model_execute
 

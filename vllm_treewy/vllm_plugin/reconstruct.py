@@ -9,8 +9,10 @@ steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op e
 The drafts are chains or one static tree shape per speculating request (the verified block: root, then the draft
 nodes). The step metadata carries `parents` `[N]` (local, packed) and `ancestors`: None for chains, else the packed
 ancestor table `[N, D]` of this step's block (`vllm_treewy.kernels.triton._tree.ancestor_table(parents, cu, D)`,
-D = the tree's depth counted in nodes) and `tree_ancestors`, the static tree's verified block `[1 + N, D]`, which
-every slot's commit follows (the previous step verified the same shape).
+D = the tree's depth counted in nodes), and `commit_ancestors`, which every slot's commit follows, separately from
+this step's verify: None for chains; the static tree's verified block `[1 + N, D]`; with `draft_tree_max_batch_size`
+the table of both shapes (`step_metadata.commit_ancestor_table`), since a step may commit the shape the previous
+step verified while verifying the other.
 """
 
 from __future__ import annotations
@@ -18,27 +20,27 @@ from __future__ import annotations
 import torch
 
 from vllm_treewy import kernels as torch_kernels
-from vllm_treewy.kernels.conv_torch import commit_row_parents, conv_step_packed
+from vllm_treewy.kernels.conv_torch import commit_rows_and_parents, conv_step_packed
 from vllm_treewy.kernels.gdn_step_torch import gates, inverse_norm, split_qkv
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import PseudoValueBuffer
 
 
-def commit_tree(metadata, num_nodes: int) -> torch.Tensor | None:
-    """The previous step's tree, which its commit follows: the static tree's verified block as the `[T, D]`
-    ancestor table every slot shares (`tree_ancestors`). None for chains."""
-    return None if metadata.tree_ancestors is None else metadata.tree_ancestors[:num_nodes]
+def commit_tree(metadata) -> torch.Tensor | None:
+    """The table every slot's commit follows (`commit_ancestors`: row a the path of commit node a in the slot's
+    rows), None for chains."""
+    return metadata.commit_ancestors
 
 
 def commit_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, slots: torch.Tensor,
              commit_nodes: torch.Tensor, commit_ancestors: torch.Tensor | None = None) -> None:
     """Each slot's previous verify, committed at `commit_nodes` (-1: nothing) from its buffer rows, in place: along
-    the chain, or along the path in the tree `commit_ancestors` `[T, D]` (`commit_tree`)."""
+    the chain, or along the paths of `commit_ancestors` `[T, D]` (`commit_tree`)."""
     keys, key_scales, pseudo_values, log_decays = buffer.slot_factors(slots)
     rows = buffer.layout.num_nodes
     cu = torch.arange(slots.shape[0] + 1, device=slots.device) * rows
     flat = (t.flatten(0, 1) for t in (keys * key_scales[..., None], pseudo_values, log_decays))
-    parents = commit_row_parents(rows, slots.shape[0], commit_ancestors, slots.device)
-    torch_kernels.commit_packed(ssm_state, slots, *flat, parents, cu, commit_nodes)
+    commit_rows, parents = commit_rows_and_parents(rows, commit_nodes, commit_ancestors)
+    torch_kernels.commit_packed(ssm_state, slots, *flat, parents, cu, commit_rows)
 
 
 def recurrence_inputs(layer, conv_out, a, b, layout):
@@ -55,7 +57,7 @@ def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state
     """Core attention outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains or trees `x`
     (pre-conv qkv `[N, conv_dim]`), after committing each slot's previous step."""
     slots, cu_nodes = metadata.spec_slots, metadata.spec_query_start_loc
-    commit_ancestors = commit_tree(metadata, buffer.layout.num_nodes)
+    commit_ancestors = commit_tree(metadata)
     commit_torch(buffer, ssm_state, slots, metadata.commit_nodes, commit_ancestors)
     activation = "silu" if layer.activation == "silu" else None
     conv_out = conv_step_packed(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
@@ -78,7 +80,7 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
 
     slots, cu_nodes, commit_nodes = metadata.spec_slots, metadata.spec_query_start_loc, metadata.commit_nodes
     layout, ancestors = buffer.layout, metadata.ancestors
-    commit_ancestors = commit_tree(metadata, layout.num_nodes)
+    commit_ancestors = commit_tree(metadata)
     activation = "silu" if layer.activation == "silu" else None
     # a request's nodes in one block of rows (a chain of 3 drafts: 4, not the default 16, most of which would be
     # masked rows holding registers); larger trees loop over blocks of 16

@@ -83,7 +83,8 @@ def _regathering_commit_nodes(original):
         updated = original(self, metadata, blk_table, slot_mapping)
         if not keeps_slot_counts(self.vllm_config.speculative_config):
             return updated
-        return with_commit_nodes(self, updated)
+        # the first group's metadata says which shape the step verifies
+        return with_commit_nodes(self, updated, getattr(metadata, "tree_ancestors", None) is not None)
 
     return update_block_table
 

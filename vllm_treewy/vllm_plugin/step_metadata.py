@@ -19,7 +19,14 @@ re-gathers the state indices, which `runner_v2` follows with `with_commit_nodes`
 
 Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
 block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
-the tree's one ancestor table. In FULL-graph batches the slots and commit nodes go to persistent buffers, like vLLM's
+the tree's one ancestor table. With `draft_tree_max_batch_size` a step verifies trees or chains of the tree's depth
+D (`tree_budget`: never both), and commits what each slot verified last, of either shape: the commit follows
+`commit_ancestor_table`, the tree's verified block (rows 0 .. N) then the chain's (rows N + 1 .. N + 1 + D), and a
+chain's count is recorded with the offset `chain_count_offset` (1 + N), so count c names tree node c - 1 for
+c <= 1 + N and chain block index c - (2 + N) beyond. The step's own count update writes each speculative row's node
+count without the offset: the step's sampling overwrites it for every speculative row (`accepted_counts`,
+`tree_sampler`, `runner_v2`) before any later step reads it, and a count of 1 (the root alone) means the same in both
+shapes. In FULL-graph batches the slots and commit nodes go to persistent buffers, like vLLM's
 own GDN metadata. What the builds keep across steps (those buffers, the tree's table) is the group's
 `GroupStepBuffers`, which the group's counts layer owns: nothing is added to vLLM's builders.
 """
@@ -54,10 +61,13 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     # [rows] int32: the local node of the slot's previous verify to commit before this step's verify (-1: nothing to
     # commit: a new request, or a padding row).
     commit_nodes: torch.Tensor | None = None
-    # [1 + num_nodes, D] int32 ancestor table of the static tree's verified block (root, then the nodes), which every
-    # slot's pending commit follows; None for chains. One per GDN group (`GroupStepBuffers`): a FULL CUDA graph keeps
-    # its address.
+    # [1 + num_nodes, D] int32 ancestor table of the static tree's verified block (root, then the nodes), which this
+    # step's tree verify follows; None for chains and for a chain step of a tree config (`draft_tree_max_batch_size`).
+    # One per GDN group (`GroupStepBuffers`): a FULL CUDA graph keeps its address.
     tree_ancestors: torch.Tensor | None = None
+    # [T, D] int32: row a the path of commit node a in the slot's rows, which every slot's pending commit follows
+    # (`commit_ancestor_table`); None for chains. One per GDN group, like tree_ancestors.
+    commit_ancestors: torch.Tensor | None = None
     # The step's count update (`commit_nodes_and_counts` on this metadata's tensors), left for `counts_layer`, the
     # group's first GDN layer, to run in its forward; None where the builder ran it.
     count_update: Callable[[], None] | None = None
@@ -139,14 +149,15 @@ class GroupStepBuffers:
       of the spec slots and commit nodes (`staged`): made at the builder's first staged batch, the size of the
       builder's own persistent `num_accepted_tokens`, never replaced, since captured graphs read them at their
       address; they go with the builder;
-    - the static tree's ancestor table (`tree_ancestors`, draft trees): made at the first speculative batch, read
-      at the same address by every step's forward;
+    - the static tree's ancestor table (`tree_ancestors`, draft trees) and the commit table (`commit_ancestors`):
+      made at the first speculative batch, read at the same address by every step's forward;
     - whether the counts layer was checked to run first of the group's layers (`order_checked`, once).
     """
 
     def __init__(self):
         self._staged = WeakIdKeyDictionary()  # builder -> (slots, commit nodes), each [builder's max rows] int32
         self._tree_ancestors: torch.Tensor | None = None
+        self._commit_ancestors: torch.Tensor | None = None
         self.order_checked = False
 
     def staged(self, builder, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +173,13 @@ class GroupStepBuffers:
         if self._tree_ancestors is None:
             self._tree_ancestors = verified_tree_ancestors(tree, device)
         return self._tree_ancestors
+
+    def commit_ancestors(self, tree: DraftTree, with_chain: bool, device) -> torch.Tensor:
+        """The group's `commit_ancestor_table`, built once (the tree's own table where no chain step runs)."""
+        if self._commit_ancestors is None:
+            self._commit_ancestors = (commit_ancestor_table(tree, device) if with_chain
+                                      else self.tree_ancestors(tree, device))
+        return self._commit_ancestors
 
 
 def counts_layer(builder):
@@ -191,7 +209,45 @@ def verified_tree_ancestors(tree: DraftTree, device) -> torch.Tensor:
     return ancestor_table_torch(parents, cu, block.max_depth)
 
 
-def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDNAttentionMetadata:
+def verified_chain_ancestors(depth: int, width: int, device) -> torch.Tensor:
+    """`[1 + depth, width]` int32 local ancestor table of a chain's verified block (row j: j, j - 1, .., 0, then -1)."""
+    rows = torch.arange(1 + depth, dtype=torch.int32, device=device)[:, None]
+    path = rows - torch.arange(width, dtype=torch.int32, device=device)
+    return torch.where(path >= 0, path, -1)
+
+
+def commit_ancestor_table(tree: DraftTree, device) -> torch.Tensor:
+    """`[(1 + N) + (1 + D), D + 1]` int32: the tree's verified block (rows 0 .. N, `verified_tree_ancestors`), then
+    the verified block of the chain of the tree's depth D (rows N + 1 .. N + 1 + D, block-local indices). Row a is
+    the path of commit node a = count - 1 in the slot's rows (counts: `chain_count_offset`)."""
+    tree_block = verified_tree_ancestors(tree, device)
+    return torch.cat([tree_block, verified_chain_ancestors(tree.max_depth, tree_block.shape[1], device)])
+
+
+def chain_count_offset(speculative_config) -> int:
+    """What a chain row's recorded count (1 + its accepted block index) is offset by: 1 + N with a tree's
+    `draft_tree_max_batch_size` (the chain's rows of `commit_ancestor_table` follow the tree's), else 0."""
+    tree = draft_tree_of(speculative_config)
+    if tree is None or getattr(speculative_config, "draft_tree_max_batch_size", None) is None:
+        return 0
+    return 1 + tree.num_nodes
+
+
+def verifies_tree(speculative_config, num_decode_draft_tokens_cpu) -> bool:
+    """Whether a step of a tree config verifies trees: always without `draft_tree_max_batch_size`; with it, when
+    some row has the tree's N drafts (`tree_budget`: a step holds tree rows or chain rows, never both), from vLLM's
+    host per-row draft counts (-1: not a decode; None: no speculative row)."""
+    tree = draft_tree_of(speculative_config)
+    if tree is None:
+        return False
+    if chain_count_offset(speculative_config) == 0:
+        return True
+    return num_decode_draft_tokens_cpu is not None and bool((num_decode_draft_tokens_cpu == tree.num_nodes).any())
+
+
+def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool) -> ReconstructGDNAttentionMetadata:
+    """vLLM's GDN metadata with each speculative row's slot, commit node and the step's count update; `tree_verify`:
+    the step verifies the config's tree (`verifies_tree`), else chains."""
     result = ReconstructGDNAttentionMetadata(**{name: getattr(metadata, name) for name in _GDN_METADATA_FIELDS})
     layer = counts_layer(builder)
     counts, buffers = layer.verified_node_counts(), layer.step_buffers
@@ -210,7 +266,10 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata) -> ReconstructGDN
             slots = torch.empty(rows, dtype=batch_slots.dtype, device=batch_slots.device)
             commit_nodes = torch.empty_like(slots)
         if tree is not None:  # `ancestors` and `parents` follow in the forward
-            result.tree_ancestors = buffers.tree_ancestors(tree, slots.device)
+            with_chain = chain_count_offset(builder.vllm_config.speculative_config) > 0
+            result.commit_ancestors = buffers.commit_ancestors(tree, with_chain, slots.device)
+            if tree_verify:
+                result.tree_ancestors = buffers.tree_ancestors(tree, slots.device)
         if counts is None:
             slots.copy_(batch_slots)
             commit_nodes.fill_(-1)
@@ -240,7 +299,9 @@ def _building_commit_nodes(original):
         metadata = original(self, *args, **kwargs)
         if not keeps_slot_counts(self.vllm_config.speculative_config):
             return metadata
-        return with_commit_nodes(self, metadata)
+        # build(common_prefix_len, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu, ...)
+        draft_counts = kwargs.get("num_decode_draft_tokens_cpu", args[3] if len(args) > 3 else None)
+        return with_commit_nodes(self, metadata, verifies_tree(self.vllm_config.speculative_config, draft_counts))
 
     return build
 

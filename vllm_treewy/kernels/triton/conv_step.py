@@ -128,9 +128,10 @@ def conv_step_triton(
 
     1. if `commit_nodes[b] >= 0`, commit the slot's previous step: its draft's inputs are `inputs[s, 0..]`
        (written by the previous call), and the history moves on along the path to its node `commit_nodes[b]`, in
-       place. The draft is a chain, or with `commit_ancestors` the previous step's tree, shared by every slot (a
-       static shape): an int32 [T, D] ancestor table (row i: node i's d-th ancestors, d = 0 is i, -1 past the
-       root; `vllm_treewy.kernels.triton._tree.ancestor_table`);
+       place. The draft is a chain, or with `commit_ancestors` int32 [T, P] shared by every slot, row a the path of
+       commit node a in the slot's input rows (a's row first, -1 past the root): the previous step's tree as its
+       ancestor table (`vllm_treewy.kernels.triton._tree.ancestor_table`), or one table of several block shapes
+       (T may exceed the rows: a node's table row need not be its input row);
     2. the conv of this step's nodes: act(bias + sum_t weight[:, w-1-t] * (the entry t steps up the node's path,
        continued into the history)), fp32 accumulation, in x's dtype, from the committed history; with a bf16 (or
        fp16) history and weight, each product rounded to that dtype first, as vLLM's CUDA conv computes it (the
@@ -158,7 +159,7 @@ def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, 
     assert L >= W - 1
     assert commit_ancestors is None or (commit_ancestors.dim() == 2 and commit_ancestors.is_contiguous() and
                                          commit_ancestors.dtype == torch.int32 and
-                                         commit_ancestors.shape[0] <= inputs.shape[1])
+                                         commit_ancestors.shape[1] <= inputs.shape[1])
     out = torch.empty_like(x) if out is None else out
     kernel_args = (
         x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out, inputs,

@@ -139,8 +139,8 @@ def _check_factors(factors, state, state_indices, commit_nodes, commit_ancestors
                                     commit_nodes.dtype == torch.int32 and commit_nodes.stride(0) == 1)
     assert commit_ancestors is None or (commit_ancestors.dim() == 2 and commit_ancestors.is_contiguous() and
                                         commit_ancestors.dtype == torch.int32 and
-                                        commit_ancestors.shape[0] <= factors.shape[1]), \
-        "commit_ancestors: int32 [T, D] contiguous, one row per factor row of the previous step's tree"
+                                        commit_ancestors.shape[1] <= factors.shape[1]), \
+        "commit_ancestors: int32 [T, P] contiguous, row a the path of commit node a in the slot's factor rows"
     assert state_indices.stride(0) == 1, "the kernels index state_indices flat (a strided column would be misread)"
 
 
@@ -259,8 +259,10 @@ def gdn_step_triton(
     factors[state_indices[b], t].
     commit_nodes: int32 [B] or None. commit_nodes[b] = a (0 <= a < T) first commits the slot's previous step in
     place, the state after its node a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves
-    the slot as it is. commit_ancestors: the previous step's tree, shared by every slot (a static shape), as an
-    int32 [T', D] ancestor table (T' <= T); None: a chain, a's path is 0..a. The verify then reads the committed
+    the slot as it is. commit_ancestors: int32 [T', P] (P <= T), row a the path of commit node a in the slot's
+    factor rows (a first, -1 past the root), shared by every slot: the previous step's tree as its ancestor table,
+    or one table of several block shapes (T' may exceed T: a node's row need not be its factor row); None: a
+    chain, a's path is 0..a. The verify then reads the committed
     state: one state read and (with a commit) one write per request.
     launch: None takes `step_launch`'s for this state, batch and node count.
     Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view; padding requests' rows untouched).
