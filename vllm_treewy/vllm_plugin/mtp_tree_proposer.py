@@ -15,6 +15,11 @@ proposer unchanged. With a draft tree (`spec_decode.tree_drafting` has the level
 3. The drafts leave in node order, `[num_reqs, N]`, as a chain's would: the scheduler and the verify side are
    unchanged.
 
+With `draft_tree_max_batch_size`, vLLM's dynamic speculative decoding asks for fewer drafts than N at larger
+batches (`num_speculative_tokens` = the tree's depth D): then the proposer is vLLM's chain proposer for D drafts,
+`[num_reqs, D]` (vLLM's V1 runner takes a drafter's column count as the step's), its first pass over the same
+inputs as the tree's (after a tree step, the accepted paths laid out as chains).
+
 The head's K/V at draft positions need no compaction: the next step's first pass rewrites positions L' .. for the
 accepted path. Drafts are the head's deterministic top-w tokens at any temperature, which is what the exact sampled
 acceptance (`spec_decode.tree_sampling`) needs. Every step of it is a fixed number of launches per level with shapes
@@ -58,8 +63,11 @@ class TreeMtpProposer(EagleProposer):
         self.tree_state = TreeRunState(self.tree) if self.tree is not None else None
         self._level_output: torch.Tensor | None = None  # the first pass's head output at each request's root
         self._level_logits: torch.Tensor | None = None
+        self._drafting_chain = False  # within a propose of a threshold config's chain
         if self.tree is None:
             return
+        if getattr(vllm_config.speculative_config, "draft_tree_max_batch_size", None) is not None:
+            self.tree_state.chain_depth = vllm_config.speculative_config.draft_tree_depth
         if vllm_config.model_config.uses_mrope:
             raise NotImplementedError("draft_tree_widths with method 'mtp': models with M-RoPE positions are not "
                                       "supported yet (tree positions are depths on one axis)")
@@ -86,6 +94,15 @@ class TreeMtpProposer(EagleProposer):
         if accepted is not None:
             target_token_ids, target_positions, target_hidden_states = accepted_paths_as_chains(
                 *accepted, target_token_ids, target_positions, target_hidden_states)
+        if num_speculative_tokens < self.tree.num_nodes:  # a larger batch's chain (draft_tree_max_batch_size)
+            self._drafting_chain = True
+            try:
+                return super().propose(num_speculative_tokens, target_token_ids, target_positions,
+                                       target_hidden_states, next_token_ids, token_indices_to_sample,
+                                       common_attn_metadata, sampling_metadata, *args, **kwargs)
+            finally:
+                self._drafting_chain = False
+                self.num_speculative_tokens = self.tree.num_nodes
         sample_rows = (token_indices_to_sample if token_indices_to_sample is not None
                        else common_attn_metadata.query_start_loc[1:] - 1)
         # vLLM's first pass; `_sample_draft_tokens` below keeps its output at the sample rows.
@@ -99,7 +116,7 @@ class TreeMtpProposer(EagleProposer):
         return self._draft_levels(root_positions, root_inputs, root_output, root_logits, common_attn_metadata)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        if self.tree is None:
+        if self.tree is None or self._drafting_chain:
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         logits = self.model.compute_logits(hidden_states)
         self._level_output, self._level_logits = hidden_states, logits

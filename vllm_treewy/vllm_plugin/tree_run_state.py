@@ -26,6 +26,8 @@ class TreeRunState:
     prepared: bool = False
     accepted: tuple[TreeStep, TreeAcceptance] | None = None
     backends_checked: bool = False  # the layers' attention backends and settings, checked once
+    # draft_tree_max_batch_size: the depth of the chains that larger batches verify (0: every step verifies the tree)
+    chain_depth: int = 0
     # Tree biases (TRITON_ATTN) by node count: built once; CUDA graphs keep their addresses.
     qq_biases: dict[int, torch.Tensor] = field(default_factory=dict)
 

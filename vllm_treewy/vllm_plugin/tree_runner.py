@@ -1,7 +1,10 @@
 """Draft trees in vLLM's V1 model runner (CPU backend, or CUDA with TRITON_ATTN): one target pass verifies every
 request's whole tree.
 
-Per step, when the speculative config has a tree (`draft_tree_widths` with a width > 1):
+Per step, when the speculative config has a tree (`draft_tree_widths` with a width > 1) and the step's drafts are
+trees (with `draft_tree_max_batch_size`, a step of a larger batch verifies MTP chains of the tree's depth: vLLM's own
+chain path, causal attention and rejection sampler, with the GDN commit of what each slot verified last,
+`step_metadata`):
 
 1. `_prepare_inputs`: vLLM computes positions and slot mapping as for a chain of N drafts; the tree rows
    (`tree_step.find_tree_step`) get depth-based RoPE positions. The `TreeStep` rides on the step's
@@ -91,7 +94,7 @@ def _preparing_tree_rows(original):
         step = find_tree_step(
             state.tree, self.num_decode_draft_tokens.np[:num_reqs], np.asarray(spec_decode_metadata.num_draft_tokens),
             self.query_start_loc.np[: num_reqs + 1], self.input_batch.num_computed_tokens_cpu[:num_reqs],
-            self.positions.device)
+            self.positions.device, chain_depth=state.chain_depth)
         if step is None:
             return result
         step.covers_batch = covers_batch(step, self.query_start_loc.np, num_reqs)

@@ -86,16 +86,23 @@ def block_depths(tree: DraftTree) -> np.ndarray:
 
 def find_tree_step(tree: DraftTree, num_decode_draft_tokens: np.ndarray, num_draft_tokens: np.ndarray,
                    query_start_loc: np.ndarray, num_computed_tokens: np.ndarray,
-                   device: torch.device) -> TreeStep | None:
+                   device: torch.device, chain_depth: int = 0) -> TreeStep | None:
     """The step's tree rows from vLLM's per-request counts (numpy, `[num_reqs]`): `num_decode_draft_tokens` (N for a
     decode that verifies N drafts, -1 for a prefill chunk), `num_draft_tokens` (scheduled drafts),
-    `query_start_loc [num_reqs + 1]`, `num_computed_tokens`. None when no request verifies a tree."""
+    `query_start_loc [num_reqs + 1]`, `num_computed_tokens`. None when no request verifies a tree. `chain_depth`:
+    with `draft_tree_max_batch_size`, the depth D of the chains that steps without tree rows verify (vLLM's own
+    chain path); 0 without. A step that holds part of a tree, or tree rows beside chain rows, raises
+    (`tree_budget` keeps both out)."""
     num_nodes = tree.num_nodes
-    partial = (num_draft_tokens > 0) & (num_draft_tokens != num_nodes)
+    chain_rows = (num_draft_tokens > 0) & (num_draft_tokens <= chain_depth)
+    partial = (num_draft_tokens > 0) & (num_draft_tokens != num_nodes) & ~chain_rows
     if partial.any():
         # The tree shape is static: a verify of part of it would follow a different tree than the drafts'.
         raise RuntimeError(f"requests {np.flatnonzero(partial).tolist()} were scheduled "
                            f"{num_draft_tokens[partial].tolist()} drafts of a {num_nodes}-node draft tree")
+    if chain_rows.any() and (num_draft_tokens == num_nodes).any():
+        raise RuntimeError(f"requests {np.flatnonzero(chain_rows).tolist()} were scheduled chains of "
+                           f"{num_draft_tokens[chain_rows].tolist()} drafts beside {num_nodes}-node draft trees")
     rows = np.flatnonzero(num_decode_draft_tokens == num_nodes)
     if rows.size == 0:
         return None

@@ -158,8 +158,7 @@ def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, 
     L = conv_state.shape[2]
     assert L >= W - 1
     assert commit_ancestors is None or (commit_ancestors.dim() == 2 and commit_ancestors.is_contiguous() and
-                                         commit_ancestors.dtype == torch.int32 and
-                                         commit_ancestors.shape[1] <= inputs.shape[1])
+                                         commit_ancestors.dtype == torch.int32)
     out = torch.empty_like(x) if out is None else out
     kernel_args = (
         x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out, inputs,

@@ -138,8 +138,7 @@ def _check_factors(factors, state, state_indices, commit_nodes, commit_ancestors
     assert commit_nodes is None or (commit_nodes.shape == state_indices.shape and
                                     commit_nodes.dtype == torch.int32 and commit_nodes.stride(0) == 1)
     assert commit_ancestors is None or (commit_ancestors.dim() == 2 and commit_ancestors.is_contiguous() and
-                                        commit_ancestors.dtype == torch.int32 and
-                                        commit_ancestors.shape[1] <= factors.shape[1]), \
+                                        commit_ancestors.dtype == torch.int32), \
         "commit_ancestors: int32 [T, P] contiguous, row a the path of commit node a in the slot's factor rows"
     assert state_indices.stride(0) == 1, "the kernels index state_indices flat (a strided column would be misread)"
 
@@ -257,7 +256,7 @@ def gdn_step_triton(
     the [N, max_depth] table `ancestors` (`_tree.ancestor_table`; built here if None); scale defaults to K**-0.5.
     factors: fp32 [S, T, F] (`vllm_treewy.kernels.factor_rows`), T >= max_nodes: request b's node t writes row
     factors[state_indices[b], t].
-    commit_nodes: int32 [B] or None. commit_nodes[b] = a (0 <= a < T) first commits the slot's previous step in
+    commit_nodes: int32 [B] or None. commit_nodes[b] = a (a < T, or a row of commit_ancestors) first commits the slot's previous step in
     place, the state after its node a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves
     the slot as it is. commit_ancestors: int32 [T', P] (P <= T), row a the path of commit node a in the slot's
     factor rows (a first, -1 past the root), shared by every slot: the previous step's tree as its ancestor table,
