@@ -27,6 +27,13 @@ def test_vllm_still_has_the_attributes_the_adapter_uses(attributes):
     attributes.check()
 
 
+def test_v2s_propose_still_takes_the_keywords_the_tree_speculator_passes():
+    import inspect
+
+    parameters = inspect.signature(patch_points.V2_SPECULATOR_PROPOSE.original()).parameters
+    assert set(patch_points.V2_PROPOSE_KEYWORDS) <= set(parameters)
+
+
 def test_a_renamed_attribute_or_a_changed_return_type_fails_the_check():
     runner = INTERNAL_ATTRIBUTES[0]
     with pytest.raises(AttributeError, match="num_accepted_token"):

@@ -179,3 +179,28 @@ def test_store_all_and_trees_leave_the_v2_hooks_alone(v2_setup, monkeypatch):
         monkeypatch.setattr(runner, "speculative_config", config)
         _sample(runner, [0], [2])
         assert _counts(runner, "gdn.0")[2] == 4 and _counts(runner, "gdn.1")[3] == 4
+
+
+def test_a_chain_step_of_a_tree_threshold_records_its_counts_past_the_trees(v2_setup, monkeypatch):
+    """draft_tree_max_batch_size: after a chain step (no tree acceptance handed to the drafter) the sampled counts
+    go in offset by 1 + N (the commit table's chain rows); after a tree step they are the tree sampler's."""
+    from vllm_treewy.tree import DraftTree
+
+    builders, runner = v2_setup
+    tree = DraftTree.from_widths([2, 2, 1])
+    monkeypatch.setattr(runner, "speculative_config", SimpleNamespace(
+        mamba_state_commit="reconstruct", is_draft_tree=True, draft_tree=tree, draft_tree_max_batch_size=2))
+    state = SimpleNamespace(accepted=None)
+    monkeypatch.setattr(runner, "speculator", SimpleNamespace(tree_state=state), raising=False)
+    _set_requests(runner, {1: [2, 6, 8], 2: [3, 5, 7]})
+    for name in LAYERS:
+        counts = _counts(runner, name)
+        counts.zero_()
+    _counts(runner, "gdn.0")[[2, 6]] = 4  # the step's provisional counts: rows 0 and 1 verified a chain of 3
+    _counts(runner, "gdn.1")[[3, 5]] = 4
+    _sample(runner, [0, 1, 2], [3, 0, 1])  # row 1: a prompt tail run as a decode, nothing sampled (its root)
+    assert _counts(runner, "gdn.0")[[2, 6, 8]].tolist() == [14, 12, 0]
+    assert _counts(runner, "gdn.1")[[3, 5, 7]].tolist() == [14, 12, 0]
+    state.accepted = object()  # a tree step: its leaves were recorded by the tree sampler
+    _sample(runner, [0, 1, 2], [2, 2, 2])
+    assert _counts(runner, "gdn.0")[[2, 6, 8]].tolist() == [14, 12, 0]

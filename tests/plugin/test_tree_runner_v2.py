@@ -448,3 +448,57 @@ def test_profiling_flag_follows_vllms_profiling_calls():
     capture(Runner())
     assert seen == [("profile", True), ("capture", True), ("after inner", True), ("capture", False)]
     assert state.profiling_capture is False
+
+
+# -- draft_tree_max_batch_size: V2's own chain of the tree's depth at larger batches ------------------------------
+
+def _threshold_speculator(widths=WIDTHS, threshold=2):
+    tree = DraftTree.from_widths(widths)
+    spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
+                           num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
+                           uses_dynamic_speculative_decoding=lambda: True, draft_tree_max_batch_size=threshold,
+                           draft_tree_depth=len(widths))
+    return tree_speculator_v2.make_tree_speculator_class(FakeV2Speculator)(v2_config(spec), torch.device("cpu"))
+
+
+def test_dynamic_speculative_decoding_is_refused_unless_the_threshold_sets_it():
+    with pytest.raises(NotImplementedError, match="dynamic speculative decoding"):
+        _threshold_speculator(threshold=None)
+    assert _threshold_speculator().tree_state.chain_depth == len(WIDTHS)
+
+
+def test_a_step_of_chains_has_no_tree_rows_on_v2():
+    depth = len(WIDTHS)
+    assert tree_runner_v2.find_tree_step_v2(TREE, v2_batch([4, 2], [3, 1], [False, False], [12, 30]),
+                                            chain_depth=depth) is None
+    with pytest.raises(RuntimeError, match=r"chains of \[3\] drafts beside 10-node draft trees"):
+        tree_runner_v2.find_tree_step_v2(TREE, v2_batch([L, 4], [N, 3], [False, False], [12, 30]), chain_depth=depth)
+
+
+def test_tree_speculator_drafts_v2s_chain_when_asked_for_the_depth(monkeypatch):
+    """After a tree step, a larger batch's step asks for D = 3 drafts: V2's own speculator drafts the chain (its first
+    pass over tree row 0's accepted path laid out as a chain, causal), no drafting level runs, and what V2's
+    speculator returns goes back to the runner (which pads the drafts past D with -1)."""
+    speculator = _threshold_speculator()
+    block = L
+    batch = v2_batch([block, 1], [N, 0], [False, False], [20, 9])
+    step = tree_runner_v2.find_tree_step_v2(TREE, batch)
+    override_positions(batch.positions, step)
+    first_child = TREE.parents.index(0)
+    accepted_nodes = torch.full((1, TREE.max_depth), -1)
+    accepted_nodes[0, :2] = torch.tensor([0, first_child])
+    speculator.tree_state.accepted = (step, SimpleNamespace(accepted_nodes=accepted_nodes))
+    num_tokens = batch.positions.numel()
+    batch.input_ids = torch.arange(num_tokens, dtype=torch.int32) % VOCAB
+    batch.seq_lens_cpu_upper_bound = torch.tensor([20 + block, 10], dtype=torch.int32)
+    batch = dataclasses.make_dataclass("FakeInputBatch", list(vars(batch)))(**vars(batch))
+    hidden = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
+    treed = {"attn": with_tree(FakeMetadata(block), tree_qq_bias=torch.zeros(1))}
+    speculator.draft_tokens[:2] = torch.arange(2 * N).view(2, N)  # what V2's speculator drafted
+    drafts = speculator.propose(batch, treed, None, hidden, None, None, torch.tensor([N - 2, 0]),
+                                torch.tensor([11, 12]), None, None, None, num_speculative_tokens=len(WIDTHS))
+    (num_spec, first_metadata), = speculator.first_pass_calls
+    assert num_spec == len(WIDTHS) and tree_qq_bias_of(first_metadata["attn"]) is None
+    assert speculator.first_pass_roots == ([2, block], [22, 9])  # the accepted path's last token at depth 2
+    assert speculator.level_metadata == [] and speculator.tree_state.accepted is None
+    assert drafts.data_ptr() == speculator.draft_tokens.data_ptr() and drafts.shape == (2, N)

@@ -254,6 +254,14 @@ RUNNER_EAGLE_PROPOSER = PatchPoint(
     "MTP draft trees: the runner builds its MTP/EAGLE drafter from this name; the subclass proposes trees level by "
     "level (vLLM's proposer unchanged for chains; isinstance checks on EagleProposer still hold)",
 )
+EAGLE_PROPOSE = PatchPoint(
+    "vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose", "overrides",
+    "MTP draft trees (TreeMtpProposer): the first pass with one draft, then the levels; under "
+    "draft_tree_max_batch_size vLLM's chain of the depth the runner asks for (num_speculative_tokens, vLLM's "
+    "dynamic speculative decoding)",
+    ("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+     "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata"),
+)
 RUNNER_SAMPLE = PatchPoint(
     _RUNNER, "GPUModelRunner._sample", "wraps",
     "draft trees: tree acceptance with vLLM's sampler level by level instead of the chain rejection sampler; the "
@@ -394,7 +402,8 @@ V2_MTP_SPECULATOR = PatchPoint(
 V2_SPECULATOR_PROPOSE = PatchPoint(
     "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "TargetDependentARSpeculator.propose",
     "overrides", "draft trees on V2: the first pass (vLLM's propose with one draft) over the accepted paths as chains, "
-    "then the tree levels",
+    "then the tree levels; under draft_tree_max_batch_size vLLM's chain of the depth asked for (its keyword "
+    "num_speculative_tokens, V2_PROPOSE_KEYWORDS)",
     ("self", "input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
      "num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds"), only_on="cuda",
 )
@@ -534,6 +543,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_PREPARE_INPUTS,
     RUNNER_BUILD_ATTENTION_METADATA,
     RUNNER_EAGLE_PROPOSER,
+    EAGLE_PROPOSE,
     RUNNER_SAMPLE,
     RUNNER_SAMPLE_TOKENS,
     MIN_TOKENS_MASK,
@@ -580,6 +590,9 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
 )
 
 _ATTN_LAYER = "vllm.model_executor.layers.attention.attention"
+# Keyword parameters of V2_SPECULATOR_PROPOSE the tree speculator passes on by name (checked with it).
+V2_PROPOSE_KEYWORDS = ("dummy_run", "num_speculative_tokens")
+
 INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes(
         "vllm.v1.engine.input_processor", "InputProcessor", ("vllm_config", "speculative_config"), "reads",
@@ -741,6 +754,18 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         "vllm.v1.core.sched.output", "SchedulerOutput",
         ("num_scheduled_tokens", "scheduled_spec_decode_tokens", "total_num_scheduled_tokens"), "reads and sets",
         "draft trees: a request whose whole tree does not fit the step's budget keeps no drafts (tree_budget)",
+    ),
+    InternalAttributes(
+        "vllm.v1.core.sched.output", "SchedulerOutput", ("num_spec_tokens_to_schedule", "finished_req_ids"), "reads",
+        "draft_tree_max_batch_size (tree_budget): the draft count each scheduled request's next drafts will have "
+        "(vLLM's dynamic speculative decoding), and the requests whose record goes",
+    ),
+    InternalAttributes(
+        "vllm.config.speculative", "SpeculativeConfig",
+        ("num_speculative_tokens_per_batch_size", "uses_dynamic_speculative_decoding", "enable_adaptive_verification"),
+        "reads; sets num_speculative_tokens_per_batch_size",
+        "draft_tree_max_batch_size (config): the tree below the threshold, the chain above, as vLLM's dynamic "
+        "speculative decoding schedule; V2's tree speculator refuses any other schedule",
     ),
     InternalAttributes(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl",

@@ -39,7 +39,7 @@ from vllm_treewy.vllm_plugin.patch_points import (
     GDN_METADATA_UPDATE_BLOCK_TABLE,
     V2_RUNNER_POSTPROCESS_SAMPLED,
 )
-from vllm_treewy.vllm_plugin.step_metadata import with_commit_nodes
+from vllm_treewy.vllm_plugin.step_metadata import chain_count_offset, with_commit_nodes
 
 
 def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -48,15 +48,19 @@ def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(counts, runner.block_tables.block_tables[group_id].gpu) for group_id, counts in counted_gdn_groups(runner)]
 
 
-def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor) -> None:
+def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, offset: int = 0) -> None:
     """After V2's sampler counted this step's tokens per batch row (`num_sampled [rows]`; `idx_mapping [rows]`: each
-    row's request state, -1 to skip): the speculative rows' counts into their slots in every GDN group that keeps slot
-    counts. A row speculated this step iff its slot holds a count (the step's count update gave it its node count,
-    every other row's slot 0), so no per-row flag is needed. Device tensors only; CUDA: one launch for every group."""
+    row's request state, -1 to skip): the speculative rows' counts (+ `offset`, `step_metadata.chain_count_offset`)
+    into their slots in every GDN group that keeps slot counts. A row speculated this step iff its slot holds a count
+    (the step's count update gave it its node count, every other row's slot 0), so no per-row flag is needed. Device
+    tensors only; CUDA: one launch for every group."""
     groups = gdn_groups_of(runner)
     if not groups:
         return
     num_rows = idx_mapping.shape[0]
+    if offset:
+        # a row that sampled nothing verified its root (the kernels' max(num_sampled, 1)), then the offset
+        num_sampled = num_sampled[:num_rows].clamp(min=1) + offset
     if slot_counts.launches_triton(groups[0][0]):
         slot_counts.record_sampled_counts_triton(count_table_of(runner, groups), idx_mapping, num_sampled, num_rows)
     else:
@@ -68,11 +72,17 @@ def _recording_sampled_counts(original):
     def postprocess_sampled(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs):
         original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
         config = self.speculative_config
-        if reconstructs_mamba_state(config) and draft_tree_of(config) is None:
+        if not reconstructs_mamba_state(config):
+            return
+        if draft_tree_of(config) is None:
             if prefix_caching.caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
                 prefix_caching.record_after_sampling_v2(self, idx_mapping, num_sampled)
             else:
                 record_sampled_counts(self, idx_mapping, num_sampled)
+        elif chain_count_offset(config) and self.speculator.tree_state.accepted is None:
+            # a chain step of draft_tree_max_batch_size: V2 samples, then postprocesses, then proposes, so the tree
+            # acceptance is there for the drafter exactly after a tree step (whose counts are the tree sampler's)
+            record_sampled_counts(self, idx_mapping, num_sampled, chain_count_offset(config))
 
     return postprocess_sampled
 

@@ -26,7 +26,8 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
 2. `MambaHybridModelState.prepare_attn` (V2_MAMBA_PREPARE_ATTN; real steps, dummy runs and graph captures): the
    tree bias or step onto the TRITON_ATTN metadata, as V1's `_build_attention_metadata` hook does. A capture or dummy
    run of a uniform 1 + N decode batch gets the bias (V2 replays FULL decode graphs for decode-only batches, every
-   row a tree row or a one-token decode); the drafter's own first-pass graphs are captured without it.
+   row a tree row or a one-token decode); the drafter's own first-pass graphs are captured without it, and so are
+   the target's 1 + D decode graphs of `draft_tree_max_batch_size` (chain steps: vLLM's causal attention).
 3. `GPUModelRunner.sample` (V2_RUNNER_SAMPLE): tree acceptance instead of V2's rejection sampler. V2's sampler draws
    every verified token's row in ONE call (`Sampler.sample`), its Gumbel noise keyed by (request seed, position):
    with depth positions, a node at depth d draws with the noise plain decoding uses at that position, so walking the
@@ -97,11 +98,13 @@ def decode_draft_counts(num_draft_tokens_per_req: np.ndarray | None, is_prefilli
     return np.where(np.asarray(is_prefilling[:num_reqs], dtype=bool), -1, drafts), drafts
 
 
-def find_tree_step_v2(tree: DraftTree, input_batch, constants: TreeConstants | None = None) -> TreeStep | None:
+def find_tree_step_v2(tree: DraftTree, input_batch, constants: TreeConstants | None = None,
+                      chain_depth: int = 0) -> TreeStep | None:
     """The step's tree rows in V2's `InputBatch`, with each root's position read from V2's device positions (before
     they are overridden). Host arrays only decide which rows: no host sync. When every request is a tree row (the
     decode steps V2 replays FULL graphs for) and the tree's `constants` on the device are given, the step is the
-    batch size's cached `uniform_tree_step`: no host-to-device copy, a handful of launches."""
+    batch size's cached `uniform_tree_step`: no host-to-device copy, a handful of launches. `chain_depth`: as
+    `find_tree_step` (a step of chains under `draft_tree_max_batch_size` has no tree rows: None)."""
     num_reqs = input_batch.num_reqs
     is_prefilling = np.asarray(input_batch.is_prefilling_np[:num_reqs], dtype=bool)
     if input_batch.prefill_runs_as_decode_np is not None:
@@ -116,7 +119,7 @@ def find_tree_step_v2(tree: DraftTree, input_batch, constants: TreeConstants | N
         roots = positions[: num_reqs * block_len].view(num_reqs, block_len)[:, 0].long().clone()
         return uniform_tree_step(tree, roots, constants)
     step = find_tree_step(tree, decode_drafts, drafts, np.asarray(input_batch.query_start_loc_np[: num_reqs + 1]),
-                          np.zeros(num_reqs, dtype=np.int64), positions.device)
+                          np.zeros(num_reqs, dtype=np.int64), positions.device, chain_depth=chain_depth)
     if step is None:
         return None
     roots = step.token_indices.view(step.num_requests, step.block_len)[:, 0]
@@ -185,7 +188,8 @@ def _finding_tree_rows(original):
         state = tree_state_of_runner(self)
         if state is None:
             return result
-        step = find_tree_step_v2(state.tree, input_batch, self.speculator.tree_constants(state.tree))
+        step = find_tree_step_v2(state.tree, input_batch, self.speculator.tree_constants(state.tree),
+                                 chain_depth=state.chain_depth)
         if step is not None:
             override_positions(input_batch.positions, step)
         state.pending_step, state.prepared, state.sampling_step = step, True, step

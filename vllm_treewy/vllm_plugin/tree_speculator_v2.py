@@ -13,6 +13,11 @@ replays). Batches above the captured sizes (or without FULL graphs) run the body
 once (no request chunks on V2): a max_num_seqs x (1 + nodes above the leaves) over max_num_batched_tokens is
 refused at start-up (`check_level_budget`).
 
+With `draft_tree_max_batch_size`, V2's dynamic speculative decoding asks for the tree's depth D drafts at larger
+batches (`num_speculative_tokens`): then the speculator is V2's own chain speculator for D steps (after a tree step
+over the accepted paths laid out as chains; V2 captures its decode graphs per draft count under dynamic speculative
+decoding), and the runner pads the drafts past D with -1. The level graphs serve the tree steps.
+
 Its `TreeRunStateV2` (`tree_state`) is the state the runner's hooks carry across calls (`tree_runner_v2`).
 """
 
@@ -113,9 +118,13 @@ def make_tree_speculator_class(base):
             if tree is None:
                 return
             spec = vllm_config.speculative_config
-            if spec.enable_adaptive_verification or spec.uses_dynamic_speculative_decoding():
+            threshold = getattr(spec, "draft_tree_max_batch_size", None)
+            # dynamic speculative decoding: only the schedule draft_tree_max_batch_size sets (tree or chain per step)
+            if spec.enable_adaptive_verification or (spec.uses_dynamic_speculative_decoding() and threshold is None):
                 raise NotImplementedError("draft_tree_widths on Model Runner V2: adaptive verification and dynamic "
                                           "speculative decoding change the drafts per request (a tree is static)")
+            if threshold is not None:
+                self.tree_state.chain_depth = spec.draft_tree_depth
             if vllm_config.parallel_config.enable_batch_sharded_sampling:
                 raise NotImplementedError("draft_tree_widths on Model Runner V2: batch-sharded sampling is not "
                                           "supported (the tree's acceptance reads every node's draw of the batch)")
@@ -141,6 +150,11 @@ def make_tree_speculator_class(base):
                 ids, positions, hidden = accepted_paths_as_chains(*accepted, input_batch.input_ids,
                                                                    input_batch.positions, last_hidden_states)
                 input_batch = dataclasses.replace(input_batch, input_ids=ids, positions=positions)
+            if num_speculative_tokens is not None and num_speculative_tokens < self.tree.num_nodes:
+                # a larger batch's chain (draft_tree_max_batch_size): V2's own speculator for that many steps
+                return call(input_batch, _strip_tree(attn_metadata), slot_mappings, hidden, aux_hidden_states,
+                            num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+                            num_speculative_tokens=num_speculative_tokens)
             call(input_batch, _strip_tree(attn_metadata), slot_mappings, hidden, aux_hidden_states, num_sampled,
                  num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_speculative_tokens=1)
             num_reqs = input_batch.num_reqs
