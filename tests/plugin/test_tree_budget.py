@@ -122,6 +122,11 @@ def test_threshold_keeps_whole_trees_and_chains_cut_or_not():
     output = _output({"chain": D, "cut-chain": 1}, k=D)
     assert keep_one_draft_shape(output, N, drafted_with) == []  # chain rows, one cut by the budget: kept
     assert _drafts(output) == {"chain": D, "cut-chain": 1} and output.total_num_scheduled_tokens == 1 + D + 2
+    # a tree cut to a chain's length beside chains only: still a partial tree, never verified as a chain
+    drafted_with = {"cut-tree": N, "chain": D}
+    output = _output({"cut-tree": D, "chain": D}, k=D)
+    assert keep_one_draft_shape(output, N, drafted_with) == ["cut-tree"]
+    assert _drafts(output) == {"chain": D}
 
 
 def test_threshold_drops_chain_rows_in_a_step_of_trees():
