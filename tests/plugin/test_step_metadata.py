@@ -53,12 +53,13 @@ def staged_buffers(builder) -> tuple[torch.Tensor, torch.Tensor]:
     return counts_layer(builder).step_buffers.staged(builder, builder.num_accepted_tokens.shape[0])
 
 
-def _builder(full_graphs: bool, widths=None):
+def _builder(full_graphs: bool, widths=None, threshold=None):
     # the count state inside each slot's KV-cache page, after the slot's other states: strided
     counts = torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2:]
     layer = FakeGDNLayer((None, None, None, None, counts))
     tree = None if widths is None else DraftTree.from_widths(widths)
-    speculative_config = SimpleNamespace(is_draft_tree=tree is not None, draft_tree=tree)
+    speculative_config = SimpleNamespace(is_draft_tree=tree is not None, draft_tree=tree,
+                                         draft_tree_max_batch_size=threshold)
     builder = FakeBuilder(
         layer_names=["gdn.0"], use_full_cuda_graph=full_graphs, decode_cudagraph_max_bs=MAX_ROWS,
         num_accepted_tokens=torch.ones(MAX_ROWS, dtype=torch.int32),
@@ -337,3 +338,24 @@ def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_p
     assert metadata.spec_slots.tolist() == [7, 2, 5] and metadata.spec_slots.is_contiguous()
     assert metadata.spec_slots.data_ptr() == staged_buffers(builder)[0].data_ptr()
     assert metadata.commit_nodes.tolist() == [1, 3, -1]
+
+
+def test_a_chain_step_of_a_tree_threshold_verifies_a_chain_and_commits_through_both_shapes():
+    """draft_tree_max_batch_size: a step verifies the tree where some row holds it (vLLM's per-row draft counts),
+    else chains of the tree's depth (no tree table, the chain's length for the verify launch); both commit through
+    the one table of both shapes, at one address."""
+    from vllm_treewy.vllm_plugin.step_metadata import commit_ancestor_table, verifies_tree
+
+    builder, counts = _builder(full_graphs=True, widths=[2, 1], threshold=2)  # N = 4, depth 2
+    config = builder.vllm_config.speculative_config
+    chain_drafts = torch.tensor([2, 1])
+    chain = _build(builder, _spec_step([3, 5], [3, 2], [1, 1]), verifies_tree(config, chain_drafts))
+    assert chain.tree_ancestors is None and chain.ancestors is None and chain.verify_block_len == 3
+    assert chain.parents.tolist() == [-1, 0, 1, -1, 0]
+    assert torch.equal(chain.commit_ancestors, commit_ancestor_table(config.draft_tree, "cpu"))
+    _sampled(counts, [3, 5], [1 + 4 + 3, 1 + 4 + 1])  # chain counts, offset by 1 + N: blocks 2 and 0
+    tree = _build(builder, _spec_step([3, 5], [5, 5], [1, 1]), verifies_tree(config, torch.tensor([4, 4])))
+    assert tree.commit_nodes.tolist() == [7, 5]  # the commit table's chain rows 5 + 2 and 5 + 0
+    assert tree.tree_ancestors.shape == (5, 3) and tree.verify_block_len is None
+    assert tree.commit_ancestors is chain.commit_ancestors
+    assert tree.commit_ancestors[7].tolist() == [2, 1, 0] and tree.commit_ancestors[5].tolist() == [0, -1, -1]

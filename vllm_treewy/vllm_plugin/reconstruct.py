@@ -81,14 +81,15 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
     slots, cu_nodes, commit_nodes = metadata.spec_slots, metadata.spec_query_start_loc, metadata.commit_nodes
     layout, ancestors = buffer.layout, metadata.ancestors
     commit_ancestors = commit_tree(metadata)
+    max_nodes = metadata.verify_block_len or layout.num_nodes  # a chain step of a tree config: its chain's length
     activation = "silu" if layer.activation == "silu" else None
     # a request's nodes in one block of rows (a chain of 3 drafts: 4, not the default 16, most of which would be
     # masked rows holding registers); larger trees loop over blocks of 16
     conv_out = conv_step_triton(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
                                 buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
-                                activation=activation, block_nodes=min(16, triton.next_power_of_2(layout.num_nodes)))
+                                activation=activation, block_nodes=min(16, triton.next_power_of_2(max_nodes)))
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state, slots,
-                    metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=layout.num_nodes,
+                    metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
                     max_depth=None if ancestors is None else ancestors.shape[1], chain=ancestors is None,
                     ancestors=ancestors, scale=layout.head_k_dim**-0.5, norm_eps=layer.layer_norm_epsilon,
                     activation=layer.norm.activation, out=out, factors=buffer.factors, commit_nodes=commit_nodes,

@@ -68,6 +68,10 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     # [T, D] int32: row a the path of commit node a in the slot's rows, which every slot's pending commit follows
     # (`commit_ancestor_table`); None for chains. One per GDN group, like tree_ancestors.
     commit_ancestors: torch.Tensor | None = None
+    # The most tokens a speculative row verifies this step where that is below the pseudo-value buffer's rows: 1 + D
+    # in a chain step of `draft_tree_max_batch_size`, so the verify launches as a chain config's would; None: the
+    # buffer's rows (1 + num_speculative_tokens).
+    verify_block_len: int | None = None
     # The step's count update (`commit_nodes_and_counts` on this metadata's tensors), left for `counts_layer`, the
     # group's first GDN layer, to run in its forward; None where the builder ran it.
     count_update: Callable[[], None] | None = None
@@ -270,6 +274,8 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool
             result.commit_ancestors = buffers.commit_ancestors(tree, with_chain, slots.device)
             if tree_verify:
                 result.tree_ancestors = buffers.tree_ancestors(tree, slots.device)
+            else:
+                result.verify_block_len = 1 + tree.max_depth
         if counts is None:
             slots.copy_(batch_slots)
             commit_nodes.fill_(-1)
