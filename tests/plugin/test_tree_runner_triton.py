@@ -123,10 +123,14 @@ def test_a_capture_dummy_run_of_uniform_decodes_takes_the_bias_and_others_do_not
     batch = make_batch(tree, ["tree", "tree"], [4, 9], [0, 0], num_heads=2, num_kv_heads=1, head_size=32,
                        block_size=16, dtype=torch.float32, layout="NHD")
     state, layers = TreeRunState(tree), one_layer(batch.kv_cache)
+    # "c": a uniform decode of the chain of the tree's depth (draft_tree_max_batch_size's larger batches: causal)
     built = hand_to_triton_layers(state, layers, {"a": triton_metadata(batch),
-                                                  "b": triton_metadata(batch, max_query_len=64)}, None, False)
+                                                  "b": triton_metadata(batch, max_query_len=64),
+                                                  "c": triton_metadata(batch, max_query_len=1 + tree.max_depth)},
+                                  None, False)
     bias = tree_qq_bias_of(built["a"])
     assert bias.shape[1] == 1 + tree.num_nodes and tree_qq_bias_of(built["b"]) is None
+    assert tree_qq_bias_of(built["c"]) is None
     # A real step without tree rows (prepared) never takes it; the bias is built once per runner.
     assert tree_qq_bias_of(hand_to_triton_layers(state, layers, {"a": triton_metadata(batch)}, None, True)["a"]) is None
     again = hand_to_triton_layers(state, layers, {"a": triton_metadata(batch)}, None, False)["a"]
