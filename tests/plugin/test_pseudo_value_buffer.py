@@ -63,16 +63,15 @@ def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):
                            node_indices=torch.arange(n).repeat(len(slots)))
 
 
-def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTree | None = None, triton=False):
-    """Step 1 verifies two requests (slots 3, 1); step 2 commits their accepted nodes `commit_nodes` and verifies
-    again. The drafts are chains, or the verified block `tree` in both steps. `triton`: `reconstruct.step_triton`
-    (normed outputs) with a bf16 SSM state (K = V = 8: tiles masked to heads narrower than a tensor-core dot)."""
-    torch.manual_seed(1)
+def _stepping_layer(layout, triton: bool):
+    """(layer stand-in, its caches with an empty pseudo-value buffer of `layout`, the caches' states before any step,
+    `step(metadata, x, a, b)`: `reconstruct.step_torch`, or with `triton` `reconstruct.step_triton` (normed outputs)
+    over a bf16 SSM state)."""
     layer = _gdn_layer_stand_in()
     caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3,
                   conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
                   ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1,
-                  buffer=_empty_buffer(layout=_layout(tree)))
+                  buffer=_empty_buffer(layout=layout))
     if triton:
         caches["ssm_state"] = caches["ssm_state"].bfloat16()
     before = {name: caches[name].clone() for name in ("conv_history", "ssm_state")}
@@ -84,6 +83,15 @@ def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTre
         reconstruct.step_triton(layer, metadata, x, a, b, torch.randn(x.shape[0], HV, V), out, **caches)
         return out
 
+    return layer, caches, before, step
+
+
+def _two_steps(inputs, clobber_inputs: bool, commit_nodes=(2, 0), tree: DraftTree | None = None, triton=False):
+    """Step 1 verifies two requests (slots 3, 1); step 2 commits their accepted nodes `commit_nodes` and verifies
+    again. The drafts are chains, or the verified block `tree` in both steps. `triton`: `reconstruct.step_triton`
+    (normed outputs) with a bf16 SSM state (K = V = 8: tiles masked to heads narrower than a tensor-core dot)."""
+    torch.manual_seed(1)
+    layer, caches, before, step = _stepping_layer(_layout(tree), triton)
     first, second = inputs
     out1 = step(_step_metadata([3, 1], [-1, -1], tree), *first)
     assert torch.equal(caches["ssm_state"], before["ssm_state"])  # verify writes no state
@@ -307,23 +315,9 @@ def test_a_slot_commits_the_shape_it_verified_last(first, second, accepted, trit
     assert table[1 + N_NODES + 3].tolist() == [3, 2, 1, 0] and table[1 + N_NODES].tolist() == [0, -1, -1, -1]
     block = THRESHOLD_TREE.with_root()
     sizes = {"tree": block.num_nodes, "chain": 1 + DEPTH}
-    layer = _gdn_layer_stand_in()
-    caches = dict(conv_weight=torch.randn(CONV_DIM, WIDTH) * 0.3,
-                  conv_history=torch.randn(NUM_SLOTS, CONV_DIM, WIDTH - 1),
-                  ssm_state=torch.randn(NUM_SLOTS, HV, V, K) * 0.1,
-                  buffer=_empty_buffer(layout=_layout(block)))
-    if triton:
-        caches["ssm_state"] = caches["ssm_state"].bfloat16()
-    before = {name: caches[name].clone() for name in ("conv_history", "ssm_state")}
+    layer, caches, before, step = _stepping_layer(_layout(block), triton)
     inputs = [(torch.randn(2 * sizes[shape], CONV_DIM), torch.randn(2 * sizes[shape], HV),
                torch.randn(2 * sizes[shape], HV)) for shape in (first, second)]
-
-    def step(metadata, x, a, b):
-        if not triton:
-            return reconstruct.step_torch(layer, metadata, x, a, b, **caches)
-        out = torch.full((x.shape[0], HV, V), float("nan"))
-        reconstruct.step_triton(layer, metadata, x, a, b, torch.randn(x.shape[0], HV, V), out, **caches)
-        return out
 
     step(_shape_metadata([3, 1], [-1, -1], first, table), *inputs[0])
     commit_nodes = [node if shape == "tree" else 1 + N_NODES + node for shape, node in accepted]
