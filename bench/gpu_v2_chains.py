@@ -139,6 +139,8 @@ def counting_steps(llm):
 
 def run_name(args) -> str:
     shape = f"-tree{''.join(map(str, args.tree_widths))}" if args.tree_widths else f"-k{args.k}"
+    if args.tree_widths and args.tree_max_batch_size is not None:
+        shape += f"-t{args.tree_max_batch_size}"
     return (f"{args.strategy}{shape}" + ("-v1" if args.runner == "v1" else "")
             + (f"-{args.name_suffix}" if args.name_suffix else ""))
 
@@ -150,16 +152,22 @@ def speculative_config(args) -> dict:
             **gpu_site.SPECULATIVE}
     if args.tree_widths:
         spec.update(num_speculative_tokens=len(args.tree_widths), draft_tree_widths=list(args.tree_widths))
+        if args.tree_max_batch_size is not None:
+            spec.update(draft_tree_max_batch_size=args.tree_max_batch_size)
     return spec
 
 
-def tokens_per_request(args) -> int:
-    """1 + the drafts vLLM verifies per request (a tree: its N nodes): the FULL graphs' token counts."""
+def tokens_per_request(args) -> int | tuple[int, int]:
+    """1 + the drafts vLLM verifies per request (a tree: its N nodes): the FULL graphs' token counts; with
+    `--tree-max-batch-size` both shapes' (1 + N, 1 + depth)."""
     if not args.tree_widths:
         return 1 + args.k
     from vllm_treewy.tree import DraftTree
 
-    return 1 + DraftTree.from_widths(args.tree_widths).num_nodes
+    tree_tokens = 1 + DraftTree.from_widths(args.tree_widths).num_nodes
+    if args.tree_max_batch_size is None:
+        return tree_tokens
+    return tree_tokens, 1 + len(args.tree_widths)
 
 
 def run_spec(args, turns: Turns) -> int:
@@ -230,7 +238,7 @@ def run_reference(args, turns: Turns) -> int:
                                      **facts, "timing": timing, "steps": steps}
         report["no_spec_in_smaller_batches"] = {} if args.no_shape_control else {
             b: verdict_record(compare_tie_aware(reference, prompts[:b], outputs[b], out, exact_logits))
-            for b, out in batch_shape_control(reference, prompts, args.batch_sizes, args.max_tokens).items()}
+            for b, out in batch_shape_control(reference, prompts, args).items()}
         runs_dir = Path(args.runs)
         report["waited_for_runs_s"] = _wait(lambda: len(list(runs_dir.glob("*.json"))) >= args.expect, RUNS_WAIT_S)
         for path in sorted(runs_dir.glob("*.json")):
@@ -275,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="default: the runner vLLM picks (V2 on CUDA); v1: VLLM_USE_V2_MODEL_RUNNER=0")
     spec.add_argument("--tree-widths", type=int, nargs="+", default=None,
                       help="an MTP draft tree of these widths instead of the chain of --k drafts")
+    spec.add_argument("--tree-max-batch-size", type=int, default=None,
+                      help="draft_tree_max_batch_size: the tree up to this many requests, the chain of its depth above")
     spec.add_argument("--blurred-mtp", action="store_true", help="the fixture's blurred-MTP variant (same target)")
     spec.add_argument("--name-suffix", default="", help="appended to the run's name (e.g. its dtype)")
     ref.add_argument("--expect", type=int, required=True, help="speculative runs to wait for and judge")

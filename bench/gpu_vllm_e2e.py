@@ -64,9 +64,11 @@ from vllm_treewy.fixture.exact import ExactModel
 FIXTURE_DIR = "/tmp/fixture-qwen35"
 
 
-def engine_kwargs(args, num_tokens_per_request: int) -> dict:
-    """What vLLM needs on the gpu-vllm site (gpu-vllm README), and CUDA graphs only at the measured sizes. Without
-    CUDA (a dry run of the script's flow on vLLM's CPU backend): vLLM's CPU defaults, eager."""
+def engine_kwargs(args, num_tokens_per_request: int | tuple[int, ...]) -> dict:
+    """What vLLM needs on the gpu-vllm site (gpu-vllm README), and CUDA graphs only at the measured sizes: each batch
+    size times each of `num_tokens_per_request` (several where the verified shape changes with the batch:
+    `draft_tree_max_batch_size`). Without CUDA (a dry run of the script's flow on vLLM's CPU backend): vLLM's CPU
+    defaults, eager."""
     import torch
 
     if not torch.cuda.is_available():
@@ -89,7 +91,8 @@ def engine_kwargs(args, num_tokens_per_request: int) -> dict:
     if args.no_async_scheduling:
         kwargs["async_scheduling"] = False
     if not args.eager:
-        sizes = sorted({b * num_tokens_per_request for b in args.batch_sizes})
+        per_request = (num_tokens_per_request,) if isinstance(num_tokens_per_request, int) else num_tokens_per_request
+        sizes = sorted({b * t for b in args.batch_sizes for t in per_request})
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
         if args.cudagraph_mode is not None:
             kwargs["compilation_config"]["cudagraph_mode"] = args.cudagraph_mode
@@ -101,6 +104,9 @@ def add_common_args(parser, runs: bool = True):
         parser.add_argument("--runs", required=True, help="folder for the per-engine results")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--staggered", action="store_true",
+                        help="request i of a batch of B generates max_tokens - i * max_tokens // (2 B) tokens (down to "
+                             "about half): the batch shrinks while it runs (e.g. through draft_tree_max_batch_size)")
     # Qwen3.5 checkpoints keep the SSM state in fp32 (mamba_ssm_dtype).
     parser.add_argument("--ssm-cache-dtype", default="float32", choices=["float32", "bfloat16"])
     # The activations: bf16 as users run the checkpoints; fp16 rounds 8x finer (vLLM's GDN prefill refuses fp32),
@@ -163,8 +169,9 @@ def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:
         for b in args.batch_sizes:
             before = read_acceptance(llm)
             start = time.perf_counter()
-            out = generate_greedy(llm, prompts[:b], [args.max_tokens] * b)
-            samples[b].append(b * args.max_tokens / (time.perf_counter() - start))
+            lengths = request_lengths(args, b)
+            out = generate_greedy(llm, prompts[:b], lengths)
+            samples[b].append(sum(lengths) / (time.perf_counter() - start))
             outputs.setdefault(b, out)
             if before is not None:
                 after = read_acceptance(llm)
@@ -210,18 +217,28 @@ def verdict_record(verdict) -> dict:
                                  exact_gap=d.exact_gap, failure=d.is_failure) for d in verdict.divergences]}
 
 
-def batch_shape_control(reference, prompts, batch_sizes, max_tokens: int) -> dict:
+def request_lengths(args, batch: int) -> list[int]:
+    """max_tokens of each request of a batch of `batch` prompts: all `--max-tokens`, or with `--staggered` from it
+    down to about half, so requests finish one after another and the batch shrinks while it runs."""
+    if not getattr(args, "staggered", False):
+        return [args.max_tokens] * batch
+    return [args.max_tokens - i * args.max_tokens // (2 * batch) for i in range(batch)]
+
+
+def batch_shape_control(reference, prompts, args) -> dict:
     """The no-speculation engine's outputs for each batch size's prompts generated again in smaller batches (those of
     the next smaller batch size): the same requests in other batch shapes, which vLLM's kernels are not invariant to.
     Judged against the reference outputs like a speculative run, their divergences beyond one bf16 step are the
     fixture's own floor for the tie-aware criterion."""
     from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy
 
-    sizes = sorted(batch_sizes)
+    sizes = sorted(args.batch_sizes)
     control = {}
     for chunk, b in zip(sizes, sizes[1:]):
+        lengths = request_lengths(args, b)
         control[b] = [out for start in range(0, b, chunk)
-                      for out in generate_greedy(reference, prompts[start : start + chunk], [max_tokens] * chunk)]
+                      for out in generate_greedy(reference, prompts[start : start + chunk],
+                                                 lengths[start : start + chunk])]
     return control
 
 
@@ -354,7 +371,7 @@ def run_reference(args) -> int:
                                      "profile": maybe_profile(reference, prompts, args, "no-spec")}
         report["no_spec_in_smaller_batches"] = {
             b: verdict_record(compare_tie_aware(reference, prompts[:b], outputs[b], out, exact_logits))
-            for b, out in batch_shape_control(reference, prompts, args.batch_sizes, args.max_tokens).items()}
+            for b, out in batch_shape_control(reference, prompts, args).items()}
         for run in runs:
             entry = {key: run.get(key) for key in ("strategy", "k", "engine_start_s", "acceptance_rate",
                                                    "acceptance_length", "kv_cache", "profile")}
@@ -576,7 +593,7 @@ def run_tree(args) -> int:
         for b in args.batch_sizes if phases else ():  # per batch size, after a warm-up pass
             generate_greedy(llm, prompts[:b], [8] * b)
             phases.clear()
-            generate_greedy(llm, prompts[:b], [args.max_tokens] * b)
+            generate_greedy(llm, prompts[:b], request_lengths(args, b))
             phase_times[str(b)] = phase_timing.report(phases)
             print(f"  phases B={b}:", json.dumps(phase_times[str(b)]), flush=True)
         outputs, tokens_per_s, acceptance_length = timed_batches(llm, prompts, args)

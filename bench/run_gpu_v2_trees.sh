@@ -9,7 +9,7 @@
 # The no-speculation reference times one pass and skips its control in smaller batches (the fixture's fp16 floor,
 # PASS in the first call). Each run records the runner vLLM picked ("model_runner"): V2 expected for every engine.
 # Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
-#   bash bench/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96]
+#   bash bench/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96, --staggered]
 #   DRY_RUN=1 bash bench/run_gpu_v2_trees.sh OUT_DIR   # prints the engine commands and checks their arguments only
 # OUT_DIR gets log.txt (summary), gpu_v2_trees.json (the reference's report) and engines.tar.gz (every engine's log
 # and run JSON). ENGINES (names from the catalog below) and BATCHES choose what runs; KV_BYTES (default 8 GiB) per
@@ -31,6 +31,12 @@ for w in 221 211 322 42; do
   catalog[tree$w-fp16]="--tree-widths $widths--dtype float16 --blurred-mtp --name-suffix fp16 --timing-repeats 1"
   catalog[tree$w-bf16]="--tree-widths $widths--dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
 done
+# draft_tree_max_batch_size 8: the [2,2,1] tree up to 8 requests, the chain of depth 3 above. With --staggered
+# (for every engine: the reference generates the same lengths) each batch shrinks while it runs, so batches of 64 and
+# 256 cross 8 (chain steps, then tree steps, a slot's commit crossing shapes).
+for d in fp16 bf16; do
+  catalog[tree221t8-$d]="${catalog[tree221-$d]} --tree-max-batch-size 8"
+done
 for k in 3 2; do
   catalog[k$k-bf16]="--k $k --dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
 done
@@ -47,23 +53,8 @@ if [ -n "${DRY_RUN:-}" ]; then
   for e in "${engines[@]}"; do
     IFS='|' read -r name extra <<<"$e"
     # shellcheck disable=SC2086
-    python3 - "$name" $extra "${common[@]}" "$@" <<'PY'
-import sys
-from bench import gpu_v2_chains as g
-import argparse
-parser = argparse.ArgumentParser(); sub = parser.add_subparsers(dest="role")
-# the spec parser exactly as main builds it: parse only, start nothing
-import bench.gpu_vllm_e2e as e
-spec = sub.add_parser("spec"); e.add_common_args(spec)
-for flag, kw in (("--turns-dir", {}), ("--turn", {"type": int}), ("--engines", {"type": int})):
-    spec.add_argument(flag, required=True, **kw)
-spec.add_argument("--strategy", default="reconstruct"); spec.add_argument("--k", type=int, default=3)
-spec.add_argument("--runner", default="default"); spec.add_argument("--tree-widths", type=int, nargs="+")
-spec.add_argument("--blurred-mtp", action="store_true")
-spec.add_argument("--name-suffix", default="")
-args = parser.parse_args(["spec", "--runs", "R", "--turn", "0", *sys.argv[2:]])
-print(sys.argv[1], "->", g.run_name(args), g.speculative_config(args), "tokens/request", g.tokens_per_request(args))
-PY
+    python3 -c 'import sys; from bench import gpu_v2_chains as g; a = g.build_parser().parse_args(["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", *sys.argv[2:]]); print(sys.argv[1], "->", g.run_name(a), g.speculative_config(a), "tokens/request", g.tokens_per_request(a))' \
+      "$name" $extra "${common[@]}" "$@" || exit 1
   done
   # shellcheck disable=SC2086
   python3 -c 'import sys; from bench.gpu_v2_chains import build_parser; a = build_parser().parse_args(sys.argv[1:]); print("reference ->", a.role, "expect", a.expect, "dtype", a.dtype, "repeats", a.timing_repeats, "shape control", not a.no_shape_control)' \

@@ -1,0 +1,45 @@
+"""bench/run_gpu_v2_trees.sh's engine catalog and the drivers' per-run settings, without an engine: each catalog
+entry parses with the real driver's parser into the speculative config it names; a threshold run captures graphs of
+both verified shapes; `--staggered` lengths shrink a batch while it runs."""
+
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+from bench import gpu_v2_chains
+from bench.gpu_vllm_e2e import request_lengths
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_catalog_entries_parse_into_their_configs(tmp_path):
+    env = dict(os.environ, DRY_RUN="1", ENGINES="tree221t8-fp16 tree221t8-bf16 tree221-bf16 k3-bf16",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", WORK=str(tmp_path / "work"))
+    done = subprocess.run(["bash", "bench/run_gpu_v2_trees.sh", str(tmp_path / "out"), "--staggered"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = {line.split(" -> ")[0]: line for line in done.stdout.splitlines() if " -> " in line}
+    assert "reconstruct-tree221-t8-fp16" in lines["tree221t8-fp16"]
+    assert "'draft_tree_max_batch_size': 8" in lines["tree221t8-bf16"] and "tokens/request (11, 4)" in lines["tree221t8-bf16"]
+    assert "draft_tree_max_batch_size" not in lines["tree221-bf16"] and "tokens/request 11" in lines["tree221-bf16"]
+    assert "tokens/request 4" in lines["k3-bf16"] and lines["reference"]
+
+
+def test_a_threshold_run_is_named_apart_from_the_plain_tree():
+    parse = gpu_v2_chains.build_parser().parse_args
+    common = ["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", "--turns-dir", "T", "--engines", "2",
+              "--tree-widths", "2", "2", "1", "--name-suffix", "bf16"]
+    plain, threshold = parse(common), parse([*common, "--tree-max-batch-size", "0"])
+    assert gpu_v2_chains.run_name(plain) == "reconstruct-tree221-bf16"  # what bench/tree_threshold pairs with chains
+    assert gpu_v2_chains.run_name(threshold) == "reconstruct-tree221-t0-bf16"
+    assert gpu_v2_chains.speculative_config(threshold)["draft_tree_max_batch_size"] == 0
+
+
+def test_staggered_lengths_shrink_the_batch():
+    assert request_lengths(Namespace(max_tokens=128, staggered=False), 4) == [128] * 4
+    lengths = request_lengths(Namespace(max_tokens=128, staggered=True), 64)
+    assert lengths[0] == 128 and min(lengths) >= 64 and len(set(lengths)) == 64  # every request ends at its own step
+    assert lengths == sorted(lengths, reverse=True)
