@@ -64,17 +64,17 @@ def test_reconstruct_with_prefix_caching_runs_on_v2_but_not_with_pipeline_parall
     _check_prefix_caching(config, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs
 
 
-def test_reconstruct_trees_with_prefix_caching_run_on_v1_only(fixture_model):
-    """Reconstruct draft trees with prefix caching: the V1 runner writes their boundary states (`accepted_counts`),
-    Model Runner V2's tree sampler not yet, so a config on V2 is refused with the way out; store_all trees are
-    refused on either runner."""
+def test_reconstruct_trees_with_prefix_caching_run_as_chains_do(fixture_model):
+    """Reconstruct draft trees with prefix caching run on either runner (V1: `accepted_counts`, V2: `runner_v2`
+    write their boundary states), on V2 not with pipeline parallelism, as chains; store_all trees are refused."""
     from vllm_treewy.vllm_plugin.gdn_layer import _check_prefix_caching
 
     tree = {**RECONSTRUCT, "draft_tree_widths": [2, 2, 1]}
     config = engine_config(fixture_model, tree, prefix_caching=True)
     assert config.cache_config.mamba_cache_mode == "align"
     _check_prefix_caching(config, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs
-    with pytest.raises(ValueError, match=r"runs on the V1 model runner only .*VLLM_USE_V2_MODEL_RUNNER=0"):
-        _check_prefix_caching(_with_pipeline_parallelism(config, 1), reconstructs_state=True, keeps_slot_counts=True)
+    _check_prefix_caching(_with_pipeline_parallelism(config, 1), reconstructs_state=True, keeps_slot_counts=True)
+    with pytest.raises(ValueError, match=r"pipeline parallelism .* runs on the V1 model runner"):
+        _check_prefix_caching(_with_pipeline_parallelism(config, 2), reconstructs_state=True, keeps_slot_counts=True)
     with pytest.raises(ValueError, match=r"mamba_state_commit='store_all' and prefix caching"):
         _check_prefix_caching(config, reconstructs_state=False, keeps_slot_counts=True)

@@ -229,8 +229,9 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
 def _check_prefix_caching(vllm_config, reconstructs_state: bool, keeps_slot_counts: bool) -> None:
     """Prefix caching of GDN states (align mode) runs reconstruct chains on either runner (`prefix_caching`), but
-    on Model Runner V2 not with pipeline parallelism; reconstruct draft trees on the V1 runner (the boundary states
-    along the accepted path: `prefix_caching.record_after_sampling`); store_all trees and trees on V2 are refused."""
+    on Model Runner V2 not with pipeline parallelism, and reconstruct draft trees alike (the boundary states along
+    the accepted path: `prefix_caching.record_after_sampling`, `record_after_sampling_v2`); store_all trees are
+    refused with it."""
     mode = vllm_config.cache_config.mamba_cache_mode
     if not keeps_slot_counts or mode == "none":
         return
@@ -241,11 +242,6 @@ def _check_prefix_caching(vllm_config, reconstructs_state: bool, keeps_slot_coun
             raise ValueError("draft_tree_widths with mamba_state_commit='store_all' and prefix caching "
                              "(mamba_cache_mode='align') is not supported: disable prefix caching "
                              "(--no-enable-prefix-caching) or use mamba_state_commit='reconstruct'")
-        if vllm_config.use_v2_model_runner:
-            raise ValueError("draft_tree_widths with prefix caching (mamba_cache_mode='align') runs on the V1 model "
-                             "runner only so far (Model Runner V2's tree sampler does not write the block-boundary "
-                             "states yet): set VLLM_USE_V2_MODEL_RUNNER=0 or disable prefix caching "
-                             "(--no-enable-prefix-caching)")
     if reconstructs_state and vllm_config.use_v2_model_runner:
         feature = prefix_caching.v2_unsupported_with_prefix_caching(vllm_config)
         if feature is not None:

@@ -206,10 +206,10 @@ def capture_accept_graphs(runner, state) -> None:
     state.accept_graphs = None
     if not sizes:
         return
-    from vllm_treewy.vllm_plugin.runner_v2 import gdn_groups_of
+    from vllm_treewy.vllm_plugin.runner_v2 import tree_leaf_gdn_groups
 
     graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, triton_cache_groups(runner),
-                              gdn_groups_of(runner), max(sizes), speculator.max_model_len,
+                              tree_leaf_gdn_groups(runner), max(sizes), speculator.max_model_len,
                               speculator.tree_constants(state.tree))
     graphs.capture(sizes, speculator.prefill_cudagraph_manager.pool, speculator.vllm_config, speculator.device)
     state.accept_graphs = graphs
