@@ -5,7 +5,10 @@ rows, boundaries at the root, inside the drafts and at the last accepted node, t
 block is the slot, freed (null) boundary columns, null slots), several layers in one or two KV-cache groups, fp32 and
 bf16 states, both conv layouts, strided pages: the Triton kernel (interpreter) equals the torch twin, both match the
 fp64 per-node recurrence and the exact conv window, the counts follow the per-row semantics, nothing else in any
-page changes, and the boundary state is bit for bit the commit the next step's state pass would make."""
+page changes, and the boundary state is bit for bit the commit the next step's state pass would make. Draft trees
+(the commit table, each row's recorded count): on random trees and the chain rows of `draft_tree_max_batch_size`,
+both kernels write the fp64 per-node state after the accepted path's node at the boundary's depth and the path's
+conv window; a twin that walks block indices 0..node fails that check."""
 
 from __future__ import annotations
 
@@ -458,7 +461,7 @@ def test_tree_boundary_writes_follow_the_accepted_path(case, num_layers, state_d
     _check_tree_case(case, num_layers, state_dtype, seed, _run_tree_case(case, num_layers, state_dtype, seed))
 
 
-def _walking_block_indices(case):
+def _walking_block_indices():
     """A tree whose accepted path is not the block's first rows: root -> 2 -> 4 (node 1 and 3 are siblings' side),
     block size 2, the root at an odd position so the boundary falls after node 2 (depth 1)."""
     parents = [-1, 0, 0, 1, 2]
@@ -471,7 +474,7 @@ def test_planted_bug_walking_block_indices_fails(monkeypatch):
     of the accepted path's rows. On a tree whose path is root -> 2 -> 4 the check above fails it."""
     import vllm_treewy.kernels.boundary_states as twin_module
 
-    case = _walking_block_indices(None)
+    case = _walking_block_indices()
     results = _run_tree_case(case, 1, torch.float32, 3)
     _check_tree_case(case, 1, torch.float32, 3, results)  # the real kernels pass
 
