@@ -15,8 +15,8 @@ first turn's prompt + its own output + more text (a chat's next turn), which hit
 turn reached while decoding. Both turns are tie-aware equivalent to the no-speculation engine without prefix caching;
 every boundary state reconstruct wrote (SSM state and conv window, every GDN layer) is the fp64 model's state after
 the same tokens within bf16 rounding (a stale state is over ten times further off), and vLLM's KV report reserves
-two GDN pages per request, as align mode does without speculation. Draft trees with prefix caching stop the engine
-at start-up with one message.
+two GDN pages per request, as align mode does without speculation. Reconstruct draft trees run with it
+(`test_prefix_caching_trees`); store_all trees stop the engine at start-up with one message.
 """
 
 from __future__ import annotations
@@ -160,8 +160,10 @@ def test_two_gdn_pages_per_request(two_turns):
 
 
 
-def test_draft_trees_with_prefix_caching_are_refused(fixture_model):
-    tree = {**MTP_K3, "draft_tree_widths": [2, 2, 1]}
-    with pytest.raises(ValueError, match=r"draft_tree_widths with prefix caching .*--no-enable-prefix-caching"):
+def test_store_all_draft_trees_with_prefix_caching_are_refused(fixture_model):
+    """Reconstruct trees run with prefix caching (`test_prefix_caching_trees`); store_all trees keep a state per
+    node in blocks of their own, which align mode's copies do not follow."""
+    tree = {**MTP_K3, "mamba_state_commit": "store_all", "draft_tree_widths": [2, 2, 1]}
+    with pytest.raises(ValueError, match=r"draft_tree_widths with mamba_state_commit='store_all' and prefix caching"):
         with engine(fixture_model, speculative_config=tree, enable_prefix_caching=True):
             pass

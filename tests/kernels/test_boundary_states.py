@@ -5,7 +5,10 @@ rows, boundaries at the root, inside the drafts and at the last accepted node, t
 block is the slot, freed (null) boundary columns, null slots), several layers in one or two KV-cache groups, fp32 and
 bf16 states, both conv layouts, strided pages: the Triton kernel (interpreter) equals the torch twin, both match the
 fp64 per-node recurrence and the exact conv window, the counts follow the per-row semantics, nothing else in any
-page changes, and the boundary state is bit for bit the commit the next step's state pass would make."""
+page changes, and the boundary state is bit for bit the commit the next step's state pass would make. Draft trees
+(the commit table, each row's recorded count): on random trees and the chain rows of `draft_tree_max_batch_size`,
+both kernels write the fp64 per-node state after the accepted path's node at the boundary's depth and the path's
+conv window; a twin that walks block indices 0..node fails that check."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from vllm_treewy.kernels.boundary_states import (
     sampled_rows,
 )
 from vllm_treewy.kernels.factor_rows import slot_factor_width
-from vllm_treewy.kernels.gdn_step_torch import gdn_step_packed
+from vllm_treewy.kernels.gdn_step_torch import commit_paths, committed_states, gdn_step_packed
 from vllm_treewy.kernels.reference import reference_gated_tree
 
 from .test_gdn_step import STATE_TOLERANCE, gated_inputs
@@ -290,3 +293,214 @@ def test_v2_rows_through_idx_mapping_match_the_batch_rows(case, seed):
     assert torch.equal(twin[0].state, expected[0].state)
     # the kernel sums the commit's terms in the state pass's order (the twin in its own), as on V1's rows
     assert relative_error(kernel[0].state.cpu(), expected[0].state.double()) <= STATE_TOLERANCE[torch.float32]
+
+
+# Draft trees: the commit table (`step_metadata.commit_ancestor_table`'s layout: the tree's verified block, root =
+# row 0, then the verified block of the chain of the tree's depth), each row's count = 1 + its accepted commit node.
+
+
+def _ancestor_rows(parents, width):
+    """Per node of a verified block (`parents`, root = -1) its path, the node first, -1 beyond: `[n, width]`."""
+    table = []
+    for node in range(len(parents)):
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        table.append(path + [-1] * (width - len(path)))
+    return table
+
+
+def tree_commit_table(parents):
+    """The commit table of the tree `parents` (root + N nodes) and its chain of the tree's depth D: `[(1 + N) +
+    (1 + D), D + 1]` int32, the chain's rows block-local."""
+    depths = [len([n for n in _ancestor_rows(parents, len(parents))[j] if n >= 0]) - 1 for j in range(len(parents))]
+    depth = max(depths)
+    chain = tuple(range(-1, depth))
+    return torch.tensor(_ancestor_rows(parents, depth + 1) + _ancestor_rows(chain, depth + 1), dtype=torch.int32)
+
+
+def _depth(table, node):
+    return int((table[node] >= 0).sum()) - 1
+
+
+@st.composite
+def tree_batches(draw):
+    """(block size, the tree's parents (root + N nodes, node order: parents first), per row (seq_len, draft tokens,
+    count, the verified block's parents)): tree rows accepting any node (its ancestors are the accepted path), chain
+    rows of the tree's depth (counts offset by 1 + N), root-only decodes and non-speculative rows, running tokens
+    drawn so that boundaries fall at every depth of the accepted path."""
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    num_nodes = draw(st.integers(2, 7))
+    parents = [-1] + [draw(st.integers(0, j - 1)) for j in range(1, num_nodes + 1)]
+    table = tree_commit_table(parents)
+    depth = table.shape[1] - 1
+    chain = tuple(range(-1, depth))
+    batch = []
+    for _ in range(draw(st.integers(1, 5))):
+        kind = draw(st.sampled_from(["tree", "tree", "chain", "root", "none"]))
+        if kind == "tree":
+            node = draw(st.integers(0, num_nodes))
+            draft, count, block = num_nodes, node + 1, tuple(parents)
+            reach = _depth(table, node)
+        elif kind == "chain":
+            j = draw(st.integers(0, depth))
+            draft, count, block, reach = depth, 1 + j + 1 + num_nodes, chain, j
+        else:
+            draft, count, block, reach = (0 if kind == "root" else -1), 1, (-1,), 0
+        ends = draw(st.integers(0, reach))  # the boundary after the path's node at depth `ends`
+        running = draw(st.integers(1, 4)) * block_size - ends
+        running = running if running >= 1 else running + block_size * (1 + ends // block_size)
+        if draw(st.booleans()):
+            running = draw(st.integers(1, 4 * block_size))
+        batch.append((running + max(draft, 0), draft, count, block))
+    null_slots = draw(st.lists(st.integers(0, len(batch) - 1), max_size=1))
+    freed = draw(st.lists(st.integers(0, len(batch) - 1), max_size=1))
+    return block_size, parents, table, batch, set(null_slots), set(freed)
+
+
+def _tree_block_tables(batch, block_size, table, null_slots, freed, gen):
+    info = boundary_rows(*(torch.tensor([r[i] for r in batch], dtype=torch.int32) for i in range(3)), len(batch),
+                         block_size, table)
+    columns = max(seq_len // block_size + 1 for seq_len, *_ in batch)
+    num_slots = 2 * len(batch) + 4
+    block_table = torch.randint(1, num_slots, (len(batch), columns), dtype=torch.int32, generator=gen)
+    blocks = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
+    for i, row in enumerate(info.rows.tolist()):
+        slot_col, node, dest_col = int(info.slot_columns[i]), int(info.nodes[i]), int(info.dest_columns[i])
+        block_table[row, slot_col] = NULL_BLOCK if row in null_slots else blocks.pop()
+        if node >= 0 and dest_col != slot_col:
+            block_table[row, dest_col] = NULL_BLOCK if row in freed else blocks.pop()
+    return block_table, num_slots, info
+
+
+def _run_tree_case(case, num_layers, state_dtype, seed):
+    """Both kernels on one case: (layers before, the twin's, the kernel's, per layer the step's inputs, the rows)."""
+    block_size, parents, table, batch, null_slots, freed = case
+    gen = torch.Generator().manual_seed(seed)
+    block_table, num_slots, info = _tree_block_tables(batch, block_size, table, null_slots, freed, gen)
+    rows_per_slot = max(len(parents), table.shape[1])
+    layers = _layers(num_layers, 1, [block_table], num_slots, rows_per_slot, state_dtype, bool(seed % 2), gen)
+    blocks = [r[3] if r[1] >= 0 else () for r in batch]
+    steps = []
+    for i, layer in enumerate(layers):
+        packed, inputs, _, _ = gated_inputs(blocks, KEY_HEADS, RATIO, KEY_DIM, VALUE_DIM, seed + i)
+        slots = _slots(layer, [r[:3] for r in batch], block_size)
+        gdn_step_packed(*inputs, layer.state, slots, packed.parents, packed.cu_nodes, num_key_heads=KEY_HEADS,
+                        factors=layer.factors)
+        for row, (_, d, _, block) in enumerate(batch):
+            if d >= 0 and slots[row] >= 0:
+                x = torch.randn(len(block), CONV_DIM, generator=torch.Generator().manual_seed(seed + 7 * row + i))
+                layer.conv_inputs[int(slots[row]), : len(block)] = x.to(layer.conv_inputs.dtype)
+        steps.append((packed, inputs, blocks))
+    before = _clone(layers)
+    seq_lens, drafts, counts = (torch.tensor([r[i] for r in batch], dtype=torch.int32) for i in range(3))
+    twin = _clone(layers)
+    record_accepted_and_boundaries_torch(twin, seq_lens, drafts, counts, len(batch), block_size=block_size,
+                                         null_block=NULL_BLOCK, commit_ancestors=table)
+    kernel = [BoundaryLayer(*(t.to(DEVICE) for t in layer)) for layer in _as_views_of(_clone(layers), layers)]
+    record_accepted_and_boundaries_triton(kernel, boundary_table(kernel), seq_lens.to(DEVICE), drafts.to(DEVICE),
+                                          counts.to(DEVICE), len(batch), block_size=block_size,
+                                          null_block=NULL_BLOCK, commit_ancestors=table.to(DEVICE))
+    kernel = [BoundaryLayer(*(t.cpu() for t in layer)) for layer in kernel]
+    return before, twin, kernel, steps, info, counts
+
+
+def _check_tree_case(case, num_layers, state_dtype, seed, results):
+    """Every written state is the fp64 per-node recurrence's state after the accepted path's node at the boundary's
+    depth, every written conv window the path's exact one; counts and untouched pages as the semantics say."""
+    block_size, parents, table, batch, null_slots, freed = case
+    before, twin, kernel, steps, info, counts = results
+    tolerance = STATE_TOLERANCE[state_dtype]
+    for i, old in enumerate(before):
+        packed, inputs, blocks = steps[i]
+        expected_counts = old.counts.clone()
+        expected_conv = old.conv_history.clone()
+        written = set()
+        for r, row in enumerate(info.rows.tolist()):
+            seq_len, draft, count, block = batch[row]
+            slot = int(old.block_table[row, info.slot_columns[r]])
+            if slot == NULL_BLOCK:
+                continue
+            # the accepted path, by depth, from the table row of the commit node; the boundary by positions
+            accepted_node = count - 1
+            path = [int(n) for n in table[accepted_node] if n >= 0][::-1]  # root first, block-local indices
+            running = seq_len - draft
+            boundary = (running + len(path) - 1) // block_size * block_size
+            node = path[boundary - running] if boundary >= running else -1
+            assert int(info.nodes[r]) == node
+            dest = int(old.block_table[row, boundary // block_size - 1]) if node >= 0 else NULL_BLOCK
+            hit = node >= 0 and dest != NULL_BLOCK
+            expected_counts[slot] = 0 if hit and dest == slot else count
+            if not hit:
+                continue
+            expected_counts[dest] = 0
+            written.add(dest)
+            reference = reference_gated_tree(*(x[rows(packed, row)] for x in inputs[:3]), *inputs[3:5],
+                                             inputs[5][rows(packed, row)], inputs[6], old.state[slot].double(),
+                                             blocks[row], KEY_HEADS)
+            for result in results[1:3]:
+                assert relative_error(result[i].state[dest], reference.recurrence.state[node]) <= tolerance
+            on_path = path[: boundary - running + 1]
+            sequence = torch.cat([old.conv_history[slot], old.conv_inputs[slot, on_path].T], dim=1)
+            expected_conv[dest] = sequence[:, -WIDTH_1:]
+        for result in results[1:3]:
+            assert torch.equal(result[i].counts, expected_counts)
+            assert torch.equal(result[i].conv_history, expected_conv)
+            kept = [s for s in range(old.state.shape[0]) if s not in written]
+            assert torch.equal(result[i].state[kept], old.state[kept])
+            assert torch.equal(result[i].factors, old.factors) and torch.equal(result[i].conv_inputs, old.conv_inputs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=tree_batches(), num_layers=st.integers(1, 2), state_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_tree_boundary_writes_follow_the_accepted_path(case, num_layers, state_dtype, seed):
+    """Random trees (and their chain rows), boundaries at every depth of the accepted path: the torch twin and the
+    Triton kernel (interpreted) write the fp64 per-node reference's state and the path's conv window."""
+    _check_tree_case(case, num_layers, state_dtype, seed, _run_tree_case(case, num_layers, state_dtype, seed))
+
+
+def _walking_block_indices():
+    """A tree whose accepted path is not the block's first rows: root -> 2 -> 4 (node 1 and 3 are siblings' side),
+    block size 2, the root at an odd position so the boundary falls after node 2 (depth 1)."""
+    parents = [-1, 0, 0, 1, 2]
+    table = tree_commit_table(parents)
+    return 2, parents, table, [(3 + 4, 4, 5, tuple(parents))], set(), set()
+
+
+def test_planted_bug_walking_block_indices_fails(monkeypatch):
+    """The bug the table guards against: the state and conv window after block rows 0..node (a chain's walk) instead
+    of the accepted path's rows. On a tree whose path is root -> 2 -> 4 the check above fails it."""
+    import vllm_treewy.kernels.boundary_states as twin_module
+
+    case = _walking_block_indices()
+    results = _run_tree_case(case, 1, torch.float32, 3)
+    _check_tree_case(case, 1, torch.float32, 3, results)  # the real kernels pass
+
+    def block_index_paths(commit_nodes, rows_per_slot, commit_ancestors=None):
+        return commit_paths(commit_nodes, rows_per_slot)  # 0..node, the table ignored
+
+    monkeypatch.setattr(twin_module, "commit_paths", block_index_paths)
+    monkeypatch.setattr(twin_module, "committed_states",
+                        lambda state, slots, factors, nodes, commit_ancestors=None: committed_states(
+                            state, slots, factors, nodes))
+    broken = _run_tree_case(case, 1, torch.float32, 3)
+    try:
+        _check_tree_case(case, 1, torch.float32, 3, (broken[0], broken[1], broken[1], *broken[3:]))
+    except AssertionError:
+        return
+    raise AssertionError("the check passed a twin that walks block indices 0..node")
+
+
+def test_tree_boundary_rows_by_hand():
+    """Tree [root, 1, 2 <- 0, 3 <- 1, 4 <- 2], block size 2, root at position 6 (running = 7): accepting node 4
+    (path 0 -> 2 -> 4) reaches 9, so the boundary 8 is at depth 1, node 2 (not block index 1); its column 3."""
+    table = tree_commit_table([-1, 0, 0, 1, 2])
+    info = boundary_rows(torch.tensor([11], dtype=torch.int32), torch.tensor([4], dtype=torch.int32),
+                         torch.tensor([5], dtype=torch.int32), 1, 2, table)
+    assert info.nodes.tolist() == [2] and info.dest_columns.tolist() == [3] and info.slot_columns.tolist() == [5]
+    # its chain step (depth 2, counts offset by 1 + 4): 1 accepted draft reaches 8 at depth 1, block index 1
+    info = boundary_rows(torch.tensor([9], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+                         torch.tensor([2 + 5], dtype=torch.int32), 1, 2, table)
+    assert info.nodes.tolist() == [1] and info.dest_columns.tolist() == [3]

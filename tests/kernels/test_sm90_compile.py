@@ -48,7 +48,7 @@ def recorded_launches():
         JITFunction.run = original
 
 
-def boundary_launches(state_dtype):
+def boundary_launches(state_dtype, commit_ancestors=None):
     state = torch.zeros(SLOTS, HV, V, K, dtype=state_dtype)
     factors = torch.zeros(SLOTS, T, slot_factor_width(HV, K, V))
     conv_history = torch.zeros(SLOTS, CONV_DIM, W1, dtype=torch.bfloat16)
@@ -59,7 +59,7 @@ def boundary_launches(state_dtype):
     rows = torch.zeros(ROWS, dtype=torch.int32)
     with recorded_launches() as launches:
         record_accepted_and_boundaries_triton(layers, boundary_table(layers), rows, rows, rows, ROWS,
-                                              block_size=BLOCK_SIZE, null_block=0)
+                                              block_size=BLOCK_SIZE, null_block=0, commit_ancestors=commit_ancestors)
     return launches
 
 
@@ -99,6 +99,8 @@ def step_launches_of(state_dtype, tokens, widths=None, mode="fused"):
 CASES = {
     "boundary fp32": lambda: boundary_launches(torch.float32),
     "boundary bf16": lambda: boundary_launches(torch.bfloat16),
+    # a draft tree's commit table ([2,2,1] and its chain of depth 3: 11 + 4 rows, 4 columns)
+    "boundary tree fp32": lambda: boundary_launches(torch.float32, torch.zeros(15, 4, dtype=torch.int32)),
     "slot counts": slot_count_launches,
     "conv chain": lambda: conv_launches(None),
     "conv tree 2,2,1": lambda: conv_launches([2, 2, 1]),

@@ -2,7 +2,7 @@
 keeps to vLLM's choice of runner (V2's hooks write the boundary states there: tests/plugin/test_prefix_caching_v2.py)
 except with pipeline parallelism, where vLLM's V2 feature check lists it with the reason and forcing V2 is refused
 at start-up with one message; chains without prefix caching and vLLM's own MTP keep to vLLM's choice. Configs only,
-no engine (draft trees with prefix caching: tests/e2e/test_prefix_caching.py)."""
+no engine (draft trees with prefix caching: below, and tests/e2e/test_prefix_caching_trees.py)."""
 
 from __future__ import annotations
 
@@ -62,3 +62,19 @@ def test_reconstruct_with_prefix_caching_runs_on_v2_but_not_with_pipeline_parall
     with pytest.raises(ValueError, match=r"pipeline parallelism .* runs on the V1 model runner"):
         _check_prefix_caching(_with_pipeline_parallelism(config, 2), reconstructs_state=True, keeps_slot_counts=True)
     _check_prefix_caching(config, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs
+
+
+def test_reconstruct_trees_with_prefix_caching_run_as_chains_do(fixture_model):
+    """Reconstruct draft trees with prefix caching run on either runner (V1: `accepted_counts`, V2: `runner_v2`
+    write their boundary states), on V2 not with pipeline parallelism, as chains; store_all trees are refused."""
+    from vllm_treewy.vllm_plugin.gdn_layer import _check_prefix_caching
+
+    tree = {**RECONSTRUCT, "draft_tree_widths": [2, 2, 1]}
+    config = engine_config(fixture_model, tree, prefix_caching=True)
+    assert config.cache_config.mamba_cache_mode == "align"
+    _check_prefix_caching(config, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs
+    _check_prefix_caching(_with_pipeline_parallelism(config, 1), reconstructs_state=True, keeps_slot_counts=True)
+    with pytest.raises(ValueError, match=r"pipeline parallelism .* runs on the V1 model runner"):
+        _check_prefix_caching(_with_pipeline_parallelism(config, 2), reconstructs_state=True, keeps_slot_counts=True)
+    with pytest.raises(ValueError, match=r"mamba_state_commit='store_all' and prefix caching"):
+        _check_prefix_caching(config, reconstructs_state=False, keeps_slot_counts=True)

@@ -27,11 +27,13 @@ from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch
 from vllm_treewy.kernels.gdn_step_torch import committed_states
 from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import prefix_caching, runner_v2
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.patch_points import MAMBA_TEMPORAL_COPY_SPEC, V2_MAMBA_INITIALIZE_KV_CACHE
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout, GDNPage
 from vllm_treewy.vllm_plugin.sampling_tables import SamplingTables
+from vllm_treewy.vllm_plugin.step_metadata import GroupStepBuffers, commit_ancestor_table
 
 NULL_BLOCK = 0  # vLLM's NULL_BLOCK_ID
 HK, HV, K, V, K_SPEC = 1, 2, 16, 8, 3
@@ -71,6 +73,7 @@ class PageLayer:
     def __init__(self, kv_cache):
         self.kv_cache = kv_cache
         self.sampling_tables = SamplingTables()
+        self.step_buffers = GroupStepBuffers()
 
     def ssm_state(self):
         return GDNPage.of(self.kv_cache).ssm_state
@@ -328,3 +331,77 @@ def test_v2_reconstruct_refuses_kdas_recoverssm():
     initialize = prefix_caching._v2_copying_pseudo_value_buffer(lambda *args: None)
     with pytest.raises(ValueError, match="recoverssm"):
         initialize(_model_state("reconstruct", layers, recoverssm=object()), _align_kv_cache_config(layers), None)
+
+
+# [1, 2]: root 0, node 1 (depth 1), nodes 2 and 3 its children (depth 2): N = 3 fits the pages' 1 + K_SPEC rows
+TREE = DraftTree.from_widths([1, 2])
+
+
+def _tree_config(max_batch_size):
+    return SimpleNamespace(mamba_state_commit="reconstruct", is_draft_tree=True, draft_tree=TREE,
+                           draft_tree_max_batch_size=max_batch_size)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("chain_step", [False, True])
+def test_v2_tree_steps_write_what_v1_writes_along_the_accepted_path(path, chain_step, monkeypatch):
+    """Draft trees on V2 with prefix caching: after a tree step (its acceptance left by the tree sampler, batch rows)
+    or a chain step of `draft_tree_max_batch_size`, V2's hook writes what V1's writer makes of the same rows with the
+    commit table and the counts the slots record (tree rows: 1 + the accepted leaf; chain rows: offset by 1 + N);
+    the tree sampler's acceptance graphs record no counts in align mode (column 0 is not the slot)."""
+    monkeypatch.setattr(slot_counts, "launches_triton", lambda counts: path == "triton")
+    gen = torch.Generator().manual_seed(11)
+    idx_mapping = [4, 1, 3, 0, -1, 5]
+    n, depth = TREE.num_nodes, TREE.max_depth
+    drafts = [depth] * 3 + [0, depth, -1] if chain_step else [n] * 3 + [0, n, -1]
+    # tree rows accept node 3 (path 0 -> 1 -> 3: its boundary at depth 2 is node 3, not block index 2), node 2,
+    # the root; a chain step accepts 2, 1, 0 drafts
+    leaves = [3, 2, 0]
+    num_sampled = [3, 2, 1, 1, 2, 0] if chain_step else [3, 3, 1, 1, 2, 0]
+    # tokens through the root: boundaries (block size 4) after depth 2, after depth 1 / 2 with the other leaf, at the root
+    running = [6, 7, 8, 7, 9, 8]
+    seq_lens = [r + max(d, 0) for r, d in zip(running, drafts)]
+    runner = _v2_runner((2, 1), gen, seq_lens)
+    runner.speculative_config = _tree_config(4 if chain_step else None)
+    accepted = None
+    if not chain_step:
+        step = SimpleNamespace(request_indices=torch.tensor([0, 1, 2]))
+        accepted = (step, SimpleNamespace(last_accepted_node=torch.tensor(leaves) - 1))
+    runner.speculator = SimpleNamespace(tree_state=SimpleNamespace(accepted=accepted))
+    assert not runner_v2.tree_sampler_records_leaves(runner)
+    _set_step_counts(runner, idx_mapping, seq_lens, drafts)
+    before = _snapshot(runner)
+
+    offset = 1 + n if chain_step else 0
+    table = commit_ancestor_table(TREE, "cpu") if chain_step else commit_ancestor_table(TREE, "cpu")[: 1 + n]
+    counts = torch.tensor(num_sampled, dtype=torch.int32).clamp(min=1) + offset
+    if not chain_step:
+        counts[:3] = torch.tensor(leaves, dtype=torch.int32) + 1
+    rows = torch.tensor([max(r, 0) for r in idx_mapping])
+    skipped = torch.tensor([r < 0 for r in idx_mapping])
+    expected = []
+    for (group_id, layer), states in zip(_gdn_layers(runner), before):
+        page = GDNPage.of(tuple(t.clone() for t in states))
+        block_table = runner.block_tables.block_tables[group_id].gpu[rows].masked_fill(skipped[:, None], NULL_BLOCK)
+        expected.append(BoundaryLayer(page.ssm_state, page.factors, page.conv_state.transpose(-1, -2)[:, :, :WIDTH_1],
+                                      page.conv_inputs, page.counts.view(-1), block_table))
+    v1_drafts = torch.tensor([d if r >= 0 else -1 for r, d in zip(idx_mapping, drafts)], dtype=torch.int32)
+    record_accepted_and_boundaries_torch(expected, torch.tensor(seq_lens, dtype=torch.int32), v1_drafts, counts,
+                                         len(idx_mapping), block_size=BLOCK_SIZE, null_block=NULL_BLOCK,
+                                         commit_ancestors=table)
+    _sample(runner, idx_mapping, num_sampled)
+    changed = False
+    for (_, layer), view, old in zip(_gdn_layers(runner), expected, before):
+        page = GDNPage.of(layer.kv_cache)
+        assert torch.equal(page.counts.view(-1), view.counts)
+        torch.testing.assert_close(page.ssm_state, view.state, rtol=1e-5, atol=1e-6)
+        assert torch.equal(page.conv_state.transpose(-1, -2)[:, :, :WIDTH_1], view.conv_history)
+        changed |= not torch.equal(page.ssm_state, old[1])
+    assert changed
+    if not chain_step:  # the first tree row's boundary (after depth 2) holds the state after node 3, on its path
+        (group_id, layer) = _gdn_layers(runner)[0]
+        block_table = runner.block_tables.block_tables[group_id].gpu
+        slot, dest = int(block_table[4, (seq_lens[0] - 1) // BLOCK_SIZE]), int(block_table[4, 1])
+        state = committed_states(before[0][1], torch.tensor([slot]), GDNPage.of(before[0]).factors,
+                                 torch.tensor([3]), table)
+        torch.testing.assert_close(GDNPage.of(layer.kv_cache).ssm_state[dest], state[0], rtol=1e-5, atol=1e-6)

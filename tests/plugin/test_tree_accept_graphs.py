@@ -269,7 +269,8 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_the_levels_sizes(monkeyp
             level_graphs.update({1: "levels", 8: "levels"})
 
     capture = tree_runner_v2._binding_tree_state(tree_runner_v2._capturing_tree_acceptance(capture_model))
-    runner = SimpleNamespace(speculator=speculator, num_speculative_steps=tree.num_nodes)
+    runner = SimpleNamespace(speculator=speculator, num_speculative_steps=tree.num_nodes,
+                             cache_config=SimpleNamespace(mamba_cache_mode="none"))
     capture(runner, profile_only=True)
     assert state.accept_graphs is None and bodies == []
     capture(runner)
@@ -302,7 +303,8 @@ def test_sample_tree_step_reads_the_graphs_result(monkeypatch):
     sampler = SimpleNamespace(sample=lambda *args: (draws, None), sampling_states=SimpleNamespace(
         max_num_logprobs=lambda idx: NO_LOGPROBS), req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=None)))
     runner = SimpleNamespace(sampler=sampler, model=SimpleNamespace(compute_logits=lambda h: h),
-                             num_speculative_steps=tree.num_nodes)
+                             num_speculative_steps=tree.num_nodes,
+                             cache_config=SimpleNamespace(mamba_cache_mode="none"))
     monkeypatch.setattr("vllm.v1.worker.gpu.input_batch.get_num_sampled_and_rejected",
                         lambda num_sampled, *args: (num_sampled, 1 + tree.num_nodes - num_sampled))
     calls = []

@@ -247,7 +247,7 @@ def v2_runner(sampler, tree: DraftTree, table: torch.Tensor):
         speculator=speculator, speculative_config=None,
         batch_sharder=None, rejection_sampler=None,
         compilation_config=SimpleNamespace(static_forward_context={}),
-        kv_cache_config=SimpleNamespace(kv_cache_groups=[]))
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[]), cache_config=SimpleNamespace(mamba_cache_mode="none"))
 
 
 def v2_tree_batch(roots: torch.Tensor, drafts: torch.Tensor, root_positions: torch.Tensor, idx_mapping: torch.Tensor):

@@ -9,7 +9,9 @@ move, so the count state of the pseudo-value buffer (in vLLM's KV cache) keeps i
 1 + the accepted node's index in the verified block (chains: vLLM's accepted count; draft trees: written by the
 tree sampler). With a tree's `draft_tree_max_batch_size`, a step without tree rows verifies chains, whose counts go
 in with `step_metadata.chain_count_offset` (the commit table's chain rows follow the tree's); a step with tree rows
-has no chain rows (`tree_budget`) and leaves its counts to the tree sampler. Device work right after vLLM's own
+has no chain rows (`tree_budget`) and leaves its counts to the tree sampler. With prefix caching (align mode) every
+config's counts and block-boundary states are `prefix_caching.record_after_sampling`'s (trees: with the commit
+table and the tree sampler's accepted leaves). Device work right after vLLM's own
 update, no host sync; for chains on CUDA one Triton launch for every group (`kernels.triton.slot_counts`).
 """
 
@@ -99,11 +101,21 @@ def _recording_accepted_counts(original):
         if not reconstructs_mamba_state(config):
             return
         tree = draft_tree_of(config)
-        if tree is None:
-            if prefix_caching.caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
-                prefix_caching.record_after_sampling(self, output_token_ids.size(0))
-            else:
-                record_chain_accepted_counts(self, output_token_ids.size(0))
+        num_reqs = output_token_ids.size(0)
+        if prefix_caching.caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
+            if tree is None:
+                prefix_caching.record_after_sampling(self, num_reqs)
+            else:  # the tree sampler left the counts here (`tree_runner`)
+                from vllm_treewy.vllm_plugin.tree_run_state import tree_state_of
+
+                chain_step = chain_step_of_tree_config(config, scheduler_output)
+                counts = prefix_caching.tree_commit_counts(
+                    self.num_accepted_tokens.gpu, num_reqs, chain_count_offset(config) if chain_step else 0,
+                    None if chain_step else tree_state_of(self).accepted)
+                prefix_caching.record_after_sampling(self, num_reqs, counts,
+                                                     prefix_caching.commit_table(self, tree, counts.device))
+        elif tree is None:
+            record_chain_accepted_counts(self, num_reqs)
         elif chain_step_of_tree_config(config, scheduler_output):
             record_chain_accepted_counts(self, output_token_ids.size(0), chain_count_offset(config))
 

@@ -229,15 +229,19 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
 def _check_prefix_caching(vllm_config, reconstructs_state: bool, keeps_slot_counts: bool) -> None:
     """Prefix caching of GDN states (align mode) runs reconstruct chains on either runner (`prefix_caching`), but
-    on Model Runner V2 not with pipeline parallelism; draft trees are refused with it."""
+    on Model Runner V2 not with pipeline parallelism, and reconstruct draft trees alike (the boundary states along
+    the accepted path: `prefix_caching.record_after_sampling`, `record_after_sampling_v2`); store_all trees are
+    refused with it."""
     mode = vllm_config.cache_config.mamba_cache_mode
     if not keeps_slot_counts or mode == "none":
         return
     if mode != prefix_caching.ALIGN:
         raise ValueError(f"vllm-treewy knows mamba_cache_mode 'none' and 'align', got {mode!r}")
     if draft_tree_of(vllm_config.speculative_config) is not None:
-        raise ValueError("draft_tree_widths with prefix caching (mamba_cache_mode='align') is not supported yet: "
-                         "disable prefix caching (--no-enable-prefix-caching) or draft a chain")
+        if not reconstructs_state:
+            raise ValueError("draft_tree_widths with mamba_state_commit='store_all' and prefix caching "
+                             "(mamba_cache_mode='align') is not supported: disable prefix caching "
+                             "(--no-enable-prefix-caching) or use mamba_state_commit='reconstruct'")
     if reconstructs_state and vllm_config.use_v2_model_runner:
         feature = prefix_caching.v2_unsupported_with_prefix_caching(vllm_config)
         if feature is not None:

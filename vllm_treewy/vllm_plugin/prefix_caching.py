@@ -56,8 +56,15 @@ On Model Runner V2 (`vllm/v1/worker/gpu/model_states/mamba_hybrid.py`: its own a
   the batch's seq lens: reconstruct with prefix caching keeps to the V1 runner there (the V2 feature check lists
   it).
 
-Draft trees with prefix caching are refused (`gdn_layer`). The runner-independent parts (the kernels,
-`boundary_layers`) take tensors only.
+Draft trees (reconstruct; store_all trees are refused with prefix caching, `gdn_layer`): a tree row's verified block
+is the root and N nodes in node order, and its accepted path, the ancestors of the accepted leaf, is what reaches a
+boundary. The same kernel runs with the commit table the verify follows (`commit_table`) and each row's commit count
+(`tree_commit_counts`: 1 + the accepted leaf's block index for tree rows, a chain step's counts offset by 1 + N with
+`draft_tree_max_batch_size`): on V1 from `accepted_counts` after vLLM's own update, on V2 from `runner_v2`'s
+postprocess_sampled hook with V2's tensors (after the tree sampler and its acceptance graphs, outside them); the tree
+sampler then leaves the slots' counts to it (the slot is the running column, not column 0). vLLM's pre-copy and skipped post-processing are the
+chains': nothing in them depends on the draft shape. The runner-independent parts (the kernels, `boundary_layers`)
+take tensors only.
 """
 
 from __future__ import annotations
@@ -140,30 +147,67 @@ def _runner_boundary_layers(runner, block_table_of=None):
     return sampling_tables.of_runner(runner).get("boundary", addresses, build)
 
 
-def record_after_sampling(runner, num_reqs: int) -> None:
+def commit_table(runner, tree, device) -> torch.Tensor:
+    """The commit table the GDN verify follows (`step_metadata.GroupStepBuffers.commit_ancestors`, the first GDN
+    group's counts layer's: one table for every group, built once), for the boundary kernels' tree rows."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_treewy.vllm_plugin.step_metadata import chain_count_offset
+
+    with_chain = chain_count_offset(runner.speculative_config) > 0
+    forward_context = runner.compilation_config.static_forward_context
+    for group in runner.kv_cache_config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            return forward_context[group.layer_names[0]].step_buffers.commit_ancestors(tree, with_chain, device)
+    raise RuntimeError("a draft tree's boundary states need a GDN group")
+
+
+def record_after_sampling(runner, num_reqs: int, commit_counts: torch.Tensor | None = None,
+                          commit_ancestors: torch.Tensor | None = None) -> None:
     """After vLLM counted this step's accepted tokens per row: each speculative row's count into its slot and the
-    boundary states its accepted tokens reached, in every GDN layer (one launch on CUDA). Device tensors only."""
+    boundary states its accepted tokens reached, in every GDN layer (one launch on CUDA). Device tensors only.
+    Draft-tree configs pass the commit table and each row's count (`tree_commit_counts`): the boundary node is the
+    accepted path's node at the boundary's depth (`kernels.boundary_states`)."""
     from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
     views, table, block_size = _runner_boundary_layers(runner)
     if not views:
         return
-    args = (runner.seq_lens, runner.num_decode_draft_tokens.gpu, runner.num_accepted_tokens.gpu, num_reqs)
+    counts = runner.num_accepted_tokens.gpu if commit_counts is None else commit_counts
+    args = (runner.seq_lens, runner.num_decode_draft_tokens.gpu, counts, num_reqs)
     if table is None:
-        record_accepted_and_boundaries_torch(views, *args, block_size=block_size, null_block=NULL_BLOCK_ID)
+        record_accepted_and_boundaries_torch(views, *args, block_size=block_size, null_block=NULL_BLOCK_ID,
+                                             commit_ancestors=commit_ancestors)
     else:
         from vllm_treewy.kernels.triton.boundary_states import record_accepted_and_boundaries_triton
 
-        record_accepted_and_boundaries_triton(views, table, *args, block_size=block_size, null_block=NULL_BLOCK_ID)
+        record_accepted_and_boundaries_triton(views, table, *args, block_size=block_size, null_block=NULL_BLOCK_ID,
+                                              commit_ancestors=commit_ancestors)
 
 
-def record_after_sampling_v2(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor) -> None:
+def tree_commit_counts(accepted: torch.Tensor, num_reqs: int, chain_offset: int, accepted_tree=None) -> torch.Tensor:
+    """`[num_reqs]` int32: the count each row's slot records in a draft-tree config (what `tree_sampler.
+    record_accepted_leaves` and `accepted_counts.record_chain_accepted_counts` write without prefix caching): vLLM's
+    accepted count (`accepted`: a root-only row's 1 names node 0 in either shape), + `chain_offset` in a chain step
+    of `draft_tree_max_batch_size`, and for the tree rows of `accepted_tree` ((TreeStep, TreeAcceptance), the tree
+    sampler's) 1 + the verified-block index of the accepted leaf. Device ops, no host sync."""
+    counts = accepted[:num_reqs].to(torch.int32) + chain_offset
+    if accepted_tree is not None:
+        step, acceptance = accepted_tree
+        counts[step.request_indices] = (acceptance.last_accepted_node + 2).to(torch.int32)
+    return counts
+
+
+def record_after_sampling_v2(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, tree=None,
+                             accepted_tree=None, chain_offset: int = 0) -> None:
     """Model Runner V2, right after sampling (`postprocess_sampled`, before the drafter proposes): what
     `record_after_sampling` does on V1, for V2's batch rows `idx_mapping [rows]` (each row's request state, whose
     block-table row V2 keeps for the request's life; -1: skip) and sampled counts `num_sampled [rows]` (accepted +
     1). The step's seq lens are V2's persistent input buffer (batch rows, as the forward had them); the rows' drafts
-    come from the first group's slot counts (`sampled_rows`). Device tensors only, no host sync; CUDA: two launches
-    for every layer of every group."""
+    come from the first group's slot counts (`sampled_rows`). A draft-tree config passes its `tree`, the tree
+    sampler's `accepted_tree` ((TreeStep, TreeAcceptance), batch rows; None in a step without tree rows) and a chain
+    step's `chain_offset` (`tree_commit_counts`); the kernels then follow the commit table. Device tensors only, no
+    host sync; CUDA: one more launch (the counts) for trees."""
     from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
     views, table, block_size = _runner_boundary_layers(
@@ -174,10 +218,16 @@ def record_after_sampling_v2(runner, idx_mapping: torch.Tensor, num_sampled: tor
     seq_lens = runner.input_buffers.seq_lens
     counts_layer = views[0]
     rows = (counts_layer.counts, counts_layer.block_table, idx_mapping, seq_lens, num_sampled, num_rows)
+    commit_ancestors = None if tree is None else commit_table(runner, tree, idx_mapping.device)
+
+    def counts_of(accepted):
+        return accepted if tree is None else tree_commit_counts(accepted, num_rows, chain_offset, accepted_tree)
+
     if table is None:
         drafts, accepted = sampled_rows(*rows, block_size=block_size, null_block=NULL_BLOCK_ID)
-        record_accepted_and_boundaries_torch(views, seq_lens, drafts, accepted, num_rows, block_size=block_size,
-                                             null_block=NULL_BLOCK_ID, idx_mapping=idx_mapping)
+        record_accepted_and_boundaries_torch(views, seq_lens, drafts, counts_of(accepted), num_rows,
+                                             block_size=block_size, null_block=NULL_BLOCK_ID,
+                                             idx_mapping=idx_mapping, commit_ancestors=commit_ancestors)
     else:
         from vllm_treewy.kernels.triton.boundary_states import (
             record_accepted_and_boundaries_triton,
@@ -185,9 +235,9 @@ def record_after_sampling_v2(runner, idx_mapping: torch.Tensor, num_sampled: tor
         )
 
         drafts, accepted = sampled_rows_triton(*rows, block_size=block_size, null_block=NULL_BLOCK_ID)
-        record_accepted_and_boundaries_triton(views, table, seq_lens, drafts, accepted, num_rows,
+        record_accepted_and_boundaries_triton(views, table, seq_lens, drafts, counts_of(accepted), num_rows,
                                               block_size=block_size, null_block=NULL_BLOCK_ID,
-                                              idx_mapping=idx_mapping)
+                                              idx_mapping=idx_mapping, commit_ancestors=commit_ancestors)
 
 
 def with_buffer_copies(funcs):

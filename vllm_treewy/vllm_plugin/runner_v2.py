@@ -16,7 +16,9 @@ derives (`step_metadata`: V2 calls the same builder's `build`, at FULL-graph cap
   life (`idx_mapping` maps batch rows to them) and, under its default async scheduling, prepares the next step on
   the host before this one's tokens are known: device tensors only, no host sync. With prefix caching of GDN states
   (align mode) the slot is the request's running block, which moves: there `prefix_caching.record_after_sampling_v2`
-  writes the counts and the block-boundary states instead (V2's own align post-processing is skipped there).
+  writes the counts and the block-boundary states instead (V2's own align post-processing is skipped there); for
+  draft trees too, with the commit table and the tree sampler's accepted leaves, outside the acceptance graphs
+  (`tree_sampler_records_leaves`: the graphs then record no counts).
 - FULL decode graphs: V2 replays a FULL decode graph only for a batch whose rows all decode (a prefill keeps the
   batch out, `decode_graph_eligible`; a one-token prompt tail that runs as a decode is a speculative row of the GDN
   builder too), i.e. the batches the builder stages into its graph buffers, and the commit nodes with them. V1's
@@ -48,6 +50,13 @@ def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(counts, runner.block_tables.block_tables[group_id].gpu) for group_id, counts in counted_gdn_groups(runner)]
 
 
+def tree_sampler_records_leaves(runner) -> bool:
+    """Whether the tree sampler records the accepted leaves into the GDN slots (column 0 is the slot): not with
+    prefix caching of GDN states (align mode), where the slot is the request's running column and the counts and
+    boundary states are `prefix_caching.record_after_sampling_v2`'s, after sampling."""
+    return not prefix_caching.caches_gdn_prefixes(runner.cache_config)
+
+
 def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, offset: int = 0) -> None:
     """After V2's sampler counted this step's tokens per batch row (`num_sampled [rows]`; `idx_mapping [rows]`: each
     row's request state, -1 to skip): the speculative rows' counts (+ `offset`, `step_metadata.chain_count_offset`)
@@ -74,11 +83,17 @@ def _recording_sampled_counts(original):
         config = self.speculative_config
         if not reconstructs_mamba_state(config):
             return
-        if draft_tree_of(config) is None:
-            if prefix_caching.caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
+        tree = draft_tree_of(config)
+        if prefix_caching.caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
+            if tree is None:
                 prefix_caching.record_after_sampling_v2(self, idx_mapping, num_sampled)
-            else:
-                record_sampled_counts(self, idx_mapping, num_sampled)
+            else:  # a tree step's accepted leaves (its sampler left the counts here), or a chain step's counts
+                accepted = self.speculator.tree_state.accepted
+                prefix_caching.record_after_sampling_v2(
+                    self, idx_mapping, num_sampled, tree=tree, accepted_tree=accepted,
+                    chain_offset=chain_count_offset(config) if accepted is None else 0)
+        elif tree is None:
+            record_sampled_counts(self, idx_mapping, num_sampled)
         elif chain_count_offset(config) and self.speculator.tree_state.accepted is None:
             # a chain step of draft_tree_max_batch_size: V2 samples, then postprocesses, then proposes, so the tree
             # acceptance is there for the drafter exactly after a tree step (whose counts are the tree sampler's)

@@ -48,6 +48,7 @@ import torch
 from vllm_treewy.vllm_plugin import tree_attention_triton
 from vllm_treewy.vllm_plugin.accepted_counts import gdn_slot_counts
 from vllm_treewy.vllm_plugin.mtp_tree_proposer import TreeMtpProposer
+from vllm_treewy.vllm_plugin.prefix_caching import caches_gdn_prefixes
 from vllm_treewy.vllm_plugin.tree_metadata import replace_metadata, tree_qq_bias_of, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState, tree_state_of
 from vllm_treewy.vllm_plugin.patch_points import (
@@ -304,8 +305,9 @@ def _sampling_trees(original):
 
         sampled, acceptance, logprobs = sample_with_trees(logits, spec_decode_metadata, step, self.sampler,
                                                           self.input_batch.sampling_metadata)
-        for counts, slots in gdn_slot_counts(self, step.request_indices):
-            record_accepted_leaves(counts, slots, acceptance)
+        if not caches_gdn_prefixes(self.cache_config):  # align mode: `accepted_counts` records them with the
+            for counts, slots in gdn_slot_counts(self, step.request_indices):  # boundary states, in the running slot
+                record_accepted_leaves(counts, slots, acceptance)
         state.accepted = (step, acceptance)  # for the MTP proposer's propose of this step
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 

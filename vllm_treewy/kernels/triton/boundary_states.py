@@ -12,7 +12,8 @@ channels hv * DC .. (hv + 1) * DC - 1. The commit sums its terms in the order of
 would make (bit for bit in the interpreter, tests/kernels/test_boundary_states.py). No host sync; one compiled
 variant per model and runner (the row count, the block size and the strides are not specialised; V1's batch rows and
 V2's `idx_mapping` are two variants). On V2, `sampled_rows_triton` first derives the rows' draft and accepted
-counts (one more launch).
+counts (one more launch). Draft trees pass the commit table (`commit_ancestors`: the path lookup of the twin's
+docstring, a third variant; chains keep the implied path `a, a-1, .., 0`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton.language as tl
 
 from ..boundary_states import BoundaryLayer
 from ..factor_rows import _factor_columns, slot_factor_width
-from .state_pass import _commit_path, _committed_chunk
+from .state_pass import _committed_chunk
 
 BLOCK_ROWS = 128  # rows per program: a decode batch of up to 128 requests is one program per (head, layer)
 STATE_ROWS = 16  # value rows per tile (the state pass's common tile: 16 x 128)
@@ -50,11 +51,13 @@ def boundary_table(layers: Sequence[BoundaryLayer]) -> torch.Tensor:
 def record_accepted_and_boundaries_triton(layers: Sequence[BoundaryLayer], table: torch.Tensor,
                                           seq_lens: torch.Tensor, draft_tokens: torch.Tensor,
                                           accepted: torch.Tensor, num_rows: int, *, block_size: int,
-                                          null_block: int, idx_mapping: torch.Tensor | None = None) -> None:
+                                          null_block: int, idx_mapping: torch.Tensor | None = None,
+                                          commit_ancestors: torch.Tensor | None = None) -> None:
     """`record_accepted_and_boundaries_torch` for the layers of `table` (`boundary_table(layers)`; `layers` give
     the shapes and strides), in one launch (none without rows). seq_lens, draft_tokens, accepted: int32 `[>=
     num_rows]`, contiguous; `idx_mapping` (V2: each batch row's block-table row, -1 to skip; V2 keeps it int64)
-    contiguous, or None (V1: the batch row)."""
+    contiguous, or None (V1: the batch row). `commit_ancestors [T', P]` int32 contiguous (draft trees: the commit
+    table, `accepted` then the counts the slots record), or None (chains)."""
     if num_rows == 0:
         return
     first = layers[0]
@@ -68,16 +71,19 @@ def record_accepted_and_boundaries_triton(layers: Sequence[BoundaryLayer], table
     for x in (seq_lens, draft_tokens, accepted):
         assert x.dtype == torch.int32 and x.stride(0) == 1
     assert idx_mapping is None or idx_mapping.stride(0) == 1
+    if commit_ancestors is not None:
+        assert commit_ancestors.dtype == torch.int32 and commit_ancestors.is_contiguous()
     channels = triton.cdiv(D, HV)
     _boundary_kernel[(HV, len(layers), triton.cdiv(num_rows, BLOCK_ROWS))](
-        table, seq_lens, draft_tokens, accepted, seq_lens if idx_mapping is None else idx_mapping, num_rows,
-        block_size,
+        table, seq_lens, draft_tokens, accepted, seq_lens if idx_mapping is None else idx_mapping,
+        seq_lens if commit_ancestors is None else commit_ancestors, num_rows, block_size,
         *first.state.stride()[:3], *first.factors.stride()[:2], *first.conv_history.stride(),
         *first.conv_inputs.stride()[:2], first.counts.stride(0), first.block_table.stride(0),
         HV=HV, K=K, V=V, T=T, D=D, W1=W1, DC=channels, STATE_DTYPE=_DTYPES[first.state.dtype],
         CONV_DTYPE=_DTYPES[first.conv_history.dtype], NULL_BLOCK=null_block, BLOCK=BLOCK_ROWS,
         BV=min(STATE_ROWS, V), BK=min(STATE_COLUMNS, K), BD=min(CONV_CHANNELS, triton.next_power_of_2(channels)),
-        HAS_IDX_MAPPING=idx_mapping is not None, num_warps=2)
+        HAS_IDX_MAPPING=idx_mapping is not None, HAS_TABLE=commit_ancestors is not None,
+        P=T if commit_ancestors is None else commit_ancestors.shape[1], num_warps=2)
 
 
 @triton.jit
@@ -100,30 +106,77 @@ def _request(idx_mapping, rows, live, HAS_IDX_MAPPING: tl.constexpr):
 
 
 @triton.jit
-def _row(seq_lens, draft_tokens, accepted, rows, live, block_size):
-    """(speculative, slot column, boundary node (-1: none), boundary column, accepted) of `rows` (`live`: rows
-    with a block-table row)."""
+def _path_entry(commit_ancestors, commit, steps, P: tl.constexpr, HAS_TABLE: tl.constexpr):
+    """The slot row `steps` steps above commit node `commit` on its path (-1 past the root, and for commit -1): the
+    table's entry (commit, steps), or a chain's commit - steps. if / else: a chain's table is a placeholder pointer."""
+    if HAS_TABLE:
+        return tl.load(commit_ancestors + tl.maximum(commit, 0).to(tl.int64) * P + tl.minimum(steps, P - 1),
+                       mask=(commit >= 0) & (steps < P), other=-1)
+    else:
+        return tl.where((commit >= 0) & (commit - steps >= 0), commit - steps, -1)
+
+
+@triton.jit
+def _row(seq_lens, draft_tokens, accepted, rows, live, block_size, commit_ancestors, P: tl.constexpr,
+         HAS_TABLE: tl.constexpr):
+    """(speculative, slot column, boundary node (-1: none; a slot row), boundary column, accepted (the count the
+    slot records), the commit node a, the steps up from it to the boundary node, the boundary node's depth) of
+    `rows` (`live`: rows with a block-table row). With the commit table, a = accepted - 1 reaches depth(a) (its
+    row's entries >= 0, minus 1); without, a chain's a."""
     draft = tl.load(draft_tokens + rows, mask=live, other=-1)
     spec = live & (draft >= 0)
     seq_len = tl.load(seq_lens + rows, mask=spec, other=1)
     accept = tl.load(accepted + rows, mask=spec, other=1)
     running = seq_len - draft
-    boundary = (running + accept - 1) // block_size * block_size
+    commit = accept - 1
+    if HAS_TABLE:
+        depth = commit * 0 - 1
+        for d in tl.static_range(P):
+            depth += (_path_entry(commit_ancestors, tl.where(spec, commit, -1), d, P, HAS_TABLE) >= 0).to(depth.dtype)
+    else:
+        depth = commit
+    boundary = (running + depth) // block_size * block_size
     reached = spec & (boundary >= running)
-    return spec, (seq_len - 1) // block_size, tl.where(reached, boundary - running, -1), boundary // block_size - 1, \
-        accept
+    at = tl.maximum(boundary - running, 0)
+    up = tl.maximum(depth - at, 0)
+    node = _path_entry(commit_ancestors, tl.where(reached, commit, -1), up, P, HAS_TABLE)
+    return spec, (seq_len - 1) // block_size, tl.where(reached, node, -1), boundary // block_size - 1, accept, \
+        commit, up, at
+
+
+@triton.jit
+def _boundary_path(commit, up, commit_ancestors, f_kscale, f_g, stride_frow, P: tl.constexpr,
+                   HAS_TABLE: tl.constexpr):
+    """`state_pass._commit_path` for the node `up` steps above commit node `commit` (its path: the commit node's
+    from entry `up` on), the same terms in the same order."""
+    running = tl.zeros([], dtype=tl.float32)
+    offsets = ()
+    on_path = ()
+    weights = ()
+    for d in tl.static_range(P):
+        path_row = _path_entry(commit_ancestors, commit, up + d, P, HAS_TABLE)
+        on = path_row >= 0
+        row = tl.maximum(path_row, 0).to(tl.int64) * stride_frow
+        k_scale = tl.load(f_kscale + row, mask=on, other=0.0)
+        weights = weights + (tl.where(on, tl.exp(running), 0.0) * k_scale,)
+        running = running + tl.load(f_g + row, mask=on, other=0.0)
+        offsets = offsets + (row,)
+        on_path = on_path + (on,)
+    return offsets, on_path, weights, tl.exp(running)
 
 
 # the arrays are read as scalars or gathers, the row count and the block size vary: neither is specialised
 @triton.jit(do_not_specialize=["num_rows", "block_size"],
-            do_not_specialize_on_alignment=["table", "seq_lens", "draft_tokens", "accepted", "idx_mapping"])
+            do_not_specialize_on_alignment=["table", "seq_lens", "draft_tokens", "accepted", "idx_mapping",
+                                            "commit_ancestors"])
 def _boundary_kernel(
-    table, seq_lens, draft_tokens, accepted, idx_mapping, num_rows, block_size,
+    table, seq_lens, draft_tokens, accepted, idx_mapping, commit_ancestors, num_rows, block_size,
     stride_slot, stride_head, stride_v, stride_fslot, stride_frow, stride_cslot, stride_cdim, stride_ccol,
     stride_islot, stride_irow, stride_count, stride_bt,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T: tl.constexpr, D: tl.constexpr, W1: tl.constexpr,
     DC: tl.constexpr, STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, NULL_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, HAS_IDX_MAPPING: tl.constexpr,
+    HAS_TABLE: tl.constexpr, P: tl.constexpr,
 ):
     i_hv, i_layer, i_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = table + i_layer * 6  # a row of `boundary_table`
@@ -136,8 +189,8 @@ def _boundary_kernel(
 
     rows = i_block * BLOCK + tl.arange(0, BLOCK)
     requests = _request(idx_mapping, rows, rows < num_rows, HAS_IDX_MAPPING)
-    spec, slot_col, node, dest_col, accept = _row(seq_lens, draft_tokens, accepted, rows, requests >= 0,
-                                                  block_size)
+    spec, slot_col, node, dest_col, accept, _commits, _ups, _depths = _row(
+        seq_lens, draft_tokens, accepted, rows, requests >= 0, block_size, commit_ancestors, P, HAS_TABLE)
     bt_rows = block_table + requests.to(tl.int64) * stride_bt
     slot = tl.load(bt_rows + slot_col, mask=spec, other=NULL_BLOCK)
     real = spec & (slot != NULL_BLOCK)
@@ -155,43 +208,48 @@ def _boundary_kernel(
         row = i_block * BLOCK + i
         if row < num_rows:
             request = _request(idx_mapping, row, row < num_rows, HAS_IDX_MAPPING)
-            spec_i, slot_col_i, node_i, dest_col_i, _ = _row(seq_lens, draft_tokens, accepted, row, request >= 0,
-                                                            block_size)
+            spec_i, slot_col_i, node_i, dest_col_i, _accept_i, commit_i, up_i, depth_i = _row(
+                seq_lens, draft_tokens, accepted, row, request >= 0, block_size, commit_ancestors, P, HAS_TABLE)
             if node_i >= 0:
                 bt_row = block_table + request.to(tl.int64) * stride_bt
                 src = tl.load(bt_row + slot_col_i).to(tl.int64)
                 dst = tl.load(bt_row + dest_col_i).to(tl.int64)
                 if (src != NULL_BLOCK) & (dst != NULL_BLOCK):
-                    # the state after the chain's node node_i: rows node_i, node_i - 1, .., 0 of the slot's factors
+                    # the state after node node_i along its path: rows node_i, node_i - 1, .., 0 of the slot's
+                    # factors (a chain), or the accepted node's table row from `up_i` on
                     f_k, f_kscale, f_u, f_g = _factor_columns(factors, src, stride_fslot, i_hv, HV, K, V)
-                    p_rows, p_on, p_weight, p_root = _commit_path(node_i, factors, f_kscale, f_g, stride_frow, T,
-                                                                  True)
+                    p_rows, p_on, p_weight, p_root = _boundary_path(commit_i, up_i, commit_ancestors, f_kscale, f_g,
+                                                                    stride_frow, P, HAS_TABLE)
                     for v0 in tl.static_range(0, V, BV):
                         v_rows = v0 + o_v
                         p_wu = ()
-                        for d in tl.static_range(T):
+                        for d in tl.static_range(P):
                             p_wu = p_wu + (tl.load(f_u + p_rows[d] + v_rows, mask=p_on[d], other=0.0) * p_weight[d],)
                         for k0 in tl.static_range(0, K, BK):
                             cols = k0 + o_k
                             keys = ()
-                            for d in tl.static_range(T):
+                            for d in tl.static_range(P):
                                 keys = keys + (tl.load(f_k + p_rows[d] + cols, mask=p_on[d], other=0.0),)
                             offsets = i_hv * stride_head + v_rows[:, None] * stride_v + cols[None, :]
                             h = tl.load(state + src * stride_slot + offsets).to(tl.float32)
-                            h = _committed_chunk(h, p_root, p_wu, keys, T)
+                            h = _committed_chunk(h, p_root, p_wu, keys, P)
                             tl.store(state + dst * stride_slot + offsets, h.to(state.dtype.element_ty))
-                    # the conv window after it: the last W1 of (history, inputs 0..node_i), channels of this head
+                    # the conv window after it: the last W1 of (history, the inputs of its path, root first), channels
+                    # of this head; the input at position p is the path's node at depth p - W1
                     for c0 in tl.static_range(0, DC, BD):
                         ch = i_hv * DC + c0 + o_d
                         on = (c0 + o_d < DC) & (ch < D)
                         window = ()
                         for c in tl.static_range(W1):
-                            position = node_i + 1 + c
+                            position = depth_i + 1 + c
+                            up = tl.minimum(tl.maximum(depth_i + W1 - position, 0), depth_i)
+                            input_row = tl.maximum(_path_entry(commit_ancestors, commit_i, up_i + up, P, HAS_TABLE),
+                                                   0)
                             from_history = tl.load(conv + src * stride_cslot + ch * stride_cdim
                                                    + tl.minimum(position, W1 - 1) * stride_ccol,
                                                    mask=on & (position < W1), other=0.0)
                             from_inputs = tl.load(inputs + src * stride_islot
-                                                  + tl.maximum(position - W1, 0) * stride_irow + ch,
+                                                  + input_row.to(tl.int64) * stride_irow + ch,
                                                   mask=on & (position >= W1), other=0.0)
                             window = window + (from_history + from_inputs,)
                         for c in tl.static_range(W1):
