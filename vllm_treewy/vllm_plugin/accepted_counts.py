@@ -117,7 +117,7 @@ def _recording_accepted_counts(original):
         elif tree is None:
             record_chain_accepted_counts(self, num_reqs)
         elif chain_step_of_tree_config(config, scheduler_output):
-            record_chain_accepted_counts(self, output_token_ids.size(0), chain_count_offset(config))
+            record_chain_accepted_counts(self, num_reqs, chain_count_offset(config))
 
     return update_states_after_model_execute
 
