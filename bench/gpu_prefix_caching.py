@@ -1,6 +1,6 @@
 """Prefix caching of GDN states (vLLM's `mamba_cache_mode="align"`, its default for Qwen3.5 whenever prefix caching is
-on, as it is by default on GPU) with reconstruct, store_all and no speculation, in real vLLM 0.32 on the H200, all
-engines at once in one device call (`bench/run_gpu_prefix_caching.sh`).
+on, as it is by default on GPU) with reconstruct (MTP chains and draft trees), store_all and no speculation, in real
+vLLM 0.32 on the H200, all engines at once in one device call (`bench/run_gpu_prefix_caching.sh`).
 
 Engines (one process each, started at once with a fixed KV budget; `--kv-cache-memory-bytes` skips vLLM's memory
 profiling, which the others' allocations would disturb; tokens/s are not measured):
@@ -8,6 +8,12 @@ profiling, which the others' allocations would disturb; tokens/s are not measure
   retention: the prompts' replay boundaries), on the runner vLLM picks (Model Runner V2 on CUDA, reconstruct with
   prefix caching included since issue 35), or forced onto V1 with `--runner v1` (VLLM_USE_V2_MODEL_RUNNER=0; the run's
   name ends in `-v1`). Each run records the runner vLLM picked and the runner class that ran it.
+  `--tree-widths 2 2 1` (reconstruct only: the plugin refuses store_all trees on GPU, and this parser refuses them
+  with exit 2): the MTP draft tree of those widths instead of the chain (`draft_tree_widths`, num_speculative_tokens
+  = its depth; CUDA graphs at 1 + its N nodes tokens per request; the run's name says `-tree221` instead of `-k3`),
+  on the long-context copy of the fixture's blurred-MTP variant (`--blurred-mtp`, which the script passes to tree
+  runs: the target weights are the fixture's, only the MTP head is less sure, so the trees branch; the reference's
+  plain copy judges it). With `--dense` a tree runs the two-turn chats below.
   The shared-prefix workload: 64 requests over 8 prefixes of 15,000 tokens (past two attention blocks of every engine:
   5,000-7,000 tokens with the fp32 state, so hits happen; the long-context fixture copy, 16,384 positions), each with
   its own suffix, 48 greedy tokens, at B = 1 (16 requests, one at a time), 8 (64, eight at a time) and 64 (all at
@@ -19,14 +25,23 @@ profiling, which the others' allocations would disturb; tokens/s are not measure
   resumes from the GDN state reconstruct wrote at a boundary while decoding (its `boundary_states` kernel).
 - `reference`: no speculation, prefix caching off, raw logits: the same batches, then it judges every run that
   arrives (tie-aware: a divergence passes within one bf16 step of the reference's top two logits, or where the fp64
-  fixture, on the GPU, does not prefer the reference's token by more), generating the dense run's two turns' references
-  from that run's own prompts. Every reconstruct run on the runner vLLM picked must have run on
-  `--expect-reconstruct-runner` (default V2) for the verdict to pass; `runners` in the report lists each run's.
+  fixture, on the GPU, does not prefer the reference's token by more), generating each dense run's two turns'
+  references from that run's own prompts. The verdict passes when every reconstruct run (chain or tree) passes, ran
+  without an error, counted prefix-cache hits in each batch of more than 8 requests and, on the runner vLLM picked,
+  ran on `--expect-reconstruct-runner` (default V2), and all `--expect` runs arrived; `runners` in the report lists each run's runner, `trees` each tree
+  run's widths.
+- `serve-check`: the README's first `vllm serve` command (`--tree`: its second, the [2,2,1] tree; README_SPECS holds
+  both, as the README writes them, tests/bench_scripts check that) with prefix caching left to vLLM (on), the site's
+  backends and a 4 GiB KV budget: one greedy completion and one chat completion at temperature 0.8, then /metrics
+  (per-position accepted drafts, drafts, accepted tokens, tree fallbacks, prefix-cache hits and queries) into the
+  output JSON and the summary line.
 
     python3 bench/gpu_prefix_caching.py spec --strategy reconstruct --runs R --dtype float16 ...
     python3 bench/gpu_prefix_caching.py reference --runs R --expect 4 --out report.json --dtype float16 ...
-    python3 bench/gpu_prefix_caching.py serve-check --out serve.json ...     # the README's `vllm serve` command
-    ... --dry-run          # any role: checks and prints the parsed arguments, starts nothing (DRY_RUN=1 in the script)
+    python3 bench/gpu_prefix_caching.py spec --strategy reconstruct --tree-widths 2 2 1 --blurred-mtp --runs R ...
+    python3 bench/gpu_prefix_caching.py serve-check [--tree] --out serve.json ...  # the README's `vllm serve`
+    ... --dry-run  # any role: checks and prints the parsed arguments (spec: also its run name, speculative config
+                   # and tokens per request; serve-check: its command), starts nothing (DRY_RUN=1 in the script)
 
 The runs are fp16 (activations): fp16 rounds 8x finer than bf16, so the batch shape stays within the verdict's one
 bf16 step at B = 64 and a divergence beyond it is a wrong state (bench/results/gpu_vllm_e2e/README.md).
@@ -49,7 +64,7 @@ from pathlib import Path
 from bench import gpu_site
 from bench.gpu_v2_chains import engine_facts
 from bench.gpu_vllm_e2e import (LONG_CONTEXT_POSITIONS, add_common_args, device_facts, engine_kwargs,
-                                long_context_model, prompts_and_model, verdict_record)
+                                long_context_model, prompts_and_model, tree_model, verdict_record)
 
 K = 3
 PREFIXES, PREFIX_TOKENS, MAX_TOKENS = 8, 15000, 48
@@ -125,9 +140,35 @@ def two_turns(llm, tokens: list[int], block: int) -> dict:
 
 
 def run_name(args) -> str:
-    name = f"{args.strategy}-k{K}-dense" if args.dense else (args.strategy if args.strategy == "none" else
-                                                              f"{args.strategy}-k{K}")
-    return name + ("-v1" if args.runner == "v1" else "")
+    """`none`, or STRATEGY-k3 / STRATEGY-tree221 (a tree's widths), then `-dense` and `-v1` where they apply."""
+    if args.strategy == "none":
+        name = "none"
+    else:
+        name = args.strategy + (f"-tree{''.join(map(str, args.tree_widths))}" if args.tree_widths else f"-k{K}")
+    return name + ("-dense" if args.dense else "") + ("-v1" if args.runner == "v1" else "")
+
+
+def speculative_config(args) -> dict | None:
+    """MTP with the strategy: the chain of K drafts, or (`--tree-widths`) the tree of those widths (num_speculative
+    tokens = its depth, as the README writes it); None without speculation."""
+    if args.strategy == "none":
+        return None
+    spec = {"method": "mtp", "num_speculative_tokens": K, "mamba_state_commit": args.strategy, **gpu_site.SPECULATIVE}
+    if args.tree_widths:
+        spec.update(num_speculative_tokens=len(args.tree_widths), draft_tree_widths=list(args.tree_widths))
+    return spec
+
+
+def tokens_per_request(args) -> int:
+    """The tokens one request verifies per decode step (the CUDA graphs' sizes per request): 1, 1 + K, or 1 + the
+    tree's N nodes."""
+    if args.strategy == "none":
+        return 1
+    if not args.tree_widths:
+        return 1 + K
+    from vllm_treewy.tree import DraftTree
+
+    return 1 + DraftTree.from_widths(args.tree_widths).num_nodes
 
 
 def run_spec(args) -> int:
@@ -135,18 +176,18 @@ def run_spec(args) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()  # in-process engine: this process is the only vLLM process
-    model, prompts = prompts_and_model()
+    model, prompts = tree_model(args)  # the fixture, or its blurred-MTP variant (same target weights)
     model = long_context_model(model)
     name = run_name(args)
-    kwargs = engine_kwargs(args, 1 + (0 if args.strategy == "none" else K))
+    kwargs = engine_kwargs(args, tokens_per_request(args))
     kwargs.update(enable_prefix_caching=True, max_model_len=LONG_CONTEXT_POSITIONS)
     if args.strategy != "none":
-        kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": K,
-                                        "mamba_state_commit": args.strategy, **gpu_site.SPECULATIVE}
+        kwargs["speculative_config"] = speculative_config(args)
     if args.dense:
         kwargs["prefix_cache_retention_interval"] = None
     tokens = corpus(prompts, 60000)
-    result = {"name": name, "strategy": args.strategy, "dense": args.dense}
+    result = {"name": name, "strategy": args.strategy, "dense": args.dense, "tree_widths": args.tree_widths,
+              "blurred_mtp": args.blurred_mtp, "model": model, "tokens_per_request": tokens_per_request(args)}
     start = time.perf_counter()
     try:
         with engine(model, **kwargs) as llm:
@@ -253,12 +294,14 @@ def run_reference(args) -> int:
     report["gdn_pages_per_request"] = {name: e.get("kv_cache", {}).get("gdn_blocks_per_request")
                                        for name, e in report["runs"].items()}
     report["runners"] = {name: [e.get("model_runner"), e.get("runner_class")] for name, e in report["runs"].items()}
+    report["trees"] = {name: e["tree_widths"] for name, e in report["runs"].items() if e.get("tree_widths")}
     report["expect_reconstruct_runner"] = args.expect_reconstruct_runner
     report["hit_rates"] = {name: {b: r["hit_rate"] for b, r in e.get("batches", {}).items()}
                            for name, e in report["runs"].items()}
     print("GDN pages per request:", report["gdn_pages_per_request"], flush=True)
     print("hit rates:", report["hit_rates"], flush=True)
     print("runners:", report["runners"], flush=True)
+    print("trees:", report["trees"], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     verdicts = [b["verdict"] for name, e in report["runs"].items() if name.startswith("reconstruct")
@@ -272,19 +315,78 @@ def run_reference(args) -> int:
     on_runner = args.expect_reconstruct_runner == "any" or all(r == args.expect_reconstruct_runner for r in picked)
     if not on_runner:
         print(f"reconstruct ran on {picked}, expected {args.expect_reconstruct_runner}", flush=True)
-    ok = bool(verdicts) and all(v["passed"] for v in verdicts) and hits and on_runner
+    failed = [name for name, e in report["runs"].items() if name.startswith("reconstruct") and "error" in e]
+    if failed:
+        print(f"reconstruct runs failed: {failed}", flush=True)
+    if len(report["runs"]) < args.expect:
+        print(f"only {len(report['runs'])} of {args.expect} runs arrived: {sorted(report['runs'])}", flush=True)
+    ok = (bool(verdicts) and all(v["passed"] for v in verdicts) and hits and on_runner and not failed
+          and len(report["runs"]) >= args.expect)
     print("RECONSTRUCT PASSES WITH PREFIX CACHING" if ok else "RECONSTRUCT FAILS", flush=True)
     return 0 if ok else 1
 
 
-README_SPEC = {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"}
+# The README's two `vllm serve` commands' speculative configs, as it writes them (tests/bench_scripts checks that each
+# one's compact JSON appears there verbatim).
+README_SPECS = {
+    "chain": {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"},
+    "tree": {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct",
+             "draft_tree_widths": [2, 2, 1]},
+}
+SERVE_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens", "vllm:treewy_tree_fallbacks",
+                 "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+PER_POSITION_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def metric_total(metrics_text: str, name: str) -> float | None:
+    """The sum of a Prometheus metric's samples over its labels (a counter's samples are `<name>_total`); None when
+    /metrics has none."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+              if line.strip() and not line.startswith("#")
+              and line.split("{", 1)[0].split(" ", 1)[0] in (name, f"{name}_total")]
+    return sum(values) if values else None
+
+
+def per_position(metrics_text: str, name: str) -> dict[int, float]:
+    """A per-position counter's samples summed by their `position` label (position i: draft depth i + 1)."""
+    counts: dict[int, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith((f"{name}_total{{", f"{name}{{")) and 'position="' in line:
+            labels, value = line.rsplit(" ", 1)
+            position = int(labels.split('position="', 1)[1].split('"', 1)[0])
+            counts[position] = counts.get(position, 0.0) + float(value)
+    return dict(sorted(counts.items()))
+
+
+def serve_metrics(metrics_text: str) -> dict:
+    """What the serve check records from /metrics: SERVE_METRICS' totals and the per-position accepted drafts."""
+    return {**{name: metric_total(metrics_text, name) for name in SERVE_METRICS},
+            PER_POSITION_METRIC: per_position(metrics_text, PER_POSITION_METRIC)}
+
+
+def serve_command(args, model: str, on_gpu: bool) -> list[str]:
+    """`vllm serve MODEL --speculative-config '<README's spec>'` (the tree's with `--tree`) and, on the GPU, the
+    gpu-vllm site's backends and a fixed KV budget (the GPU is shared); prefix caching left to vLLM."""
+    spec = {**README_SPECS["tree" if args.tree else "chain"], **(gpu_site.SPECULATIVE if on_gpu else {})}
+    site = ["--attention-backend", gpu_site.ENGINE["attention_backend"], "--gdn-prefill-backend",
+            gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes",
+            str(args.kv_cache_memory_bytes or 4 << 30)] if on_gpu else []
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--speculative-config",
+            json.dumps(spec), *site, "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--port",
+            str(args.port), "--max-num-seqs", "8", "--dtype", args.dtype]
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
 
 
 def run_serve_check(args) -> int:
-    """The README's `vllm serve MODEL --speculative-config '{...reconstruct}'` (prefix caching left to vLLM: on), with
-    the gpu-vllm site's backends and a small KV budget (the GPU is shared): starts, answers one completion, stops."""
+    """The README's `vllm serve` command (`--tree`: the second, a [2,2,1] tree), prefix caching left to vLLM (on):
+    starts, answers one greedy completion and one chat completion at temperature 0.8, reports /metrics, stops."""
     model, _ = prompts_and_model()
-    scratch = Path(args.out).parent / "serve-plugin-metadata"
+    scratch = Path(args.out).parent / ("serve-tree-plugin-metadata" if args.tree else "serve-plugin-metadata")
     metadata = gpu_site.plugin_metadata_dir(scratch)
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -292,16 +394,9 @@ def run_serve_check(args) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, str(metadata or ""), env.get("PYTHONPATH", "")) if p)
     import torch
 
-    on_gpu = torch.cuda.is_available()  # else a dry run of the flow on vLLM's CPU backend
-    spec = {**README_SPEC, **(gpu_site.SPECULATIVE if on_gpu else {})}
-    site = ["--attention-backend", gpu_site.ENGINE["attention_backend"], "--gdn-prefill-backend",
-            gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes",
-            str(args.kv_cache_memory_bytes or 4 << 30)] if on_gpu else []
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--speculative-config",
-               json.dumps(spec), *site, "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--port",
-               str(args.port), "--max-num-seqs", "8", "--dtype", args.dtype]
+    command = serve_command(args, model, torch.cuda.is_available())  # else a dry run on vLLM's CPU backend
     log_path = Path(args.out).with_suffix(".log")
-    result = {"command": command, "started": False}
+    result = {"command": command, "tree": args.tree, "started": False}
     start = time.monotonic()
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -314,11 +409,14 @@ def run_serve_check(args) -> int:
                 except OSError:
                     time.sleep(2)
             if result["started"]:
-                body = json.dumps({"model": model, "prompt": "Beautiful is better than", "max_tokens": 16,
-                                   "temperature": 0}).encode()
-                request = urllib.request.Request(f"http://127.0.0.1:{args.port}/v1/completions", body,
-                                                 {"Content-Type": "application/json"})
-                result["completion"] = json.loads(urllib.request.urlopen(request, timeout=60).read())
+                result["completion"] = _post(args.port, "/v1/completions", {
+                    "model": model, "prompt": "Beautiful is better than", "max_tokens": 16, "temperature": 0})
+                result["chat"] = _post(args.port, "/v1/chat/completions", {
+                    "model": model, "messages": [{"role": "user", "content": "Simple is better than complex."}],
+                    "max_tokens": 32, "temperature": 0.8, "seed": 11})
+                time.sleep(2)  # the engine core's last counters reach the front end's /metrics with its next stats
+                metrics = urllib.request.urlopen(f"http://127.0.0.1:{args.port}/metrics", timeout=30).read().decode()
+                result["metrics"] = serve_metrics(metrics)
         except Exception:
             result["error"] = traceback.format_exc()[-2000:]
         finally:
@@ -333,10 +431,12 @@ def run_serve_check(args) -> int:
     log_text = log_path.read_text()
     result["log_lines"] = [line[:300] for line in log_text.splitlines() if any(
         s in line for s in ("Mamba cache mode", "model runner", "Model Runner", "Maximum concurrency", "Error",
-                            "mamba_state_commit"))][-20:]
+                            "mamba_state_commit", "draft_tree"))][-20:]
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    ok = result["started"] and "completion" in result
-    print("SERVE STARTS AND ANSWERS" if ok else "SERVE FAILS", json.dumps(result.get("log_lines")), flush=True)
+    ok = result["started"] and "completion" in result and "chat" in result and "metrics" in result
+    what = "SERVE TREE" if args.tree else "SERVE"
+    print(f"{what} STARTS AND ANSWERS" if ok else f"{what} FAILS", "metrics", json.dumps(result.get("metrics")),
+          json.dumps(result.get("log_lines")), flush=True)
     return 0 if ok else 1
 
 
@@ -349,6 +449,12 @@ def main() -> int:
     spec.add_argument("--dense", action="store_true", help="keep every boundary state; the two-turn chats")
     spec.add_argument("--runner", default="default", choices=["default", "v1"],
                       help="default: the runner vLLM picks (V2 on CUDA); v1: VLLM_USE_V2_MODEL_RUNNER=0")
+    spec.add_argument("--tree-widths", type=int, nargs="+", default=None,
+                      help="reconstruct only: the MTP draft tree of these widths (draft_tree_widths) instead of the "
+                           f"chain of {K}")
+    spec.add_argument("--blurred-mtp", action="store_true",
+                      help="the fixture's blurred-MTP variant (same target weights; its head right about half the "
+                           "time, so trees branch)")
     reference = sub.add_parser("reference")
     add_common_args(reference)
     reference.add_argument("--out", required=True)
@@ -361,6 +467,7 @@ def main() -> int:
     serve.add_argument("--out", required=True)
     serve.add_argument("--port", type=int, default=8321)
     serve.add_argument("--timeout-s", type=float, default=420)
+    serve.add_argument("--tree", action="store_true", help="the README's second command: the [2,2,1] draft tree")
     for p in (spec, reference, serve):  # every process of the shell script gets the same arguments
         p.add_argument("--prefix-tokens", type=int, default=PREFIX_TOKENS)
         p.add_argument("--batches", default=" ".join(f"{b}:{n}" for b, n in BATCHES.items()),
@@ -374,9 +481,19 @@ def main() -> int:
         args.max_tokens = MAX_TOKENS
     args.batches = dict(tuple(map(int, pair.split(":"))) for pair in args.batches.split())
     args.batch_sizes = sorted(args.batches)
+    if args.command_name == "spec" and args.tree_widths and args.strategy != "reconstruct":
+        parser.error(f"--tree-widths with --strategy {args.strategy}: draft trees here are reconstruct's (the plugin "
+                     "refuses store_all trees on GPU; 'none' drafts nothing)")
+    if args.command_name == "spec" and args.tree_widths and any(w < 1 for w in args.tree_widths):
+        parser.error(f"--tree-widths {args.tree_widths}: widths are positive")
     if args.dry_run:
         print(args.command_name, "arguments", json.dumps({k: v for k, v in vars(args).items()}, default=str),
               flush=True)
+        if args.command_name == "spec":
+            print(args.command_name, "run", run_name(args), "speculative_config", json.dumps(speculative_config(args)),
+                  "tokens/request", tokens_per_request(args), flush=True)
+        if args.command_name == "serve-check":
+            print(args.command_name, "command", json.dumps(serve_command(args, "MODEL", on_gpu=True)), flush=True)
         return 0
     if getattr(args, "runner", "default") == "v1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # read when the engine's config is built
