@@ -211,7 +211,9 @@ def run_spec(args) -> int:
         result["error"] = traceback.format_exc()[-3000:]
         print(name, "FAILED", result["error"], flush=True)
     Path(args.runs).mkdir(parents=True, exist_ok=True)
-    (Path(args.runs) / f"{name}.json").write_text(json.dumps(result))
+    staging = Path(args.runs) / f"{name}.json.partial"
+    staging.write_text(json.dumps(result))
+    staging.rename(Path(args.runs) / f"{name}.json")  # whole: the reference reads runs as they arrive
     print(name, "done", flush=True)
     return 0
 
@@ -242,10 +244,19 @@ def exact_logits_on(model: str):
     return next_token_logits
 
 
-def _wait_for_runs(runs: Path, expect: int, deadline: float) -> list[Path]:
-    while len(list(runs.glob("*.json"))) < expect and time.monotonic() < deadline:
-        time.sleep(2)
-    return sorted(runs.glob("*.json"))
+def _arriving_runs(runs: Path, expect: int, deadline: float):
+    """Each run's JSON as it arrives (each written whole: `run_spec` renames it into place), until `expect` have
+    arrived or the deadline passes: the reference judges one run while the others still run."""
+    seen: set[Path] = set()
+    while True:
+        new = sorted(path for path in runs.glob("*.json") if path not in seen)
+        for path in new:
+            seen.add(path)
+            yield path
+        if len(seen) >= expect or time.monotonic() >= deadline:
+            return
+        if not new:
+            time.sleep(2)
 
 
 def run_reference(args) -> int:
@@ -268,7 +279,7 @@ def run_reference(args) -> int:
         report["reference_kv_cache"] = asdict(kv_cache_report(reference))
         expected = run_batches(reference, workload, args.batches, args.max_tokens, caching=False)
         report["reference_seconds"] = {b: r["seconds"] for b, r in expected.items()}
-        for path in _wait_for_runs(Path(args.runs), args.expect, deadline):
+        for path in _arriving_runs(Path(args.runs), args.expect, deadline):
             run = json.loads(path.read_text())
             entry = {k: v for k, v in run.items() if k not in ("batches", "two_turns")}
             if "batches" in run:

@@ -1,12 +1,14 @@
 """bench/run_gpu_prefix_caching.sh and bench/gpu_prefix_caching.py without an engine: a dry run (DRY_RUN=1) of the
 default call checks and prints every process's arguments (the tree runs' speculative configs and CUDA-graph tokens
 per request, both serve checks' commands); a store_all tree is refused with exit 2 before anything starts; the
-serve check's specs are the README's commands verbatim; its /metrics parsing."""
+serve check's specs are the README's commands verbatim; its /metrics parsing; the reference takes runs as they
+arrive."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,14 @@ def test_serve_metrics_parse_counters_and_positions():
     assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos"] == {0: 9.0, 1: 5.0}
     assert metrics["vllm:prefix_cache_hits"] == 0.0 and metrics["vllm:prefix_cache_queries"] == 40.0
     assert metrics["vllm:treewy_tree_fallbacks"] is None  # absent, not zero
+
+
+def test_the_reference_takes_runs_as_they_arrive(tmp_path):
+    (tmp_path / "a.json").write_text("{}")
+    (tmp_path / "b.json.partial").write_text("{")  # still being written: not a run yet
+    arriving = gpu_prefix_caching._arriving_runs(tmp_path, expect=2, deadline=time.monotonic() + 30)
+    assert next(arriving) == tmp_path / "a.json"  # before the second has arrived
+    (tmp_path / "b.json.partial").rename(tmp_path / "b.json")
+    assert list(arriving) == [tmp_path / "b.json"]
+    assert list(gpu_prefix_caching._arriving_runs(tmp_path, expect=3, deadline=time.monotonic())) == [
+        tmp_path / "a.json", tmp_path / "b.json"]  # past the deadline: what has arrived
