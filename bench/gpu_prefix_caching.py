@@ -28,8 +28,8 @@ profiling, which the others' allocations would disturb; tokens/s are not measure
   fixture, on the GPU, does not prefer the reference's token by more), generating each dense run's two turns'
   references from that run's own prompts. The verdict passes when every reconstruct run (chain or tree) passes, ran
   without an error, counted prefix-cache hits in each batch of more than 8 requests and, on the runner vLLM picked,
-  ran on `--expect-reconstruct-runner` (default V2), and all `--expect` runs arrived; `runners` in the report lists each run's runner, `trees` each tree
-  run's widths.
+  ran on `--expect-reconstruct-runner` (default V2), and all `--expect` runs arrived; `runners` in the report lists
+  each run's runner, `trees` each tree run's widths.
 - `serve-check`: the README's first `vllm serve` command (`--tree`: its second, the [2,2,1] tree; README_SPECS holds
   both, as the README writes them, tests/bench_scripts check that) with prefix caching left to vLLM (on), the site's
   backends and a 4 GiB KV budget: one greedy completion and one chat completion at temperature 0.8, then /metrics
