@@ -14,6 +14,7 @@ the request's committed state).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,20 +58,14 @@ class DraftTree:
     def from_widths(cls, widths: Sequence[int]) -> DraftTree:
         """Complete tree with ``widths[l]`` children per node at level l, numbered breadth first.
 
-        ``[1] * k`` is a chain of k drafts; ``[2, 2, 1]`` has 2 + 4 + 4 = 10 draft nodes.
+        ``[1] * k`` is a chain of k drafts; ``[2, 2, 1]`` has 2 + 4 + 4 = 10 draft nodes. Equal widths give the same
+        (immutable) instance: the engine asks for its tree in every step.
         """
-        parents: list[int] = []
-        level = [-1]
+        widths = tuple(widths)
         for level_no, width in enumerate(widths):
             if isinstance(width, bool) or not isinstance(width, int) or width < 1:
                 raise ValueError(f"draft_tree_widths[{level_no}] = {width!r}: widths must be positive integers")
-            next_level = []
-            for parent in level:
-                for _ in range(width):
-                    next_level.append(len(parents))
-                    parents.append(parent)
-            level = next_level
-        return cls(tuple(parents))
+        return _complete_tree(widths)
 
     @property
     def num_nodes(self) -> int:
@@ -119,6 +114,21 @@ class PackedTrees:
     @property
     def num_nodes(self) -> int:
         return self.parents.numel()
+
+
+@functools.cache
+def _complete_tree(widths: tuple[int, ...]) -> DraftTree:
+    """`DraftTree.from_widths` for validated widths, built once per widths."""
+    parents: list[int] = []
+    level = [-1]
+    for width in widths:
+        next_level = []
+        for parent in level:
+            for _ in range(width):
+                next_level.append(len(parents))
+                parents.append(parent)
+        level = next_level
+    return DraftTree(tuple(parents))
 
 
 def pack_trees(

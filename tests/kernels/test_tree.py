@@ -39,11 +39,18 @@ def test_empty_tree():
     assert tree.with_root().parents == (-1,)
 
 
+def test_equal_widths_share_one_tree():
+    tree = DraftTree.from_widths([2, 2, 1])
+    assert DraftTree.from_widths((2, 2, 1)) is tree
+    assert DraftTree.from_widths([2, 1, 1]) is not tree
+
+
 @pytest.mark.parametrize(
     "widths, message",
     [([2, 0], r"draft_tree_widths\[1\] = 0"), ([1.5], "positive integers"), ([True], "positive integers")],
 )
 def test_bad_widths_raise(widths, message):
+    DraftTree.from_widths([1])  # a cached equal-hashing tree ((True,) == (1,)) must not skip the check
     with pytest.raises(ValueError, match=message):
         DraftTree.from_widths(widths)
 
