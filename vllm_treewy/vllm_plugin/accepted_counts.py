@@ -25,7 +25,7 @@ from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin import prefix_caching, sampling_tables
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
-from vllm_treewy.vllm_plugin.step_metadata import chain_count_offset
+from vllm_treewy.vllm_plugin.step_metadata import chain_count_offset, verifies_tree
 
 
 def counted_gdn_groups(runner):
@@ -85,12 +85,10 @@ def count_table_of(runner, groups) -> torch.Tensor:
 
 
 def chain_step_of_tree_config(speculative_config, scheduler_output) -> bool:
-    """Whether a step of a tree config with `draft_tree_max_batch_size` verified chains: no request was scheduled
-    the tree's N drafts (host values, `tree_budget`'s invariant: never both shapes in a step)."""
-    if chain_count_offset(speculative_config) == 0:
-        return False
-    num_nodes = draft_tree_of(speculative_config).num_nodes
-    return all(len(drafts) != num_nodes for drafts in scheduler_output.scheduled_spec_decode_tokens.values())
+    """Whether a step of a tree config with `draft_tree_max_batch_size` verified chains (`verifies_tree` over the
+    drafts the scheduler gave each request)."""
+    drafts = [len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values()]
+    return chain_count_offset(speculative_config) > 0 and not verifies_tree(speculative_config, drafts)
 
 
 def _recording_accepted_counts(original):

@@ -237,16 +237,17 @@ def chain_count_offset(speculative_config) -> int:
     return 1 + tree.num_nodes
 
 
-def verifies_tree(speculative_config, num_decode_draft_tokens_cpu) -> bool:
+def verifies_tree(speculative_config, draft_counts) -> bool:
     """Whether a step of a tree config verifies trees: always without `draft_tree_max_batch_size`; with it, when
-    some row has the tree's N drafts (`tree_budget`: a step holds tree rows or chain rows, never both), from vLLM's
-    host per-row draft counts (-1: not a decode; None: no speculative row)."""
+    some row has the tree's N drafts (`tree_budget`: a step holds tree rows or chain rows, never both). The one rule
+    for the step's shape on the host: `draft_counts` are the step's per-row draft counts, a host tensor (vLLM's
+    `num_decode_draft_tokens_cpu`, -1: not a decode) or a sequence of ints; None: no speculative row."""
     tree = draft_tree_of(speculative_config)
     if tree is None:
         return False
     if chain_count_offset(speculative_config) == 0:
         return True
-    return num_decode_draft_tokens_cpu is not None and bool((num_decode_draft_tokens_cpu == tree.num_nodes).any())
+    return draft_counts is not None and bool((torch.as_tensor(draft_counts) == tree.num_nodes).any())
 
 
 def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool) -> ReconstructGDNAttentionMetadata:
