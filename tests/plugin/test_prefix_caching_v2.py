@@ -368,7 +368,7 @@ def test_v2_tree_steps_write_what_v1_writes_along_the_accepted_path(path, chain_
         step = SimpleNamespace(request_indices=torch.tensor([0, 1, 2]))
         accepted = (step, SimpleNamespace(last_accepted_node=torch.tensor(leaves) - 1))
     runner.speculator = SimpleNamespace(tree_state=SimpleNamespace(accepted=accepted))
-    assert not runner_v2.tree_sampler_records_leaves(runner)
+    assert runner_v2.leaf_count_groups(runner) == []  # the counts are recorded after sampling, with the boundaries
     _set_step_counts(runner, idx_mapping, seq_lens, drafts)
     before = _snapshot(runner)
 

@@ -23,7 +23,7 @@ import torch
 
 from tests.plugin.test_tree_runner_v2 import v2_batch
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin import tree_accept_graphs, tree_runner_v2
+from vllm_treewy.vllm_plugin import runner_v2, tree_accept_graphs, tree_runner_v2
 from vllm_treewy.vllm_plugin.tree_accept_graphs import TreeAcceptGraphs
 from vllm_treewy.vllm_plugin.tree_sampler_v2 import accept_and_commit_tree_rows
 from vllm_treewy.vllm_plugin.tree_speculator_v2 import TreeRunStateV2
@@ -315,7 +315,7 @@ def test_sample_tree_step_reads_the_graphs_result(monkeypatch):
     graphs = graphs_of(graphed, tree, [4])
     outputs = []
     for world, accept_graphs in ((eager, None), (graphed, graphs)):
-        monkeypatch.setattr(tree_sampler_v2, "gdn_groups_of", lambda runner, world=world: world.gdn_groups)
+        monkeypatch.setattr(runner_v2, "gdn_groups_of", lambda runner, world=world: world.gdn_groups)
         step.attention_layers = world.recorded_layers(batch.idx_mapping)
         state = TreeRunStateV2(tree, accept_graphs=accept_graphs)
         output, num_sampled, _ = tree_sampler_v2.sample_tree_step(runner, torch.zeros(draws.numel(), 1), batch,

@@ -62,8 +62,8 @@ boundary. The same kernel runs with the commit table the verify follows (`commit
 (`tree_commit_counts`: 1 + the accepted leaf's block index for tree rows, a chain step's counts offset by 1 + N with
 `draft_tree_max_batch_size`): on V1 from `accepted_counts` after vLLM's own update, on V2 from `runner_v2`'s
 postprocess_sampled hook with V2's tensors (after the tree sampler and its acceptance graphs, outside them); the tree
-sampler then leaves the slots' counts to it (the slot is the running column, not column 0). vLLM's pre-copy and skipped post-processing are the
-chains': nothing in them depends on the draft shape. The runner-independent parts (the kernels, `boundary_layers`)
+sampler then leaves the slots' counts to it (the slot is the running column, not column 0). vLLM's pre-copy and
+skipped post-processing are the chains': nothing in them depends on the draft shape. The runner-independent parts (the kernels, `boundary_layers`)
 take tensors only.
 """
 

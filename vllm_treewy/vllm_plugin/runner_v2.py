@@ -18,7 +18,7 @@ derives (`step_metadata`: V2 calls the same builder's `build`, at FULL-graph cap
   (align mode) the slot is the request's running block, which moves: there `prefix_caching.record_after_sampling_v2`
   writes the counts and the block-boundary states instead (V2's own align post-processing is skipped there); for
   draft trees too, with the commit table and the tree sampler's accepted leaves, outside the acceptance graphs
-  (`tree_sampler_records_leaves`: the graphs then record no counts).
+  (`leaf_count_groups`: the graphs then record no counts).
 - FULL decode graphs: V2 replays a FULL decode graph only for a batch whose rows all decode (a prefill keeps the
   batch out, `decode_graph_eligible`; a one-token prompt tail that runs as a decode is a speculative row of the GDN
   builder too), i.e. the batches the builder stages into its graph buffers, and the commit nodes with them. V1's
@@ -50,11 +50,12 @@ def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(counts, runner.block_tables.block_tables[group_id].gpu) for group_id, counts in counted_gdn_groups(runner)]
 
 
-def tree_sampler_records_leaves(runner) -> bool:
-    """Whether the tree sampler records the accepted leaves into the GDN slots (column 0 is the slot): not with
-    prefix caching of GDN states (align mode), where the slot is the request's running column and the counts and
-    boundary states are `prefix_caching.record_after_sampling_v2`'s, after sampling."""
-    return not prefix_caching.caches_gdn_prefixes(runner.cache_config)
+def leaf_count_groups(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The GDN groups (`gdn_groups_of`) whose slots the tree sampler and its acceptance graphs write the accepted
+    leaves' counts into (column 0 is the slot); none with prefix caching of GDN states (align mode), where the slot
+    is the request's running column and the counts and boundary states are
+    `prefix_caching.record_after_sampling_v2`'s, after sampling."""
+    return [] if prefix_caching.caches_gdn_prefixes(runner.cache_config) else gdn_groups_of(runner)
 
 
 def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, offset: int = 0) -> None:

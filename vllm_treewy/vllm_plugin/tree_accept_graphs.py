@@ -206,12 +206,11 @@ def capture_accept_graphs(runner, state) -> None:
     state.accept_graphs = None
     if not sizes:
         return
-    from vllm_treewy.vllm_plugin.runner_v2 import gdn_groups_of, tree_sampler_records_leaves
+    from vllm_treewy.vllm_plugin.runner_v2 import leaf_count_groups
 
-    # with prefix caching of GDN states the counts are written after sampling, outside the graphs
-    gdn_groups = gdn_groups_of(runner) if tree_sampler_records_leaves(runner) else []
-    graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, triton_cache_groups(runner), gdn_groups,
-                              max(sizes), speculator.max_model_len, speculator.tree_constants(state.tree))
+    graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, triton_cache_groups(runner),
+                              leaf_count_groups(runner), max(sizes), speculator.max_model_len,
+                              speculator.tree_constants(state.tree))
     graphs.capture(sizes, speculator.prefill_cudagraph_manager.pool, speculator.vllm_config, speculator.device)
     state.accept_graphs = graphs
     logger.info("vllm-treewy: captured the draft tree's acceptance as CUDA graphs for %d batch sizes (up to %d "

@@ -14,7 +14,7 @@ import torch
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.spec_decode.tree_drafting import accepted_path_sources
 from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance_of_draws
-from vllm_treewy.vllm_plugin.runner_v2 import gdn_groups_of, tree_sampler_records_leaves
+from vllm_treewy.vllm_plugin.runner_v2 import leaf_count_groups
 from vllm_treewy.vllm_plugin.tree_speculator_v2 import TreeRunStateV2
 from vllm_treewy.vllm_plugin.tree_step import TreeStep, device_arange
 
@@ -97,7 +97,7 @@ def sample_tree_step(runner, hidden_states: torch.Tensor, input_batch, step: Tre
     if result is None:
         result = accept_and_commit_tree_rows(step, draws, input_batch.cu_num_logits, input_batch.input_ids,
                                              runner.num_speculative_steps, input_batch.idx_mapping,
-                                             gdn_groups_of(runner) if tree_sampler_records_leaves(runner) else [])
+                                             leaf_count_groups(runner))
     num_sampled, num_rejected = get_num_sampled_and_rejected(
         result.num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
         sampler.req_states.prefill_len.gpu)
