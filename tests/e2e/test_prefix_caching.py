@@ -64,55 +64,84 @@ def _generate(llm, prompts, max_tokens):
 
 
 def _capturing_boundary_states(captured: list):
-    """`prefix_caching.record_after_sampling`, which also keeps (request, tokens before the boundary, node, every
-    layer's state and conv window at the boundary's block) of each boundary it writes."""
+    """`prefix_caching.record_after_sampling`, which also keeps (request, tokens before the boundary, node, commit
+    count, every layer's state and conv window at the boundary's block) of each boundary it writes (chains and, with
+    their commit counts and table, draft trees)."""
     original = prefix_caching.record_after_sampling
 
-    def record(runner, num_reqs):
+    def record(runner, num_reqs, commit_counts=None, commit_ancestors=None):
         views, _, block_size = prefix_caching._runner_boundary_layers(runner)
         layers = [int(name.split("layers.")[1].split(".")[0]) for group in runner.kv_cache_config.kv_cache_groups
                   for name in group.layer_names
                   if getattr(runner.compilation_config.static_forward_context[name], "reconstructs_state", False)]
-        rows = boundary_rows(runner.seq_lens, runner.num_decode_draft_tokens.gpu, runner.num_accepted_tokens.gpu,
-                             num_reqs, block_size)
-        original(runner, num_reqs)
+        counts = runner.num_accepted_tokens.gpu if commit_counts is None else commit_counts
+        rows = boundary_rows(runner.seq_lens, runner.num_decode_draft_tokens.gpu, counts, num_reqs, block_size,
+                             commit_ancestors)
+        original(runner, num_reqs, commit_counts, commit_ancestors)
         for i, row in enumerate(rows.rows.tolist()):
-            node = int(rows.nodes[i])
-            if node < 0:
+            if int(rows.nodes[i]) < 0:
                 continue
-            running = int(runner.seq_lens[row]) - int(runner.num_decode_draft_tokens.gpu[row])
-            blocks = [int(v.block_table[row, rows.dest_columns[i]]) for v in views]
-            captured.append((runner.input_batch.req_ids[row].split("-")[0], running + node, node,
+            dest_column = int(rows.dest_columns[i])
+            blocks = [int(v.block_table[row, dest_column]) for v in views]
+            captured.append((runner.input_batch.req_ids[row].split("-")[0], (dest_column + 1) * block_size,
+                             int(rows.nodes[i]), int(rows.commits[i]),
                              [(layer, v.state[b].double(), v.conv_history[b].double())
                               for layer, v, b in zip(layers, views, blocks)]))
 
     return record
 
 
-@pytest.fixture(scope="module")
-def two_turns(fixture_model):
-    corpus = _corpus_tokens(fixture_model)
-    first = [corpus[start: start + 2 * BLOCK - 1 - i] for i, start in enumerate(PROMPT_STARTS)]
+def _two_turns(model: str, speculative_config: dict, prompt_starts, first_tokens: int) -> dict:
+    """The two-turn chats (module docstring) with `speculative_config` and every boundary state kept, each first
+    prompt ending 1, 2, ... tokens before the second boundary of the engine's block, judged tie-aware against no
+    speculation without caching; the boundary states written on the way (`_capturing_boundary_states`)."""
+    corpus = _corpus_tokens(model)
     captured = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(prefix_caching, "record_after_sampling", _capturing_boundary_states(captured))
-        with engine(fixture_model, speculative_config=MTP_K3, enable_prefix_caching=True,
+        with engine(model, speculative_config=speculative_config, enable_prefix_caching=True,
                     prefix_cache_retention_interval=None, **ENGINE) as llm:
             mode = llm.llm_engine.vllm_config.cache_config.mamba_cache_mode
             report = kv_cache_report(llm)
-            out1, _ = _generate(llm, first, FIRST_TOKENS)
+            block = report.attention_block_size  # vLLM grows it to the GDN page: the GDN block size too
+            first = [corpus[start: start + 2 * block - 1 - i] for i, start in enumerate(prompt_starts)]
+            out1, _ = _generate(llm, first, first_tokens)
             second = [p + o + corpus[900 + 7 * i: 900 + 7 * i + NEXT_TURN_TOKENS]
                       for i, (p, o) in enumerate(zip(first, out1))]
             out2, cached2 = _generate(llm, second, SECOND_TOKENS)
+            metrics = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:prefix_cache")}
             added = attributes_added_to_vllm(llm)
-    exact = ExactModel(fixture_model)
-    with engine(fixture_model, logprobs_mode="raw_logits", **ENGINE) as reference:
-        verdicts = [compare_tie_aware(reference, prompts, generate_greedy(reference, prompts, [n] * NUM_PROMPTS),
+    exact = ExactModel(model)
+    with engine(model, logprobs_mode="raw_logits", **ENGINE) as reference:
+        verdicts = [compare_tie_aware(reference, prompts, generate_greedy(reference, prompts, [n] * len(prompts)),
                                       outputs, exact.next_token_logits)
-                    for prompts, outputs, n in ((first, out1, FIRST_TOKENS), (second, out2, SECOND_TOKENS))]
+                    for prompts, outputs, n in ((first, out1, first_tokens), (second, out2, SECOND_TOKENS))]
     tokens = {str(i): p + o for i, (p, o) in enumerate(zip(first, out1))}
-    return dict(mode=mode, report=report, first=first, cached2=cached2, verdicts=verdicts, captured=captured,
-                tokens=tokens, exact=exact, added=added)
+    return dict(mode=mode, report=report, block=block, first=first, cached2=cached2, metrics=metrics,
+                verdicts=verdicts, captured=captured, tokens=tokens, exact=exact, added=added)
+
+
+def _assert_boundary_states_are_the_models(turns: dict, boundaries) -> None:
+    """Each of `boundaries` (`_capturing_boundary_states`' records), every GDN layer: the fp64 model's state and conv
+    window after the same tokens, within STATE_TOLERANCE."""
+    model = turns["exact"]._model
+    for request, position, node, commit, states in boundaries:
+        with torch.no_grad():
+            cache = model(torch.tensor([turns["tokens"][request][:position]]), use_cache=True).past_key_values
+        for layer, state, conv in states:
+            # transformers keeps the state [HV, K, V] and the last w inputs
+            expected_state = cache.layers[layer].recurrent_states[0][0].transpose(-1, -2)
+            expected_conv = cache.layers[layer].conv_states[0][0][:, -conv.shape[1]:]
+            errors = (float((state - expected_state).norm() / expected_state.norm()),
+                      float((conv - expected_conv).norm() / expected_conv.norm()))
+            assert max(errors) <= STATE_TOLERANCE, (request, position, node, commit, layer, errors)
+
+
+@pytest.fixture(scope="module")
+def two_turns(fixture_model):
+    turns = _two_turns(fixture_model, MTP_K3, PROMPT_STARTS, FIRST_TOKENS)
+    assert turns["block"] == BLOCK
+    return turns
 
 
 def test_turns_equal_no_speculation_without_caching(two_turns):
@@ -133,18 +162,8 @@ def test_boundary_states_are_the_models(two_turns):
     """Every boundary state written while decoding, every GDN layer: the fp64 model's state and conv window after
     the same tokens. Boundaries at the verified root and at drafts are among them."""
     captured = two_turns["captured"]
-    assert {node == 0 for _, _, node, _ in captured} == {True, False}
-    model = two_turns["exact"]._model
-    for request, position, node, states in captured:
-        with torch.no_grad():
-            cache = model(torch.tensor([two_turns["tokens"][request][:position]]), use_cache=True).past_key_values
-        for layer, state, conv in states:
-            # transformers keeps the state [HV, K, V] and the last w inputs
-            expected_state = cache.layers[layer].recurrent_states[0][0].transpose(-1, -2)
-            expected_conv = cache.layers[layer].conv_states[0][0][:, -conv.shape[1]:]
-            errors = (float((state - expected_state).norm() / expected_state.norm()),
-                      float((conv - expected_conv).norm() / expected_conv.norm()))
-            assert max(errors) <= STATE_TOLERANCE, (request, position, node, layer, errors)
+    assert {node == 0 for _, _, node, _, _ in captured} == {True, False}
+    _assert_boundary_states_are_the_models(two_turns, captured)
 
 
 def test_no_state_is_kept_on_vllms_objects(two_turns):
