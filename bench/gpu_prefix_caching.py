@@ -61,7 +61,7 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import gpu_site
+from bench import gpu_site, gpu_v2_chains
 from bench.gpu_v2_chains import engine_facts
 from bench.gpu_vllm_e2e import (LONG_CONTEXT_POSITIONS, add_common_args, device_facts, engine_kwargs,
                                 long_context_model, prompts_and_model, tree_model, verdict_record)
@@ -148,27 +148,21 @@ def run_name(args) -> str:
     return name + ("-dense" if args.dense else "") + ("-v1" if args.runner == "v1" else "")
 
 
+def _as_v2_chains_run(args) -> argparse.Namespace:
+    """This run as `bench.gpu_v2_chains` names its shape (a chain of K drafts or the tree, no threshold)."""
+    return argparse.Namespace(strategy=args.strategy, k=K, tree_widths=args.tree_widths, tree_max_batch_size=None)
+
+
 def speculative_config(args) -> dict | None:
-    """MTP with the strategy: the chain of K drafts, or (`--tree-widths`) the tree of those widths (num_speculative
-    tokens = its depth, as the README writes it); None without speculation."""
-    if args.strategy == "none":
-        return None
-    spec = {"method": "mtp", "num_speculative_tokens": K, "mamba_state_commit": args.strategy, **gpu_site.SPECULATIVE}
-    if args.tree_widths:
-        spec.update(num_speculative_tokens=len(args.tree_widths), draft_tree_widths=list(args.tree_widths))
-    return spec
+    """MTP with the strategy, the chain of K drafts or the tree (`gpu_v2_chains.speculative_config`); None without
+    speculation."""
+    return None if args.strategy == "none" else gpu_v2_chains.speculative_config(_as_v2_chains_run(args))
 
 
 def tokens_per_request(args) -> int:
-    """The tokens one request verifies per decode step (the CUDA graphs' sizes per request): 1, 1 + K, or 1 + the
-    tree's N nodes."""
-    if args.strategy == "none":
-        return 1
-    if not args.tree_widths:
-        return 1 + K
-    from vllm_treewy.tree import DraftTree
-
-    return 1 + DraftTree.from_widths(args.tree_widths).num_nodes
+    """The tokens one request verifies per decode step (the CUDA graphs' sizes per request): 1 without speculation,
+    else `gpu_v2_chains.tokens_per_request`."""
+    return 1 if args.strategy == "none" else gpu_v2_chains.tokens_per_request(_as_v2_chains_run(args))
 
 
 def run_spec(args) -> int:
