@@ -69,6 +69,8 @@ def load_points(out: Path) -> tuple[list[dict], dict]:
         if not runs:
             continue
         first = runs[0]
+        if first.get("profile"):  # a profiled point (bench.sweep.run.profiled_point) is not a measurement
+            continue
         axis = workload_axis(first["workload"])
         point = {
             "strategy": strategy_of(first),

@@ -51,6 +51,27 @@ def vllm_cli() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
+# A profiled point (`--points NAME-profile`): NAME's workload, one request per concurrency slot, with vLLM's torch
+# profiler started by the benchmark (`--profile`) and recording PROFILE_STEPS engine steps after PROFILE_DELAY_STEPS
+# (past the first wave's prefills, while the batch decodes). It runs after the measured points it is listed after,
+# so the profiler never runs during a measured point; the report leaves it out. The server writes the per-kernel
+# table (`*.profiler_out.txt`, device time) and the trace under OUT/profiles/SERVER/.
+PROFILE_DELAY_STEPS = 100
+PROFILE_STEPS = 10
+
+
+def profiled_point(point: dict) -> dict:
+    return {**point, "_benchmark_name": f"{point['_benchmark_name']}-profile", "profile": True,
+            "num_prompts": point["max_concurrency"]}  # fmt: skip
+
+
+def profiler_config(trace_dir: Path) -> dict:
+    """vLLM's `--profiler-config` for profiled points: the torch profiler in the engine only (the front end
+    records no steps), without Python stacks; idle until a benchmark with `--profile` starts it."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "delay_iterations": PROFILE_DELAY_STEPS,
+            "max_iterations": PROFILE_STEPS, "ignore_frontend": True, "torch_profiler_with_stack": False}  # fmt: skip
+
+
 @dataclasses.dataclass
 class SweepPlan:
     grid: Grid
@@ -76,7 +97,13 @@ def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, 
     workload_data = write_workloads(out / "workloads", grid.lengths, model.text, grid.workloads)
 
     serve_params = _selected(grid.serve_params(), only_servers, "server", grid.name)
-    bench_params = _selected(grid.bench_params(workload_data), only_points, "point", grid.name)
+    points = grid.bench_params(workload_data)
+    if only_points:  # profiled points run only where named
+        points += [profiled_point(p) for p in points]
+    bench_params = _selected(points, only_points, "point", grid.name)
+    if any(p.get("profile") for p in bench_params):
+        for record in serve_params:  # each server its own trace directory (the table's file name is per worker)
+            record["profiler_config"] = profiler_config(out / "profiles" / record["_benchmark_name"])
     params_dir = out / "params"
     params_dir.mkdir(parents=True, exist_ok=True)
     (params_dir / "serve.json").write_text(json.dumps(serve_params, indent=1) + "\n")

@@ -139,3 +139,50 @@ def test_server_starts_keep_each_start_up_from_the_log(tmp_path):
     records = json.loads(Path(tmp_path / "server_starts.json").read_text())
     assert [(r["call"], r["server"], r["start_in_call"], r["ready_s"]) for r in records] == [
         ("call-1", "store_all-kv52GiB", 1, 7.5), ("call-2", "reconstruct-kv52GiB", 1, 120.0)]
+
+
+def test_a_profiled_point_arms_vllms_profiler_on_every_server_and_stays_out_of_the_report(tmp_path, monkeypatch):
+    """`--points NAME-profile`: NAME's workload once more, one request per slot, with the benchmark's `--profile`;
+    every server then starts with vLLM's torch profiler configured (its own trace directory, the step window), which
+    vLLM's serve parser accepts; the report reads the measured point and skips the profiled one."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    from vllm.benchmarks.sweep.param_sweep import ParameterSweepItem
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from bench.sweep.report import load_points
+    from bench.sweep.run import PROFILE_DELAY_STEPS, PROFILE_STEPS, write_command_record
+
+    grid = GRIDS["h200-a3b"]
+    plan = plan_sweep(grid, tmp_path / "out", only_servers=["store_all-kv16GiB", "reconstruct-kv16GiB"],
+                      only_points=["generation_heavy-c256", "generation_heavy-c256-profile"], dry_run=True)  # fmt: skip
+    serve = json.loads((plan.out / "params" / "serve.json").read_text())
+    bench = json.loads((plan.out / "params" / "bench.json").read_text())
+    measured, profiled = bench
+    assert profiled["_benchmark_name"] == "generation_heavy-c256-profile" and profiled["profile"] is True
+    assert "profile" not in measured and measured["num_prompts"] == 384 and profiled["num_prompts"] == 256
+    assert {k: v for k, v in profiled.items() if k not in ("_benchmark_name", "profile", "num_prompts")} == \
+        {k: v for k, v in measured.items() if k not in ("_benchmark_name", "num_prompts")}
+    assert ParameterSweepItem(profiled).apply_to_cmd(["--model", "m"])[-1] == "--profile"
+    dirs = {r["profiler_config"]["torch_profiler_dir"] for r in serve}
+    assert dirs == {str(plan.out / "profiles" / r["_benchmark_name"]) for r in serve} and len(dirs) == 2
+    model = write_shape_config(tmp_path / "model", grid.model)
+    cmd = ParameterSweepItem(serve[0]).apply_to_cmd(
+        ["--model", str(model), *grid.serve_flags, "--load-format", "dummy", "--skip-tokenizer-init"])
+    profiler = EngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(cmd)) \
+        .create_engine_config().profiler_config
+    assert (profiler.profiler, profiler.delay_iterations, profiler.max_iterations, profiler.ignore_frontend) == \
+        ("torch", PROFILE_DELAY_STEPS, PROFILE_STEPS, True)
+    # without a profiled point no server is configured for it
+    plain = plan_sweep(grid, tmp_path / "plain", only_points=["generation_heavy-c256"], dry_run=True)
+    assert not any("profiler_config" in r for r in json.loads((plain.out / "params" / "serve.json").read_text()))
+
+    write_command_record(plan, ["run", "h200-a3b"])
+    for point in bench:
+        run = {**serve[0], **point, "workload": "generation_heavy", "output_throughput": 1.0}
+        result = plan.out / "raw" / grid.name / point["_benchmark_name"] / "summary.json"
+        result.parent.mkdir(parents=True)
+        result.write_text(json.dumps([run]))
+    points, _ = load_points(plan.out)
+    assert [p["result_dir"] for p in points] == [f"raw/{grid.name}/generation_heavy-c256"]
