@@ -275,9 +275,45 @@ def run_sweep(plan: SweepPlan, log_path: Path, echo=print) -> int:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
             raise
+        finally:
+            # A server interrupted in its start can outlive vLLM's sweep and hold the GPU for the next run.
+            stop_servers(plan.serve_cmd)
         returncode = proc.wait()
     echo(f"[sweep] finished in {_fmt_duration(time.monotonic() - start)} with exit status {returncode}", flush=True)
     return returncode
+
+
+def server_pids(serve_cmd: list[str]) -> list[int]:
+    """The processes running this plan's `vllm serve` (its arguments, port included, as the sweep starts it)."""
+    prefix = "\0".join(serve_cmd[serve_cmd.index("serve"):]).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if prefix in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def stop_servers(serve_cmd: list[str], grace_s: float = 20.0) -> list[int]:
+    """Ends the process group (server and engine core) of every process `server_pids` finds: SIGTERM, then
+    SIGKILL after `grace_s`. Returns the pids it found."""
+    pids = server_pids(serve_cmd)
+    groups = set()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(pid))
+    groups.discard(os.getpgrp())  # never our own group (a server the sweep starts has its own session)
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while groups and time.monotonic() < deadline and server_pids(serve_cmd):
+        time.sleep(0.5)
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    return pids
 
 
 def _follow(proc, plan: SweepPlan, log, log_path: Path, start: float, echo) -> None:

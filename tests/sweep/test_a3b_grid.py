@@ -186,3 +186,45 @@ def test_a_profiled_point_arms_vllms_profiler_on_every_server_and_stays_out_of_t
         result.write_text(json.dumps([run]))
     points, _ = load_points(plan.out)
     assert [p["result_dir"] for p in points] == [f"raw/{grid.name}/generation_heavy-c256"]
+
+
+def test_stop_servers_ends_a_server_that_outlived_the_sweep_and_nothing_else(tmp_path):
+    """A server cut in its start can outlive vLLM's sweep (H200, call 2 of bench/results/sweeps/h200-a3b-default):
+    the driver ends every process running its own serve command (port included), with its process group."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.sweep.run import server_pids, stop_servers
+
+    serve_cmd = ["vllm", "serve", str(tmp_path / "model"), "--host", "127.0.0.1", "--port", "48999"]
+    # a stand-in server: its arguments carry the serve command; its child stands for the engine core
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \
+           "time.sleep(120)"
+    server = subprocess.Popen([sys.executable, "-c", code, *serve_cmd[1:]], start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "serve", "--port", "48998"],
+                             start_new_session=True)
+    try:
+        time.sleep(1.0)
+        assert server_pids(serve_cmd) == [server.pid]
+        assert stop_servers(serve_cmd, grace_s=5.0) == [server.pid]
+        assert server.wait(timeout=10) != 0 and server_pids(serve_cmd) == []
+        group = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(int(p.name)) == server.pid]
+        assert group == [], "the engine core's stand-in survived"
+        assert other.poll() is None, "another server's process was ended"
+    finally:
+        for proc in (server, other):
+            proc.kill()
+            proc.wait()
+
+
+def _pgid(pid: int):
+    """The process group of a live process (None for an ended one, a zombie included: its parent may be gone)."""
+    import os
+
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+        return os.getpgid(pid)
+    except (ProcessLookupError, FileNotFoundError):
+        return None
