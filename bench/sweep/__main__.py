@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--points", nargs="+",
                      help="run only these benchmark points (names as `WORKLOAD-cN` or `WORKLOAD-rRATE`; `NAME-profile`: "
                           "NAME's workload under vLLM's torch profiler, not a measurement), in this order")
+    run.add_argument("--model-dir", help="where the model files go (default OUT/model); runs with other --out "
+                     "that share it start warm: the model's path is part of vLLM's torch.compile cache key")
     run.add_argument("--port", type=int, help="server port on 127.0.0.1 (default: a free one)")
     run.add_argument("--dry-run", action="store_true", help="write the parameter files and print the commands")
     run.add_argument("--no-report", action="store_true")

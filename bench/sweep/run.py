@@ -88,12 +88,14 @@ class SweepPlan:
 
 def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, only_points: list[str] | None = None,
                port: int | None = None, dry_run: bool = False, show_bench_progress: bool = False,
-               warm_worker: bool = True) -> SweepPlan:  # fmt: skip
+               warm_worker: bool = True, model_dir: Path | None = None) -> SweepPlan:  # fmt: skip
     """Prepares the model, the workload files and vLLM's parameter files; returns the commands to run. `only_servers`
     picks servers and the order vLLM's sweep starts them in (the first start of a call is the cold one);
-    `only_points` picks benchmark points and their order (the decisive ones first, before a call's limit)."""
+    `only_points` picks benchmark points and their order (the decisive ones first, before a call's limit).
+    `model_dir` (default OUT/model): where the model files go; the model's path is part of vLLM's torch.compile
+    cache key, so runs that share it start warm after the first."""
     out = out.resolve()
-    model = prepare_model(grid.model, out / "model")
+    model = prepare_model(grid.model, (model_dir or out / "model").resolve())
     workload_data = write_workloads(out / "workloads", grid.lengths, model.text, grid.workloads)
 
     serve_params = _selected(grid.serve_params(), only_servers, "server", grid.name)
@@ -386,7 +388,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     grid = GRIDS[args.grid]
     plan = plan_sweep(grid, Path(args.out), only_servers=args.only, only_points=args.points, port=args.port,
                       dry_run=args.dry_run, show_bench_progress=sys.stdout.isatty(),
-                      warm_worker=not args.process_per_point)  # fmt: skip
+                      warm_worker=not args.process_per_point,
+                      model_dir=Path(args.model_dir) if args.model_dir else None)  # fmt: skip
     print(f"[sweep] grid {grid.name}: {plan.num_points} points "
           f"({len(grid.budgets)} budgets x {len(grid.strategies)} strategies, filtered by --only: {args.only}, "
           f"--points: {args.points}), "

@@ -228,3 +228,16 @@ def _pgid(pid: int):
         return os.getpgid(pid)
     except (ProcessLookupError, FileNotFoundError):
         return None
+
+
+def test_runs_with_their_own_out_share_one_model_dir(tmp_path):
+    """`--model-dir`: two calls with their own `--out` serve the same model path (vLLM's compile cache key), so the
+    second start is warm; without it each OUT holds its own model."""
+    grid = GRIDS["h200-a3b"]
+    shared = tmp_path / "model"
+    first, second = (plan_sweep(grid, tmp_path / name, only_points=["generation_heavy-c256"], model_dir=shared,
+                                dry_run=True) for name in ("c1", "c2"))  # fmt: skip
+    assert first.serve_cmd == second.serve_cmd[:-1] + [first.serve_cmd[-1]]  # the same but for the port
+    assert str(shared.resolve()) in first.serve_cmd and (shared / "config.json").exists()
+    own = plan_sweep(grid, tmp_path / "c3", only_points=["generation_heavy-c256"], dry_run=True)
+    assert str((tmp_path / "c3" / "model").resolve()) in own.serve_cmd
