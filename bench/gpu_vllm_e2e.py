@@ -121,6 +121,10 @@ def add_common_args(parser, runs: bool = True):
     parser.add_argument("--cudagraph-mode", default=None, help="default: vLLM's (FULL_AND_PIECEWISE)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="a second opinion: vLLM's sync scheduler")
     parser.add_argument("--timing-repeats", type=int, default=3, help="timed passes per batch size (median)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="timed passes sample at this temperature, one seed per prompt (0: greedy); a sampled "
+                             "run's outputs are reported, never judged")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--profile-batch", type=int, nargs="+", default=None,
                         help="after the timed batches, profile one generate of each many prompts: GPU kernels, then "
                              "the host's Python under cProfile (bench/e2e_profile.py)")
@@ -152,6 +156,21 @@ def built_once(path: str, build) -> str:
     return path
 
 
+def generate(llm, prompts, lengths, args) -> list[list[int]]:
+    """Greedy continuations, or with `--temperature` > 0 sampled ones (request i seeded i, so that every pass and
+    engine draws the same seeds; top-p `--top-p`), all prompts submitted at once."""
+    from vllm import SamplingParams
+
+    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy
+
+    if args.temperature == 0:
+        return generate_greedy(llm, prompts, lengths)
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate(lengths)]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:
     """Outputs (of the first timed pass), tokens/s per batch size and, for a speculative engine, the mean acceptance
     length per batch size over its timed passes (1 + accepted drafts per verify, vLLM's "Mean acceptance length"; the
@@ -159,10 +178,10 @@ def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:
     Tokens/s: the median of `--timing-repeats` passes, after one warm-up pass over the same batch sizes. A pass at
     B = 1 lasts a fraction of a second, so one pass alone moved by 1.4x between two calls (2026-12-01); the passes of
     all batch sizes alternate, so drift spreads over them."""
-    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import read_acceptance
 
     for b in args.batch_sizes:
-        generate_greedy(llm, prompts[:b], [8] * b)
+        generate(llm, prompts[:b], [8] * b, args)
     outputs, samples = {}, {b: [] for b in args.batch_sizes}
     verifies, accepted = dict.fromkeys(args.batch_sizes, 0.0), dict.fromkeys(args.batch_sizes, 0.0)
     for _ in range(args.timing_repeats):
@@ -170,7 +189,7 @@ def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:
             before = read_acceptance(llm)
             start = time.perf_counter()
             lengths = request_lengths(args, b)
-            out = generate_greedy(llm, prompts[:b], lengths)
+            out = generate(llm, prompts[:b], lengths, args)
             samples[b].append(sum(lengths) / (time.perf_counter() - start))
             outputs.setdefault(b, out)
             if before is not None:

@@ -43,3 +43,33 @@ def test_staggered_lengths_shrink_the_batch():
     lengths = request_lengths(Namespace(max_tokens=128, staggered=True), 64)
     assert lengths[0] == 128 and min(lengths) >= 64 and len(set(lengths)) == 64  # every request ends at its own step
     assert lengths == sorted(lengths, reverse=True)
+
+
+def test_sampled_entries_sample_with_one_seed_per_request_and_are_never_judged(tmp_path):
+    """The catalog's -t1 engines time sampled passes (temperature 1.0, request i seeded i, the same in every pass
+    and engine); the reference judges greedy runs of its dtype only."""
+    env = dict(os.environ, DRY_RUN="1", ENGINES="tree221-bf16-t1 k3-bf16-t1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", WORK=str(tmp_path / "work"))
+    done = subprocess.run(["bash", "bench/run_gpu_v2_trees.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "reconstruct-tree221-bf16-t1 " in done.stdout and "reconstruct-k3-bf16-t1 " in done.stdout
+
+    from bench.gpu_vllm_e2e import generate
+
+    class Recorder:
+        def generate(self, prompts, params, use_tqdm):
+            self.params = params
+            return [Namespace(outputs=[Namespace(token_ids=[7] * p.max_tokens)]) for p in params]
+
+    llm = Recorder()
+    out = generate(llm, [[1, 2], [3]], [4, 2], Namespace(temperature=1.0, top_p=0.9))
+    assert out == [[7] * 4, [7] * 2]
+    assert [(p.temperature, p.top_p, p.seed, p.max_tokens, p.ignore_eos) for p in llm.params] == \
+        [(1.0, 0.9, 0, 4, True), (1.0, 0.9, 1, 2, True)]
+
+    args = Namespace(dtype="float16", batch_sizes=[1, 8])
+    assert gpu_v2_chains.batches_to_judge({"dtype": "float16", "temperature": 0.0}, args) == [1, 8]
+    assert gpu_v2_chains.batches_to_judge({"dtype": "float16", "temperature": 1.0}, args) == []
+    assert gpu_v2_chains.batches_to_judge({"dtype": "bfloat16"}, args) == []
