@@ -1,7 +1,7 @@
 """Accepted drafts per verify of the MTP chain and trees of one depth on vLLM's CPU backend (the fixture's blurred-MTP
 variant, reconstruct), and the acceptance per depth: greedy, what `tests/e2e/test_mtp_trees.py` holds in order, or
 sampled (`--temperature`, optional `--top-p`; one seed per prompt), where the exact tree sampler accepts a child with
-the target's probability of its token, so a second candidate counts for more than under greedy.
+the target's probability of its token (vLLM's rejection sampler the chain's greedy draft likewise).
 
     python3 bench/mtp_tree_acceptance.py --out bench/results/mtp_tree_acceptance_cpu/acceptance.json
     python3 bench/mtp_tree_acceptance.py --temperature 1.0 --num-prompts 16 --max-tokens 48 \
