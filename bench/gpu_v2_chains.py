@@ -191,8 +191,9 @@ def run_spec(args, turns: Turns) -> int:
         turns.hold_until_the_last_timing()
     result = {
         "name": name, "strategy": args.strategy, "k": args.k, "tree_widths": args.tree_widths, "dtype": args.dtype,
-        "temperature": args.temperature, "top_p": args.top_p, "blurred_mtp": args.blurred_mtp, "engine_start_s": started, **facts, "timing": timing,
-        "steps": steps, "outputs": {str(b): o for b, o in outputs.items()},
+        "temperature": args.temperature, "top_p": args.top_p, "blurred_mtp": args.blurred_mtp,
+        "engine_start_s": started, **facts, "timing": timing, "steps": steps,
+        "outputs": {str(b): o for b, o in outputs.items()},
         "tokens_per_s": {str(b): t for b, t in tokens_per_s.items()},
         "acceptance_rate": ((after.num_accepted_tokens - before.num_accepted_tokens)
                             / max(after.num_draft_tokens - before.num_draft_tokens, 1)),

@@ -41,7 +41,8 @@ for k in 3 2; do
   catalog[k$k-bf16]="--k $k --dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
 done
 # Sampled throughput (-t1: temperature 1.0, request i seeded i, as users run at temperature > 0): a tree's exact
-# sampler accepts a child with the target's probability of its token, so widths count differently than under greedy.
+# sampler accepts a child with the target's probability of its token, so its acceptance differs from greedy's
+# (bench/results/mtp_tree_acceptance_cpu: on the fixture the trees gain less over the chain than under greedy).
 for name in tree221-bf16 tree322-bf16 tree42-bf16 k3-bf16 k2-bf16; do
   catalog[$name-t1]="${catalog[$name]} --temperature 1.0 --name-suffix bf16-t1"
 done
