@@ -157,18 +157,12 @@ def built_once(path: str, build) -> str:
 
 
 def generate(llm, prompts, lengths, args) -> list[list[int]]:
-    """Greedy continuations, or with `--temperature` > 0 sampled ones (request i seeded i, so that every pass and
-    engine draws the same seeds; top-p `--top-p`), all prompts submitted at once."""
-    from vllm import SamplingParams
-
-    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy
+    """Greedy continuations, or with `--temperature` > 0 sampled ones (request i seeded i; top-p `--top-p`)."""
+    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy, generate_sampled
 
     if args.temperature == 0:
         return generate_greedy(llm, prompts, lengths)
-    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=i, max_tokens=n, ignore_eos=True)
-              for i, n in enumerate(lengths)]
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return generate_sampled(llm, prompts, lengths, args.temperature, args.top_p)
 
 
 def timed_batches(llm, prompts, args) -> tuple[dict, dict, dict]:

@@ -52,10 +52,7 @@ def main() -> int:
             acceptance = run_greedy(model, prompts, [args.max_tokens] * args.num_prompts, speculative_config=spec,
                                     max_num_seqs=MAX_NUM_SEQS).acceptance
         else:
-            params = [vllm.SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=1000 + i,
-                                          max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(prompts))]
-            acceptance = sampled_acceptance(model, prompts, params, speculative_config=spec,
-                                            max_num_seqs=MAX_NUM_SEQS)
+            acceptance = sampled_acceptance(model, prompts, args, speculative_config=spec, max_num_seqs=MAX_NUM_SEQS)
         name = "x".join(map(str, widths))
         rows[name] = {"accepted_per_verify": acceptance.num_accepted_tokens / acceptance.num_drafts,
                       "per_depth_rate": acceptance.per_position_rate[: len(widths)], "verifies": acceptance.num_drafts}
@@ -69,14 +66,14 @@ def main() -> int:
     return 0
 
 
-def sampled_acceptance(model: str, prompts: list[list[int]], params: list, **engine_kwargs):
-    """The spec-decode counters of one engine that samples `prompts` with `params`. A function of its own, as
-    `run_greedy`: the engine must be gone before the next one starts (a caller's variable would keep it alive, and
-    its teardown would then end the next engine's distributed state)."""
-    from vllm_treewy.vllm_plugin.testing.equivalence import engine, read_acceptance
+def sampled_acceptance(model: str, prompts: list[list[int]], args, **engine_kwargs):
+    """The spec-decode counters of one engine that samples `prompts` (`args`' temperature, top-p and length; request
+    i seeded 1000 + i). A function of its own, as `run_greedy`: the engine must be gone before the next one starts
+    (a caller's variable would keep it alive, and its teardown would then end the next engine's distributed state)."""
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_sampled, read_acceptance
 
     with engine(model, **engine_kwargs) as llm:
-        llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        generate_sampled(llm, prompts, [args.max_tokens] * len(prompts), args.temperature, args.top_p, first_seed=1000)
         return read_acceptance(llm)
 
 

@@ -279,7 +279,10 @@ GRIDS["h200-27b-core"] = replace(
 # kv_cache_memory_bytes: exact, so vLLM's capacity is known before the run (`python3 -m bench.sweep.capacity
 # qwen35-35b-a3b --kv-gib 16 52 --max-model-len 1024`). Every request of these lengths fits one attention block
 # (1,072 tokens store_all, 1,184 reconstruct), so it holds 3 GDN groups x (1 + k) blocks + 1 under store_all and
-# 3 + 1 under reconstruct. 52 GiB is about what gmu 0.9 leaves beside the weights and start-up peak.
+# 3 + 1 under reconstruct. 52 GiB is about what gmu 0.9 leaves beside the weights and start-up peak. The capacity
+# is computed with prefix caching off; with it on (the grid's setting) vLLM reports less (align mode's extra GDN page
+# per request and group) but admits as many requests of these lengths, which never leave their first block
+# (bench/results/sweeps/h200-a3b-default: 54 and 160 running at 16 GiB, as without caching).
 A3B_MAX_MODEL_LEN = 1024
 A3B_BUDGETS = (
     Budget("kv52GiB", {"kv_cache_memory_bytes": 52 * GiB},

@@ -20,7 +20,13 @@ from vllm_treewy.fixture import PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, PR
 from vllm_treewy.fixture import blurred_mtp_variant, prompts_before_a_block_boundary
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
+from vllm_treewy.vllm_plugin.testing.equivalence import (
+    compare_tie_aware,
+    engine,
+    generate_greedy,
+    generate_sampled,
+    run_greedy,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -218,14 +224,9 @@ SEEDED_TOKENS = 24
 
 
 def _seeded(model: str, prompt_ids, speculative_config) -> list[list[int]]:
-    from vllm import SamplingParams
-
     kwargs = {} if speculative_config is None else {"speculative_config": speculative_config}
     with engine(model, max_num_seqs=MAX_NUM_SEQS, **kwargs) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                               [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=SEEDED_TOKENS,
-                                               ignore_eos=True) for i in range(len(prompt_ids))], use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+        return generate_sampled(llm, prompt_ids, [SEEDED_TOKENS] * len(prompt_ids), 0.8, top_p=0.95, first_seed=100)
 
 
 def test_seeded_requests_draw_as_without_speculation(blurred_model):

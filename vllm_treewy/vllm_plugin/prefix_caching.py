@@ -63,8 +63,8 @@ boundary. The same kernel runs with the commit table the verify follows (`commit
 `draft_tree_max_batch_size`): on V1 from `accepted_counts` after vLLM's own update, on V2 from `runner_v2`'s
 postprocess_sampled hook with V2's tensors (after the tree sampler and its acceptance graphs, outside them); the tree
 sampler then leaves the slots' counts to it (the slot is the running column, not column 0). vLLM's pre-copy and
-skipped post-processing are the chains': nothing in them depends on the draft shape. The runner-independent parts (the kernels, `boundary_layers`)
-take tensors only.
+skipped post-processing are the chains': nothing in them depends on the draft shape. The runner-independent parts
+(the kernels, `boundary_layers`) take tensors only.
 """
 
 from __future__ import annotations

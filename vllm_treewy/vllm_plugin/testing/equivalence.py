@@ -101,8 +101,20 @@ def greedy_params(max_tokens: int) -> SamplingParams:
 
 def generate_greedy(llm: LLM, prompt_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Greedy continuations, all prompts submitted at once (so prefills and decodes share batches)."""
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    outputs = llm.generate(prompts, [greedy_params(n) for n in max_tokens], use_tqdm=False)
+    return _generate(llm, prompt_ids, [greedy_params(n) for n in max_tokens])
+
+
+def generate_sampled(llm: LLM, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float,
+                     top_p: float = 1.0, first_seed: int = 0) -> list[list[int]]:
+    """Sampled continuations (request i seeded `first_seed + i`, so that every pass and engine draws the same seeds),
+    all prompts submitted at once."""
+    return _generate(llm, prompt_ids, [SamplingParams(temperature=temperature, top_p=top_p, seed=first_seed + i,
+                                                      max_tokens=n, ignore_eos=True)
+                                       for i, n in enumerate(max_tokens)])  # fmt: skip
+
+
+def _generate(llm: LLM, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
