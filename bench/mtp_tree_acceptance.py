@@ -3,7 +3,8 @@ variant, reconstruct), and the acceptance per depth: greedy, what `tests/e2e/tes
 sampled (`--temperature`, optional `--top-p`; one seed per prompt), where the exact tree sampler accepts a child with
 the target's probability of its token (vLLM's rejection sampler the chain's greedy draft likewise).
 
-    python3 bench/mtp_tree_acceptance.py --out bench/results/mtp_tree_acceptance_cpu/acceptance.json
+    python3 bench/mtp_tree_acceptance.py --num-prompts 16 --max-tokens 48 --widths 1 2 4 8 1,1 4,2 1,1,1 2,2,1 \
+        3,2,2 1,1,1,1 2,2,2,1 3,2,2,1 2,2,2,2 --out bench/results/mtp_tree_acceptance_cpu/greedy_by_depth.json
     python3 bench/mtp_tree_acceptance.py --temperature 1.0 --num-prompts 16 --max-tokens 48 \
         --widths 1,1,1 2,2,1 3,2,2 1,1 4,2 --out bench/results/mtp_tree_acceptance_cpu/sampled_t1.json
 

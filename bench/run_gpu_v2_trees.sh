@@ -24,9 +24,11 @@ limit=${CALL_LIMIT_S:-480}
 # The engine catalog: name -> engine arguments (the strategy is reconstruct for all). ENGINES picks the call's
 # engines by name (default: the fp16 trees [2,2,1] and [2,1,1] and the bf16 tree [2,2,1]); BATCHES the batch sizes.
 # fp16 engines are judged (one timed pass: their outputs are what is judged); bf16 ones report tokens/s (median of
-# 3 passes) and acceptance beside the bf16 chains of the same depth (k3: depth 3, k2: depth 2 for [4,2]).
+# 3 passes) and acceptance beside the bf16 chains of the same depth (k3: depth 3, k2: depth 2 for [4,2], k4: depth 4
+# for [3,2,2,1], k1: depth 1 for [4]). On the CPU greedy acceptance (bench/results/mtp_tree_acceptance_cpu) the
+# tree's gain over the chain grows with depth: [4] 1.08x, [4,2] 1.18x, [3,2,2] 1.19x, [3,2,2,1] 1.20x.
 declare -A catalog
-for w in 221 211 322 42; do
+for w in 221 211 322 42 3221 4; do
   widths=$(echo "$w" | sed 's/./& /g')
   catalog[tree$w-fp16]="--tree-widths $widths--dtype float16 --blurred-mtp --name-suffix fp16 --timing-repeats 1"
   catalog[tree$w-bf16]="--tree-widths $widths--dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
@@ -37,7 +39,7 @@ done
 for d in fp16 bf16; do
   catalog[tree221t8-$d]="${catalog[tree221-$d]} --tree-max-batch-size 8"
 done
-for k in 3 2; do
+for k in 4 3 2 1; do
   catalog[k$k-bf16]="--k $k --dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
 done
 # Sampled throughput (-t1: temperature 1.0, request i seeded i, as users run at temperature > 0): a tree's exact

@@ -30,7 +30,7 @@ from vllm_treewy.vllm_plugin.testing.equivalence import (
 
 pytestmark = pytest.mark.e2e
 
-WIDTHS = ([2, 1, 1], [2, 2, 1], [3, 2, 2], [4, 2])
+WIDTHS = ([2, 1, 1], [2, 2, 1], [3, 2, 2], [4, 2], [4])  # [4]: a depth-1 tree (no drafting level)
 CHAIN = [1, 1, 1]
 PREEMPTED_WIDTHS = ([2, 2, 1], [3, 2, 2])
 NUM_PROMPTS = 8

@@ -261,7 +261,7 @@ def reference_tree(head, root_token, root_hidden, widths):
 
 
 @pytest.mark.parametrize("graph_size", [None, 5])
-@pytest.mark.parametrize("widths", [[2, 2, 1], [2, 1, 1], [3, 2]])
+@pytest.mark.parametrize("widths", [[2, 2, 1], [2, 1, 1], [3, 2], [4]])
 def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_size):
     """graph_size 5: the levels as a captured graph of 5 padded requests replays them (the same body, `_draft_levels`,
     over the persistent buffers; padding rows write no K/V); None: eagerly for the 3 requests."""
@@ -275,14 +275,15 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
                            uses_dynamic_speculative_decoding=lambda: False)
     speculator = tree_speculator_v2.make_tree_speculator_class(FakeV2Speculator)(
         v2_config(spec), torch.device("cpu"))
-    # a tree row (1 + N tokens, 2 accepted: nodes 0 then its first child), a one-token decode, a tree row (none)
+    # a tree row (1 + N tokens, 2 accepted: nodes 0 then its first child; a depth-1 tree: node 0), a one-token
+    # decode, a tree row (none)
     block = 1 + tree.num_nodes
     batch = v2_batch([block, 1, block], [tree.num_nodes, 0, tree.num_nodes], [False] * 3, [20, 9, 60])
     step = tree_runner_v2.find_tree_step_v2(tree, batch)
     override_positions(batch.positions, step)
-    first_child = tree.parents.index(0)
+    path = [0, tree.parents.index(0)] if tree.max_depth > 1 else [0]
     accepted_nodes = torch.full((2, tree.max_depth), -1)
-    accepted_nodes[0, :2] = torch.tensor([0, first_child])
+    accepted_nodes[0, : len(path)] = torch.tensor(path)
     acceptance = SimpleNamespace(accepted_nodes=accepted_nodes)
     speculator.tree_state.accepted = (step, acceptance)
     if graph_size is not None:  # a stand-in of the captured graph: its replay runs the captured body
@@ -295,18 +296,18 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
     batch.seq_lens_cpu_upper_bound = torch.tensor([20 + block, 10, 60 + block], dtype=torch.int32)
     hidden = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
     batch = dataclasses.make_dataclass("FakeInputBatch", list(vars(batch)))(**vars(batch))  # V2's is a dataclass
-    num_rejected = torch.tensor([tree.num_nodes - 2, 0, tree.num_nodes])
+    num_rejected = torch.tensor([tree.num_nodes - len(path), 0, tree.num_nodes])
     last_sampled = torch.tensor([11, 12, 13])
     treed = {"attn": with_tree(FakeMetadata(block), tree_qq_bias=torch.zeros(1))}
     drafts = speculator.propose(batch, treed, None, hidden, None, None, num_rejected, last_sampled, None, None, None,
                                 num_speculative_tokens=tree.num_nodes)
     (num_spec, first_metadata), = speculator.first_pass_calls
     assert num_spec == 1 and tree_qq_bias_of(first_metadata["attn"]) is None  # V2's own first pass, causal
-    # the first pass saw tree row 0's accepted path as a chain: its last row is block index 2 <- node first_child
+    # the first pass saw tree row 0's accepted path as a chain: its last row is block index len(path) <- path[-1]
     last_rows, root_positions = speculator.first_pass_roots
-    assert last_rows == [2, block, block + 1 + 0]
-    chain_hidden = {0: hidden[1 + first_child], 1: hidden[block], 2: hidden[block + 1]}  # 1 + node index
-    chain_positions = {0: 22, 1: 9, 2: 60}
+    assert last_rows == [len(path), block, block + 1 + 0]
+    chain_hidden = {0: hidden[1 + path[-1]], 1: hidden[block], 2: hidden[block + 1]}  # 1 + node index
+    chain_positions = {0: 20 + len(path), 1: 9, 2: 60}
     assert root_positions == [chain_positions[r] for r in range(3)]
     for r in range(3):
         assert drafts[r].tolist() == reference_tree(speculator.head, int(last_sampled[r]), chain_hidden[r], widths)
@@ -316,7 +317,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
                                            tree_speculator_v2.level_trees(widths)):
         assert tree_qq_bias_of(metadata["mtp.attn"]).shape[1] == 1 + level.num_nodes
         level_block = 1 + level.num_nodes
-        expected = torch.cat([torch.arange(p, p + level_block) for p in (22, 9, 60)])
+        expected = torch.cat([torch.arange(p, p + level_block) for p in (chain_positions[0], 9, 60)])
         table = speculator.block_tables.input_block_tables[0]
         rows = torch.arange(3).repeat_interleave(level_block)
         assert slots[0, : 3 * level_block].tolist() == (table[rows, expected // 16].long() * 16

@@ -143,7 +143,7 @@ class TreeMtpProposer(EagleProposer):
         # Head outputs per verified-block index: the root's, then each forwarded node's.
         outputs = root_output.new_empty(num_reqs, 1 + self.nodes_below[-2], root_output.shape[-1])
         outputs[:, 0] = root_output
-        blocks = self._level_blocks(root_positions, cad)
+        blocks = self._level_blocks(root_positions, cad) if self.levels else None  # a depth-1 tree: no level
         for level, tree in enumerate(self.levels, start=1):
             first, last = self.nodes_below[level - 1], self.nodes_below[level]  # this level's nodes [first, last)
             output = self._forward_level(tree, tokens[:, :last], outputs, root_positions, root_inputs, cad, blocks)

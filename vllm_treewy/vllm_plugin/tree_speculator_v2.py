@@ -228,6 +228,8 @@ def make_tree_speculator_class(base):
             outputs[:, 0] = bufs.root_output[:num_reqs]
             root_logits = self.model.compute_logits(bufs.root_output[:num_reqs])
             tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
+            if not self.levels:  # a depth-1 tree: the first pass's top-w1 is the whole tree
+                return
             # The deepest level's block: every level's block is a prefix of it (positions, KV slots once per step).
             offsets = device_arange(widest, self.device)
             positions = (root_positions[:, None] + self.tree_constants(self.levels[-1]).depths).clamp_(
