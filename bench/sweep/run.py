@@ -154,6 +154,7 @@ def plan_sweep(grid: Grid, out: Path, *, only_servers: list[str] | None = None, 
     # A server runs its engine core in its own process, as deployed (the in-process engine is for tests).
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TRITON_PRINT_AUTOTUNING", "1")  # the start-up's autotuning in server_starts.json
     return SweepPlan(grid, out, port, serve_cmd, bench_cmd, after_bench_cmd, sweep_cmd, env,
                      len(serve_params) * len(bench_params), worker_socket)  # fmt: skip
 
@@ -226,13 +227,19 @@ _START_PHASES = (
     ("kv_cache_max_concurrency", re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")),
 )
 _READY = "Application startup complete."
+# Triton's autotuner, with TRITON_PRINT_AUTOTUNING=1 (the plan's servers run with it), reports each tuning it does in
+# a process (not one it read from TRITON_CACHE_AUTOTUNING's cache) over four lines: the kernel's name on the first,
+# its benchmarking seconds on the third.
+_AUTOTUNE_NAME = re.compile(r"Triton autotuning for function (\w+),")
+_AUTOTUNE_TIME = re.compile(r"finished after ([\d.]+)s,")
 
 
 class ServerStarts:
     """Each server's start-up as the sweep ran it: wall seconds from vLLM's sweep announcing the server to its API
     server's "Application startup complete." (`ready_s`), the phases the engine logs (`_START_PHASES`), and its
-    place among the call's starts (the first start of a call is the cold one: the device starts bare). Kept in
-    OUT/server_starts.json, appended call by call."""
+    place among the call's starts (the first start of a call is the cold one: the device starts bare), and the Triton
+    autotuning it did before it was ready (`autotune_s`: the benchmarking seconds Triton reports, summed;
+    `autotune_kernels`: tunings per kernel). Kept in OUT/server_starts.json, appended call by call."""
 
     def __init__(self, path: Path, call: str):
         self.path = path
@@ -244,8 +251,10 @@ class ServerStarts:
 
     def server(self, name: str, now: float) -> None:
         self.order += 1
-        self.current = {"server": name, "call": self.call, "start_in_call": self.order}
+        self.current = {"server": name, "call": self.call, "start_in_call": self.order, "autotune_s": 0.0,
+                        "autotune_kernels": {}}
         self.started = now
+        self.tuning: str | None = None  # the kernel whose autotuning report is being read
 
     def line(self, text: str, now: float) -> None:
         if self.current is None or "ready_s" in self.current:
@@ -256,6 +265,13 @@ class ServerStarts:
                 *module, value = match.groups()
                 key = field if not module or module[0] == "backbone" else f"{module[0]}_{field}"
                 self.current[key] = float(value)
+        if match := _AUTOTUNE_NAME.search(text):
+            self.tuning = match.group(1)
+        elif self.tuning is not None and (match := _AUTOTUNE_TIME.search(text)):
+            self.current["autotune_s"] = round(self.current["autotune_s"] + float(match.group(1)), 2)
+            kernels = self.current["autotune_kernels"]
+            kernels[self.tuning] = kernels.get(self.tuning, 0) + 1
+            self.tuning = None
         if _READY in text:
             self.current["ready_s"] = round(now - self.started, 1)
             self.records.append(self.current)

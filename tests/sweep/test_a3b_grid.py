@@ -116,6 +116,15 @@ def test_server_starts_keep_each_start_up_from_the_log(tmp_path):
         (1.0, "(EngineCore pid=7) INFO [monitor.py:62] [backbone] torch.compile took 34.15 s in total", None),
         (2.0, "(EngineCore pid=7) INFO [monitor.py:62] [eagle_head] torch.compile took 8.15 s in total", None),
         (3.0, "(EngineCore pid=7) INFO [monitor.py:91] [backbone] Initial profiling/warmup run took 86.37 s", None),
+        (3.1, "(EngineCore pid=7) Triton autotuning for function chunk_fwd_kernel_o,", None),
+        (3.2, "(EngineCore pid=7) with key as (16, 32, 128, 128, 'torch.bfloat16'),", None),
+        (3.3, "(EngineCore pid=7) finished after 2.50s,", None),
+        (3.4, "(EngineCore pid=7) best config selected: BK: 64, BV: 64, num_warps: 4, num_stages: 2;", None),
+        (3.5, "(EngineCore pid=7) Triton autotuning for function solve_tril,", None),
+        (3.6, "(EngineCore pid=7) with key as (16, 'torch.float32'),", None),
+        (3.7, "(EngineCore pid=7) finished after 1.25s,", None),
+        (3.8, "(EngineCore pid=7) Triton autotuning for function chunk_fwd_kernel_o,", None),
+        (3.9, "(EngineCore pid=7) finished after 0.75s,", None),
         (4.0, "(EngineCore pid=7) INFO [kernel_warmup.py:189] JIT kernel warmup finished in 38.00s.", None),
         (5.0, "(EngineCore pid=7) INFO [gpu_model_runner.py:6581] Graph capturing finished in 15 secs, took 0.7 GiB",
          None),
@@ -131,7 +140,8 @@ def test_server_starts_keep_each_start_up_from_the_log(tmp_path):
     records = json.loads(Path(tmp_path / "server_starts.json").read_text())
     assert records == [{"server": "store_all-kv52GiB", "call": "call-1", "start_in_call": 1, "torch_compile_s": 34.15,
                         "eagle_head_torch_compile_s": 8.15, "profile_run_s": 86.37, "jit_warmup_s": 38.0,
-                        "graph_capture_s": 15.0, "init_engine_s": 202.0, "ready_s": 7.5}]  # fmt: skip
+                        "graph_capture_s": 15.0, "init_engine_s": 202.0, "ready_s": 7.5, "autotune_s": 4.5,
+                        "autotune_kernels": {"chunk_fwd_kernel_o": 2, "solve_tril": 1}}]  # fmt: skip
     # a server that never got ready is not recorded; the next call appends to the same file
     again = ServerStarts(tmp_path / "server_starts.json", "call-2")
     again.server("reconstruct-kv52GiB", 0.0)
