@@ -368,6 +368,9 @@ def _follow(proc, plan: SweepPlan, log, log_path: Path, start: float, echo) -> N
             echo(f"[sweep] {text} (see {log_path})", flush=True)
 
 
+_RECORDED_ENV = ("VLLM_", "TRITON_", "TORCHINDUCTOR_", "CUDA_VISIBLE_DEVICES")
+
+
 def write_command_record(plan: SweepPlan, argv: list[str]) -> None:
     grid = dataclasses.asdict(plan.grid)
     record = {
@@ -377,6 +380,9 @@ def write_command_record(plan: SweepPlan, argv: list[str]) -> None:
         "bench_command": shlex.join(plan.bench_cmd),
         "port": plan.port,
         "grid": grid,
+        # what else the servers ran with (e.g. TRITON_CACHE_AUTOTUNING=1 for starts that reuse Triton's tunings)
+        "environment": {k: v for k, v in sorted(plan.env.items())
+                        if k.startswith(_RECORDED_ENV) and not any(word in k for word in ("KEY", "TOKEN", "SECRET"))},
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpu_count": os.cpu_count(), "processor": platform.processor(),
                     # Other work on a shared machine moves every figure; the report says how loaded it was.

@@ -189,6 +189,8 @@ def test_a_profiled_point_arms_vllms_profiler_on_every_server_and_stays_out_of_t
     assert not any("profiler_config" in r for r in json.loads((plain.out / "params" / "serve.json").read_text()))
 
     write_command_record(plan, ["run", "h200-a3b"])
+    environment = json.loads((plan.out / "command.json").read_text())["environment"]
+    assert environment["TRITON_PRINT_AUTOTUNING"] == "1" and "PYTHONPATH" not in environment
     for point in bench:
         run = {**serve[0], **point, "workload": "generation_heavy", "output_throughput": 1.0}
         result = plan.out / "raw" / grid.name / point["_benchmark_name"] / "summary.json"
