@@ -248,13 +248,14 @@ class ServerStarts:
         self.current: dict | None = None
         self.started = 0.0
         self.order = 0
+        self.tuning: str | None = None  # the kernel whose autotuning report is being read
 
     def server(self, name: str, now: float) -> None:
         self.order += 1
         self.current = {"server": name, "call": self.call, "start_in_call": self.order, "autotune_s": 0.0,
                         "autotune_kernels": {}}
         self.started = now
-        self.tuning: str | None = None  # the kernel whose autotuning report is being read
+        self.tuning = None
 
     def line(self, text: str, now: float) -> None:
         if self.current is None or "ready_s" in self.current:
