@@ -12,6 +12,8 @@ points it runs against each (workload x concurrency, or x arrival rate for the b
   where store_all's concurrency binds (`bench.sweep.capacity` computes where, `bench/sweep/README.md` has the table);
   decode-heavy and chat workloads at concurrency 1 to 512. `h200-a3b-core`: its speculative strategies at the budget
   where store_all binds and reconstruct does not, split over two device calls with `--only` and `--points`.
+- `h200-a10b-16l`: the same at Qwen3.5-122B-A10B's layer on 16 of its 48 layers (GDN states twice the A3B's),
+  budgets 32 and 16 GiB.
 
 Memory budget: on CUDA `--gpu-memory-utilization`; on CPU the KV-cache bytes. vLLM's CPU platform turns
 `VLLM_CPU_KVCACHE_SPACE` (whole GiB) into `kv_cache_memory_bytes`; the fixture's state is so small that it binds
@@ -334,6 +336,23 @@ GRIDS["h200-a3b"] = Grid(
     labels=("H200 through ../shared/tools/gpu-vllm: vLLM 0.32 default compilation with its compiled ops, "
             "Triton attention, the runner vLLM picks (V2), prefix caching on (vLLM's default), capture sizes up to "
             "512 requests, dummy weights, synthetic acceptance",),
+)
+# Qwen3.5-122B-A10B's layer on 16 of its 48 layers (bench.sweep.models.QWEN35_122B_A10B_16L, ~82 GiB of bf16
+# weights with its MTP layer): the A3B grid's workloads, lengths and flags at this shape. A GDN state is twice the
+# A3B's (64 value heads: 4 MiB fp32 per layer), 12 GDN layers a request. `python3 -m bench.sweep.capacity
+# qwen35-122b-a10b-16l --kv-gib 16 32 --max-model-len 1024`: each request holds one attention block and 3 GDN
+# groups x (1 + k) blocks + 1 under store_all, 3 + 1 under reconstruct, as at the A3B shape.
+A10B_BUDGETS = (
+    Budget("kv32GiB", {"kv_cache_memory_bytes": 32 * GiB},
+           "store_all binds (121.2 requests), reconstruct at 512 only (364.0; no speculation 500.2)"),
+    Budget("kv16GiB", {"kv_cache_memory_bytes": 16 * GiB},
+           "both bind: store_all 60.6 requests, reconstruct 182.0 (no speculation 250.0)"),
+)
+GRIDS["h200-a10b-16l"] = replace(
+    GRIDS["h200-a3b"], name="h200-a10b-16l",
+    description="Qwen3.5-122B-A10B's layer on 16 layers (MoE), dummy weights, synthetic acceptance 2.8 of 4, one "
+                "H200, KV budgets where store_all binds",
+    model="qwen35-122b-a10b-16l", budgets=A10B_BUDGETS,
 )
 # What two device calls hold: store_all and reconstruct where only store_all binds. Call 1 runs the decisive points
 # (`--points generation_heavy-c512 generation_heavy-c256`), call 2 the rest of the decode-heavy concurrencies.

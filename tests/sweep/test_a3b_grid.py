@@ -51,7 +51,26 @@ def test_a3b_budgets_bind_store_all_where_the_grid_says():
     assert round(binding["reconstruct"].max_concurrency, 1) == 523.2
 
 
-def test_every_a3b_server_builds_its_vllm_config(tmp_path, monkeypatch):
+def test_a10b_budgets_bind_store_all_where_the_grid_says():
+    grid = GRIDS["h200-a10b-16l"]
+    caps = {budget.name: {s: capacity(grid.model, s, budget.serve_params["kv_cache_memory_bytes"],
+                                      max_model_len=grid.max_model_len) for s in ("no_spec", "store_all", "reconstruct")}
+            for budget in grid.budgets}  # fmt: skip
+    for by_strategy in caps.values():
+        for cap in by_strategy.values():
+            assert cap.attention_block_size >= grid.max_model_len
+            assert cap.num_blocks >= 512, "vLLM's FULL-graph check: max_num_seqs (512) <= the Mamba blocks"
+    binding, tight = caps["kv32GiB"], caps["kv16GiB"]
+    assert binding["store_all"].max_concurrency < 128 and 256 < binding["reconstruct"].max_concurrency < 512
+    assert tight["store_all"].max_concurrency < 64 and 128 < tight["reconstruct"].max_concurrency < 256
+    # what grids.py states
+    assert [round(binding[s].max_concurrency, 1) for s in ("no_spec", "store_all", "reconstruct")] == [
+        500.2, 121.2, 364.0]
+    assert [round(tight[s].max_concurrency, 1) for s in ("no_spec", "store_all", "reconstruct")] == [250.0, 60.6, 182.0]
+
+
+@pytest.mark.parametrize("grid_name", ["h200-a3b", "h200-a10b-16l"])
+def test_every_a3b_server_builds_its_vllm_config(tmp_path, monkeypatch, grid_name):
     """Each server's `vllm serve` flags (the grid's, then its record's, as vLLM's sweep applies them) parse with
     vLLM's serve parser and build the engine config with the plugin: the budget, the speculative strategy, the cap.
     vLLM's CPU platform would replace the budget by VLLM_CPU_KVCACHE_SPACE, which the e2e harness sets when
@@ -64,7 +83,7 @@ def test_every_a3b_server_builds_its_vllm_config(tmp_path, monkeypatch):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     plugin.register()
-    grid = GRIDS["h200-a3b"]
+    grid = GRIDS[grid_name]
     model = write_shape_config(tmp_path / "model", grid.model)
     seen = set()
     for record in grid.serve_params():
