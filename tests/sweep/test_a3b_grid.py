@@ -70,7 +70,7 @@ def test_a10b_budgets_bind_store_all_where_the_grid_says():
 
 
 @pytest.mark.parametrize("grid_name", ["h200-a3b", "h200-a10b-16l"])
-def test_every_a3b_server_builds_its_vllm_config(tmp_path, monkeypatch, grid_name):
+def test_every_moe_grid_server_builds_its_vllm_config(tmp_path, monkeypatch, grid_name):
     """Each server's `vllm serve` flags (the grid's, then its record's, as vLLM's sweep applies them) parse with
     vLLM's serve parser and build the engine config with the plugin: the budget, the speculative strategy, the cap.
     vLLM's CPU platform would replace the budget by VLLM_CPU_KVCACHE_SPACE, which the e2e harness sets when
