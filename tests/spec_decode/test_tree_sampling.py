@@ -53,6 +53,7 @@ TREES = {  # parent arrays
     "2x2x1": DraftTree.from_widths([2, 2, 1]).parents,
     "3x2": DraftTree.from_widths([3, 2]).parents,
     "chain3": DraftTree.from_widths([1, 1, 1]).parents,
+    "4": DraftTree.from_widths([4]).parents,  # depth 1: the root's top 4, every node a leaf
     "irregular": (-1, -1, 0, 0, 0, 1, 2, 5),  # 2 children at the root, 3 and 1 below, a leaf at depth 3
 }
 
