@@ -42,10 +42,15 @@ done
 for k in 4 3 2 1; do
   catalog[k$k-bf16]="--k $k --dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
 done
+# Depth 4: [3,2,2,1] verifies 1 + 33 tokens a request, 256 of them 8,704 tokens: a token budget of 16,384 holds a
+# batch of 256 trees (and their graph); the chain of its depth runs with the same budget.
+for name in tree3221-fp16 tree3221-bf16 k4-bf16; do
+  catalog[$name]+=" --max-num-batched-tokens 16384"
+done
 # Sampled throughput (-t1: temperature 1.0, request i seeded i, as users run at temperature > 0): a tree's exact
 # sampler accepts a child with the target's probability of its token, so its acceptance differs from greedy's
 # (bench/results/mtp_tree_acceptance_cpu: on the fixture the trees gain less over the chain than under greedy).
-for name in tree221-bf16 tree322-bf16 tree42-bf16 k3-bf16 k2-bf16; do
+for name in tree221-bf16 tree322-bf16 tree42-bf16 tree3221-bf16 k4-bf16 k3-bf16 k2-bf16; do
   catalog[$name-t1]="${catalog[$name]} --temperature 1.0 --name-suffix bf16-t1"
 done
 engines=()

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_catalog_entries_parse_into_their_configs(tmp_path):
-    env = dict(os.environ, DRY_RUN="1", ENGINES="tree221t8-fp16 tree221t8-bf16 tree221-bf16 k3-bf16",
+    engines = "tree221t8-fp16 tree221t8-bf16 tree221-bf16 k3-bf16 tree3221-bf16-t1 k4-bf16 tree4-fp16 k1-bf16"
+    env = dict(os.environ, DRY_RUN="1", ENGINES=engines,
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", WORK=str(tmp_path / "work"))
     done = subprocess.run(["bash", "bench/run_gpu_v2_trees.sh", str(tmp_path / "out"), "--staggered"], cwd=ROOT,
@@ -26,6 +27,12 @@ def test_catalog_entries_parse_into_their_configs(tmp_path):
     assert "'draft_tree_max_batch_size': 8" in lines["tree221t8-bf16"] and "tokens/request (11, 4)" in lines["tree221t8-bf16"]
     assert "draft_tree_max_batch_size" not in lines["tree221-bf16"] and "tokens/request 11" in lines["tree221-bf16"]
     assert "tokens/request 4" in lines["k3-bf16"] and lines["reference"]
+    # depth 4 beside its chain, sampled; depth 1 (the first pass's top 4) beside k = 1
+    depth4 = lines["tree3221-bf16-t1"]
+    assert "reconstruct-tree3221-bf16-t1" in depth4 and "tokens/request 34" in depth4
+    assert "'num_speculative_tokens': 4" in lines["k4-bf16"] and "tokens/request 5" in lines["k4-bf16"]
+    assert "'draft_tree_widths': [4]" in lines["tree4-fp16"] and "'num_speculative_tokens': 1" in lines["tree4-fp16"]
+    assert "tokens/request 2" in lines["k1-bf16"]
 
 
 def test_a_threshold_run_is_named_apart_from_the_plain_tree():

@@ -53,8 +53,9 @@ def test_a3b_budgets_bind_store_all_where_the_grid_says():
 
 def test_a10b_budgets_bind_store_all_where_the_grid_says():
     grid = GRIDS["h200-a10b-16l"]
+    strategies = ("no_spec", "store_all", "reconstruct")
     caps = {budget.name: {s: capacity(grid.model, s, budget.serve_params["kv_cache_memory_bytes"],
-                                      max_model_len=grid.max_model_len) for s in ("no_spec", "store_all", "reconstruct")}
+                                      max_model_len=grid.max_model_len) for s in strategies}
             for budget in grid.budgets}  # fmt: skip
     for by_strategy in caps.values():
         for cap in by_strategy.values():
@@ -64,9 +65,8 @@ def test_a10b_budgets_bind_store_all_where_the_grid_says():
     assert binding["store_all"].max_concurrency < 128 and 256 < binding["reconstruct"].max_concurrency < 512
     assert tight["store_all"].max_concurrency < 64 and 128 < tight["reconstruct"].max_concurrency < 256
     # what grids.py states
-    assert [round(binding[s].max_concurrency, 1) for s in ("no_spec", "store_all", "reconstruct")] == [
-        500.2, 121.2, 364.0]
-    assert [round(tight[s].max_concurrency, 1) for s in ("no_spec", "store_all", "reconstruct")] == [250.0, 60.6, 182.0]
+    assert [round(binding[s].max_concurrency, 1) for s in strategies] == [500.2, 121.2, 364.0]
+    assert [round(tight[s].max_concurrency, 1) for s in strategies] == [250.0, 60.6, 182.0]
 
 
 @pytest.mark.parametrize("grid_name", ["h200-a3b", "h200-a10b-16l"])
