@@ -25,8 +25,7 @@ limit=${CALL_LIMIT_S:-480}
 # engines by name (default: the fp16 trees [2,2,1] and [2,1,1] and the bf16 tree [2,2,1]); BATCHES the batch sizes.
 # fp16 engines are judged (one timed pass: their outputs are what is judged); bf16 ones report tokens/s (median of
 # 3 passes) and acceptance beside the bf16 chains of the same depth (k3: depth 3, k2: depth 2 for [4,2], k4: depth 4
-# for [3,2,2,1], k1: depth 1 for [4]). On the CPU greedy acceptance (bench/results/mtp_tree_acceptance_cpu) the
-# tree's gain over the chain grows with depth: [4] 1.08x, [4,2] 1.18x, [3,2,2] 1.19x, [3,2,2,1] 1.20x.
+# for [3,2,2,1], k1: depth 1 for [4]; bench/results/mtp_tree_acceptance_cpu has their acceptance on CPU).
 declare -A catalog
 for w in 221 211 322 42 3221 4; do
   widths=$(echo "$w" | sed 's/./& /g')

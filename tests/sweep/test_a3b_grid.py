@@ -29,18 +29,26 @@ def test_capacity_reproduces_the_h200_reports_of_the_27b_shape(strategy, kv_gib,
     assert got.attention_block_size == {"store_all": 800, "reconstruct": 880}[strategy]
 
 
-def test_a3b_budgets_bind_store_all_where_the_grid_says():
-    grid = GRIDS["h200-a3b"]
+STRATEGIES = ("no_spec", "store_all", "reconstruct")
+
+
+def grid_capacities(grid) -> dict:
+    """budget name -> strategy -> vLLM's capacity at the grid's budget, with the checks every MoE grid's budget
+    passes: each request of the grid's lengths holds one attention block (vLLM's report is the workload's bound), and
+    vLLM's FULL-graph check (max_num_seqs, 512, <= the Mamba blocks)."""
     by_budget = {}
     for budget in grid.budgets:
         kv = budget.serve_params["kv_cache_memory_bytes"]
-        by_budget[budget.name] = {s: capacity(grid.model, s, kv, max_model_len=grid.max_model_len)
-                                  for s in ("no_spec", "store_all", "reconstruct")}  # fmt: skip
-    for caps in by_budget.values():
-        for cap in caps.values():
-            # each request of the grid's lengths holds one attention block: vLLM's report is the workload's bound
+        by_budget[budget.name] = {s: capacity(grid.model, s, kv, max_model_len=grid.max_model_len) for s in STRATEGIES}
+        for cap in by_budget[budget.name].values():
             assert cap.attention_block_size >= grid.max_model_len
             assert cap.num_blocks >= 512, "vLLM's FULL-graph check: max_num_seqs (512) <= the Mamba blocks"
+    return by_budget
+
+
+def test_a3b_budgets_bind_store_all_where_the_grid_says():
+    by_budget = grid_capacities(GRIDS["h200-a3b"])
+    for caps in by_budget.values():
         assert caps["store_all"].gdn_blocks_per_request == 4 and caps["reconstruct"].gdn_blocks_per_request == 1
     binding, tight = by_budget["kv52GiB"], by_budget["kv16GiB"]
     assert binding["store_all"].max_concurrency < 256 <= 512 <= binding["reconstruct"].max_concurrency
@@ -52,21 +60,13 @@ def test_a3b_budgets_bind_store_all_where_the_grid_says():
 
 
 def test_a10b_budgets_bind_store_all_where_the_grid_says():
-    grid = GRIDS["h200-a10b-16l"]
-    strategies = ("no_spec", "store_all", "reconstruct")
-    caps = {budget.name: {s: capacity(grid.model, s, budget.serve_params["kv_cache_memory_bytes"],
-                                      max_model_len=grid.max_model_len) for s in strategies}
-            for budget in grid.budgets}  # fmt: skip
-    for by_strategy in caps.values():
-        for cap in by_strategy.values():
-            assert cap.attention_block_size >= grid.max_model_len
-            assert cap.num_blocks >= 512, "vLLM's FULL-graph check: max_num_seqs (512) <= the Mamba blocks"
-    binding, tight = caps["kv32GiB"], caps["kv16GiB"]
+    by_budget = grid_capacities(GRIDS["h200-a10b-16l"])
+    binding, tight = by_budget["kv32GiB"], by_budget["kv16GiB"]
     assert binding["store_all"].max_concurrency < 128 and 256 < binding["reconstruct"].max_concurrency < 512
     assert tight["store_all"].max_concurrency < 64 and 128 < tight["reconstruct"].max_concurrency < 256
     # what grids.py states
-    assert [round(binding[s].max_concurrency, 1) for s in strategies] == [500.2, 121.2, 364.0]
-    assert [round(tight[s].max_concurrency, 1) for s in strategies] == [250.0, 60.6, 182.0]
+    assert [round(binding[s].max_concurrency, 1) for s in STRATEGIES] == [500.2, 121.2, 364.0]
+    assert [round(tight[s].max_concurrency, 1) for s in STRATEGIES] == [250.0, 60.6, 182.0]
 
 
 @pytest.mark.parametrize("grid_name", ["h200-a3b", "h200-a10b-16l"])

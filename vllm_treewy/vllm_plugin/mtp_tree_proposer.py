@@ -140,10 +140,12 @@ class TreeMtpProposer(EagleProposer):
         num_reqs = root_positions.numel()
         tokens = torch.empty(num_reqs, self.tree.num_nodes, dtype=torch.long, device=self.device)
         tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
+        if not self.levels:  # a depth-1 tree: the first pass's top-w1 is the whole tree
+            return tokens
         # Head outputs per verified-block index: the root's, then each forwarded node's.
         outputs = root_output.new_empty(num_reqs, 1 + self.nodes_below[-2], root_output.shape[-1])
         outputs[:, 0] = root_output
-        blocks = self._level_blocks(root_positions, cad) if self.levels else None  # a depth-1 tree: no level
+        blocks = self._level_blocks(root_positions, cad)
         for level, tree in enumerate(self.levels, start=1):
             first, last = self.nodes_below[level - 1], self.nodes_below[level]  # this level's nodes [first, last)
             output = self._forward_level(tree, tokens[:, :last], outputs, root_positions, root_inputs, cad, blocks)
