@@ -33,8 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_treewy.kernels.factor_rows import slot_factor_width  # noqa: E402
-from vllm_treewy.kernels.triton._tree import ancestor_table_torch  # noqa: E402
-from vllm_treewy.kernels.triton.gdn_step import step_launches  # noqa: E402
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton.step import step_launches  # noqa: E402
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

@@ -35,8 +35,9 @@ from bench.timing import copy_bandwidth, device_facts, graph_time_us  # noqa: E4
 
 from vllm_treewy.kernels.factor_rows import slot_factor_width, split_slot_factors  # noqa: E402
 from vllm_treewy.kernels.reference import reference_gated_tree  # noqa: E402
-from vllm_treewy.kernels.triton import StepLaunch, ancestor_table, gdn_commit_triton, gdn_step_triton  # noqa: E402
-from vllm_treewy.kernels.triton.gdn_step import step_launch, step_launches  # noqa: E402
+from vllm_treewy.kernels.ancestor_table_triton import ancestor_table  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import StepLaunch, gdn_commit_triton, gdn_step_triton  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton.step import step_launch, step_launches  # noqa: E402
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128

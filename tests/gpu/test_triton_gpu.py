@@ -5,15 +5,17 @@ the torch twin, at every launch of the step's launch table, and CUDA-graph captu
 import pytest
 import torch
 
-from vllm_treewy.kernels.conv_torch import conv_verify_packed
+from vllm_treewy.kernels.conv_step_torch import conv_verify_packed
 from vllm_treewy.kernels.factor_rows import slot_factor_width, split_slot_factors
 from vllm_treewy.kernels.reference import reference_gated_tree, reference_tree_conv
 from vllm_treewy.tree import DraftTree, pack_trees
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from vllm_treewy.kernels.triton import ancestor_table, conv_step_triton, gdn_step_triton  # noqa: E402
-from vllm_treewy.kernels.triton import gdn_step as gdn_step_module  # noqa: E402
+from vllm_treewy.kernels.ancestor_table_triton import ancestor_table  # noqa: E402
+from vllm_treewy.kernels.conv_step_triton import conv_step_triton  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import gdn_step_triton  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import step as gdn_step_module  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
 

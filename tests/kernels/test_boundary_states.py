@@ -1,4 +1,4 @@
-"""The align-mode post-sampling writes (`kernels.boundary_states`, `kernels.triton.boundary_states`): each speculative
+"""The align-mode post-sampling writes (`kernels.bookkeeping.boundary_states_torch`, `kernels.bookkeeping.boundary_states_triton`): each speculative
 row's accepted count into its slot and, where its accepted tokens reach a block boundary, the state and conv window
 after the boundary's node into the boundary's block. On random batches of rows (speculative or not, zero-draft
 rows, boundaries at the root, inside the drafts and at the last accepted node, the in-place case where the boundary
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_treewy.kernels.boundary_states import (
+from vllm_treewy.kernels.bookkeeping.boundary_states_torch import (
     BoundaryLayer,
     boundary_rows,
     record_accepted_and_boundaries_torch,
@@ -30,8 +30,8 @@ from .test_gdn_step import STATE_TOLERANCE, gated_inputs
 from .tree_cases import relative_error
 from .triton_cases import DEVICE, rows
 
-from vllm_treewy.kernels.triton import gdn_commit_triton  # noqa: E402
-from vllm_treewy.kernels.triton.boundary_states import (  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import gdn_commit_triton  # noqa: E402
+from vllm_treewy.kernels.bookkeeping.boundary_states_triton import (  # noqa: E402
     boundary_table,
     record_accepted_and_boundaries_triton,
     sampled_rows_triton,
@@ -472,7 +472,7 @@ def _walking_block_indices():
 def test_planted_bug_walking_block_indices_fails(monkeypatch):
     """The bug the table guards against: the state and conv window after block rows 0..node (a chain's walk) instead
     of the accepted path's rows. On a tree whose path is root -> 2 -> 4 the check above fails it."""
-    import vllm_treewy.kernels.boundary_states as twin_module
+    import vllm_treewy.kernels.bookkeeping.boundary_states_torch as twin_module
 
     case = _walking_block_indices()
     results = _run_tree_case(case, 1, torch.float32, 3)

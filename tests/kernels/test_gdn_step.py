@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from vllm_treewy.kernels.factor_rows import slot_factor_width, split_slot_factors
 from vllm_treewy.kernels.gdn_step_torch import gdn_commit_packed, gdn_step_packed
 from vllm_treewy.kernels.reference import reference_gated_tree
-from vllm_treewy.kernels.triton._tree import ancestor_table_torch
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
 from vllm_treewy.tree import DraftTree, pack_trees
 
 from .tree_cases import chains, relative_error, trees
 from .triton_cases import DEVICE, rows
 
-from vllm_treewy.kernels.triton import StepLaunch, gdn_commit_triton, gdn_step_triton  # noqa: E402
-from vllm_treewy.kernels.triton import gdn_step as gdn_step_module  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import StepLaunch, gdn_commit_triton, gdn_step_triton  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import step as gdn_step_module  # noqa: E402
 
 # a fp32 state keeps fp32 accuracy end to end (the state products split to fp32 accuracy)
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}

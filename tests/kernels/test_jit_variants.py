@@ -13,8 +13,8 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from vllm_treewy.kernels.factor_rows import slot_factor_width
-from vllm_treewy.kernels.triton import conv_step as conv_module
-from vllm_treewy.kernels.triton import gdn_step as gdn_step_module
+from vllm_treewy.kernels import conv_step_triton as conv_module
+from vllm_treewy.kernels.gdn_step_triton import step as gdn_step_module
 from vllm_treewy.tree import chain_parents
 
 H, HV, K, V, WIDTH = 16, 32, 128, 128, 4  # Qwen3.5 GDN layer

@@ -30,10 +30,11 @@ import pytest
 import torch
 from vllm.model_executor.layers.layernorm import RMSNormGated
 
-from vllm_treewy.kernels.conv_torch import conv_step_packed
+from vllm_treewy.kernels.conv_step_torch import conv_step_packed
 from vllm_treewy.kernels.factor_rows import slot_factor_width
 from vllm_treewy.kernels.gdn_step_torch import gdn_step_packed
-from vllm_treewy.kernels.triton import conv_step_triton, gdn_step_triton
+from vllm_treewy.kernels.conv_step_triton import conv_step_triton
+from vllm_treewy.kernels.gdn_step_triton import gdn_step_triton
 
 from .vllm_interpreted import load_fla, load_vllm_module
 

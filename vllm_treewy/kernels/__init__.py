@@ -27,7 +27,7 @@ in ``serial_tree``.
 The whole decode step after the conv, from vLLM's raw inputs (mixed_qkv, a, b, A_log, dt_bias, output gate, norm
 weight) to the normed, gated core output, with the previous step's commit fused in and the commit's factors in
 the slots' rows (``factor_rows``): ``gdn_step_torch.gdn_step_packed`` / ``gdn_commit_packed`` (torch) and
-``triton.gdn_step_triton`` / ``triton.gdn_commit_triton`` (CUDA; ``vllm_treewy.kernels.triton`` is imported only
+``triton.gdn_step_triton`` / ``triton.gdn_commit_triton`` (CUDA; ``vllm_treewy.kernels.gdn_step_triton`` is imported only
 when used); fp64 truth ``reference.reference_gated_tree``.
 """
 
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from .closed_form import commit_packed, path_log_decay, verify_packed
-from .conv_torch import conv_commit_packed, conv_verify_packed
+from .conv_step_torch import conv_commit_packed, conv_verify_packed
 from .factor_rows import slot_factor_width, split_slot_factors
 from .gdn_step_torch import gdn_commit_packed, gdn_step_packed
 from ..tree import DraftTree

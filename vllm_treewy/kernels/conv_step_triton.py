@@ -4,7 +4,7 @@ speculative step (`conv_step_triton`: the previous step's commit, then this step
 A node's input sequence is its request's committed history `conv_state[slot, :, 0 .. L-1]` (oldest first,
 L >= w-1; any strides, e.g. vLLM's) followed by its root-to-node path; its window is the last w entries.
 Walking up from a node, `cur >= 0` is a node of the path and `cur = -1, -2, ...` is history column L+cur (one step
-past the root is the newest column). Torch twin: `vllm_treewy.kernels.conv_torch` (same packed API).
+past the root is the newest column). Torch twin: `vllm_treewy.kernels.conv_step_torch` (same packed API).
 """
 
 import torch
@@ -130,7 +130,7 @@ def conv_step_triton(
        (written by the previous call), and the history moves on along the path to its node `commit_nodes[b]`, in
        place. The draft is a chain, or with `commit_ancestors` int32 [T, P] shared by every slot, row a the path of
        commit node a in the slot's input rows (a's row first, -1 past the root): the previous step's tree as its
-       ancestor table (`vllm_treewy.kernels.triton._tree.ancestor_table`), or one table of several block shapes
+       ancestor table (`vllm_treewy.kernels.ancestor_table_triton.ancestor_table`), or one table of several block shapes
        (T may exceed the rows: a node's table row need not be its input row);
     2. the conv of this step's nodes: act(bias + sum_t weight[:, w-1-t] * (the entry t steps up the node's path,
        continued into the history)), fp32 accumulation, in x's dtype, from the committed history; with a bf16 (or
@@ -141,7 +141,7 @@ def conv_step_triton(
     x [N, D] pre-conv inputs (last dim contiguous); conv_state [S, D, L] (any strides, L >= w-1); weight [D, w];
     bias [D] or None; activation None or "silu"; parents, cu_nodes: the packed trees (`vllm_treewy.tree`);
     inputs [S, T, D] (per-slot rows, any slot/row strides, last dim contiguous).
-    One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv_torch.conv_step_packed`."""
+    One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv_step_torch.conv_step_packed`."""
     grid, kernel_args, kernel_kwargs, out = _conv_launch_arguments(
         x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, commit_nodes,
         commit_ancestors=commit_ancestors, activation=activation, out=out, block_nodes=block_nodes, block_d=block_d)

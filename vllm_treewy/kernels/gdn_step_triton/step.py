@@ -36,7 +36,7 @@ import triton
 
 from ..factor_rows import slot_factor_width
 from . import path_epilogue, request_epilogue, state_pass
-from ._tree import ancestor_table
+from ..ancestor_table_triton import ancestor_table
 
 ACTIVATIONS = ("silu", "sigmoid")
 # the request epilogue's static per-node loops unroll BT x BT pairs: up to this many nodes
