@@ -1,14 +1,14 @@
-"""The align-mode post-sampling writes (`kernels.bookkeeping.boundary_states_torch`, `kernels.bookkeeping.boundary_states_triton`): each speculative
-row's accepted count into its slot and, where its accepted tokens reach a block boundary, the state and conv window
-after the boundary's node into the boundary's block. On random batches of rows (speculative or not, zero-draft
+"""The align-mode post-sampling writes (`kernels.bookkeeping.boundary_states_torch`, `boundary_states_triton`): each
+speculative row's accepted count into its slot and, where its accepted tokens reach a block boundary, the state and conv
+window after the boundary's node into the boundary's block. On random batches of rows (speculative or not, zero-draft
 rows, boundaries at the root, inside the drafts and at the last accepted node, the in-place case where the boundary
 block is the slot, freed (null) boundary columns, null slots), several layers in one or two KV-cache groups, fp32 and
 bf16 states, both conv layouts, strided pages: the Triton kernel (interpreter) equals the torch twin, both match the
-fp64 per-node recurrence and the exact conv window, the counts follow the per-row semantics, nothing else in any
-page changes, and the boundary state is bit for bit the commit the next step's state pass would make. Draft trees
-(the commit table, each row's recorded count): on random trees and the chain rows of `draft_tree_max_batch_size`,
-both kernels write the fp64 per-node state after the accepted path's node at the boundary's depth and the path's
-conv window; a twin that walks block indices 0..node fails that check."""
+fp64 per-node recurrence and the exact conv window, the counts follow the per-row semantics, nothing else in any page
+changes, and the boundary state is bit for bit the commit the next step's state pass would make. Draft trees (the commit
+table, each row's recorded count): on random trees and the chain rows of `draft_tree_max_batch_size`, both kernels write
+the fp64 per-node state after the accepted path's node at the boundary's depth and the path's conv window; a twin that
+walks block indices 0..node fails that check."""
 
 from __future__ import annotations
 

@@ -20,14 +20,14 @@ The recurrence per node, from its parent's state (h0 for parent -1)::
 Batched versions over packed trees (``vllm_treewy.tree.pack_trees``: ``parents`` local per request,
 ``cu_nodes`` offsets) act on state pools with per-request slots; a negative slot marks a padding request:
 ``verify_packed``/``commit_packed`` (gated delta rule, ``closed_form``) and ``conv_verify_packed``/
-``conv_commit_packed`` (causal depthwise conv1d, ``conv_torch``). The fp64 per-node ground truth is in
+``conv_commit_packed`` (causal depthwise conv1d, ``conv_step_torch``). The fp64 per-node ground truth is in
 ``reference``; its batched fp32 twin, which keeps every node's state and conv window (the store_all tree baseline),
 in ``serial_tree``.
 
 The whole decode step after the conv, from vLLM's raw inputs (mixed_qkv, a, b, A_log, dt_bias, output gate, norm
 weight) to the normed, gated core output, with the previous step's commit fused in and the commit's factors in
 the slots' rows (``factor_rows``): ``gdn_step_torch.gdn_step_packed`` / ``gdn_commit_packed`` (torch) and
-``triton.gdn_step_triton`` / ``triton.gdn_commit_triton`` (CUDA; ``vllm_treewy.kernels.gdn_step_triton`` is imported only
+``gdn_step_triton.gdn_step_triton`` / ``gdn_commit_triton`` (CUDA; the Triton modules, ``*_triton``, are imported only
 when used); fp64 truth ``reference.reference_gated_tree``.
 """
 

@@ -145,7 +145,8 @@ def conv_step_packed(
 ) -> torch.Tensor:
     """One speculative step: commit each slot's previous draft (a chain, or the tree ``commit_ancestors``) at
     ``commit_nodes [B]`` (-1: nothing to commit) from its per-slot input rows ``inputs [S, T, D]``, then the conv of
-    this step's nodes, whose inputs replace the rows. Torch twin of `vllm_treewy.kernels.conv_step_triton.conv_step_triton`."""
+    this step's nodes, whose inputs replace the rows. Torch twin of
+    `vllm_treewy.kernels.conv_step_triton.conv_step_triton`."""
     slots = state_indices.long()
     live = slots >= 0
     if commit_nodes is not None:

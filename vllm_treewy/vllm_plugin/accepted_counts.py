@@ -12,7 +12,8 @@ in with `step_metadata.chain_count_offset` (the commit table's chain rows follow
 has no chain rows (`tree_budget`) and leaves its counts to the tree sampler. With prefix caching (align mode) every
 config's counts and block-boundary states are `prefix_caching.record_after_sampling`'s (trees: with the commit
 table and the tree sampler's accepted leaves). Device work right after vLLM's own
-update, no host sync; for chains on CUDA one Triton launch for every group (`kernels.bookkeeping.slot_counts_triton`).
+update, no host sync; for chains on CUDA one Triton launch for every group
+(`kernels.bookkeeping.slot_counts_triton`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def record_chain_accepted_counts(runner, num_reqs: int, offset: int = 0) -> None
     if offset:
         accepted = accepted[:num_reqs] + offset
     if dispatch.launches_triton(groups[0][0]):
-        slot_counts_triton.record_accepted_counts_triton(count_table_of(runner, groups), draft_tokens, accepted, num_reqs)
+        slot_counts_triton.record_accepted_counts_triton(count_table_of(runner, groups), draft_tokens, accepted,
+                                                         num_reqs)
     else:
         slot_counts_torch.record_accepted_counts_torch(groups, draft_tokens, accepted, num_reqs)
 

@@ -27,13 +27,13 @@ vLLM's report):
   path of that copy (its batch memcpy) runs: the runner's align buffers are made without the speculative
   post-processing context (`_get_mamba_bufs`), whose fused Triton copies vLLM's CPU backend does not have.
 - After sampling, right where vLLM's post-processing ran and before the scheduler can hand a boundary block to a
-  hit, every GDN layer's accepted counts and boundary states in one launch (`kernels.bookkeeping.boundary_states_triton`; on CPU
-  its torch twin): the state after the boundary's node, rebuilt from the slot's committed state and the step's
-  factors by the closed form (the commit of a node on the accepted path), and its conv window, into the boundary's
-  block. Where that block is the slot itself (the row accepted a whole block's last token) the commit happens
-  there and then, and the slot's count says nothing is pending. vLLM's own post-processing is skipped; the
-  accepted counts it keeps on the host stay 1, so its migration copies at offset 0. The commit of the accepted node
-  itself stays fused into the next verify.
+  hit, every GDN layer's accepted counts and boundary states in one launch
+  (`kernels.bookkeeping.boundary_states_triton`; on CPU its torch twin): the state after the boundary's node,
+  rebuilt from the slot's committed state and the step's factors by the closed form (the commit of a node on the
+  accepted path), and its conv window, into the boundary's block. Where that block is the slot itself (the row accepted
+  a whole block's last token) the commit happens there and then, and the slot's count says nothing is pending. vLLM's
+  own post-processing is skipped; the accepted counts it keeps on the host stay 1, so its migration copies at offset 0.
+  The commit of the accepted node itself stays fused into the next verify.
 - A cache hit restores through vLLM's migration copy and prefill, as without speculation; the restored page's count
   is zeroed by the prefill row (`step_metadata`), and a boundary block is written with count 0 anyway.
 
@@ -74,8 +74,12 @@ import functools
 
 import torch
 
-from vllm_treewy.kernels.bookkeeping.boundary_states_torch import BoundaryLayer, record_accepted_and_boundaries_torch, sampled_rows
 from vllm_treewy.kernels.bookkeeping import dispatch
+from vllm_treewy.kernels.bookkeeping.boundary_states_torch import (
+    BoundaryLayer,
+    record_accepted_and_boundaries_torch,
+    sampled_rows,
+)
 from vllm_treewy.vllm_plugin import sampling_tables
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import (

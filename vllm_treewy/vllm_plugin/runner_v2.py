@@ -12,7 +12,7 @@ derives (`step_metadata`: V2 calls the same builder's `build`, at FULL-graph cap
 - The slot counts after sampling: V2 counts each batch row's sampled tokens on the device (`num_sampled`, accepted
   drafts + 1) and hands them to `GPUModelRunner.postprocess_sampled` right after sampling, before the drafter
   proposes. There every speculative row's count goes into its slot in every GDN group
-  (`slot_counts_triton.record_sampled_counts_triton`, one launch). V2 keeps a request's block-table row for the request's
+  (`record_sampled_counts_triton`, one launch). V2 keeps a request's block-table row for the request's
   life (`idx_mapping` maps batch rows to them) and, under its default async scheduling, prepares the next step on
   the host before this one's tokens are known: device tensors only, no host sync. With prefix caching of GDN states
   (align mode) the slot is the request's running block, which moves: there `prefix_caching.record_after_sampling_v2`
@@ -72,7 +72,8 @@ def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.
         # a row that sampled nothing verified its root (the kernels' max(num_sampled, 1)), then the offset
         num_sampled = num_sampled[:num_rows].clamp(min=1) + offset
     if dispatch.launches_triton(groups[0][0]):
-        slot_counts_triton.record_sampled_counts_triton(count_table_of(runner, groups), idx_mapping, num_sampled, num_rows)
+        slot_counts_triton.record_sampled_counts_triton(count_table_of(runner, groups), idx_mapping, num_sampled,
+                                                        num_rows)
     else:
         slot_counts_torch.record_sampled_counts_torch(groups, idx_mapping, num_sampled, num_rows)
 

@@ -90,7 +90,8 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     @cached_property
     def ancestors(self) -> torch.Tensor | None:
         """`[N, D]` int32 ancestor table of the packed verified tokens (local indices, as
-        `vllm_treewy.kernels.ancestor_table_triton.ancestor_table` builds it): rows of the static tree's table. None for chains."""
+        `vllm_treewy.kernels.ancestor_table_triton.ancestor_table` builds it): rows of the static tree's table. None
+        for chains."""
         if self.tree_ancestors is None:
             return None
         return self.tree_ancestors[self._tree_rows].contiguous()

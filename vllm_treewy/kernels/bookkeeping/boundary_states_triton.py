@@ -1,6 +1,6 @@
-"""After sampling, with prefix caching of GDN states (align mode): every GDN layer's accepted counts and block-
-boundary states in one launch. The semantics, row by row, are `vllm_treewy.kernels.bookkeeping.boundary_states_torch`' (its torch
-twin, `record_accepted_and_boundaries_torch`).
+"""Runner bookkeeping on CUDA: after sampling, with prefix caching of GDN states (align mode), every GDN layer's
+accepted counts and block-boundary states in one launch. The semantics, row by row, are those of the torch twin
+`boundary_states_torch.record_accepted_and_boundaries_torch`.
 
 The layers come as a table (`boundary_table`): per layer the addresses of its state, factor rows, conv history, conv
 inputs and count state (views into its KV-cache page) and of its KV-cache group's block table; every layer shares
@@ -260,7 +260,7 @@ def _boundary_kernel(
 def sampled_rows_triton(counts: torch.Tensor, block_table: torch.Tensor, idx_mapping: torch.Tensor,
                         seq_lens: torch.Tensor, num_sampled: torch.Tensor, num_rows: int, *, block_size: int,
                         null_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.bookkeeping.boundary_states_torch.sampled_rows` in one launch: (draft tokens, accepted) int32 `[num_rows]`, new
+    """`boundary_states_torch.sampled_rows` in one launch: (draft tokens, accepted) int32 `[num_rows]`, new
     tensors (contiguous, as `record_accepted_and_boundaries_triton` takes them). counts `[S]` int32 (any stride),
     block_table `[R, C]` int32 (rows per request state), idx_mapping, seq_lens, num_sampled `[>= num_rows]`
     integer, contiguous. A separate launch from the boundary kernel: that one rewrites the counts it would read."""

@@ -9,9 +9,9 @@ specification (`dispatch` picks the path).
   or, for a batch without speculative rows, in the metadata builder: each speculative row's commit node from its
   slot's count, then the step's counts: the speculative rows' node counts, 0 in the null block and in every
   non-speculative row's slot.
-- `record_accepted_counts_torch`, after sampling (vLLM's V1 runner): each speculative row's accepted count into its slot,
-  for every KV-cache group of GDN layers at once (each group has its own counts and block table: `count_table`).
-- `record_sampled_counts_torch`, after sampling (vLLM's Model Runner V2): the same for V2's batch, whose rows reach their
+- `record_accepted_counts_torch`, after sampling (vLLM's V1 runner): each speculative row's accepted count into its
+  slot, for every KV-cache group of GDN layers at once (each group has its own counts and block table).
+- `record_sampled_counts_torch`, after sampling (vLLM's Model Runner V2): the same for V2's batch, whose rows reach
   request's block-table row through `idx_mapping` and whose speculative rows are the slots that hold a count (the
   step's count update gave every speculative row its node count, >= 1, and every other row 0).
 

@@ -93,7 +93,8 @@ def _record_accepted_counts_kernel(table, num_groups, draft_tokens, accepted, nu
 
 def record_accepted_counts_triton(table: torch.Tensor, draft_tokens: torch.Tensor, accepted: torch.Tensor,
                                   num_rows: int, *, block_rows: int = BLOCK_ROWS) -> None:
-    """`slot_counts_torch.record_accepted_counts_torch` for the groups of a `count_table`, all in one launch (none without rows)."""
+    """`slot_counts_torch.record_accepted_counts_torch` for the groups of a `count_table`, all in one launch (none
+    without rows)."""
     if num_rows == 0:
         return
     _record_accepted_counts_kernel[(triton.cdiv(num_rows, block_rows),)](
@@ -119,8 +120,8 @@ def _record_sampled_counts_kernel(table, num_groups, idx_mapping, num_sampled, n
 
 def record_sampled_counts_triton(table: torch.Tensor, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
                                  num_rows: int, *, block_rows: int = BLOCK_ROWS) -> None:
-    """`slot_counts_torch.record_sampled_counts_torch` for the groups of a `count_table` (block tables per request state), in one
-    launch (none without rows)."""
+    """`slot_counts_torch.record_sampled_counts_torch` for the groups of a `count_table` (block tables per request
+    state), in one launch (none without rows)."""
     if num_rows == 0:
         return
     _record_sampled_counts_kernel[(triton.cdiv(num_rows, block_rows),)](
