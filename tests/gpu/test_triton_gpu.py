@@ -160,8 +160,7 @@ def check_gated_two_steps(tree, chain, state_dtype, launch, batch=3, heads=(H, H
         one = pack_trees([tree], device="cuda")
         ancestors = ancestor_table(packed.parents, packed.cu_nodes, packed.max_depth)
         commit_ancestors = ancestor_table(one.parents, one.cu_nodes, one.max_depth)
-    kw = dict(num_key_heads=h, max_nodes=nodes, max_depth=None if chain else packed.max_depth, chain=chain,
-              ancestors=ancestors, factors=factors, launch=launch)
+    kw = dict(num_key_heads=h, max_nodes=nodes, ancestors=ancestors, factors=factors, launch=launch)
     out = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
     assert torch.equal(pool, before)
     _, _, u, _ = split_slot_factors(factors, hv, key_dim, value_dim)
@@ -202,10 +201,10 @@ def test_gated_step_graph_capture(launch):
 
     def step():
         return gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
-                               chain=True, out=out, factors=factors, commit_nodes=commit_nodes, launch=launch)
+                               out=out, factors=factors, commit_nodes=commit_nodes, launch=launch)
 
     gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
-                    chain=True, out=out, factors=factors, launch=launch)  # rows to commit
+                    out=out, factors=factors, launch=launch)  # rows to commit
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -232,7 +231,7 @@ def test_gated_split_products_accuracy():
     factors = slot_factors(pool.shape[0], tokens)
     before = pool.clone()
     gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=tokens,
-                    chain=True, factors=factors)
+                    factors=factors)
     u = split_slot_factors(factors, HV, K, V)[2]
     for b in range(batch):
         rows = slice(b * tokens, (b + 1) * tokens)

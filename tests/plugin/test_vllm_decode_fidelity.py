@@ -104,7 +104,7 @@ def ours(kind, inputs, state, **launch):
         return gdn_step_packed(*inputs, state.clone(), slots, parents, cu_nodes, num_key_heads=H, factors=factors,
                                norm_eps=EPS)
     return gdn_step_triton(*inputs, state.clone(), slots, parents, cu_nodes, factors=factors, num_key_heads=H,
-                           max_nodes=1, chain=True, norm_eps=EPS, **launch)
+                           max_nodes=1, norm_eps=EPS, **launch)
 
 
 # Our decodes of `decode_inputs(seed=7)` (the torch twin, the Triton step as the adapter calls it), against which both

@@ -92,7 +92,6 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
                                 activation=activation, block_nodes=min(16, triton.next_power_of_2(max_nodes)))
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state, slots,
                     metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
-                    max_depth=None if ancestors is None else ancestors.shape[1], chain=ancestors is None,
                     ancestors=ancestors, scale=layout.head_k_dim**-0.5, norm_eps=layer.layer_norm_epsilon,
                     activation=layer.norm.activation, out=out, factors=buffer.factors, commit_nodes=commit_nodes,
                     commit_ancestors=commit_ancestors)

@@ -20,9 +20,11 @@ nodes over several programs). How each launch is tiled is a `StepLaunch`, chosen
 The adapter's call, where vLLM would call `fused_gdn_decode_post_conv_mtp` after the conv:
 
     out = gdn_step_triton(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices,
-                          parents, cu_nodes, factors=slot_factors, commit_nodes=commit_nodes, num_key_heads=H,
-                          max_nodes=T, chain=True, scale=K**-0.5, norm_eps=eps, activation="silu",
-                          out=core_attn_out)
+                          parents, cu_nodes, factors=slot_factors, commit_nodes=commit_nodes,
+                          commit_ancestors=commit_table, num_key_heads=H, max_nodes=T, ancestors=tree_table,
+                          scale=K**-0.5, norm_eps=eps, activation="silu", out=core_attn_out)
+
+(``tree_table`` and ``commit_table`` None for chains: the ancestor tables are the one chain-or-tree signal.)
 
 The end of a sequence (or a test) commits alone: `gdn_commit_triton`. Torch twin:
 `vllm_treewy.kernels.gdn_step_torch` (`gdn_step_packed`, `gdn_commit_packed`); fp64 ground truth:
@@ -37,7 +39,6 @@ import triton
 
 from ..factor_rows import slot_factor_width
 from . import path_epilogue, request_epilogue, state_pass
-from ..ancestor_table_triton import ancestor_table
 
 ACTIVATIONS = ("silu", "sigmoid")
 # the request epilogue's static per-node loops unroll BT x BT pairs: up to this many nodes
@@ -125,18 +126,17 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-def max_ancestors(max_nodes: int, max_depth: int | None, chain: bool) -> int:
-    """Strict ancestors of the deepest node; max_depth counts the nodes of a root-to-node path (vllm_treewy.tree)."""
-    return max_nodes - 1 if chain or max_depth is None else max_depth - 1
+def max_ancestors(max_nodes: int, ancestors: torch.Tensor | None) -> int:
+    """Strict ancestors of the deepest node: a chain's max_nodes - 1; a tree's table holds each node's path, the
+    node first (D columns: the most nodes on a root-to-node path, vllm_treewy.tree's max_depth), so D - 1."""
+    return max_nodes - 1 if ancestors is None else ancestors.shape[1] - 1
 
 
-def tree_ancestors(parents, cu_nodes, max_anc: int, chain: bool, ancestors: torch.Tensor | None) -> torch.Tensor:
-    """The epilogues' ancestry argument: unused (parents) for chains, else the given or a freshly built table."""
-    if chain:
-        return parents
+def tree_ancestors(parents, ancestors: torch.Tensor | None) -> torch.Tensor:
+    """The epilogues' ancestry argument: the table for trees; for chains (None) any pointer, never read (parents)."""
     if ancestors is None:
-        return ancestor_table(parents, cu_nodes, max_anc + 1)
-    assert ancestors.shape == (parents.numel(), max_anc + 1) and ancestors.is_contiguous()
+        return parents
+    assert ancestors.dim() == 2 and ancestors.shape[0] == parents.numel() and ancestors.is_contiguous()
     return ancestors
 
 
@@ -153,14 +153,13 @@ def _check_factors(factors, state, state_indices, commit_nodes, commit_ancestors
 
 
 def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
-                  factors, commit_nodes, commit_ancestors, *, num_key_heads, max_nodes, max_depth, chain, scale,
-                  norm_eps, activation, ancestors, out, launch):
+                  factors, commit_nodes, commit_ancestors, *, num_key_heads, max_nodes, scale, norm_eps, activation,
+                  ancestors, out, launch):
     """([(kernel, grid, positional arguments, keyword arguments)] in launch order, out): checks done, the launch
     resolved (None: `step_launch`'s), nothing launched. `mixed_qkv` None: the commit alone (the state pass without
     products; the other verify arguments unused). Allocates the products workspace [B, HV, 2 BT, V] fp32 (BT the
     node count padded to a power of two, at least 2; 8 MiB at B=64, T=4; 256 MiB at B=256 with 29-node trees)
-    and, for a tree without `ancestors`, the ancestor table; under CUDA-graph capture both come from the graph's
-    pool."""
+    and `out` if None; under CUDA-graph capture both come from the graph's pool."""
     do_verify = mixed_qkv is not None
     S, HV, V, K = state.shape
     H = num_key_heads
@@ -180,8 +179,9 @@ def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, sta
         assert n_nodes == 0 or (mixed_qkv.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1 and
                                 output_gate.stride(2) == 1)
         assert max_nodes <= factors.shape[1], "a slot holds factors.shape[1] node rows"
-        max_anc = max_ancestors(max_nodes, max_depth, chain)
-        ancestors = tree_ancestors(parents, cu_nodes, max_anc, chain, ancestors)
+        max_anc = max_ancestors(max_nodes, ancestors)
+        is_chain = ancestors is None
+        ancestors = tree_ancestors(parents, ancestors)
         if out is None:
             out = torch.empty(n_nodes, HV, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         out3 = out.view(n_nodes, HV, V)
@@ -211,7 +211,7 @@ def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, sta
     scalars = (float(K**-0.5 if scale is None else scale), float(norm_eps))
     epilogue_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes,
                      out3, factors, products, *strides, factors.stride(0), factors.stride(1), *scalars)
-    epilogue_kwargs = dict(H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
+    epilogue_kwargs = dict(H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=is_chain, ACT=activation,
                            DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, num_warps=launch.epilogue_warps,
                            num_stages=1)
     if path_nodes:
@@ -245,8 +245,6 @@ def gdn_step_triton(
     commit_ancestors: torch.Tensor | None = None,
     num_key_heads: int,
     max_nodes: int,
-    max_depth: int | None = None,
-    chain: bool = False,
     scale: float | None = None,
     norm_eps: float = 1e-6,
     activation: str = "silu",
@@ -299,10 +297,6 @@ def gdn_step_triton(
         max_nodes (int):
             the most nodes a request has (static: it sizes the epilogue's tiles and picks the launch); the request
             epilogue takes at most `REQUEST_EPILOGUE_NODES`, the path epilogue any.
-        max_depth (Optional[int]):
-            trees: the most nodes on a root-to-node path (``ancestors.shape[1]``); None: ``max_nodes``.
-        chain (bool):
-            every request is a chain (node i's parent is i - 1): no ancestor table is read or built.
         scale (Optional[float]):
             the query scale, ``K ** -0.5`` if None.
         norm_eps (float):
@@ -310,9 +304,10 @@ def gdn_step_triton(
         activation (str):
             the output gate's activation, "silu" or "sigmoid".
         ancestors (Optional[torch.Tensor]):
-            trees: the ancestor table ``[N, max_depth]`` int32, contiguous (`ancestor_table_triton.ancestor_table`:
-            row i node i's path, local indices, -1 past the root), built here if None; build it once per step, every
-            GDN layer shares it. Unused for chains.
+            the one chain-or-tree signal of this step's verify. Trees: the ancestor table ``[N, D]`` int32,
+            contiguous (`ancestor_table_triton.ancestor_table`: row i node i's path, local indices, i first, -1
+            past the root; D the most nodes on a root-to-node path); build it once per step, every GDN layer shares
+            it. None: every request is a chain (node i's parent is i - 1), no table read.
         out (Optional[torch.Tensor]):
             ``[N, HV, V]`` or a ``[N, HV*V]`` view, mixed_qkv's dtype; allocated if None.
         launch (Optional[StepLaunch]):
@@ -327,8 +322,8 @@ def gdn_step_triton(
     request), ``factors`` (rows 0 .. n_b - 1 of each live request's slot), ``out``.
 
     Allocations (`step_launches`): the products workspace ``[B, HV, 2 BT, V]`` fp32 (BT the node count padded to a
-    power of two, at least 2: 8 MiB at B=64, T=4; 256 MiB at B=256 with 29-node trees), ``out`` if None, and for a
-    tree without ``ancestors`` the ancestor table; under CUDA-graph capture all come from the graph's pool.
+    power of two, at least 2: 8 MiB at B=64, T=4; 256 MiB at B=256 with 29-node trees) and ``out`` if None; under
+    CUDA-graph capture both come from the graph's pool.
 
     Capturability: capturable in a CUDA graph. No host sync; no data-dependent shapes (the grids and buffers depend
     only on B, N, max_nodes and the model's dims); the topology comes as tensors (parents, cu_nodes, ancestors,
@@ -337,9 +332,8 @@ def gdn_step_triton(
     """
     launches, out = step_launches(
         mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes, factors,
-        commit_nodes, commit_ancestors, num_key_heads=num_key_heads, max_nodes=max_nodes, max_depth=max_depth,
-        chain=chain, scale=scale, norm_eps=norm_eps, activation=activation, ancestors=ancestors, out=out,
-        launch=launch)
+        commit_nodes, commit_ancestors, num_key_heads=num_key_heads, max_nodes=max_nodes, scale=scale,
+        norm_eps=norm_eps, activation=activation, ancestors=ancestors, out=out, launch=launch)
     _run(launches)
     return out
 
@@ -385,6 +379,6 @@ def gdn_commit_triton(
     """
     launches, _ = step_launches(
         None, None, None, None, None, None, None, state, state_indices, None, None, factors, commit_nodes,
-        commit_ancestors, num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None,
-        norm_eps=0.0, activation="silu", ancestors=None, out=None, launch=launch)
+        commit_ancestors, num_key_heads=num_key_heads, max_nodes=1, scale=None, norm_eps=0.0, activation="silu",
+        ancestors=None, out=None, launch=launch)
     _run(launches)
