@@ -1,4 +1,5 @@
-"""TreeWY kernels: the gated delta rule and its causal conv over draft trees, verified in one solve, committed on demand.
+"""TreeWY kernels: the gated delta rule and its causal conv over draft trees, verified in one solve, committed on
+demand.
 
 Public API, for one request (CPU tensors of any float dtype)::
 
@@ -27,8 +28,15 @@ in ``serial_tree``.
 The whole decode step after the conv, from vLLM's raw inputs (mixed_qkv, a, b, A_log, dt_bias, output gate, norm
 weight) to the normed, gated core output, with the previous step's commit fused in and the commit's factors in
 the slots' rows (``factor_rows``): ``gdn_step_torch.gdn_step_packed`` / ``gdn_commit_packed`` (torch) and
-``gdn_step_triton.gdn_step_triton`` / ``gdn_commit_triton`` (CUDA; the Triton modules, ``*_triton``, are imported only
-when used); fp64 truth ``reference.reference_gated_tree``.
+``gdn_step_triton.gdn_step_triton`` / ``gdn_commit_triton`` (CUDA); fp64 truth ``reference.reference_gated_tree``.
+
+Modules: a kernel with a Triton implementation is a pair, ``X_torch`` (the torch twin: the CPU path and the
+specification; imports no Triton module) beside ``X_triton`` (CUDA; CPU through TRITON_INTERPRET=1; imported only
+where used): ``gdn_step`` (its Triton side a package: ``step`` and the kernels of its launches), ``conv_step``,
+``ancestor_table``, and the runner's bookkeeping in ``bookkeeping`` (``slot_counts``, ``boundary_states``; its
+``dispatch`` picks the path). Torch only: ``closed_form``, ``reference``, ``serial_tree``. ``factor_rows`` owns the
+slots' factor-row layout for both sides. Chains versus trees: every kernel takes a draft's topology as tensors, and
+an ancestor table argument that is None (``ancestors``, ``commit_ancestors``) means chains.
 """
 
 from __future__ import annotations
@@ -115,7 +123,8 @@ def tree_commit(
     if not -1 <= node < tree.num_nodes:
         raise ValueError(f"node = {node} is outside [-1, {tree.num_nodes})")
     if g.shape != u.shape[:2] or beta.shape != u.shape[:2]:
-        raise ValueError(f"g and beta must be [T, HV] = {tuple(u.shape[:2])}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+        raise ValueError(
+            f"g and beta must be [T, HV] = {tuple(u.shape[:2])}, got {tuple(g.shape)}, {tuple(beta.shape)}")
     if h0.shape != (u.shape[1], u.shape[2], k.shape[2]):
         raise ValueError(f"h0 must be [HV, V, K] = {(u.shape[1], u.shape[2], k.shape[2])}, got {tuple(h0.shape)}")
     state_indices, parents_t, cu_nodes = _single_request(tree, h0.device)

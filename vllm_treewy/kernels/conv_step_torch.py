@@ -40,7 +40,8 @@ def _sequence_rows(
 def _sequence_source(
     x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cat([x, histories])`` as ``[N + B*L, D]`` in ``dtype`` (padding requests' slots are not read), and the live mask."""
+    """``cat([x, histories])`` as ``[N + B*L, D]`` in ``dtype`` (padding requests' slots are not read), and the live
+    mask."""
     slots = state_indices.long()
     live = slots >= 0
     num_channels, history_len = conv_state.shape[1:]

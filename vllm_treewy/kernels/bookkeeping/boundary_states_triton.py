@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .boundary_states_torch import BoundaryLayer
-from ..factor_rows import _factor_columns, slot_factor_width
+from ..factor_rows import slot_factor_width
+from ..factor_rows_triton import _factor_columns
 from ..gdn_step_triton.state_pass import _committed_chunk
 
 BLOCK_ROWS = 128  # rows per program: a decode batch of up to 128 requests is one program per (head, layer)
