@@ -33,8 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_treewy.kernels.factor_rows import slot_factor_width  # noqa: E402
-from vllm_treewy.kernels.triton._tree import ancestor_table_torch  # noqa: E402
-from vllm_treewy.kernels.triton.gdn_step import step_launches  # noqa: E402
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton.step import step_launches  # noqa: E402
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -83,15 +83,14 @@ def step_case(state_dtype, tokens, batch, widths=None, mode="fused"):
     out = torch.zeros(n, HV, V, dtype=torch.bfloat16)
     if mode == "commit":
         return step_launches(None, None, None, None, None, None, None, state, state_indices, None, None, factors,
-                             commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=1, max_depth=None, chain=True,
-                             scale=None, norm_eps=0.0, activation="silu", ancestors=None, out=None, launch=None)[0]
+                             commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=1, scale=None, norm_eps=0.0,
+                             activation="silu", ancestors=None, out=None, launch=None)[0]
     if mode == "verify":
         commit_nodes = commit_ancestors = None
     launches, _ = step_launches(
         mixed_qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, packed.parents, packed.cu_nodes,
-        factors, commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=nodes,
-        max_depth=None if chain else packed.max_depth, chain=chain, scale=None, norm_eps=1e-6, activation="silu",
-        ancestors=ancestors, out=out, launch=None)
+        factors, commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=nodes, scale=None, norm_eps=1e-6,
+        activation="silu", ancestors=ancestors, out=out, launch=None)
     return launches
 
 

@@ -1,4 +1,5 @@
-"""Host time per call of the per-step slot count updates, torch ops vs one Triton launch (`slot_counts`).
+"""Host time per call of the per-step slot count updates, torch ops vs one Triton launch
+(`kernels.bookkeeping.slot_counts_*`).
 
 Both run every engine step outside the CUDA graphs; on a mostly idle GPU their host time is the step's. A decode
 batch of `--batch` speculative rows staged as for a FULL CUDA graph (vLLM's strided column of slots, strided
@@ -21,11 +22,13 @@ import time
 
 import torch
 
-from vllm_treewy.kernels.triton.slot_counts import (
+from vllm_treewy.kernels.bookkeeping.slot_counts_torch import (
     commit_nodes_and_counts_torch,
+    record_accepted_counts_torch,
+)
+from vllm_treewy.kernels.bookkeeping.slot_counts_triton import (
     commit_nodes_and_counts_triton,
     count_table,
-    record_accepted_counts_torch,
     record_accepted_counts_triton,
 )
 

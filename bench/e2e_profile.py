@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 # First match wins; names lower-cased. Our kernels' names start with the Triton functions in
-# vllm_treewy/kernels/triton (the step: _conv_step_kernel, then _state_pass_kernel and _request_epilogue_kernel or
-# _path_epilogue_kernel).
+# vllm_treewy/kernels/conv_step_triton.py and vllm_treewy/kernels/gdn_step_triton (the step: _conv_step_kernel, then
+# _state_pass_kernel and _request_epilogue_kernel or _path_epilogue_kernel).
 KERNEL_KINDS = (
     ("treewy GDN step", ("_state_pass_kernel", "_request_epilogue_kernel", "_path_epilogue_kernel",
                          "_conv_step_kernel")),

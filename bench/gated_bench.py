@@ -35,8 +35,9 @@ from bench.timing import copy_bandwidth, device_facts, graph_time_us  # noqa: E4
 
 from vllm_treewy.kernels.factor_rows import slot_factor_width, split_slot_factors  # noqa: E402
 from vllm_treewy.kernels.reference import reference_gated_tree  # noqa: E402
-from vllm_treewy.kernels.triton import StepLaunch, ancestor_table, gdn_commit_triton, gdn_step_triton  # noqa: E402
-from vllm_treewy.kernels.triton.gdn_step import step_launch, step_launches  # noqa: E402
+from vllm_treewy.kernels.ancestor_table_triton import ancestor_table  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import StepLaunch, gdn_commit_triton, gdn_step_triton  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton.step import step_launch, step_launches  # noqa: E402
 from vllm_treewy.tree import DraftTree, pack_trees  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
@@ -105,7 +106,6 @@ class Step:
         self.parents, self.cu_nodes, self.max_nodes = packed.parents, packed.cu_nodes, packed.max_nodes
         # a tree's ancestor tables, built once per step for all layers in vLLM: this batch's, and the previous
         # step's (one tree, shared by every slot) for the commit
-        self.max_depth = None if self.chain else packed.max_depth
         self.ancestors = self.commit_ancestors = None
         if not self.chain:
             one = pack_trees([tree], device="cuda")
@@ -144,7 +144,7 @@ class Step:
     def ours(self, s, launch, commit=True):
         return lambda: gdn_step_triton(
             *self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes, num_key_heads=H,
-            max_nodes=self.max_nodes, max_depth=self.max_depth, chain=self.chain, ancestors=self.ancestors,
+            max_nodes=self.max_nodes, ancestors=self.ancestors,
             norm_eps=EPS, commit_nodes=self.commit_nodes if commit else None,
             commit_ancestors=self.commit_ancestors if commit else None, out=self.out, factors=self.factors,
             launch=launch)
@@ -153,9 +153,8 @@ class Step:
         """The step's two launches one by one (the state pass, the epilogue), each as a call."""
         launches, _ = step_launches(
             *self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes, self.factors,
-            self.commit_nodes, self.commit_ancestors, num_key_heads=H, max_nodes=self.max_nodes,
-            max_depth=self.max_depth, chain=self.chain, scale=None, norm_eps=EPS, activation="silu",
-            ancestors=self.ancestors, out=self.out, launch=launch)
+            self.commit_nodes, self.commit_ancestors, num_key_heads=H, max_nodes=self.max_nodes, scale=None,
+            norm_eps=EPS, activation="silu", ancestors=self.ancestors, out=self.out, launch=launch)
         return [lambda kernel=kernel, grid=grid, args=args, kwargs=kwargs: kernel[grid](*args, **kwargs)
                 for kernel, grid, args, kwargs in launches]
 

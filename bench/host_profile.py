@@ -82,9 +82,9 @@ def main(argv=None) -> int:
 
     plugin.register()
     if args.triton:
-        from vllm_treewy.kernels.triton import slot_counts
+        from vllm_treewy.kernels.bookkeeping import dispatch
 
-        slot_counts.launches_triton = lambda counts: True
+        dispatch.launches_triton = lambda counts: True
     model = str(build_fixture(Path(tempfile.mkdtemp()) / "fixture"))
     prompts = fixture_prompts(AutoTokenizer.from_pretrained(model), args.batch)
     results = {s: profile(s, model, prompts, args) for s in args.strategies}

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from gated_bench import Step
-from vllm_treewy.kernels.triton import StepLaunch
+from vllm_treewy.kernels.gdn_step_triton import StepLaunch
 
 name, T, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 launch = StepLaunch(**json.loads(sys.argv[4])) if len(sys.argv) > 4 else None

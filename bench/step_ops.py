@@ -298,9 +298,9 @@ def main(argv=None) -> int:
 
     plugin.register()
     if args.triton:
-        from vllm_treewy.kernels.triton import slot_counts
+        from vllm_treewy.kernels.bookkeeping import dispatch
 
-        slot_counts.launches_triton = lambda counts: True
+        dispatch.launches_triton = lambda counts: True
     if not args.whole_step:
         count_updates(args)
         return 0

@@ -105,8 +105,8 @@ def test_one_strategy_alone_still_reports(tmp_path, capsys):
 
 
 def test_function_labels():
-    assert audit.function_label("/w/vllm_treewy/kernels/triton/slot_counts.py", 33, "commit_nodes_and_counts") == (
-        "vllm_treewy/kernels/triton/slot_counts.py:33 commit_nodes_and_counts")
+    assert audit.function_label("/w/vllm_treewy/kernels/bookkeeping/dispatch.py", 33, "commit_nodes_and_counts") == (
+        "vllm_treewy/kernels/bookkeeping/dispatch.py:33 commit_nodes_and_counts")
     assert audit.function_label(f"{VENV}/triton/runtime/jit.py", 700, "run") == "triton/runtime/jit.py:700 run"
     assert audit.function_label("~", 0, "<method 'item' of 'torch._C.TensorBase' objects>").startswith("builtin")
     assert audit.function_label("/usr/lib/python3.12/threading.py", 1, "wait") is None

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from vllm_treewy.fixture import fixture_prompts
 from vllm_treewy.fixture.exact import ExactModel
-from vllm_treewy.kernels.boundary_states import boundary_rows
+from vllm_treewy.kernels.bookkeeping.boundary_states_torch import boundary_rows
 from vllm_treewy.vllm_plugin import prefix_caching
 from vllm_treewy.vllm_plugin.testing.equivalence import (
     attributes_added_to_vllm,

@@ -1,24 +1,28 @@
-"""The align-mode post-sampling kernel (`kernels.triton.boundary_states`) compiled on CUDA at Qwen3.5 GDN sizes (HV=32,
-K=V=128, conv 8192 channels, k = 3): three layers in two KV-cache groups, 64 rows of every kind (boundaries at the
-root, inside the drafts and at the last accepted node, in place, freed boundary columns, rows that do not
-speculate), fp32 and bf16 states. Equal to its torch twin (counts and conv windows exactly, states within fp32
+"""The align-mode post-sampling kernel (`kernels.bookkeeping.boundary_states_triton`) compiled on CUDA at Qwen3.5 GDN
+sizes (HV=32, K=V=128, conv 8192 channels, k = 3): three layers in two KV-cache groups, 64 rows of every kind
+(boundaries at the root, inside the drafts and at the last accepted node, in place, freed boundary columns, rows that do
+not speculate), fp32 and bf16 states. Equal to its torch twin (counts and conv windows exactly, states within fp32
 rounding) and to the GDN step's own commit (`gdn_commit_triton`) of the same node: an fp32 state within 1e-6, a bf16
 state within one bf16 step per element plus 1e-6 of its scale (two compiled kernels may contract their fp32 sums
 differently before the rounding; the interpreter's bit-for-bit equality does not carry over); nothing else written.
 Model Runner V2's variant (block-table rows per request through `idx_mapping`, int64 as V2 keeps it; drafts read from
-the slots' counts by `sampled_rows_triton`) writes what V1's variant writes on the same rows in batch order.
-Run on the H200: `pytest -m gpu tests/gpu` (bench/run_gpu_prefix_caching.sh runs this file beside its engines)."""
+the slots' counts by `sampled_rows_triton`) writes what V1's variant writes on the same rows in batch order. Run on the
+H200: `pytest -m gpu tests/gpu` (bench/run_gpu_prefix_caching.sh runs this file beside its engines)."""
 
 import pytest
 import torch
 
-from vllm_treewy.kernels.boundary_states import BoundaryLayer, boundary_rows, record_accepted_and_boundaries_torch
+from vllm_treewy.kernels.bookkeeping.boundary_states_torch import (
+    BoundaryLayer,
+    boundary_rows,
+    record_accepted_and_boundaries_torch,
+)
 from vllm_treewy.kernels.factor_rows import slot_factor_width
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from vllm_treewy.kernels.triton import gdn_commit_triton  # noqa: E402
-from vllm_treewy.kernels.triton.boundary_states import (  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import gdn_commit_triton  # noqa: E402
+from vllm_treewy.kernels.bookkeeping.boundary_states_triton import (  # noqa: E402
     boundary_table,
     record_accepted_and_boundaries_triton,
     sampled_rows_triton,

@@ -5,15 +5,17 @@ the torch twin, at every launch of the step's launch table, and CUDA-graph captu
 import pytest
 import torch
 
-from vllm_treewy.kernels.conv_torch import conv_verify_packed
+from vllm_treewy.kernels.conv_step_torch import conv_verify_packed
 from vllm_treewy.kernels.factor_rows import slot_factor_width, split_slot_factors
 from vllm_treewy.kernels.reference import reference_gated_tree, reference_tree_conv
 from vllm_treewy.tree import DraftTree, pack_trees
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from vllm_treewy.kernels.triton import ancestor_table, conv_step_triton, gdn_step_triton  # noqa: E402
-from vllm_treewy.kernels.triton import gdn_step as gdn_step_module  # noqa: E402
+from vllm_treewy.kernels.ancestor_table_triton import ancestor_table  # noqa: E402
+from vllm_treewy.kernels.conv_step_triton import conv_step_triton  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import gdn_step_triton  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import step as gdn_step_module  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
 
@@ -158,8 +160,7 @@ def check_gated_two_steps(tree, chain, state_dtype, launch, batch=3, heads=(H, H
         one = pack_trees([tree], device="cuda")
         ancestors = ancestor_table(packed.parents, packed.cu_nodes, packed.max_depth)
         commit_ancestors = ancestor_table(one.parents, one.cu_nodes, one.max_depth)
-    kw = dict(num_key_heads=h, max_nodes=nodes, max_depth=None if chain else packed.max_depth, chain=chain,
-              ancestors=ancestors, factors=factors, launch=launch)
+    kw = dict(num_key_heads=h, max_nodes=nodes, ancestors=ancestors, factors=factors, launch=launch)
     out = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
     assert torch.equal(pool, before)
     _, _, u, _ = split_slot_factors(factors, hv, key_dim, value_dim)
@@ -200,10 +201,10 @@ def test_gated_step_graph_capture(launch):
 
     def step():
         return gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
-                               chain=True, out=out, factors=factors, commit_nodes=commit_nodes, launch=launch)
+                               out=out, factors=factors, commit_nodes=commit_nodes, launch=launch)
 
     gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
-                    chain=True, out=out, factors=factors, launch=launch)  # rows to commit
+                    out=out, factors=factors, launch=launch)  # rows to commit
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -230,7 +231,7 @@ def test_gated_split_products_accuracy():
     factors = slot_factors(pool.shape[0], tokens)
     before = pool.clone()
     gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=tokens,
-                    chain=True, factors=factors)
+                    factors=factors)
     u = split_slot_factors(factors, HV, K, V)[2]
     for b in range(batch):
         rows = slice(b * tokens, (b + 1) * tokens)

@@ -1,14 +1,14 @@
-"""The align-mode post-sampling writes (`kernels.boundary_states`, `kernels.triton.boundary_states`): each speculative
-row's accepted count into its slot and, where its accepted tokens reach a block boundary, the state and conv window
-after the boundary's node into the boundary's block. On random batches of rows (speculative or not, zero-draft
+"""The align-mode post-sampling writes (`kernels.bookkeeping.boundary_states_torch`, `boundary_states_triton`): each
+speculative row's accepted count into its slot and, where its accepted tokens reach a block boundary, the state and conv
+window after the boundary's node into the boundary's block. On random batches of rows (speculative or not, zero-draft
 rows, boundaries at the root, inside the drafts and at the last accepted node, the in-place case where the boundary
 block is the slot, freed (null) boundary columns, null slots), several layers in one or two KV-cache groups, fp32 and
 bf16 states, both conv layouts, strided pages: the Triton kernel (interpreter) equals the torch twin, both match the
-fp64 per-node recurrence and the exact conv window, the counts follow the per-row semantics, nothing else in any
-page changes, and the boundary state is bit for bit the commit the next step's state pass would make. Draft trees
-(the commit table, each row's recorded count): on random trees and the chain rows of `draft_tree_max_batch_size`,
-both kernels write the fp64 per-node state after the accepted path's node at the boundary's depth and the path's
-conv window; a twin that walks block indices 0..node fails that check."""
+fp64 per-node recurrence and the exact conv window, the counts follow the per-row semantics, nothing else in any page
+changes, and the boundary state is bit for bit the commit the next step's state pass would make. Draft trees (the commit
+table, each row's recorded count): on random trees and the chain rows of `draft_tree_max_batch_size`, both kernels write
+the fp64 per-node state after the accepted path's node at the boundary's depth and the path's conv window; a twin that
+walks block indices 0..node fails that check."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_treewy.kernels.boundary_states import (
+from vllm_treewy.kernels.bookkeeping.boundary_states_torch import (
     BoundaryLayer,
     boundary_rows,
     record_accepted_and_boundaries_torch,
@@ -30,8 +30,8 @@ from .test_gdn_step import STATE_TOLERANCE, gated_inputs
 from .tree_cases import relative_error
 from .triton_cases import DEVICE, rows
 
-from vllm_treewy.kernels.triton import gdn_commit_triton  # noqa: E402
-from vllm_treewy.kernels.triton.boundary_states import (  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import gdn_commit_triton  # noqa: E402
+from vllm_treewy.kernels.bookkeeping.boundary_states_triton import (  # noqa: E402
     boundary_table,
     record_accepted_and_boundaries_triton,
     sampled_rows_triton,
@@ -472,7 +472,7 @@ def _walking_block_indices():
 def test_planted_bug_walking_block_indices_fails(monkeypatch):
     """The bug the table guards against: the state and conv window after block rows 0..node (a chain's walk) instead
     of the accepted path's rows. On a tree whose path is root -> 2 -> 4 the check above fails it."""
-    import vllm_treewy.kernels.boundary_states as twin_module
+    import vllm_treewy.kernels.bookkeeping.boundary_states_torch as twin_module
 
     case = _walking_block_indices()
     results = _run_tree_case(case, 1, torch.float32, 3)

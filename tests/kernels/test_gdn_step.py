@@ -10,17 +10,17 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
 from vllm_treewy.kernels.factor_rows import slot_factor_width, split_slot_factors
 from vllm_treewy.kernels.gdn_step_torch import gdn_commit_packed, gdn_step_packed
 from vllm_treewy.kernels.reference import reference_gated_tree
-from vllm_treewy.kernels.triton._tree import ancestor_table_torch
 from vllm_treewy.tree import DraftTree, pack_trees
 
 from .tree_cases import chains, relative_error, trees
 from .triton_cases import DEVICE, rows
 
-from vllm_treewy.kernels.triton import StepLaunch, gdn_commit_triton, gdn_step_triton  # noqa: E402
-from vllm_treewy.kernels.triton import gdn_step as gdn_step_module  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import StepLaunch, gdn_commit_triton, gdn_step_triton  # noqa: E402
+from vllm_treewy.kernels.gdn_step_triton import step as gdn_step_module  # noqa: E402
 
 # a fp32 state keeps fp32 accuracy end to end (the state products split to fp32 accuracy)
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -82,14 +82,20 @@ def on_device(x):
     return None if x is None else x.to(DEVICE)
 
 
+def tree_table(packed):
+    """The packed batch's ancestor table, the kernel's tree signal (chains pass None)."""
+    return ancestor_table_torch(packed.parents, packed.cu_nodes, packed.max_depth).to(DEVICE)
+
+
 def run_step(packed, inputs, state, slots, key_heads, factors, chain=False, commit=None, commit_ancestors=None,
              **kw):
+    """The Triton step on the packed batch: as chains (no ancestor table) or, by default, through its table."""
     dev = [x.to(DEVICE) for x in inputs]
     return gdn_step_triton(*dev, state, slots.to(DEVICE), packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE),
                            factors=factors, commit_nodes=on_device(commit),
                            commit_ancestors=on_device(commit_ancestors),
-                           num_key_heads=key_heads, max_nodes=max(1, packed.max_nodes), max_depth=packed.max_depth,
-                           chain=chain, **kw)
+                           num_key_heads=key_heads, max_nodes=max(1, packed.max_nodes),
+                           ancestors=None if chain else tree_table(packed), **kw)
 
 
 def reference_of(packed, inputs, h0, slots, batch, key_heads, b):
@@ -289,7 +295,8 @@ def check_two_steps(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed
 @settings(max_examples=4, deadline=None)
 @given(batch=st.lists(chains(max_nodes=8), min_size=1, max_size=3), seed=st.integers(0, 2**16),
        activation=st.sampled_from(["silu", "sigmoid"]))
-def test_chain_flag_and_activation(batch, seed, activation):
+def test_chain_without_table_and_activation(batch, seed, activation):
+    """Chains without an ancestor table (the chain signal) equal the same chains through their table."""
     packed, inputs, pool, slots = gated_inputs(batch, 1, 2, 16, 16, seed)
     state = pool.float().to(DEVICE)
     factors = slot_factor_page(state.shape[0], packed.max_nodes, 2, 16, 16, seed)
@@ -412,7 +419,7 @@ def test_default_launch_of_every_table_row(state_dtype, batch, nodes, launch, di
     launches, _ = gdn_step_module.step_launches(
         *(x.to(DEVICE) for x in inputs1), state, slots.to(DEVICE), packed1.parents.to(DEVICE),
         packed1.cu_nodes.to(DEVICE), factors, None, None, num_key_heads=1, max_nodes=packed1.max_nodes,
-        max_depth=packed1.max_depth, chain=chain, scale=None, norm_eps=1e-6, activation="silu", ancestors=None,
+        scale=None, norm_eps=1e-6, activation="silu", ancestors=None if chain else tree_table(packed1),
         out=None, launch=None)
     assert gdn_step_module.step_launch(state_dtype, batch, tree.num_nodes) == launch
     (state_pass, grid, _, pass_kwargs), (epilogue, epilogue_grid, _, epilogue_kwargs) = launches
@@ -435,8 +442,8 @@ def test_default_launch_of_every_table_row(state_dtype, batch, nodes, launch, di
     out1 = run_step(packed1, inputs1, state, slots, 1, factors, chain=chain)
     check_step(packed1, inputs1, h0, slots, first, 1, out1, factors, before, tolerance, out_tolerance)
     between = factors.clone()
-    out2 = run_step(packed2, inputs2, state, slots, 1, factors, chain=chain, commit=torch.tensor(commit, dtype=torch.int32),
-                    commit_ancestors=commit_ancestors)
+    out2 = run_step(packed2, inputs2, state, slots, 1, factors, chain=chain,
+                    commit=torch.tensor(commit, dtype=torch.int32), commit_ancestors=commit_ancestors)
     committed = state.cpu().clone()  # the verify only reads it
     for b, node in enumerate(commit):
         slot = int(slots[b])

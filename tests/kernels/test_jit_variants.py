@@ -13,8 +13,8 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from vllm_treewy.kernels.factor_rows import slot_factor_width
-from vllm_treewy.kernels.triton import conv_step as conv_module
-from vllm_treewy.kernels.triton import gdn_step as gdn_step_module
+from vllm_treewy.kernels import conv_step_triton as conv_module
+from vllm_treewy.kernels.gdn_step_triton import step as gdn_step_module
 from vllm_treewy.tree import chain_parents
 
 H, HV, K, V, WIDTH = 16, 32, 128, 128, 4  # Qwen3.5 GDN layer
@@ -69,8 +69,8 @@ def step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, pe
     norm_weight = torch.empty(V, dtype=torch.bfloat16)
     gated = gdn_step_module.step_launches(
         conv_out, a, b, A_log, dt_bias, output_gate, norm_weight, state, slots, parents, cu_nodes, factors,
-        commit_nodes, None, num_key_heads=H, max_nodes=tokens, max_depth=None, chain=True, scale=K**-0.5,
-        norm_eps=1e-6, activation="silu", ancestors=None, out=out, launch=None)
+        commit_nodes, None, num_key_heads=H, max_nodes=tokens, scale=K**-0.5, norm_eps=1e-6, activation="silu",
+        ancestors=None, out=out, launch=None)
     return conv, gated
 
 

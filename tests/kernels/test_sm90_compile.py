@@ -21,10 +21,12 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from bench.compile_report import compile_launch, step_case
-from vllm_treewy.kernels.boundary_states import BoundaryLayer
+from vllm_treewy.kernels.bookkeeping.boundary_states_torch import BoundaryLayer
 from vllm_treewy.kernels.factor_rows import slot_factor_width
-from vllm_treewy.kernels.triton import ancestor_table_torch, conv_step_triton, slot_counts
-from vllm_treewy.kernels.triton.boundary_states import boundary_table, record_accepted_and_boundaries_triton
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
+from vllm_treewy.kernels.bookkeeping import slot_counts_triton
+from vllm_treewy.kernels.conv_step_triton import conv_step_triton
+from vllm_treewy.kernels.bookkeeping.boundary_states_triton import boundary_table, record_accepted_and_boundaries_triton
 from vllm_treewy.tree import DraftTree, pack_trees
 
 H, HV, K, V, W1, T = 16, 32, 128, 128, 3, 4
@@ -66,12 +68,12 @@ def boundary_launches(state_dtype, commit_ancestors=None):
 def slot_count_launches():
     counts = torch.zeros(SLOTS, dtype=torch.int32)
     rows = torch.zeros(ROWS, dtype=torch.int32)
-    table = slot_counts.count_table([(counts, torch.zeros(ROWS, 4, dtype=torch.int32))])
+    table = slot_counts_triton.count_table([(counts, torch.zeros(ROWS, 4, dtype=torch.int32))])
     with recorded_launches() as launches:
-        slot_counts.commit_nodes_and_counts_triton(counts, rows, torch.arange(ROWS + 1, dtype=torch.int32),
+        slot_counts_triton.commit_nodes_and_counts_triton(counts, rows, torch.arange(ROWS + 1, dtype=torch.int32),
                                                    rows.clone(), rows.clone(), rows.clone(), 0)
-        slot_counts.record_accepted_counts_triton(table, rows, rows, ROWS)
-        slot_counts.record_sampled_counts_triton(table, rows, rows, ROWS)
+        slot_counts_triton.record_accepted_counts_triton(table, rows, rows, ROWS)
+        slot_counts_triton.record_sampled_counts_triton(table, rows, rows, ROWS)
     return launches
 
 

@@ -2,15 +2,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_treewy.kernels.conv_torch import conv_step_packed
+from vllm_treewy.kernels.conv_step_torch import conv_step_packed
 from vllm_treewy.kernels.reference import reference_tree_conv
-from vllm_treewy.kernels.triton._tree import ancestor_table_torch
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
 from vllm_treewy.tree import DraftTree, node_requests, pack_trees
 
 from .tree_cases import relative_error, trees
 from .triton_cases import DEVICE, rows
 
-from vllm_treewy.kernels.triton import conv_step_triton  # noqa: E402
+from vllm_treewy.kernels.conv_step_triton import conv_step_triton  # noqa: E402
 
 WIDTH, CHANNELS = 4, 80
 

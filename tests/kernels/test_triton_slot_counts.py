@@ -8,14 +8,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_treewy.kernels.triton import slot_counts
-from vllm_treewy.kernels.triton.slot_counts import (
+from vllm_treewy.kernels.bookkeeping import slot_counts_triton
+from vllm_treewy.kernels.bookkeeping.slot_counts_torch import (
     commit_nodes_and_counts_torch,
+    record_accepted_counts_torch,
+    record_sampled_counts_torch,
+)
+from vllm_treewy.kernels.bookkeeping.slot_counts_triton import (
     commit_nodes_and_counts_triton,
     count_table,
-    record_accepted_counts_torch,
     record_accepted_counts_triton,
-    record_sampled_counts_torch,
     record_sampled_counts_triton,
 )
 
@@ -217,11 +219,11 @@ class _Launches:
 def test_one_compiled_variant_whatever_the_batch(monkeypatch):
     """Both kernels run every step outside the graphs: a batch of a new size, stride or buffer offset must not
     compile a new variant in the middle of serving (Triton's key: dtypes, alignment, ints == 1 or % 16)."""
-    kernels = {name: getattr(slot_counts, name)
+    kernels = {name: getattr(slot_counts_triton, name)
                for name in ("_commit_nodes_kernel", "_record_accepted_counts_kernel", "_record_sampled_counts_kernel")}
     launches = {name: _Launches() for name in kernels}
     for name, recorder in launches.items():
-        monkeypatch.setattr(slot_counts, name, recorder)
+        monkeypatch.setattr(slot_counts_triton, name, recorder)
     for rows in (1, 3, 16, 17, 128, 300):
         for offset in (0, 1):  # a slice at an odd offset of a larger buffer
             counts = torch.zeros(64, 3, dtype=torch.int32)[:, 2]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.accepted_counts import (
     chain_step_of_tree_config,
@@ -25,7 +25,7 @@ NUM_SLOTS, MAX_REQS = 8, 6
 @pytest.fixture(autouse=True, params=["torch", "triton"])
 def count_updates(request, monkeypatch):
     """Every test on both paths: the torch ops (CPU) and the one-launch kernel (CUDA; here the interpreter)."""
-    monkeypatch.setattr(slot_counts, "launches_triton", lambda counts: request.param == "triton")
+    monkeypatch.setattr(dispatch, "launches_triton", lambda counts: request.param == "triton")
     return request.param
 
 

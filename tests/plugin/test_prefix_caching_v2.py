@@ -24,9 +24,9 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 
-from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch
+from vllm_treewy.kernels.bookkeeping.boundary_states_torch import BoundaryLayer, record_accepted_and_boundaries_torch
 from vllm_treewy.kernels.gdn_step_torch import committed_states
-from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import prefix_caching, runner_v2
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
@@ -165,7 +165,7 @@ def test_v2_writes_what_v1_writes_for_the_same_step(path, seed, monkeypatch):
     reach a boundary at the root, inside the drafts, in place (a whole block accepted), not at all; a zero-draft
     decode; a prompt chunk (no count in its slot); the Triton path (interpreter) and the torch twin both equal V1's
     writer on V1's batch rows, in every layer of both groups."""
-    monkeypatch.setattr(slot_counts, "launches_triton", lambda counts: path == "triton")
+    monkeypatch.setattr(dispatch, "launches_triton", lambda counts: path == "triton")
     gen = torch.Generator().manual_seed(seed)
     idx_mapping = [4, 1, 3, 0, -1, 5, 2]
     # block size 4; per row (tokens through the root, reached): (8, 8) the root ends a block (node 0, the previous
@@ -349,7 +349,7 @@ def test_v2_tree_steps_write_what_v1_writes_along_the_accepted_path(path, chain_
     or a chain step of `draft_tree_max_batch_size`, V2's hook writes what V1's writer makes of the same rows with the
     commit table and the counts the slots record (tree rows: 1 + the accepted leaf; chain rows: offset by 1 + N);
     the tree sampler's acceptance graphs record no counts in align mode (column 0 is not the slot)."""
-    monkeypatch.setattr(slot_counts, "launches_triton", lambda counts: path == "triton")
+    monkeypatch.setattr(dispatch, "launches_triton", lambda counts: path == "triton")
     gen = torch.Generator().manual_seed(11)
     idx_mapping = [4, 1, 3, 0, -1, 5]
     n, depth = TREE.num_nodes, TREE.max_depth

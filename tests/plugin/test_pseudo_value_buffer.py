@@ -11,7 +11,7 @@ import torch
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
 from vllm_treewy.kernels.gdn_step_torch import gates, inverse_norm, split_qkv
-from vllm_treewy.kernels.triton import ancestor_table_torch
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
 from vllm_treewy.tree import DraftTree, chain_parents
 from vllm_treewy.vllm_plugin import reconstruct
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention

@@ -17,7 +17,7 @@ import torch
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from tests.plugin.test_step_metadata import FakeGDNLayer, staged_buffers
-from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.vllm_plugin import runner_v2
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_UPDATE_BLOCK_TABLE
 
@@ -28,7 +28,7 @@ LAYERS = ("gdn.0", "gdn.1")  # the first layer of each of two GDN groups
 @pytest.fixture(autouse=True, params=["torch", "triton"])
 def count_updates(request, monkeypatch):
     """Every test on both paths: the torch ops (CPU) and the one-launch kernels (CUDA; here the interpreter)."""
-    monkeypatch.setattr(slot_counts, "launches_triton", lambda counts: request.param == "triton")
+    monkeypatch.setattr(dispatch, "launches_triton", lambda counts: request.param == "triton")
     return request.param
 
 

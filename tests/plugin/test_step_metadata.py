@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttentionMetadataBuilder
 
-from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.sampling_tables import SamplingTables
@@ -28,7 +28,7 @@ NUM_SLOTS, MAX_ROWS = 8, 16
 @pytest.fixture(autouse=True, params=["torch", "triton"])
 def count_updates(request, monkeypatch):
     """Every test on both paths: the torch ops (CPU) and the one-launch kernel (CUDA; here the interpreter)."""
-    monkeypatch.setattr(slot_counts, "launches_triton", lambda counts: request.param == "triton")
+    monkeypatch.setattr(dispatch, "launches_triton", lambda counts: request.param == "triton")
     return request.param
 
 

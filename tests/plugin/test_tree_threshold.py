@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_treewy.kernels.conv_torch import commit_rows_and_parents
+from vllm_treewy.kernels.conv_step_torch import commit_rows_and_parents
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.step_metadata import (
     chain_count_offset,

@@ -30,10 +30,11 @@ import pytest
 import torch
 from vllm.model_executor.layers.layernorm import RMSNormGated
 
-from vllm_treewy.kernels.conv_torch import conv_step_packed
+from vllm_treewy.kernels.conv_step_torch import conv_step_packed
 from vllm_treewy.kernels.factor_rows import slot_factor_width
 from vllm_treewy.kernels.gdn_step_torch import gdn_step_packed
-from vllm_treewy.kernels.triton import conv_step_triton, gdn_step_triton
+from vllm_treewy.kernels.conv_step_triton import conv_step_triton
+from vllm_treewy.kernels.gdn_step_triton import gdn_step_triton
 
 from .vllm_interpreted import load_fla, load_vllm_module
 
@@ -103,7 +104,7 @@ def ours(kind, inputs, state, **launch):
         return gdn_step_packed(*inputs, state.clone(), slots, parents, cu_nodes, num_key_heads=H, factors=factors,
                                norm_eps=EPS)
     return gdn_step_triton(*inputs, state.clone(), slots, parents, cu_nodes, factors=factors, num_key_heads=H,
-                           max_nodes=1, chain=True, norm_eps=EPS, **launch)
+                           max_nodes=1, norm_eps=EPS, **launch)
 
 
 # Our decodes of `decode_inputs(seed=7)` (the torch twin, the Triton step as the adapter calls it), against which both

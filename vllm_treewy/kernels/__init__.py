@@ -1,4 +1,5 @@
-"""TreeWY kernels: the gated delta rule and its causal conv over draft trees, verified in one solve, committed on demand.
+"""TreeWY kernels: the gated delta rule and its causal conv over draft trees, verified in one solve, committed on
+demand.
 
 Public API, for one request (CPU tensors of any float dtype)::
 
@@ -20,15 +21,22 @@ The recurrence per node, from its parent's state (h0 for parent -1)::
 Batched versions over packed trees (``vllm_treewy.tree.pack_trees``: ``parents`` local per request,
 ``cu_nodes`` offsets) act on state pools with per-request slots; a negative slot marks a padding request:
 ``verify_packed``/``commit_packed`` (gated delta rule, ``closed_form``) and ``conv_verify_packed``/
-``conv_commit_packed`` (causal depthwise conv1d, ``conv_torch``). The fp64 per-node ground truth is in
+``conv_commit_packed`` (causal depthwise conv1d, ``conv_step_torch``). The fp64 per-node ground truth is in
 ``reference``; its batched fp32 twin, which keeps every node's state and conv window (the store_all tree baseline),
 in ``serial_tree``.
 
 The whole decode step after the conv, from vLLM's raw inputs (mixed_qkv, a, b, A_log, dt_bias, output gate, norm
 weight) to the normed, gated core output, with the previous step's commit fused in and the commit's factors in
 the slots' rows (``factor_rows``): ``gdn_step_torch.gdn_step_packed`` / ``gdn_commit_packed`` (torch) and
-``triton.gdn_step_triton`` / ``triton.gdn_commit_triton`` (CUDA; ``vllm_treewy.kernels.triton`` is imported only
-when used); fp64 truth ``reference.reference_gated_tree``.
+``gdn_step_triton.gdn_step_triton`` / ``gdn_commit_triton`` (CUDA); fp64 truth ``reference.reference_gated_tree``.
+
+Modules: a kernel with a Triton implementation is a pair, ``X_torch`` (the torch twin: the CPU path and the
+specification; imports no Triton module) beside ``X_triton`` (CUDA; CPU through TRITON_INTERPRET=1; imported only
+where used): ``gdn_step`` (its Triton side a package: ``step`` and the kernels of its launches), ``conv_step``,
+``ancestor_table``, and the runner's bookkeeping in ``bookkeeping`` (``slot_counts``, ``boundary_states``; its
+``dispatch`` picks the path). Torch only: ``closed_form``, ``reference``, ``serial_tree``. ``factor_rows`` owns the
+slots' factor-row layout for both sides. Chains versus trees: every kernel takes a draft's topology as tensors, and
+an ancestor table argument that is None (``ancestors``, ``commit_ancestors``) means chains.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from collections.abc import Sequence
 import torch
 
 from .closed_form import commit_packed, path_log_decay, verify_packed
-from .conv_torch import conv_commit_packed, conv_verify_packed
+from .conv_step_torch import conv_commit_packed, conv_verify_packed
 from .factor_rows import slot_factor_width, split_slot_factors
 from .gdn_step_torch import gdn_commit_packed, gdn_step_packed
 from ..tree import DraftTree
@@ -115,7 +123,8 @@ def tree_commit(
     if not -1 <= node < tree.num_nodes:
         raise ValueError(f"node = {node} is outside [-1, {tree.num_nodes})")
     if g.shape != u.shape[:2] or beta.shape != u.shape[:2]:
-        raise ValueError(f"g and beta must be [T, HV] = {tuple(u.shape[:2])}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+        raise ValueError(
+            f"g and beta must be [T, HV] = {tuple(u.shape[:2])}, got {tuple(g.shape)}, {tuple(beta.shape)}")
     if h0.shape != (u.shape[1], u.shape[2], k.shape[2]):
         raise ValueError(f"h0 must be [HV, V, K] = {(u.shape[1], u.shape[2], k.shape[2])}, got {tuple(h0.shape)}")
     state_indices, parents_t, cu_nodes = _single_request(tree, h0.device)

@@ -2,7 +2,16 @@
 step's torch twin (`gdn_step_torch`).
 
 Verify solves ``(I + G) U = R`` per request and value head and never writes a state; commit rebuilds only the
-accepted node's state from h0 and the path's factors ``(k, u, g)``, in place. Design notes §1 has the equations.
+accepted node's state from h0 and the path's factors ``(k, u, g)``, in place. With ``c_i`` the sum of g over node i's
+root-to-node path (i included), unrolling the recurrence (package docstring) from h0 gives, per value head::
+
+    R_i  = beta_i (v_i - exp(c_i) h0 k_i)
+    G_ij = beta_i exp(c_i - c_j) (k_i . k_j)       for j a strict ancestor of i, else 0
+    o_i  = exp(c_i) h0 q_i + sum_{j on path(i)} exp(c_i - c_j) (q_i . k_j) u_j
+    h_a  = exp(c_a) h0 + sum_{j on path(a)} exp(c_a - c_j) u_j k_j^T
+
+Ancestors precede their nodes, so ``I + G`` is unit lower triangular (forward substitution), and ``G`` is nilpotent
+of the tree's depth (the Neumann series ends).
 
 Conventions (shared with the Triton step): q, k ``[N, H, K]``; v ``[N, HV, V]``; g (log decay, <= 0) and
 beta ``[N, HV]``; ``state`` a pool ``[S, HV, V, K]`` (any strided view, e.g. the CPU cache's ``[S, HV, K, V]``

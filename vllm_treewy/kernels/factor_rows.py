@@ -1,6 +1,6 @@
 """The slot factor rows: what a verify leaves for the commit of its accepted node, one row per draft node in the
-request's state slot. The one owner of the layout: the torch views (`split_slot_factors`) and the kernels' column
-pointers (`_factor_columns`) both follow `slot_factor_width`'s order.
+request's state slot. The one owner of the layout: the torch views (`split_slot_factors`) and the Triton kernels' column
+pointers (`factor_rows_triton._factor_columns`) both follow `slot_factor_width`'s order.
 
 ``factors [S, T, F]`` fp32 (state slot, node row, F = `slot_factor_width`); strides of the first two dims free (the
 rows may be a view into vLLM's KV-cache page), last dim contiguous. A node's row holds, per VALUE head:
@@ -14,8 +14,6 @@ rows may be a view into vLLM's KV-cache page), last dim contiguous. A node's row
 """
 
 import torch
-import triton
-import triton.language as tl
 
 
 def slot_factor_width(num_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
@@ -33,12 +31,3 @@ def split_slot_factors(factors: torch.Tensor, num_v_heads: int, head_k_dim: int,
     pseudo_values = factors[..., hv * (kd + 1): hv * (kd + 1 + vd)].unflatten(-1, (hv, vd))
     log_decays = factors[..., hv * (kd + 1 + vd):]
     return keys, key_scales, pseudo_values, log_decays
-
-
-@triton.jit
-def _factor_columns(factors, slot, stride_fslot, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Pointers to value head i_hv's columns of the slot's row 0 (`split_slot_factors`' order): its key [K], key
-    scale, pseudo-value [V] and log decay; row r at + r * the row stride."""
-    f_slot = factors + slot * stride_fslot
-    return (f_slot + i_hv * K, f_slot + HV * K + i_hv, f_slot + HV * (K + 1) + i_hv * V,
-            f_slot + HV * (K + 1 + V) + i_hv)

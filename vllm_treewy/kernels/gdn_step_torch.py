@@ -1,4 +1,4 @@
-"""Torch twin of `vllm_treewy.kernels.triton.gdn_step`: the GDN decode step after the conv (gates, q/k L2 norm,
+"""Torch twin of `vllm_treewy.kernels.gdn_step_triton.step`: the GDN decode step after the conv (gates, q/k L2 norm,
 closed-form verify, the core output rounded to the model dtype as vLLM rounds it, gated RMSNorm with the output
 gate), its factors in the slots' rows (`factor_rows`), and the commit of the previous step's node from those rows
 (its path in a chain or a static tree). Built on `closed_form`'s packed verify; fp32 (fp64 for fp64 inputs).

@@ -12,7 +12,8 @@ in with `step_metadata.chain_count_offset` (the commit table's chain rows follow
 has no chain rows (`tree_budget`) and leaves its counts to the tree sampler. With prefix caching (align mode) every
 config's counts and block-boundary states are `prefix_caching.record_after_sampling`'s (trees: with the commit
 table and the tree sampler's accepted leaves). Device work right after vLLM's own
-update, no host sync; for chains on CUDA one Triton launch for every group (`kernels.triton.slot_counts`).
+update, no host sync; for chains on CUDA one Triton launch for every group
+(`kernels.bookkeeping.slot_counts_triton`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import functools
 
 import torch
 
-from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.kernels.bookkeeping import dispatch, slot_counts_torch, slot_counts_triton
 from vllm_treewy.vllm_plugin import prefix_caching, sampling_tables
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
@@ -71,17 +72,18 @@ def record_chain_accepted_counts(runner, num_reqs: int, offset: int = 0) -> None
     draft_tokens, accepted = runner.num_decode_draft_tokens.gpu, runner.num_accepted_tokens.gpu
     if offset:
         accepted = accepted[:num_reqs] + offset
-    if slot_counts.launches_triton(groups[0][0]):
-        slot_counts.record_accepted_counts_triton(count_table_of(runner, groups), draft_tokens, accepted, num_reqs)
+    if dispatch.launches_triton(groups[0][0]):
+        slot_counts_triton.record_accepted_counts_triton(count_table_of(runner, groups), draft_tokens, accepted,
+                                                         num_reqs)
     else:
-        slot_counts.record_accepted_counts_torch(groups, draft_tokens, accepted, num_reqs)
+        slot_counts_torch.record_accepted_counts_torch(groups, draft_tokens, accepted, num_reqs)
 
 
 def count_table_of(runner, groups) -> torch.Tensor:
     """The groups' `count_table`, one of the runner's `SamplingTables` (V1 or V2 runner): built again only where a
     count state or block table moved."""
     addresses = tuple((counts.data_ptr(), block_table.data_ptr()) for counts, block_table in groups)
-    return sampling_tables.of_runner(runner).get("count", addresses, lambda: slot_counts.count_table(groups))
+    return sampling_tables.of_runner(runner).get("count", addresses, lambda: slot_counts_triton.count_table(groups))
 
 
 def chain_step_of_tree_config(speculative_config, scheduler_output) -> bool:

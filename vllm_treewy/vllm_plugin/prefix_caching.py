@@ -27,13 +27,13 @@ vLLM's report):
   path of that copy (its batch memcpy) runs: the runner's align buffers are made without the speculative
   post-processing context (`_get_mamba_bufs`), whose fused Triton copies vLLM's CPU backend does not have.
 - After sampling, right where vLLM's post-processing ran and before the scheduler can hand a boundary block to a
-  hit, every GDN layer's accepted counts and boundary states in one launch (`kernels.triton.boundary_states`; on CPU
-  its torch twin): the state after the boundary's node, rebuilt from the slot's committed state and the step's
-  factors by the closed form (the commit of a node on the accepted path), and its conv window, into the boundary's
-  block. Where that block is the slot itself (the row accepted a whole block's last token) the commit happens
-  there and then, and the slot's count says nothing is pending. vLLM's own post-processing is skipped; the
-  accepted counts it keeps on the host stay 1, so its migration copies at offset 0. The commit of the accepted node
-  itself stays fused into the next verify.
+  hit, every GDN layer's accepted counts and boundary states in one launch
+  (`kernels.bookkeeping.boundary_states_triton`; on CPU its torch twin): the state after the boundary's node,
+  rebuilt from the slot's committed state and the step's factors by the closed form (the commit of a node on the
+  accepted path), and its conv window, into the boundary's block. Where that block is the slot itself (the row accepted
+  a whole block's last token) the commit happens there and then, and the slot's count says nothing is pending. vLLM's
+  own post-processing is skipped; the accepted counts it keeps on the host stay 1, so its migration copies at offset 0.
+  The commit of the accepted node itself stays fused into the next verify.
 - A cache hit restores through vLLM's migration copy and prefill, as without speculation; the restored page's count
   is zeroed by the prefill row (`step_metadata`), and a boundary block is written with count 0 anyway.
 
@@ -74,8 +74,12 @@ import functools
 
 import torch
 
-from vllm_treewy.kernels.boundary_states import BoundaryLayer, record_accepted_and_boundaries_torch, sampled_rows
-from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.kernels.bookkeeping import dispatch
+from vllm_treewy.kernels.bookkeeping.boundary_states_torch import (
+    BoundaryLayer,
+    record_accepted_and_boundaries_torch,
+    sampled_rows,
+)
 from vllm_treewy.vllm_plugin import sampling_tables
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import (
@@ -111,7 +115,7 @@ def boundary_layers(layers, block_tables) -> list[BoundaryLayer]:
 def _runner_boundary_layers(runner, block_table_of=None):
     """(the runner's reconstruct GDN layers as `BoundaryLayer`s, each beside its group's device block table
     `block_table_of(group id)` (default: the V1 runner's, batch rows), their Triton table or None where the torch
-    twin runs (`slot_counts.launches_triton`: CPU), the GDN block size): one of the runner's `SamplingTables`, built
+    twin runs (`dispatch.launches_triton`: CPU), the GDN block size): one of the runner's `SamplingTables`, built
     again only where a layer's state or a block table moved. The first view is the first group's first layer, whose
     count state that group's count update writes (`step_metadata.counts_layer`)."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -136,8 +140,8 @@ def _runner_boundary_layers(runner, block_table_of=None):
     def build():
         views = boundary_layers(layers, block_tables)
         table = None
-        if slot_counts.launches_triton(views[0].counts):
-            from vllm_treewy.kernels.triton.boundary_states import boundary_table
+        if dispatch.launches_triton(views[0].counts):
+            from vllm_treewy.kernels.bookkeeping.boundary_states_triton import boundary_table
 
             table = boundary_table(views)
         return views, table, block_size
@@ -167,7 +171,7 @@ def record_after_sampling(runner, num_reqs: int, commit_counts: torch.Tensor | N
     """After vLLM counted this step's accepted tokens per row: each speculative row's count into its slot and the
     boundary states its accepted tokens reached, in every GDN layer (one launch on CUDA). Device tensors only.
     Draft-tree configs pass the commit table and each row's count (`tree_commit_counts`): the boundary node is the
-    accepted path's node at the boundary's depth (`kernels.boundary_states`)."""
+    accepted path's node at the boundary's depth (`kernels.bookkeeping.boundary_states_torch`)."""
     from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
     views, table, block_size = _runner_boundary_layers(runner)
@@ -179,7 +183,7 @@ def record_after_sampling(runner, num_reqs: int, commit_counts: torch.Tensor | N
         record_accepted_and_boundaries_torch(views, *args, block_size=block_size, null_block=NULL_BLOCK_ID,
                                              commit_ancestors=commit_ancestors)
     else:
-        from vllm_treewy.kernels.triton.boundary_states import record_accepted_and_boundaries_triton
+        from vllm_treewy.kernels.bookkeeping.boundary_states_triton import record_accepted_and_boundaries_triton
 
         record_accepted_and_boundaries_triton(views, table, *args, block_size=block_size, null_block=NULL_BLOCK_ID,
                                               commit_ancestors=commit_ancestors)
@@ -229,7 +233,7 @@ def record_after_sampling_v2(runner, idx_mapping: torch.Tensor, num_sampled: tor
                                              block_size=block_size, null_block=NULL_BLOCK_ID,
                                              idx_mapping=idx_mapping, commit_ancestors=commit_ancestors)
     else:
-        from vllm_treewy.kernels.triton.boundary_states import (
+        from vllm_treewy.kernels.bookkeeping.boundary_states_triton import (
             record_accepted_and_boundaries_triton,
             sampled_rows_triton,
         )

@@ -8,11 +8,12 @@ steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op e
 
 The drafts are chains or one static tree shape per speculating request (the verified block: root, then the draft
 nodes). The step metadata carries `parents` `[N]` (local, packed) and `ancestors`: None for chains, else the packed
-ancestor table `[N, D]` of this step's block (`vllm_treewy.kernels.triton._tree.ancestor_table(parents, cu, D)`,
-D = the tree's depth counted in nodes), and `commit_ancestors`, which every slot's commit follows, separately from
-this step's verify: None for chains; the static tree's verified block `[1 + N, D]`; with `draft_tree_max_batch_size`
-the table of both shapes (`step_metadata.commit_ancestor_table`), since a step may commit the shape the previous
-step verified while verifying the other.
+ancestor table `[N, D]` of this step's block
+(`vllm_treewy.kernels.ancestor_table_triton.ancestor_table(parents, cu, D)`, D = the tree's depth counted in nodes),
+and `commit_ancestors`, which every slot's commit follows, separately from this step's verify: None for chains; the
+static tree's verified block `[1 + N, D]`; with `draft_tree_max_batch_size` the table of both shapes
+(`step_metadata.commit_ancestor_table`), since a step may commit the shape the previous step verified while verifying
+the other.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from vllm_treewy import kernels as torch_kernels
-from vllm_treewy.kernels.conv_torch import commit_rows_and_parents, conv_step_packed
+from vllm_treewy.kernels.conv_step_torch import commit_rows_and_parents, conv_step_packed
 from vllm_treewy.kernels.gdn_step_torch import gates, inverse_norm, split_qkv
 from vllm_treewy.vllm_plugin.pseudo_value_buffer import PseudoValueBuffer
 
@@ -76,7 +77,8 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
     `[N, HV, V]`, after committing each slot's previous step. No host sync: capturable in a FULL CUDA graph."""
     import triton
 
-    from vllm_treewy.kernels.triton import conv_step_triton, gdn_step_triton
+    from vllm_treewy.kernels.conv_step_triton import conv_step_triton
+    from vllm_treewy.kernels.gdn_step_triton import gdn_step_triton
 
     slots, cu_nodes, commit_nodes = metadata.spec_slots, metadata.spec_query_start_loc, metadata.commit_nodes
     layout, ancestors = buffer.layout, metadata.ancestors
@@ -90,7 +92,6 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
                                 activation=activation, block_nodes=min(16, triton.next_power_of_2(max_nodes)))
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state, slots,
                     metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
-                    max_depth=None if ancestors is None else ancestors.shape[1], chain=ancestors is None,
                     ancestors=ancestors, scale=layout.head_k_dim**-0.5, norm_eps=layer.layer_norm_epsilon,
                     activation=layer.norm.activation, out=out, factors=buffer.factors, commit_nodes=commit_nodes,
                     commit_ancestors=commit_ancestors)

@@ -12,7 +12,7 @@ derives (`step_metadata`: V2 calls the same builder's `build`, at FULL-graph cap
 - The slot counts after sampling: V2 counts each batch row's sampled tokens on the device (`num_sampled`, accepted
   drafts + 1) and hands them to `GPUModelRunner.postprocess_sampled` right after sampling, before the drafter
   proposes. There every speculative row's count goes into its slot in every GDN group
-  (`slot_counts.record_sampled_counts_triton`, one launch). V2 keeps a request's block-table row for the request's
+  (`record_sampled_counts_triton`, one launch). V2 keeps a request's block-table row for the request's
   life (`idx_mapping` maps batch rows to them) and, under its default async scheduling, prepares the next step on
   the host before this one's tokens are known: device tensors only, no host sync. With prefix caching of GDN states
   (align mode) the slot is the request's running block, which moves: there `prefix_caching.record_after_sampling_v2`
@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.kernels.bookkeeping import dispatch, slot_counts_torch, slot_counts_triton
 from vllm_treewy.vllm_plugin import prefix_caching
 from vllm_treewy.vllm_plugin.accepted_counts import count_table_of, counted_gdn_groups
 from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts, reconstructs_mamba_state
@@ -71,10 +71,11 @@ def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.
     if offset:
         # a row that sampled nothing verified its root (the kernels' max(num_sampled, 1)), then the offset
         num_sampled = num_sampled[:num_rows].clamp(min=1) + offset
-    if slot_counts.launches_triton(groups[0][0]):
-        slot_counts.record_sampled_counts_triton(count_table_of(runner, groups), idx_mapping, num_sampled, num_rows)
+    if dispatch.launches_triton(groups[0][0]):
+        slot_counts_triton.record_sampled_counts_triton(count_table_of(runner, groups), idx_mapping, num_sampled,
+                                                        num_rows)
     else:
-        slot_counts.record_sampled_counts_torch(groups, idx_mapping, num_sampled, num_rows)
+        slot_counts_torch.record_sampled_counts_torch(groups, idx_mapping, num_sampled, num_rows)
 
 
 def _recording_sampled_counts(original):

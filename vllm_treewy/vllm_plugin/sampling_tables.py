@@ -2,10 +2,10 @@
 on vLLM's runner.
 
 Right after sampling, one launch covers every GDN group (`accepted_counts` on V1, `runner_v2` on Model Runner V2:
-the count table of `kernels.triton.slot_counts`) or every reconstruct GDN layer (`prefix_caching` on V1: the
-boundary table of `kernels.triton.boundary_states`). Each table holds the addresses of the layers' states in vLLM's
-KV cache and of the runner's device block tables; building one is an allocation and a host-to-device copy, so it
-is built once and rebuilt only where one of those addresses changed (a KV cache bound anew).
+the count table of `kernels.bookkeeping.slot_counts_triton`) or every reconstruct GDN layer (`prefix_caching` on V1:
+the boundary table of `kernels.bookkeeping.boundary_states_triton`). Each table holds the addresses of the layers'
+states in vLLM's KV cache and of the runner's device block tables; building one is an allocation and a host-to-device
+copy, so it is built once and rebuilt only where one of those addresses changed (a KV cache bound anew).
 """
 
 from __future__ import annotations

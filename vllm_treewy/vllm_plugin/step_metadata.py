@@ -12,7 +12,7 @@ commit node is the block the next step starts from (`store_all_tree`).
 The count update runs where it costs no host time: in a batch with speculative rows, the group's first GDN layer
 launches it at the start of its forward (`update_counts`), before any layer of the group reads the commit nodes, so a
 FULL CUDA graph captures it and replays it for free; in a batch without any (prefills only), the builder runs it. One
-Triton launch on CUDA (`kernels.triton.slot_counts`), torch ops elsewhere; no host sync either way.
+Triton launch on CUDA (`kernels.bookkeeping.slot_counts_triton`), torch ops elsewhere; no host sync either way.
 
 Both runners call the builder's `build` (Model Runner V2 for the first GDN group of a spec; for each further group it
 re-gathers the state indices, which `runner_v2` follows with `with_commit_nodes` too: each group commits its own slots).
@@ -45,8 +45,8 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
-from vllm_treewy.kernels.triton._tree import ancestor_table_torch
-from vllm_treewy.kernels.triton.slot_counts import commit_nodes_and_counts
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
+from vllm_treewy.kernels.bookkeeping.dispatch import commit_nodes_and_counts
 from vllm_treewy.tree import DraftTree, chain_parents, node_requests
 from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD
@@ -90,7 +90,8 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     @cached_property
     def ancestors(self) -> torch.Tensor | None:
         """`[N, D]` int32 ancestor table of the packed verified tokens (local indices, as
-        `vllm_treewy.kernels.triton.ancestor_table` builds it): rows of the static tree's table. None for chains."""
+        `vllm_treewy.kernels.ancestor_table_triton.ancestor_table` builds it): rows of the static tree's table. None
+        for chains."""
         if self.tree_ancestors is None:
             return None
         return self.tree_ancestors[self._tree_rows].contiguous()

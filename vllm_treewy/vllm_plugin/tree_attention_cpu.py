@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels.triton._tree import ancestor_table_torch
+from ..kernels.ancestor_table_torch import ancestor_table_torch
 from ..spec_decode.acceptance import KVMoves, accepted_kv_moves, verified_block_offsets
 from ..tree import node_requests
 

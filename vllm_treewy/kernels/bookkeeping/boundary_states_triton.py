@@ -1,6 +1,6 @@
-"""After sampling, with prefix caching of GDN states (align mode): every GDN layer's accepted counts and block-
-boundary states in one launch. The semantics, row by row, are `vllm_treewy.kernels.boundary_states`' (its torch
-twin, `record_accepted_and_boundaries_torch`).
+"""Runner bookkeeping on CUDA: after sampling, with prefix caching of GDN states (align mode), every GDN layer's
+accepted counts and block-boundary states in one launch. The semantics, row by row, are those of the torch twin
+`boundary_states_torch.record_accepted_and_boundaries_torch`.
 
 The layers come as a table (`boundary_table`): per layer the addresses of its state, factor rows, conv history, conv
 inputs and count state (views into its KV-cache page) and of its KV-cache group's block table; every layer shares
@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..boundary_states import BoundaryLayer
-from ..factor_rows import _factor_columns, slot_factor_width
-from .state_pass import _committed_chunk
+from .boundary_states_torch import BoundaryLayer
+from ..factor_rows import slot_factor_width
+from ..factor_rows_triton import _factor_columns
+from ..gdn_step_triton.state_pass import _committed_chunk
 
 BLOCK_ROWS = 128  # rows per program: a decode batch of up to 128 requests is one program per (head, layer)
 STATE_ROWS = 16  # value rows per tile (the state pass's common tile: 16 x 128)
@@ -260,7 +261,7 @@ def _boundary_kernel(
 def sampled_rows_triton(counts: torch.Tensor, block_table: torch.Tensor, idx_mapping: torch.Tensor,
                         seq_lens: torch.Tensor, num_sampled: torch.Tensor, num_rows: int, *, block_size: int,
                         null_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.boundary_states.sampled_rows` in one launch: (draft tokens, accepted) int32 `[num_rows]`, new
+    """`boundary_states_torch.sampled_rows` in one launch: (draft tokens, accepted) int32 `[num_rows]`, new
     tensors (contiguous, as `record_accepted_and_boundaries_triton` takes them). counts `[S]` int32 (any stride),
     block_table `[R, C]` int32 (rows per request state), idx_mapping, seq_lens, num_sampled `[>= num_rows]`
     integer, contiguous. A separate launch from the boundary kernel: that one rewrites the counts it would read."""

@@ -6,7 +6,7 @@ commit's factors in the slots' rows (`vllm_treewy.kernels.factor_rows`).
     g_i    = -exp(A_log) * softplus(a_i + dt_bias)            beta_i = sigmoid(b_i)
     q_i    = scale * q_i / sqrt(|q_i|^2 + 1e-6)              k_i    = k_i / sqrt(|k_i|^2 + 1e-6)
     h0     = the slot's state after its commit node a:  exp(c_a) h + sum_{j on path(a)} exp(c_a - c_j) u_j k_j^T
-    (o_i, u_i) = closed-form tree verify from h0 (design notes §1)
+    (o_i, u_i) = closed-form tree verify from h0 (`vllm_treewy.kernels.closed_form`'s equations)
     o_i    <- o_i rounded to the output dtype (bf16 in vLLM), as vLLM's decode and compiled MTP kernel do
     out_i  = o_i * rsqrt(mean_v(o_i^2) + eps) * norm_weight * act(z_i)      act = silu or sigmoid
 
@@ -20,12 +20,15 @@ nodes over several programs). How each launch is tiled is a `StepLaunch`, chosen
 The adapter's call, where vLLM would call `fused_gdn_decode_post_conv_mtp` after the conv:
 
     out = gdn_step_triton(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices,
-                          parents, cu_nodes, factors=slot_factors, commit_nodes=commit_nodes, num_key_heads=H,
-                          max_nodes=T, chain=True, scale=K**-0.5, norm_eps=eps, activation="silu",
-                          out=core_attn_out)
+                          parents, cu_nodes, factors=slot_factors, commit_nodes=commit_nodes,
+                          commit_ancestors=commit_table, num_key_heads=H, max_nodes=T, ancestors=tree_table,
+                          scale=K**-0.5, norm_eps=eps, activation="silu", out=core_attn_out)
+
+(``tree_table`` and ``commit_table`` None for chains: the ancestor tables are the one chain-or-tree signal.)
 
 The end of a sequence (or a test) commits alone: `gdn_commit_triton`. Torch twin:
-`vllm_treewy.kernels.gdn_step_torch`; fp64 ground truth: `vllm_treewy.kernels.reference.reference_gated_tree`.
+`vllm_treewy.kernels.gdn_step_torch` (`gdn_step_packed`, `gdn_commit_packed`); fp64 ground truth:
+`vllm_treewy.kernels.reference.reference_gated_tree`.
 """
 
 import dataclasses
@@ -36,7 +39,6 @@ import triton
 
 from ..factor_rows import slot_factor_width
 from . import path_epilogue, request_epilogue, state_pass
-from ._tree import ancestor_table
 
 ACTIVATIONS = ("silu", "sigmoid")
 # the request epilogue's static per-node loops unroll BT x BT pairs: up to this many nodes
@@ -66,10 +68,18 @@ ROWS_128 = StepLaunch(state_rows=128, state_block_k=128, state_warps=8, epilogue
 TREE_ROWS_16 = StepLaunch(state_rows=16, state_block_k=128, state_warps=2, epilogue_warps=4, path_nodes=8)
 TREE_ROWS_64 = StepLaunch(state_rows=64, state_block_k=64, state_warps=4, epilogue_warps=2, path_nodes=4)
 
-# (state dtype, requests, nodes per request) -> launch; for every step exactly one row holds. The fastest launches
-# measured on the H200 at Qwen3.5 GDN dims (H=16, HV=32, K=V=128, bf16 q/k/v) at T = 2, 4, 8 and trees [2,2,1] /
-# [4,2,2], B = 1, 8, 64, 256; the sizes between were not all run and go with their neighbours. The measurements:
-# bench/results/kernels.md, "Launch table".
+# (state dtype, requests, nodes per request) -> launch; for every step exactly one row holds. Each row is the fastest
+# launch measured at Qwen3.5 GDN dims (H=16, HV=32, K=V=128, bf16 q/k/v), chains at T = 2, 4, 8 and B = 1, 8, 64,
+# trees [2,2,1] / [4,2,2] at B = 1, 64, 256; the sizes between were not all run and go with their neighbours.
+# Chain rows measured on an NVIDIA H200 by `python3 bench/gated_bench.py --name final --tune-tokens 4 8 2
+# --tune-batches 64 8 1 --tokens 4 2 8 --batches 1 2 4 8 64 256 --short-batches 1 8 64 256 --separate-batches 1 64`,
+# results in bench/results/2026-12-02d/kernels/final.json; tree rows measured on an NVIDIA H200 by `python3
+# bench/gated_bench.py --name trees_final --states bf16 fp32 --tune-tokens --tokens --trees --gated-trees 4,2,2 2,2,1
+# --gated-tree-batches 64 1 256`, results in bench/results/2026-12-03b/kernels/trees_final.json (both commands of
+# the bench as it was then; its tuning options are gone). The table as it runs now, against vLLM's compiled kernel:
+# measured on an NVIDIA H200 by `python3 bench/gated_bench.py --name gated --no-fallback --separate-batches`, results
+# in bench/results/2026-12-03c/kernels/gated.json; which row came from which run: bench/results/kernels.md,
+# "Launch table".
 LAUNCH_TABLE = (
     # states    requests        nodes           launch
     ("any", (0, 4), (0, 8), ROWS_16),
@@ -116,18 +126,17 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-def max_ancestors(max_nodes: int, max_depth: int | None, chain: bool) -> int:
-    """Strict ancestors of the deepest node; max_depth counts the nodes of a root-to-node path (vllm_treewy.tree)."""
-    return max_nodes - 1 if chain or max_depth is None else max_depth - 1
+def max_ancestors(max_nodes: int, ancestors: torch.Tensor | None) -> int:
+    """Strict ancestors of the deepest node: a chain's max_nodes - 1; a tree's table holds each node's path, the
+    node first (D columns: the most nodes on a root-to-node path, vllm_treewy.tree's max_depth), so D - 1."""
+    return max_nodes - 1 if ancestors is None else ancestors.shape[1] - 1
 
 
-def tree_ancestors(parents, cu_nodes, max_anc: int, chain: bool, ancestors: torch.Tensor | None) -> torch.Tensor:
-    """The epilogues' ancestry argument: unused (parents) for chains, else the given or a freshly built table."""
-    if chain:
-        return parents
+def tree_ancestors(parents, ancestors: torch.Tensor | None) -> torch.Tensor:
+    """The epilogues' ancestry argument: the table for trees; for chains (None) any pointer, never read (parents)."""
     if ancestors is None:
-        return ancestor_table(parents, cu_nodes, max_anc + 1)
-    assert ancestors.shape == (parents.numel(), max_anc + 1) and ancestors.is_contiguous()
+        return parents
+    assert ancestors.dim() == 2 and ancestors.shape[0] == parents.numel() and ancestors.is_contiguous()
     return ancestors
 
 
@@ -144,14 +153,13 @@ def _check_factors(factors, state, state_indices, commit_nodes, commit_ancestors
 
 
 def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
-                  factors, commit_nodes, commit_ancestors, *, num_key_heads, max_nodes, max_depth, chain, scale,
-                  norm_eps, activation, ancestors, out, launch):
+                  factors, commit_nodes, commit_ancestors, *, num_key_heads, max_nodes, scale, norm_eps, activation,
+                  ancestors, out, launch):
     """([(kernel, grid, positional arguments, keyword arguments)] in launch order, out): checks done, the launch
     resolved (None: `step_launch`'s), nothing launched. `mixed_qkv` None: the commit alone (the state pass without
     products; the other verify arguments unused). Allocates the products workspace [B, HV, 2 BT, V] fp32 (BT the
     node count padded to a power of two, at least 2; 8 MiB at B=64, T=4; 256 MiB at B=256 with 29-node trees)
-    and, for a tree without `ancestors`, the ancestor table; under CUDA-graph capture both come from the graph's
-    pool."""
+    and `out` if None; under CUDA-graph capture both come from the graph's pool."""
     do_verify = mixed_qkv is not None
     S, HV, V, K = state.shape
     H = num_key_heads
@@ -171,8 +179,9 @@ def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, sta
         assert n_nodes == 0 or (mixed_qkv.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1 and
                                 output_gate.stride(2) == 1)
         assert max_nodes <= factors.shape[1], "a slot holds factors.shape[1] node rows"
-        max_anc = max_ancestors(max_nodes, max_depth, chain)
-        ancestors = tree_ancestors(parents, cu_nodes, max_anc, chain, ancestors)
+        max_anc = max_ancestors(max_nodes, ancestors)
+        is_chain = ancestors is None
+        ancestors = tree_ancestors(parents, ancestors)
         if out is None:
             out = torch.empty(n_nodes, HV, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         out3 = out.view(n_nodes, HV, V)
@@ -202,7 +211,7 @@ def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, sta
     scalars = (float(K**-0.5 if scale is None else scale), float(norm_eps))
     epilogue_args = (mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state_indices, ancestors, cu_nodes,
                      out3, factors, products, *strides, factors.stride(0), factors.stride(1), *scalars)
-    epilogue_kwargs = dict(H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=chain, ACT=activation,
+    epilogue_kwargs = dict(H=H, HV=HV, K=K, V=V, BT=bt, MAX_ANC=max_anc, IS_CHAIN=is_chain, ACT=activation,
                            DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, num_warps=launch.epilogue_warps,
                            num_stages=1)
     if path_nodes:
@@ -236,8 +245,6 @@ def gdn_step_triton(
     commit_ancestors: torch.Tensor | None = None,
     num_key_heads: int,
     max_nodes: int,
-    max_depth: int | None = None,
-    chain: bool = False,
     scale: float | None = None,
     norm_eps: float = 1e-6,
     activation: str = "silu",
@@ -245,32 +252,88 @@ def gdn_step_triton(
     out: torch.Tensor | None = None,
     launch: StepLaunch | None = None,
 ) -> torch.Tensor:
-    """One GDN layer's speculative decode step after the conv: the normed, gated core output of every draft node;
-    the factors of its commit go to the slots' rows.
+    """One GDN layer's speculative decode step after the conv, on packed draft chains or trees: first each slot's
+    commit of its previous step (with `commit_nodes`), then the verify of this step's nodes from the committed state;
+    returns every node's normed, gated core output and leaves this step's commit factors in the slots' rows.
 
-    mixed_qkv [N, 2*H*K + HV*V] (post-conv q | k | v, row stride free, last dim contiguous); a, b [N, HV] (raw
-    gate inputs); A_log, dt_bias [HV]; output_gate z [N, HV, V]; norm_weight [V]; state pool [S, HV, V, K] fp32 or
-    bf16/fp16 (vLLM's GPU layout; K and V powers of two); state_indices [B] int32 (negative: a padding request,
-    nothing read or written); parents [N] local, cu_nodes [B+1] (`vllm_treewy.tree.pack_trees`; requests may have
-    0 nodes); chain: every request a chain (no ancestor table), else trees of at most `max_depth` nodes a path, as
-    the [N, max_depth] table `ancestors` (`_tree.ancestor_table`; built here if None); scale defaults to K**-0.5.
-    factors: fp32 [S, T, F] (`vllm_treewy.kernels.factor_rows`), T >= max_nodes: request b's node t writes row
-    factors[state_indices[b], t].
-    commit_nodes: int32 [B] or None. commit_nodes[b] = a (a < T, or a row of commit_ancestors) first commits the slot's previous step in
-    place, the state after its node a from the rows the previous call left there (`gdn_commit_triton`); -1 leaves
-    the slot as it is. commit_ancestors: int32 [T', P] (P <= T), row a the path of commit node a in the slot's
-    factor rows (a first, -1 past the root), shared by every slot: the previous step's tree as its ancestor table,
-    or one table of several block shapes (T' may exceed T: a node's row need not be its factor row); None: a
-    chain, a's path is 0..a. The verify then reads the committed
-    state: one state read and (with a commit) one write per request.
-    launch: None takes `step_launch`'s for this state, batch and node count.
-    Returns out [N, HV, V] (mixed_qkv's dtype; `out` may be a [N, HV*V] view; padding requests' rows untouched).
-    Allocations: `step_launches`. No host sync, no data-dependent shapes: capturable in a CUDA graph."""
+    Args:
+        mixed_qkv (torch.Tensor):
+            post-conv ``q | k | v`` of every node, ``[N, 2*H*K + HV*V]``, fp32, bf16 or fp16; last dim contiguous,
+            row stride free. Raw: the step applies the q/k L2 norms and ``scale``.
+        a (torch.Tensor), b (torch.Tensor):
+            raw gate inputs ``[N, HV]``, last dim contiguous: ``g = -exp(A_log) * softplus(a + dt_bias)``,
+            ``beta = sigmoid(b)``.
+        A_log (torch.Tensor), dt_bias (torch.Tensor):
+            ``[HV]``.
+        output_gate (torch.Tensor):
+            ``z [N, HV, V]``, last dim contiguous.
+        norm_weight (torch.Tensor):
+            the gated RMSNorm's weight ``[V]``.
+        state (torch.Tensor):
+            the state pool ``[S, HV, V, K]``, vLLM's GPU layout (``state[s, hv, v, k]``), fp32, bf16 or fp16; last
+            dim contiguous, other strides free; K and V powers of two. Written in place by the commit only.
+        state_indices (torch.Tensor):
+            ``[B]`` int32, contiguous: request b's slot; negative marks a padding request (nothing read or written,
+            its rows of ``out`` untouched).
+        parents (torch.Tensor), cu_nodes (torch.Tensor):
+            the packed trees (`vllm_treewy.tree.pack_trees`): ``parents [N]`` int32 local indices (-1: a child of the
+            committed state; parents precede their children), ``cu_nodes [B+1]`` int32 offsets; a request may have
+            0 nodes.
+        factors (torch.Tensor):
+            the slots' factor rows ``[S', T, F]`` fp32 (`vllm_treewy.kernels.factor_rows`: S' >= S, T >= max_nodes,
+            F = ``slot_factor_width(HV, K, V)``; first two strides free, last dim contiguous). The commit reads the
+            rows the previous call left; then request b's node t writes ``factors[state_indices[b], t]`` in place.
+        commit_nodes (Optional[torch.Tensor]):
+            ``[B]`` int32, contiguous, or None (no commit). ``commit_nodes[b] = a >= 0`` first replaces slot
+            ``state_indices[b]``'s state by the state after the previous step's node a (as `gdn_commit_triton`);
+            -1 leaves the slot as it is.
+        commit_ancestors (Optional[torch.Tensor]):
+            ``[T', P]`` int32, contiguous (P <= T), shared by every slot: row a the path of commit node a in the
+            slot's factor rows (a first, -1 past the root): the previous step's tree as its ancestor table, or one
+            table of several block shapes (T' may exceed T: a node's table row need not be its factor row). None: the
+            previous step was a chain, a's path is ``a, a-1, .., 0``.
+        num_key_heads (int):
+            H; HV a multiple of it (GQA: value head hv reads key head ``hv // (HV // H)``).
+        max_nodes (int):
+            the most nodes a request has (static: it sizes the epilogue's tiles and picks the launch); the request
+            epilogue takes at most `REQUEST_EPILOGUE_NODES`, the path epilogue any.
+        scale (Optional[float]):
+            the query scale, ``K ** -0.5`` if None.
+        norm_eps (float):
+            the gated RMSNorm's epsilon.
+        activation (str):
+            the output gate's activation, "silu" or "sigmoid".
+        ancestors (Optional[torch.Tensor]):
+            the one chain-or-tree signal of this step's verify. Trees: the ancestor table ``[N, D]`` int32,
+            contiguous (`ancestor_table_triton.ancestor_table`: row i node i's path, local indices, i first, -1
+            past the root; D the most nodes on a root-to-node path); build it once per step, every GDN layer shares
+            it. None: every request is a chain (node i's parent is i - 1), no table read.
+        out (Optional[torch.Tensor]):
+            ``[N, HV, V]`` or a ``[N, HV*V]`` view, mixed_qkv's dtype; allocated if None.
+        launch (Optional[StepLaunch]):
+            how the two launches are tiled; None takes `step_launch`'s for this state dtype, batch and max_nodes.
+
+    Returns:
+        torch.Tensor: ``out [N, HV, V]`` in mixed_qkv's dtype (the ``out`` argument when given), per node
+        ``o_i * rsqrt(mean_v(o_i^2) + norm_eps) * norm_weight * act(z_i)``, with o_i rounded to that dtype first (as
+        vLLM's decode rounds it); padding requests' rows untouched.
+
+    Written in place: ``state`` (the slots with a commit node >= 0; one state read and at most one write per
+    request), ``factors`` (rows 0 .. n_b - 1 of each live request's slot), ``out``.
+
+    Allocations (`step_launches`): the products workspace ``[B, HV, 2 BT, V]`` fp32 (BT the node count padded to a
+    power of two, at least 2: 8 MiB at B=64, T=4; 256 MiB at B=256 with 29-node trees) and ``out`` if None; under
+    CUDA-graph capture both come from the graph's pool.
+
+    Capturability: capturable in a CUDA graph. No host sync; no data-dependent shapes (the grids and buffers depend
+    only on B, N, max_nodes and the model's dims); the topology comes as tensors (parents, cu_nodes, ancestors,
+    commit_nodes, commit_ancestors), so one captured graph serves every tree of those sizes. Two launches (the state
+    pass, then its programmatic dependent epilogue on Hopper); one compiled variant per dtypes and static arguments.
+    """
     launches, out = step_launches(
         mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes, factors,
-        commit_nodes, commit_ancestors, num_key_heads=num_key_heads, max_nodes=max_nodes, max_depth=max_depth,
-        chain=chain, scale=scale, norm_eps=norm_eps, activation=activation, ancestors=ancestors, out=out,
-        launch=launch)
+        commit_nodes, commit_ancestors, num_key_heads=num_key_heads, max_nodes=max_nodes, scale=scale,
+        norm_eps=norm_eps, activation=activation, ancestors=ancestors, out=out, launch=launch)
     _run(launches)
     return out
 
@@ -285,14 +348,37 @@ def gdn_commit_triton(
     commit_ancestors: torch.Tensor | None = None,
     launch: StepLaunch | None = None,
 ) -> None:
-    """The commit alone, in place (the end of a sequence, and tests): for each request b with slot
-    s = state_indices[b] >= 0 and a = commit_nodes[b] >= 0, the slot's state becomes the state after node a, whose
-    path (a and its ancestors: rows 0..a for a chain, else `commit_ancestors[a]`, as in `gdn_step_triton`) has its
-    factors in rows factors[s, j]: h_a = exp(c_a) h0 + sum_{j on the path} exp(c_a - c_j) (u_j key_scale_j)
-    key_j^T. One launch, the state pass without products (its tiles: `launch`, None for `step_launch`'s of one
-    node a request); the same committed state bit for bit as the commit inside a step."""
+    """The commit alone, in place (the end of a sequence, and tests): each slot's state becomes the state after its
+    previous step's commit node, bit for bit as the commit inside `gdn_step_triton`.
+
+    Args:
+        state (torch.Tensor):
+            the state pool ``[S, HV, V, K]`` (vLLM's GPU layout), fp32, bf16 or fp16; last dim contiguous, other
+            strides free; K and V powers of two.
+        state_indices (torch.Tensor):
+            ``[B]`` int32, contiguous: request b's slot; negative marks a padding request (untouched).
+        factors (torch.Tensor):
+            the slots' factor rows ``[S', T, F]`` fp32 (`vllm_treewy.kernels.factor_rows`), as the previous
+            `gdn_step_triton` left them; only read.
+        commit_nodes (torch.Tensor):
+            ``[B]`` int32, contiguous: the node a to commit, -1 to leave the slot as it is.
+        num_key_heads (int):
+            H (GQA, as in `gdn_step_triton`).
+        commit_ancestors (Optional[torch.Tensor]):
+            ``[T', P]`` int32, contiguous: row a the path of node a in the slot's factor rows (as in
+            `gdn_step_triton`); None: a chain, a's path is ``a, a-1, .., 0``.
+        launch (Optional[StepLaunch]):
+            the state pass's tiles; None takes `step_launch`'s for one node a request.
+
+    Returns:
+        None. Written in place: ``state[s]`` for each request with slot s = state_indices[b] >= 0 and
+        a = commit_nodes[b] >= 0, ``h_a = exp(c_a) h0 + sum_{j on path(a)} exp(c_a - c_j) (u_j key_scale_j)
+        key_j^T`` from the path's rows ``factors[s, j]``.
+
+    One launch (the state pass without products), no allocation, no host sync: capturable in a CUDA graph.
+    """
     launches, _ = step_launches(
         None, None, None, None, None, None, None, state, state_indices, None, None, factors, commit_nodes,
-        commit_ancestors, num_key_heads=num_key_heads, max_nodes=1, max_depth=None, chain=True, scale=None,
-        norm_eps=0.0, activation="silu", ancestors=None, out=None, launch=launch)
+        commit_ancestors, num_key_heads=num_key_heads, max_nodes=1, scale=None, norm_eps=0.0, activation="silu",
+        ancestors=None, out=None, launch=launch)
     _run(launches)

@@ -1,5 +1,6 @@
-"""Tree ancestry as data for the kernels: the ancestor table, built once per step, and the jit lookup of a node's
-d-th ancestor.
+"""Tree ancestry as data for the Triton kernels: the ancestor table in one launch (`ancestor_table_triton`), built
+once per step, and the jit lookup of a node's d-th ancestor (`_ancestor`). Torch twin:
+`vllm_treewy.kernels.ancestor_table_torch`.
 
 Node indices are LOCAL to their request (0 .. n-1). Trees come as an ancestor table `ancestors [N, D]` (int32,
 D = max_depth): `ancestors[bos + i, d]` is the local index of i's d-th ancestor (d = 0: i itself), -1 past the
@@ -12,29 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .ancestor_table_torch import ancestor_table_torch
+
 
 def ancestor_table(parents: torch.Tensor, cu_nodes: torch.Tensor, max_depth: int) -> torch.Tensor:
     """`ancestors [N, max_depth]` int32 from local `parents [N]` and `cu_nodes [B+1]`; no host sync (capturable).
-    Build it once per step: every GDN layer shares the tree. CUDA: one launch; elsewhere the torch twin."""
+    Build it once per step: every GDN layer shares the tree. CUDA: one launch; elsewhere (the interpreter's CPU
+    tensors) the torch twin."""
     if parents.is_cuda:
         return ancestor_table_triton(parents, cu_nodes, max_depth)
     return ancestor_table_torch(parents, cu_nodes, max_depth)
-
-
-def ancestor_table_torch(parents: torch.Tensor, cu_nodes: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """Torch twin of `ancestor_table_triton`: the walk up the parents, one step per column, for all nodes at once."""
-    num_nodes = parents.numel()
-    node = torch.arange(num_nodes, device=parents.device)
-    cu = cu_nodes.long()
-    start = cu[torch.searchsorted(cu[1:], node, right=True)]
-    parent = parents.long()
-    global_parent = torch.where(parent >= 0, parent + start, -1)
-    table = torch.empty(num_nodes, max(1, max_depth), dtype=torch.int32, device=parents.device)
-    cur = node
-    for d in range(table.shape[1]):
-        table[:, d] = torch.where(cur >= 0, cur - start, -1)
-        cur = torch.where(cur >= 0, global_parent[cur.clamp(min=0)], -1)
-    return table
 
 
 @triton.jit

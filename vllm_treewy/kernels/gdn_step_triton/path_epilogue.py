@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from ..factor_rows import _factor_columns
-from ._tree import _ancestor
+from ..factor_rows_triton import _factor_columns
+from ..ancestor_table_triton import _ancestor
 from .node_inputs import _before_check, _gated_rms_norm, _node_inputs, _request_indices
 
 

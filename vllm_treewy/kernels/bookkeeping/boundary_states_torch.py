@@ -1,7 +1,7 @@
-"""After sampling, with prefix caching of GDN states (vLLM's `mamba_cache_mode="align"`): each speculative row's
-accepted count into its state slot, and, where the row's accepted tokens reach a block boundary, the GDN state and
-conv window after the boundary's node into the boundary's block. Torch (the CPU path and the twin of
-`vllm_treewy.kernels.triton.boundary_states`).
+"""Runner bookkeeping, in torch: after sampling, with prefix caching of GDN states (vLLM's
+`mamba_cache_mode="align"`), each speculative row's accepted count into its state slot, and, where the row's accepted
+tokens reach a block boundary, the GDN state and conv window after the boundary's node into the boundary's block.
+The CPU path and the specification of its twin, `vllm_treewy.kernels.bookkeeping.boundary_states_triton`.
 
 In align mode a request's state blocks are indexed by position: block column c holds the state after
 ``(c + 1) * block_size`` tokens once the request has passed that boundary (what a prefix-cache hit restores), and
@@ -61,7 +61,7 @@ from typing import NamedTuple
 
 import torch
 
-from .gdn_step_torch import commit_paths, committed_states
+from ..gdn_step_torch import commit_paths, committed_states
 
 
 class BoundaryLayer(NamedTuple):

@@ -4,7 +4,7 @@ speculative step (`conv_step_triton`: the previous step's commit, then this step
 A node's input sequence is its request's committed history `conv_state[slot, :, 0 .. L-1]` (oldest first,
 L >= w-1; any strides, e.g. vLLM's) followed by its root-to-node path; its window is the last w entries.
 Walking up from a node, `cur >= 0` is a node of the path and `cur = -1, -2, ...` is history column L+cur (one step
-past the root is the newest column). Torch twin: `vllm_treewy.kernels.conv_torch` (same packed API).
+past the root is the newest column). Torch twin: `vllm_treewy.kernels.conv_step_torch` (same packed API).
 """
 
 import torch
@@ -124,24 +124,60 @@ def conv_step_triton(
     block_nodes: int = 16,
     block_d: int = 256,
 ) -> torch.Tensor:
-    """One speculative step of the conv, per request b in slot s = state_indices[b] (negative: padding, untouched):
+    """One speculative step of the causal depthwise conv1d over packed draft chains or trees, per request b in slot
+    s = state_indices[b]:
 
-    1. if `commit_nodes[b] >= 0`, commit the slot's previous step: its draft's inputs are `inputs[s, 0..]`
-       (written by the previous call), and the history moves on along the path to its node `commit_nodes[b]`, in
-       place. The draft is a chain, or with `commit_ancestors` int32 [T, P] shared by every slot, row a the path of
-       commit node a in the slot's input rows (a's row first, -1 past the root): the previous step's tree as its
-       ancestor table (`vllm_treewy.kernels.triton._tree.ancestor_table`), or one table of several block shapes
-       (T may exceed the rows: a node's table row need not be its input row);
-    2. the conv of this step's nodes: act(bias + sum_t weight[:, w-1-t] * (the entry t steps up the node's path,
-       continued into the history)), fp32 accumulation, in x's dtype, from the committed history; with a bf16 (or
-       fp16) history and weight, each product rounded to that dtype first, as vLLM's CUDA conv computes it (the
-       twin, also the CPU path, keeps exact products, as vLLM's CPU conv does);
-    3. this step's inputs x go to `inputs[s, 0 .. n_b-1]` for the commit inside the next step.
+    1. if ``commit_nodes[b] >= 0``, commit the slot's previous step: its draft's inputs are ``inputs[s, 0..]``
+       (written by the previous call), and the history moves on along the path to its node ``commit_nodes[b]``, in
+       place;
+    2. the conv of this step's nodes: ``act(bias + sum_t weight[:, w-1-t] * (the entry t steps up the node's path,
+       continued into the history))``, fp32 accumulation, from the committed history; with a bf16 (or fp16)
+       history and weight, each product rounded to that dtype first, as vLLM's CUDA conv computes it (the twin, also
+       the CPU path, keeps exact products, as vLLM's CPU conv does);
+    3. this step's inputs x go to ``inputs[s, 0 .. n_b-1]`` for the commit inside the next step.
 
-    x [N, D] pre-conv inputs (last dim contiguous); conv_state [S, D, L] (any strides, L >= w-1); weight [D, w];
-    bias [D] or None; activation None or "silu"; parents, cu_nodes: the packed trees (`vllm_treewy.tree`);
-    inputs [S, T, D] (per-slot rows, any slot/row strides, last dim contiguous).
-    One launch, capturable in a CUDA graph. Twin: `vllm_treewy.kernels.conv_torch.conv_step_packed`."""
+    Args:
+        x (torch.Tensor):
+            pre-conv inputs of every node ``[N, D]``, last dim contiguous, row stride free.
+        conv_state (torch.Tensor):
+            the history pool ``[S, D, L]``, oldest column first, L >= w-1, any strides (vLLM's page view). Written
+            in place by the commit.
+        state_indices (torch.Tensor):
+            ``[B]`` int32, contiguous: request b's slot; negative marks a padding request (nothing read or written,
+            its rows of ``out`` untouched).
+        weight (torch.Tensor):
+            ``[D, w]``, contiguous; ``weight[:, -1]`` multiplies the node's own input.
+        bias (Optional[torch.Tensor]):
+            ``[D]`` or None.
+        parents (torch.Tensor), cu_nodes (torch.Tensor):
+            the packed trees (`vllm_treewy.tree.pack_trees`): ``parents [N]`` int32 local, ``cu_nodes [B+1]`` int32.
+            A chain is the tree whose parents are i - 1; the conv walks the parents either way.
+        inputs (torch.Tensor):
+            the slots' input rows ``[S', T, D]`` (slot and row strides free, last dim contiguous; x is cast to
+            their dtype): read by the commit (the previous call's rows), then this step's rows written in place.
+        commit_nodes (Optional[torch.Tensor]):
+            ``[B]`` int32 or None (no commit); -1 leaves the slot's history as it is.
+        commit_ancestors (Optional[torch.Tensor]):
+            ``[T', P]`` int32, contiguous, shared by every slot: row a the path of commit node a in the slot's input
+            rows (a first, -1 past the root): the previous step's tree as its ancestor table
+            (`vllm_treewy.kernels.ancestor_table_triton.ancestor_table`), or one table of several block shapes (T'
+            may exceed the rows: a node's table row need not be its input row). None: the previous step was a chain.
+        activation (Optional[str]):
+            None or "silu".
+        out (Optional[torch.Tensor]):
+            ``[N, D]`` (row stride free, last dim contiguous); allocated like x if None.
+        block_nodes (int), block_d (int):
+            nodes and channels a program takes at once (powers of two).
+
+    Returns:
+        torch.Tensor: ``out [N, D]``, the conv output of every node in out's dtype (x's when allocated here);
+        padding requests' rows untouched.
+
+    Written in place: ``conv_state`` (the committed slots' history), ``inputs`` (rows 0 .. n_b - 1 of each live
+    slot), ``out``. Allocations: ``out`` if None, nothing else. One launch, grid (D / block_d, B); no host sync, no
+    data-dependent shapes, the topology as tensors: capturable in a CUDA graph. Twin:
+    `vllm_treewy.kernels.conv_step_torch.conv_step_packed`.
+    """
     grid, kernel_args, kernel_kwargs, out = _conv_launch_arguments(
         x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, commit_nodes,
         commit_ancestors=commit_ancestors, activation=activation, out=out, block_nodes=block_nodes, block_d=block_d)

@@ -40,7 +40,8 @@ def _sequence_rows(
 def _sequence_source(
     x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cat([x, histories])`` as ``[N + B*L, D]`` in ``dtype`` (padding requests' slots are not read), and the live mask."""
+    """``cat([x, histories])`` as ``[N + B*L, D]`` in ``dtype`` (padding requests' slots are not read), and the live
+    mask."""
     slots = state_indices.long()
     live = slots >= 0
     num_channels, history_len = conv_state.shape[1:]
@@ -145,7 +146,8 @@ def conv_step_packed(
 ) -> torch.Tensor:
     """One speculative step: commit each slot's previous draft (a chain, or the tree ``commit_ancestors``) at
     ``commit_nodes [B]`` (-1: nothing to commit) from its per-slot input rows ``inputs [S, T, D]``, then the conv of
-    this step's nodes, whose inputs replace the rows. Torch twin of `vllm_treewy.kernels.triton.conv_step.conv_step_triton`."""
+    this step's nodes, whose inputs replace the rows. Torch twin of
+    `vllm_treewy.kernels.conv_step_triton.conv_step_triton`."""
     slots = state_indices.long()
     live = slots >= 0
     if commit_nodes is not None:
