@@ -14,7 +14,7 @@ Matrix sizes come from transformers' Qwen3.5 model of the shape, built on the me
 scores and values (4 x heads x head_dim x context FLOPs a token) are counted, the conv and the recurrences' own
 FLOPs (under 0.1% of the matrix work) are not.
 
-    python3 -m bench.e2e.membound_ceiling bench/results/gpu_vllm_e2e/session8_2026-12-01/membound
+    python3 -m bench.e2e.membound_ceiling bench/results/gpu_vllm_e2e/session8/membound
 
 writes DIR/ceiling.json and prints the table. No vllm import, no GPU.
 """
@@ -29,9 +29,9 @@ from pathlib import Path
 
 # KINDS.md (/work/.library/device): an 8192^3 bf16 product through PyTorch on one such H200, random data.
 MEASURED_BF16_MATRIX_FLOPS = 788e12
-# `copy_bandwidth_Bps` of the kernels run of 2026-12-01 (bench/results/2026-12-01e/device/gated.json).
+# `copy_bandwidth_Bps` of the kernels run of 2026-12-01 (bench/results/kernels/copy_bandwidth_run.json).
 MEASURED_COPY_BANDWIDTH = 4.28e12
-# Our fused step's time over its 2-state bound at fp32 T=4, B=256 (bench/results/kernels.md, 2026-12-01e; H=16,
+# Our fused step's time over its 2-state bound at fp32 T=4, B=256 (bench/results/kernels/README.md, 2026-12-01e; H=16,
 # HV=32: the 27B shape's 48 value heads are not benched), for the estimate of reconstruct's GDN kernel time.
 MEASURED_FUSED_STEP_OVER_BOUND = 1.94
 STATE_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
