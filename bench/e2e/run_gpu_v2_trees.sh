@@ -65,7 +65,7 @@ if [ -n "${DRY_RUN:-}" ]; then
   for e in "${engines[@]}"; do
     IFS='|' read -r name extra <<<"$e"
     # shellcheck disable=SC2086
-    python3 -c 'import sys; from bench import gpu_v2_chains as g; a = g.build_parser().parse_args(["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", *sys.argv[2:]]); print(sys.argv[1], "->", g.run_name(a), g.speculative_config(a), "tokens/request", g.tokens_per_request(a))' \
+    python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; a = g.build_parser().parse_args(["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", *sys.argv[2:]]); print(sys.argv[1], "->", g.run_name(a), g.speculative_config(a), "tokens/request", g.tokens_per_request(a))' \
       "$name" $extra "${common[@]}" "$@" || exit 1
   done
   # shellcheck disable=SC2086

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_host_audit as audit
+from bench.host import gpu_host_audit as audit
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = "/venv/lib/python3.12/site-packages"
