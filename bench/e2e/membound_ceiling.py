@@ -14,7 +14,7 @@ Matrix sizes come from transformers' Qwen3.5 model of the shape, built on the me
 scores and values (4 x heads x head_dim x context FLOPs a token) are counted, the conv and the recurrences' own
 FLOPs (under 0.1% of the matrix work) are not.
 
-    python3 -m bench.e2e.membound_ceiling bench/results/gpu_vllm_e2e/session8/membound
+    python3 -m bench.e2e.membound_ceiling bench/results/gpu_vllm_e2e/membound_27b_gmu0.9
 
 writes DIR/ceiling.json and prints the table. No vllm import, no GPU.
 """

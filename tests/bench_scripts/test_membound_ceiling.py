@@ -7,7 +7,7 @@ from pathlib import Path
 from bench.e2e.membound_ceiling import main, shape_costs
 from bench.sweep.models import QWEN35_27B
 
-MEMBOUND = Path(__file__).parents[2] / "bench/results/gpu_vllm_e2e/session8/membound"
+MEMBOUND = Path(__file__).parents[2] / "bench/results/gpu_vllm_e2e/membound_27b_gmu0.9"
 
 
 def test_matrix_flops_of_the_27b_shape():
