@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu_site import plugin_metadata_dir
+from bench.e2e.gpu_site import plugin_metadata_dir
 from bench.sweep.grids import GRIDS, Grid
 from bench.sweep.models import prepare_model
 from bench.sweep.workloads import write_workloads
@@ -419,7 +419,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
           f"output {plan.out}", flush=True)  # fmt: skip
     write_command_record(plan, argv)
     if not args.dry_run:
-        from bench.gpu_site import seed_model_info_cache
+        from bench.e2e.gpu_site import seed_model_info_cache
 
         seed_model_info_cache()  # the servers' first start skips vLLM's model inspection subprocesses
     returncode = run_sweep(plan, plan.out / "sweep.log")

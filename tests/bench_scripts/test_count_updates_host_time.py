@@ -1,8 +1,8 @@
-"""bench/count_updates_host_time.py runs at the batch sizes its device call uses (its slots once ran out at 64)."""
+"""bench/host/count_updates_host_time.py runs at the batch sizes its device call uses (its slots once ran out at 64)."""
 
 import pytest
 
-from bench.count_updates_host_time import main
+from bench.host.count_updates_host_time import main
 
 
 @pytest.mark.parametrize("batch", [1, 64])

@@ -1,9 +1,9 @@
-"""The pure part of the end-to-end profile (bench/e2e_profile.py): kernel kinds, busy time, per-token figures."""
+"""The pure part of the end-to-end profile (bench/e2e/e2e_profile.py): kernel kinds, busy time, per-token figures."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.e2e_profile import KernelEvent, busy_us, kind_of, summarize
+from bench.e2e.e2e_profile import KernelEvent, busy_us, kind_of, summarize
 
 
 def test_kinds_by_name():

@@ -1,4 +1,4 @@
-"""bench/gpu_host_audit.py: call sites, per-step figures and the reconstruct / store_all comparison on synthetic
+"""bench/host/gpu_host_audit.py: call sites, per-step figures and the reconstruct / store_all comparison on synthetic
 inputs; the instruments on CPU; and (e2e) the whole flow on vLLM's CPU backend, where the sync audit is unavailable."""
 
 import argparse
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_host_audit as audit
+from bench.host import gpu_host_audit as audit
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = "/venv/lib/python3.12/site-packages"
@@ -189,7 +189,7 @@ def test_the_runner_must_be_in_this_process():
 def test_the_whole_flow_on_vllms_cpu_backend(tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
-    done = subprocess.run([sys.executable, "bench/gpu_host_audit.py", "run", "--out", str(tmp_path), "--batch", "2",
+    done = subprocess.run([sys.executable, "bench/host/gpu_host_audit.py", "run", "--out", str(tmp_path), "--batch", "2",
                            "--max-tokens", "4", "--engine-batch-sizes", "2", "--top", "5"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("*.log"))

@@ -1,4 +1,4 @@
-"""The model-info cache files the GPU scripts seed (bench/gpu_site.py) are what the installed vLLM computes for the
+"""The model-info cache files the GPU scripts seed (bench/e2e/gpu_site.py) are what the installed vLLM computes for the
 same model sources: the hash vLLM keys them by, and the inspected interfaces."""
 
 import importlib.util
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from vllm.model_executor.models.registry import ModelRegistry, _ModelInfo
 
-from bench.gpu_site import MODEL_INFOS, seed_model_info_cache
+from bench.e2e.gpu_site import MODEL_INFOS, seed_model_info_cache
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MTP", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeMTP")
 

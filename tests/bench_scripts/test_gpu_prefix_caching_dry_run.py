@@ -1,4 +1,4 @@
-"""bench/run_gpu_prefix_caching.sh and bench/gpu_prefix_caching.py without an engine: a dry run (DRY_RUN=1) of the
+"""bench/e2e/run_gpu_prefix_caching.sh and bench/e2e/gpu_prefix_caching.py without an engine: a dry run (DRY_RUN=1) of the
 default call checks and prints every process's arguments (the tree runs' speculative configs and CUDA-graph tokens
 per request, both serve checks' commands); a store_all tree is refused with exit 2 before anything starts; the
 serve check's specs are the README's commands verbatim; its /metrics parsing; the reference takes runs as they
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_prefix_caching
+from bench.e2e import gpu_prefix_caching
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def _script(tmp_path, **env_vars) -> subprocess.CompletedProcess:
     env = dict(os.environ, DRY_RUN="1", WORK=str(tmp_path / "work"),
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env_vars)
-    return subprocess.run(["bash", "bench/run_gpu_prefix_caching.sh", str(tmp_path / "out"), "--dtype", "float16"],
+    return subprocess.run(["bash", "bench/e2e/run_gpu_prefix_caching.sh", str(tmp_path / "out"), "--dtype", "float16"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -76,7 +76,7 @@ def test_a_bad_entry_exits_2_before_anything_starts(tmp_path, runs):
 
 
 def test_the_spec_parser_refuses_a_store_all_tree():
-    done = subprocess.run([sys.executable, "bench/gpu_prefix_caching.py", "spec", "--strategy", "store_all",
+    done = subprocess.run([sys.executable, "bench/e2e/gpu_prefix_caching.py", "spec", "--strategy", "store_all",
                            "--tree-widths", "2", "2", "1", "--runs", "R", "--dry-run"], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"),
                           capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""bench/run_gpu_v2_trees.sh's engine catalog and the drivers' per-run settings, without an engine: each catalog
+"""bench/e2e/run_gpu_v2_trees.sh's engine catalog and the drivers' per-run settings, without an engine: each catalog
 entry parses with the real driver's parser into the speculative config it names; a threshold run captures graphs of
 both verified shapes; `--staggered` lengths shrink a batch while it runs."""
 
@@ -8,8 +8,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
-from bench import gpu_v2_chains
-from bench.gpu_vllm_e2e import request_lengths
+from bench.e2e import gpu_v2_chains
+from bench.e2e.gpu_vllm_e2e import request_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ def test_catalog_entries_parse_into_their_configs(tmp_path):
     env = dict(os.environ, DRY_RUN="1", ENGINES=engines,
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", WORK=str(tmp_path / "work"))
-    done = subprocess.run(["bash", "bench/run_gpu_v2_trees.sh", str(tmp_path / "out"), "--staggered"], cwd=ROOT,
+    done = subprocess.run(["bash", "bench/e2e/run_gpu_v2_trees.sh", str(tmp_path / "out"), "--staggered"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = {line.split(" -> ")[0]: line for line in done.stdout.splitlines() if " -> " in line}
@@ -40,7 +40,7 @@ def test_a_threshold_run_is_named_apart_from_the_plain_tree():
     common = ["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", "--turns-dir", "T", "--engines", "2",
               "--tree-widths", "2", "2", "1", "--name-suffix", "bf16"]
     plain, threshold = parse(common), parse([*common, "--tree-max-batch-size", "0"])
-    assert gpu_v2_chains.run_name(plain) == "reconstruct-tree221-bf16"  # what bench/tree_threshold pairs with chains
+    assert gpu_v2_chains.run_name(plain) == "reconstruct-tree221-bf16"  # what bench/e2e/tree_threshold pairs with chains
     assert gpu_v2_chains.run_name(threshold) == "reconstruct-tree221-t0-bf16"
     assert gpu_v2_chains.speculative_config(threshold)["draft_tree_max_batch_size"] == 0
 
@@ -58,12 +58,12 @@ def test_sampled_entries_sample_with_one_seed_per_request_and_are_never_judged(t
     env = dict(os.environ, DRY_RUN="1", ENGINES="tree221-bf16-t1 k3-bf16-t1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", WORK=str(tmp_path / "work"))
-    done = subprocess.run(["bash", "bench/run_gpu_v2_trees.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+    done = subprocess.run(["bash", "bench/e2e/run_gpu_v2_trees.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "reconstruct-tree221-bf16-t1 " in done.stdout and "reconstruct-k3-bf16-t1 " in done.stdout
 
-    from bench.gpu_vllm_e2e import generate
+    from bench.e2e.gpu_vllm_e2e import generate
 
     class Recorder:
         def generate(self, prompts, params, use_tqdm):

@@ -1,13 +1,13 @@
-"""bench/membound_ceiling.py counts the 27B shape's matrices as its model card has them, and its bound holds."""
+"""bench/e2e/membound_ceiling.py counts the 27B shape's matrices as its model card has them, and its bound holds."""
 
 import json
 import shutil
 from pathlib import Path
 
-from bench.membound_ceiling import main, shape_costs
+from bench.e2e.membound_ceiling import main, shape_costs
 from bench.sweep.models import QWEN35_27B
 
-MEMBOUND = Path(__file__).parents[2] / "bench/results/gpu_vllm_e2e/session8_2026-12-01/membound"
+MEMBOUND = Path(__file__).parents[2] / "bench/results/gpu_vllm_e2e/membound_27b_gmu0.9"
 
 
 def test_matrix_flops_of_the_27b_shape():

@@ -1,6 +1,6 @@
-"""bench/memory_pins.py names the live blocks that keep reserved memory from empty_cache()."""
+"""bench/e2e/memory_pins.py names the live blocks that keep reserved memory from empty_cache()."""
 
-from bench.memory_pins import MIB, pinned_segments, summary
+from bench.e2e.memory_pins import MIB, pinned_segments, summary
 
 
 def block(size_mib, state, filename="x.py"):

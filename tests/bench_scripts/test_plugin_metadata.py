@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from bench import gpu_site
+from bench.e2e import gpu_site
 
 
 def test_written_metadata_names_the_plugins_entry_point(tmp_path, monkeypatch):

@@ -1,9 +1,9 @@
-"""bench/serial_baseline.py's per-node serial kernel (the tree bench's yardstick) against the fp64 per-node
+"""bench/kernels/serial_baseline.py's per-node serial kernel (the tree bench's yardstick) against the fp64 per-node
 recurrence (Triton interpreter on CPU)."""
 
 import torch
 
-from bench.serial_baseline import serial_tree_triton
+from bench.kernels.serial_baseline import serial_tree_triton
 from tests.kernels.tree_cases import relative_error
 from tests.kernels.triton_cases import DEVICE, TREE_BATCH, packed_gdn, rows, to_device
 from vllm_treewy.kernels.reference import reference_tree_recurrence

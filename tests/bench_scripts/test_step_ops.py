@@ -1,8 +1,8 @@
-"""bench/step_ops.py attributes each counted op to the innermost vllm or vllm_treewy frame, and skips views."""
+"""bench/host/step_ops.py attributes each counted op to the innermost vllm or vllm_treewy frame, and skips views."""
 
 import torch
 
-from bench.step_ops import UNKNOWN_SITE, SiteOps, call_site, op_name
+from bench.host.step_ops import UNKNOWN_SITE, SiteOps, call_site, op_name
 
 VENV = "/venv/lib/python3.12/site-packages"
 

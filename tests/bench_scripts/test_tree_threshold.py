@@ -1,11 +1,11 @@
-"""bench/tree_threshold.py: the largest unbroken prefix of batch sizes where the tree keeps up with its chain."""
+"""bench/e2e/tree_threshold.py: the largest unbroken prefix of batch sizes where the tree keeps up with its chain."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from bench.tree_threshold import main, threshold, thresholds
+from bench.e2e.tree_threshold import main, threshold, thresholds
 
 CALL6 = Path(__file__).parents[2] / "bench/results/gpu_v2_trees/call6_accept_graphs/gpu_v2_trees.json"
 

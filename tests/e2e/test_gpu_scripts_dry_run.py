@@ -23,7 +23,7 @@ def run_script(*command: str, timeout: int = 900, **env_vars: str) -> subprocess
 
 
 def test_chain_script_writes_every_run_and_verdict(tmp_path):
-    done = run_script("bash", "bench/run_gpu_vllm_e2e.sh", str(tmp_path), "1", *SMALL)
+    done = run_script("bash", "bench/e2e/run_gpu_vllm_e2e.sh", str(tmp_path), "1", *SMALL)
     report_file = tmp_path / "gpu_vllm_e2e.json"
     log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else done.stdout + done.stderr
     assert report_file.exists(), log[-4000:]
@@ -51,7 +51,7 @@ def test_chain_script_skips_runs_that_would_leave_the_reference_no_time(tmp_path
     out.mkdir()
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CALL_LIMIT_S="200", RUN_S="150",
                REFERENCE_S="170")
-    subprocess.run(["bash", "bench/run_gpu_vllm_e2e.sh", str(out), "3 1"], cwd=ROOT, env=env, check=True,
+    subprocess.run(["bash", "bench/e2e/run_gpu_vllm_e2e.sh", str(out), "3 1"], cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=60)
     markers = [line for line in (out / "log.txt").read_text().splitlines() if line.startswith("=== ")]
     assert [m.split(" at ")[0] for m in markers] == [
@@ -63,7 +63,7 @@ def test_chain_script_skips_runs_that_would_leave_the_reference_no_time(tmp_path
 def test_tree_script_writes_its_report(tmp_path, widths):
     # the tree run first, then the preemption run cut for the block size the tree run reported (3 prompts: still
     # more than the KV cache's two requests)
-    done = run_script("bash", "bench/run_gpu_tree_e2e.sh", str(tmp_path), widths, *SMALL, PREEMPTION_SHAPES=widths,
+    done = run_script("bash", "bench/e2e/run_gpu_tree_e2e.sh", str(tmp_path), widths, *SMALL, PREEMPTION_SHAPES=widths,
                       PREEMPTION_PROMPTS="3")
     report_file = tmp_path / "gpu_tree_e2e.json"
     log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else done.stdout + done.stderr

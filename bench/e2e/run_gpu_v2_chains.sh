@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Reconstruct MTP chains on Model Runner V2 (vLLM's default on CUDA) beside store_all on V2 (and optionally reconstruct
+# forced onto V1), judged against no speculation: every engine at once, timed in turn (bench/e2e/gpu_v2_chains.py).
+# Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
+#   bash bench/e2e/run_gpu_v2_chains.sh OUT_DIR "ENGINES" [args for every engine]
+#   ENGINES: STRATEGY:K[:v1] separated by spaces (v1: forced onto the V1 runner), e.g.
+#            "reconstruct:3 store_all:3 reconstruct:1 store_all:1 reconstruct:3:v1"
+#   e.g.  bash bench/e2e/run_gpu_v2_chains.sh $OUT "reconstruct:3 store_all:3" --dtype float16
+# KV_BYTES (default 12 GiB) is each engine's fixed KV cache (store_all k = 3 needs ~9 GiB for B = 256 on the
+# fixture); GPU_UTIL (default 0.1) its start-up memory check. Each engine runs under `timeout ${CALL_LIMIT_S:-540}`.
+# OUT_DIR gets three files: log.txt (the summary lines), gpu_v2_chains.json (the reference's report) and
+# engines.tar.gz (every engine's log and run JSON); the working folders stay in ${WORK:-/tmp/v2-chains}.
+set -u
+out=$1; engines=$2; shift 2
+work=${WORK:-/tmp/v2-chains}
+rm -rf "$work"; mkdir -p "$out" "$work/runs" "$work/turns" "$work/logs"
+log=$out/log.txt; : >"$log"
+start=$(date +%s)
+n=$(( $(wc -w <<<"$engines") + 1 ))
+limit=${CALL_LIMIT_S:-540}
+# the fixture and vLLM's model-info cache first: the engines would otherwise write them at once
+python3 -c "from bench.e2e import gpu_site; from bench.e2e.gpu_vllm_e2e import prompts_and_model; gpu_site.seed_model_info_cache(); prompts_and_model()" >"$work/logs/fixture.log" 2>&1
+rc=$?; echo "=== fixture rc=$rc at $(( $(date +%s) - start )) s" >>"$log"
+common=(--kv-cache-memory-bytes "${KV_BYTES:-12884901888}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
+        --turns-dir "$work/turns" --engines "$n")
+turn=0 pids=()
+for e in $engines; do
+  IFS=: read -r strategy k runner <<<"$e"
+  name=$strategy-k$k${runner:+-$runner}
+  # each engine its own vLLM cache (its compile artifacts; engines of one config hash would write the same files)
+  VLLM_CACHE_ROOT=$work/cache-$name timeout "$limit" python3 bench/e2e/gpu_v2_chains.py spec --strategy "$strategy" \
+    --k "$k" --runner "${runner:-default}" --runs "$work/runs" --turn "$turn" "${common[@]}" "$@" \
+    >"$work/logs/$name.log" 2>&1 &
+  pids+=($!); echo "=== $name (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
+  turn=$((turn + 1)); sleep 4
+done
+VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/e2e/gpu_v2_chains.py reference --runs "$work/runs" \
+  --expect $((n - 1)) --out "$out/gpu_v2_chains.json" --turn "$turn" "${common[@]}" \
+  --command "bash bench/e2e/run_gpu_v2_chains.sh \$OUT \"$engines\" $*" "$@" >"$work/logs/reference.log" 2>&1 &
+pids+=($!); echo "=== reference (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
+for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
+tar czf "$out/engines.tar.gz" -C "$work" logs runs
+grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Capturing CUDA graphs|cudagraph_mode|GDN spec decode|Maximum concurrency| started | done |batch [0-9]+|beside|runs on V2|PASS|FAIL|Traceback|Error" \
+  "$work"/logs/*.log | cut -c1-300 >>"$log"
+grep -E "^===|runs on V2|PASS|FAIL|Traceback|Error|beside|batch [0-9]+:" "$log" | cut -c1-300 | tail -80

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# MTP draft trees on Model Runner V2 (vllm_plugin/tree_runner_v2.py, drafting levels in CUDA graphs), in one device
+# command: the chosen engines start at once (bench/e2e/gpu_v2_chains.py's turns: starts overlap, timings do not), on the
+# fixture's blurred-MTP variant (its head right about half the time, so trees branch usefully):
+#   fp16 trees, judged tie-aware against no speculation (fp16) at every batch size (one timed pass each: their
+#     outputs are what is judged);
+#   bf16 trees and chains, tokens/s (median of 3 passes) and acceptance length, reported, not judged against the fp16
+#     reference: a tree beside the chain of its depth in the same call.
+# The no-speculation reference times one pass and skips its control in smaller batches (the fixture's fp16 floor,
+# PASS in the first call). Each run records the runner vLLM picked ("model_runner"): V2 expected for every engine.
+# Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
+#   bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96, --staggered]
+#   DRY_RUN=1 bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR   # prints the engine commands and checks their arguments only
+# OUT_DIR gets log.txt (summary), gpu_v2_trees.json (the reference's report) and engines.tar.gz (every engine's log
+# and run JSON). ENGINES (names from the catalog below) and BATCHES choose what runs; KV_BYTES (default 8 GiB) per
+# engine, GPU_UTIL (0.1), CALL_LIMIT_S (480) per engine, STAGGER_S (1) between engine starts.
+set -u
+out=$1; shift
+work=${WORK:-/tmp/v2-trees}
+rm -rf "$work"; mkdir -p "$out" "$work/runs" "$work/turns" "$work/logs"
+log=$out/log.txt; : >"$log"
+start=$(date +%s)
+limit=${CALL_LIMIT_S:-480}
+# The engine catalog: name -> engine arguments (the strategy is reconstruct for all). ENGINES picks the call's
+# engines by name (default: the fp16 trees [2,2,1] and [2,1,1] and the bf16 tree [2,2,1]); BATCHES the batch sizes.
+# fp16 engines are judged (one timed pass: their outputs are what is judged); bf16 ones report tokens/s (median of
+# 3 passes) and acceptance beside the bf16 chains of the same depth (k3: depth 3, k2: depth 2 for [4,2], k4: depth 4
+# for [3,2,2,1], k1: depth 1 for [4]; bench/results/mtp_tree_acceptance_cpu has their acceptance on CPU).
+declare -A catalog
+for w in 221 211 322 42 3221 4; do
+  widths=$(echo "$w" | sed 's/./& /g')
+  catalog[tree$w-fp16]="--tree-widths $widths--dtype float16 --blurred-mtp --name-suffix fp16 --timing-repeats 1"
+  catalog[tree$w-bf16]="--tree-widths $widths--dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
+done
+# draft_tree_max_batch_size 8: the [2,2,1] tree up to 8 requests, the chain of depth 3 above. With --staggered
+# (for every engine: the reference generates the same lengths) each batch shrinks while it runs, so batches of 64 and
+# 256 cross 8 (chain steps, then tree steps, a slot's commit crossing shapes).
+for d in fp16 bf16; do
+  catalog[tree221t8-$d]="${catalog[tree221-$d]} --tree-max-batch-size 8"
+done
+for k in 4 3 2 1; do
+  catalog[k$k-bf16]="--k $k --dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
+done
+# Depth 4: [3,2,2,1] verifies 1 + 33 tokens a request, 256 of them 8,704 tokens: a token budget of 16,384 holds a
+# batch of 256 trees (and their graph); the chain of its depth runs with the same budget.
+for name in tree3221-fp16 tree3221-bf16 k4-bf16; do
+  catalog[$name]+=" --max-num-batched-tokens 16384"
+done
+# Sampled throughput (-t1: temperature 1.0, request i seeded i, as users run at temperature > 0): a tree's exact
+# sampler accepts a child with the target's probability of its token, so its acceptance differs from greedy's
+# (bench/results/mtp_tree_acceptance_cpu: on the fixture the trees gain less over the chain than under greedy).
+for name in tree221-bf16 tree322-bf16 tree42-bf16 tree3221-bf16 k4-bf16 k3-bf16 k2-bf16; do
+  catalog[$name-t1]="${catalog[$name]} --temperature 1.0 --name-suffix bf16-t1"
+done
+engines=()
+for name in ${ENGINES:-tree221-fp16 tree211-fp16 tree221-bf16}; do
+  [ -n "${catalog[$name]:-}" ] || { echo "unknown engine $name (catalog: ${!catalog[*]})" >&2; exit 2; }
+  engines+=("$name|${catalog[$name]}")
+done
+batches=(--batch-sizes ${BATCHES:-1 8 64})
+n=$(( ${#engines[@]} + 1 ))
+common=(--kv-cache-memory-bytes "${KV_BYTES:-8589934592}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
+        --turns-dir "$work/turns" --engines "$n" "${batches[@]}")
+if [ -n "${DRY_RUN:-}" ]; then
+  for e in "${engines[@]}"; do
+    IFS='|' read -r name extra <<<"$e"
+    # shellcheck disable=SC2086
+    python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; a = g.build_parser().parse_args(["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", *sys.argv[2:]]); print(sys.argv[1], "->", g.run_name(a), g.speculative_config(a), "tokens/request", g.tokens_per_request(a))' \
+      "$name" $extra "${common[@]}" "$@" || exit 1
+  done
+  # shellcheck disable=SC2086
+  python3 -c 'import sys; from bench.e2e.gpu_v2_chains import build_parser; a = build_parser().parse_args(sys.argv[1:]); print("reference ->", a.role, "expect", a.expect, "dtype", a.dtype, "repeats", a.timing_repeats, "shape control", not a.no_shape_control)' \
+    reference --runs R --expect $((n - 1)) --out O --turn $((n - 1)) --dtype float16 --timing-repeats 1 \
+    --no-shape-control "${common[@]}" --command C "$@" || exit 1
+  exit 0
+fi
+# The fixture and its blurred-MTP variant, built once before the engines start (each engine would otherwise build
+# its own copy: built_once is race-safe, but four builds compete for the CPU). On a warm machine they are in /tmp
+# from an earlier call: no step (it costs ~19 s, mostly imports).
+if [ -f /tmp/fixture-qwen35/fixture.json ] && [ -f /tmp/fixture-qwen35-blurred-mtp/fixture.json ]; then
+  echo "=== fixture already built (warm machine) at $(( $(date +%s) - start )) s" >>"$log"
+else
+  python3 -c "from bench.e2e import gpu_site; from bench.e2e.gpu_vllm_e2e import prompts_and_model, tree_model; import argparse; gpu_site.seed_model_info_cache(); prompts_and_model(); tree_model(argparse.Namespace(blurred_mtp=True))" >"$work/logs/fixture.log" 2>&1
+  rc=$?; echo "=== fixture rc=$rc at $(( $(date +%s) - start )) s" >>"$log"
+fi
+turn=0 pids=()
+for e in "${engines[@]}"; do
+  IFS='|' read -r name extra <<<"$e"
+  # shellcheck disable=SC2086
+  VLLM_CACHE_ROOT=$work/cache-$name timeout "$limit" python3 bench/e2e/gpu_v2_chains.py spec --strategy reconstruct \
+    $extra --runs "$work/runs" --turn "$turn" "${common[@]}" "$@" >"$work/logs/$name.log" 2>&1 &
+  pids+=($!); echo "=== $name (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
+  turn=$((turn + 1)); sleep "${STAGGER_S:-1}"
+done
+VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/e2e/gpu_v2_chains.py reference --runs "$work/runs" \
+  --expect $((n - 1)) --out "$out/gpu_v2_trees.json" --turn "$turn" --dtype float16 --timing-repeats 1 \
+  --no-shape-control "${common[@]}" \
+  --command "ENGINES='${ENGINES:-}' BATCHES='${BATCHES:-}' bash bench/e2e/run_gpu_v2_trees.sh \$OUT $*" "$@" >"$work/logs/reference.log" 2>&1 &
+pids+=($!); echo "=== reference (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
+for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
+echo "=== all engines done at $(( $(date +%s) - start )) s (target: 190 s)" >>"$log"
+tar czf "$out/engines.tar.gz" -C "$work" logs runs
+grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Capturing CUDA graphs|cudagraph_mode|Maximum concurrency| started | done |batch [0-9]+|beside|runs on V2|PASS|FAIL|Traceback|Error" \
+  "$work"/logs/*.log | cut -c1-300 >>"$log"
+grep -E "^===|runs on V2|PASS|FAIL|Traceback|Error|beside|batch [0-9]+:| done " "$log" | cut -c1-300 | tail -80
