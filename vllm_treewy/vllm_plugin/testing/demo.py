@@ -18,6 +18,7 @@ import time
 
 from vllm_treewy.fixture import blurred_mtp_variant, build_fixture, fixture_prompts
 from vllm_treewy.fixture.exact import ExactModel
+from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.testing.equivalence import (
     GenerationRun,
     compare_tie_aware,
@@ -140,6 +141,11 @@ def _trees(model: str, prompts, max_tokens, depth: int) -> list:
               f"({acc.num_drafts} verifies)")
         print(f"  accepted drafts per verify at depth {' / '.join(map(str, range(1, depth + 1)))}: {per_depth}")
         print(f"  tie-aware comparison over {len(prompts)} prompts: {verdicts[name].summary()}")
+    chain, tree = (runs[name].acceptance.mean_acceptance_length for name in shapes)
+    num_nodes = DraftTree.from_widths(TREE_WIDTHS).num_nodes
+    print(f"\nThe tree emits {tree / chain:.2f}x the chain's tokens per verify, verifying 1 + {num_nodes} tokens per "
+          f"request instead of 1 + {depth}\n(whether that is faster depends on the device: see "
+          "draft_tree_max_batch_size in docs/user-guide.md)")
     return list(verdicts.values())
 
 
