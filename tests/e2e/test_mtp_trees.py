@@ -25,6 +25,7 @@ from vllm_treewy.vllm_plugin.testing.equivalence import (
     engine,
     generate_greedy,
     generate_sampled,
+    mtp_tree_config,
     run_greedy,
 )
 
@@ -48,11 +49,6 @@ SMALL_BUDGET, SMALL_BUDGET_RUN = 16, "tree-2x2x1-budget-16"
 
 def _name(widths) -> str:
     return "x".join(map(str, widths))
-
-
-def mtp_tree(widths) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": len(widths), "draft_tree_widths": list(widths),
-            "mamba_state_commit": "reconstruct"}
 
 
 @dataclass
@@ -80,8 +76,9 @@ def mtp_trees(blurred_model) -> MtpTreeRuns:
     for name, (workload, widths, kwargs) in plan.items():
         prompt_ids, max_tokens = workloads[workload]
         with count_mixed_batches(results.mixed_batches.setdefault(name, {})):
-            results.runs[name] = run_greedy(fixture_model, prompt_ids, max_tokens, speculative_config=mtp_tree(widths),
-                                            max_num_seqs=MAX_NUM_SEQS, **kwargs)
+            results.runs[name] = run_greedy(fixture_model, prompt_ids, max_tokens,
+                                            speculative_config=mtp_tree_config(widths), max_num_seqs=MAX_NUM_SEQS,
+                                            **kwargs)
     # Preemption: prompts that cross an attention block while decoding (the block size vLLM chose for the width) in
     # a KV cache too small for all of them.
     for widths in PREEMPTED_WIDTHS:
@@ -91,8 +88,8 @@ def mtp_trees(blurred_model) -> MtpTreeRuns:
                                [PREEMPTION_MAX_TOKENS] * PREEMPTION_PROMPTS)
         name = f"preempted-{_name(widths)}"
         plan[name] = (workload, widths, {})
-        results.runs[name] = run_greedy(fixture_model, *workloads[workload], speculative_config=mtp_tree(widths),
-                                        num_gpu_blocks_override=MTP_PREEMPTION_NUM_BLOCKS, max_num_seqs=PREEMPTION_PROMPTS)
+        results.runs[name] = run_greedy(fixture_model, *workloads[workload],
+                                        speculative_config=mtp_tree_config(widths), num_gpu_blocks_override=MTP_PREEMPTION_NUM_BLOCKS, max_num_seqs=PREEMPTION_PROMPTS)
     _generate_references(results, fixture_model, workloads)
     _judge(results, fixture_model, workloads, plan)
     return results
@@ -151,8 +148,8 @@ def test_tree_drafting_fits_a_small_token_budget(mtp_trees):
 def test_token_budget_below_one_tree_is_refused_at_startup(blurred_model):
     """A budget that cannot hold one [2, 2, 1] verify (1 + 10 tokens) would never speculate: refused, with the reason."""
     with pytest.raises(Exception, match="cannot hold one tree's verify"):
-        run_greedy(blurred_model, [[1, 2, 3]], 4, speculative_config=mtp_tree([2, 2, 1]), max_num_batched_tokens=8,
-                   max_num_seqs=4)
+        run_greedy(blurred_model, [[1, 2, 3]], 4, speculative_config=mtp_tree_config([2, 2, 1]),
+                   max_num_batched_tokens=8, max_num_seqs=4)
 
 
 def test_wider_trees_accept_more_at_equal_depth(mtp_trees):
@@ -192,7 +189,7 @@ def logprobs_and_penalties(blurred_model) -> dict:
     prompt_ids = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), 4)
     runs = {}
     for name, params in (("logprobs", {"logprobs": NUM_LOGPROBS}), ("penalties", PENALTIES)):
-        runs[name, "tree"] = _generate_with(blurred_model, prompt_ids, mtp_tree([2, 2, 1]), **params)
+        runs[name, "tree"] = _generate_with(blurred_model, prompt_ids, mtp_tree_config([2, 2, 1]), **params)
         runs[name, "no-spec"] = _generate_with(blurred_model, prompt_ids, None, **params)
     return runs
 
@@ -235,7 +232,7 @@ def test_seeded_requests_draw_as_without_speculation(blurred_model):
     bf16 logits of other batch shapes tip a near-equal draw: long common prefixes (drawing at every level instead
     leaves a few tokens)."""
     prompt_ids = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), NUM_PROMPTS)
-    tree = _seeded(blurred_model, prompt_ids, mtp_tree([2, 2, 1]))
+    tree = _seeded(blurred_model, prompt_ids, mtp_tree_config([2, 2, 1]))
     plain = _seeded(blurred_model, prompt_ids, None)
     common = [next((i for i, (a, b) in enumerate(zip(t, p)) if a != b), SEEDED_TOKENS) for t, p in zip(tree, plain)]
     assert sum(common) / len(common) >= 16, common

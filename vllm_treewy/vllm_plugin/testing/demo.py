@@ -1,9 +1,13 @@
-"""`make demo`: builds the fixture model and runs vLLM on it without speculation and with MTP speculation
-under both GDN state commit strategies, store_all (vLLM's) and reconstruct (ours).
+"""`make demo`: builds the fixture model and runs vLLM on it without speculation and with MTP speculation.
 
-Prints a few greedy continuations side by side and, per strategy: vLLM's acceptance per draft position, the
-GDN state bytes per request and the maximum concurrency from vLLM's KV-cache config, tokens/s, and the verdict
-of the tie-aware comparison against the no-speculation engine over all demo prompts.
+1. MTP chains (k = 3) under both GDN state commit strategies, store_all (vLLM's) and reconstruct (ours): a few
+   greedy continuations side by side and, per strategy, vLLM's acceptance per draft position, the GDN state bytes
+   per request and the maximum concurrency from vLLM's KV-cache report, tokens/s, and the verdict of the tie-aware
+   comparison against the no-speculation engine over all demo prompts.
+2. The README's MTP draft tree (widths [2, 2, 1], reconstruct) beside the MTP chain of the same depth, on the
+   fixture's blurred-head variant (its MTP head's top token is right about half the time, so second candidates
+   matter): each one's mean acceptance length, its accepted drafts per verify at each depth, and its tie-aware
+   verdict against the no-speculation engine of that model.
 """
 
 from __future__ import annotations
@@ -12,18 +16,22 @@ import argparse
 import tempfile
 import time
 
-from vllm_treewy.fixture import build_fixture, fixture_prompts
+from vllm_treewy.fixture import blurred_mtp_variant, build_fixture, fixture_prompts
 from vllm_treewy.fixture.exact import ExactModel
+from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.testing.equivalence import (
     GenerationRun,
     compare_tie_aware,
     engine,
     generate_greedy,
     kv_cache_report,
+    mtp_tree_config,
     read_acceptance,
+    run_greedy,
 )
 
 STRATEGIES = ("store_all", "reconstruct")
+TREE_WIDTHS = [2, 2, 1]  # the README's tree command
 FIXTURE_NOTE = (
     "The fixture's weights are constructed, not trained: its next token is a fixed permutation of the vocabulary,\n"
     "flipped at some positions by the GDN layers, so its continuations are not language. They are shown as token\n"
@@ -107,7 +115,38 @@ def main(argv=None) -> int:
         print(f"  max concurrency (vLLM's KV-cache report, {kv.num_blocks} blocks): {kv.max_concurrency:.1f}x")
         print(f"  {tps:.0f} tokens/s (2-core CPU, eager; not a speed benchmark)")
         print(f"  tie-aware comparison over {len(prompts)} prompts: {verdicts[strategy].summary()}")
-    return 0 if all(v.passed for v in verdicts.values()) else 1
+    tree_verdicts = _trees(model, prompts, max_tokens, len(TREE_WIDTHS))
+    return 0 if all(v.passed for v in [*verdicts.values(), *tree_verdicts]) else 1
+
+
+def _trees(model: str, prompts, max_tokens, depth: int) -> list:
+    """Part 2: the MTP chain of `depth` and the README's tree, on the blurred-head variant of `model`."""
+    blurred = str(blurred_mtp_variant(model, tempfile.mkdtemp(prefix="vllm-treewy-blurred-")))
+    shapes = {f"MTP chain, k={depth}": [1] * depth, f"MTP tree {TREE_WIDTHS}": TREE_WIDTHS}
+    runs = {name: run_greedy(blurred, prompts, max_tokens, speculative_config=mtp_tree_config(widths))
+            for name, widths in shapes.items()}
+    with engine(blurred, logprobs_mode="raw_logits") as reference_llm:
+        reference = generate_greedy(reference_llm, prompts, max_tokens)
+        exact = ExactModel(blurred).next_token_logits
+        verdicts = {name: compare_tie_aware(reference_llm, prompts, reference, run.outputs, exact)
+                    for name, run in runs.items()}
+
+    print(f"\nDraft trees: mamba_state_commit=reconstruct, {len(prompts)} prompts, on the fixture's blurred-head "
+          "variant\n(its MTP head's top token is right about half the time, so a second candidate per level can "
+          "be accepted)")
+    for name, run in runs.items():
+        acc = run.acceptance
+        per_depth = " / ".join(f"{r:.2f}" for r in acc.per_position_rate[:depth])
+        print(f"\n{name}: mean acceptance length {acc.mean_acceptance_length:.2f} tokens per verify "
+              f"({acc.num_drafts} verifies)")
+        print(f"  accepted drafts per verify at depth {' / '.join(map(str, range(1, depth + 1)))}: {per_depth}")
+        print(f"  tie-aware comparison over {len(prompts)} prompts: {verdicts[name].summary()}")
+    chain, tree = (runs[name].acceptance.mean_acceptance_length for name in shapes)
+    num_nodes = DraftTree.from_widths(TREE_WIDTHS).num_nodes
+    print(f"\nThe tree emits {tree / chain:.2f}x the chain's tokens per verify, verifying 1 + {num_nodes} tokens per "
+          f"request instead of 1 + {depth}\n(whether that is faster depends on the device: see "
+          "draft_tree_max_batch_size in docs/user-guide.md)")
+    return list(verdicts.values())
 
 
 if __name__ == "__main__":

@@ -79,7 +79,13 @@ class SpecDecodeAcceptance:
 
     @property
     def per_position_rate(self) -> list[float]:
+        """Accepted drafts per verify at each draft position (for a draft tree: position i is depth i + 1)."""
         return [a / max(self.num_drafts, 1) for a in self.accepted_per_position]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify: the accepted drafts plus the bonus token (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / max(self.num_drafts, 1)
 
 
 def read_acceptance(llm: LLM) -> SpecDecodeAcceptance | None:
@@ -93,6 +99,13 @@ def read_acceptance(llm: LLM) -> SpecDecodeAcceptance | None:
         num_accepted_tokens=metrics["vllm:spec_decode_num_accepted_tokens"].value,
         accepted_per_position=list(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values),
     )
+
+
+def mtp_tree_config(widths: list[int], mamba_state_commit: str = "reconstruct") -> dict:
+    """The `speculative_config` of the model's MTP head drafting a tree of these widths, one per depth (all 1: vLLM's
+    MTP chain of that depth)."""
+    return {"method": "mtp", "num_speculative_tokens": len(widths), "draft_tree_widths": list(widths),
+            "mamba_state_commit": mamba_state_commit}
 
 
 def greedy_params(max_tokens: int) -> SamplingParams:
