@@ -305,20 +305,20 @@ def v2_run(monkeypatch):
 
 def _chain_positions(monkeypatch):
     """The depth positions not written: a node keeps V2's root + block index."""
-    from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
+    from vllm_treewy.vllm_plugin.v2 import runner as v2_tree_runner
 
-    monkeypatch.setattr(v2_runner, "override_positions", lambda positions, step: None)
+    monkeypatch.setattr(v2_tree_runner, "override_positions", lambda positions, step: None)
 
 
 def _root_position(monkeypatch):
     """Every node at its root's position."""
-    from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
+    from vllm_treewy.vllm_plugin.v2 import runner as v2_tree_runner
 
     def every_node_at_the_root(positions, step):
         block = step.token_indices.view(step.num_requests, step.block_len)
         positions[block] = positions[block[:, :1]]
 
-    monkeypatch.setattr(v2_runner, "override_positions", every_node_at_the_root)
+    monkeypatch.setattr(v2_tree_runner, "override_positions", every_node_at_the_root)
 
 
 def test_v2_tree_rows_mask_stop_tokens_at_their_depth(monkeypatch):

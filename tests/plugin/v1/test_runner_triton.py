@@ -176,18 +176,18 @@ def test_backends_other_than_triton_and_full_graphs_for_mixed_batches_are_refuse
     runner = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
                                                                 static_forward_context={"attn": SimpleNamespace(
                                                                     impl=plain)}))
-    tree_attention_hooks.check_tree_backends(runner, {"attn": object.__new__(TritonAttentionMetadata)})
+    tree_attention_hooks.check_tree_backends(runner.compilation_config, {"attn": object.__new__(TritonAttentionMetadata)})
     runner.compilation_config.static_forward_context["attn"].impl = TritonAttentionImpl(
         num_heads=2, head_size=32, scale=1.0, num_kv_heads=1, alibi_slopes=None, sliding_window=128,
         kv_cache_dtype="bfloat16")
     with pytest.raises(NotImplementedError, match="sliding window"):
-        tree_attention_hooks.check_tree_backends(runner, {"attn": object.__new__(TritonAttentionMetadata)})
+        tree_attention_hooks.check_tree_backends(runner.compilation_config, {"attn": object.__new__(TritonAttentionMetadata)})
     runner.compilation_config.static_forward_context["attn"].impl = plain
     with pytest.raises(ValueError, match="TRITON_ATTN"):
-        tree_attention_hooks.check_tree_backends(runner, {"attn": SimpleNamespace()})
+        tree_attention_hooks.check_tree_backends(runner.compilation_config, {"attn": SimpleNamespace()})
     runner.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
     with pytest.raises(ValueError, match="FULL_AND_PIECEWISE"):
-        tree_attention_hooks.check_tree_backends(runner, {"attn": object.__new__(TritonAttentionMetadata)})
+        tree_attention_hooks.check_tree_backends(runner.compilation_config, {"attn": object.__new__(TritonAttentionMetadata)})
 
 
 def test_commit_accepted_path_compacts_recorded_triton_layers():

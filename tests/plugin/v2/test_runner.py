@@ -21,7 +21,7 @@ from vllm_treewy.spec_decode.acceptance import greedy_tree_acceptance_reference
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
 from vllm_treewy.vllm_plugin.v2 import sampler as v2_sampler
-from vllm_treewy.vllm_plugin.v2 import speculator
+from vllm_treewy.vllm_plugin.v2 import speculator as v2_speculator
 from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, kv_slots
 from vllm_treewy.vllm_plugin.trees.metadata import tree_qq_bias_of, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.trees.step import block_depths, override_positions
@@ -171,7 +171,7 @@ def test_the_drafters_first_pass_sees_no_tree():
     bias = torch.zeros(2, 2)
     plain = FakeMetadata(3)
     treed = with_tree(FakeMetadata(L), tree_qq_bias=bias)
-    stripped = speculator._strip_tree({"a": plain, "b": treed})
+    stripped = v2_speculator._strip_tree({"a": plain, "b": treed})
     assert stripped["a"] is plain
     assert tree_qq_bias_of(stripped["b"]) is None and tree_step_of(stripped["b"]) is None
     assert stripped["b"].max_query_len == L and tree_qq_bias_of(treed) is bias  # the target's keeps its tree
@@ -277,7 +277,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
     spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
                            num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
                            uses_dynamic_speculative_decoding=lambda: False)
-    speculator = speculator.make_tree_speculator_class(FakeV2Speculator)(
+    speculator = v2_speculator.make_tree_speculator_class(FakeV2Speculator)(
         v2_config(spec), torch.device("cpu"))
     # a tree row (1 + N tokens, 2 accepted: nodes 0 then its first child; a depth-1 tree: node 0), a one-token
     # decode, a tree row (none)
@@ -318,7 +318,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
     # one eager forward per level below the leaves, each with the level tree's bias and KV slots P0 + block index
     assert len(speculator.level_metadata) == len(widths) - 1
     for (metadata, _), slots, level in zip(speculator.level_metadata, speculator.level_slots,
-                                           speculator.level_trees(widths)):
+                                           v2_speculator.level_trees(widths)):
         assert tree_qq_bias_of(metadata["mtp.attn"]).shape[1] == 1 + level.num_nodes
         level_block = 1 + level.num_nodes
         expected = torch.cat([torch.arange(p, p + level_block) for p in (chain_positions[0], 9, 60)])
@@ -332,7 +332,7 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
 
 def test_tree_speculator_runs_chains_as_vllm():
     spec = SimpleNamespace(is_draft_tree=False, num_speculative_tokens=3)
-    speculator = speculator.make_tree_speculator_class(FakeV2Speculator)(
+    speculator = v2_speculator.make_tree_speculator_class(FakeV2Speculator)(
         v2_config(spec), torch.device("cpu"))
     assert speculator.tree_state is None
     batch = v2_batch([4], [3], [False], [10])
@@ -356,14 +356,14 @@ def test_tree_state_is_bound_for_the_runner_call_only():
     with pytest.raises(RuntimeError):
         wrapped(Runner())
     assert seen == [Runner.speculator.tree_state] and v2_runner._CALL_TREE_STATE.get() is None
-    assert not any(isinstance(v, dict) and v for module in (v2_runner, v2_sampler, speculator)
+    assert not any(isinstance(v, dict) and v for module in (v2_runner, v2_sampler, v2_speculator)
                    for k, v in vars(module).items() if k.isupper())
 
 
 def test_level_budget_that_could_overflow_is_refused_at_startup():
-    speculator.check_level_budget([2, 2, 1], 64, 64 * 7)  # deepest level: root + 6 nodes above the leaves
+    v2_speculator.check_level_budget([2, 2, 1], 64, 64 * 7)  # deepest level: root + 6 nodes above the leaves
     with pytest.raises(ValueError, match=r"max_num_batched_tokens to >= 455 or lower max_num_seqs to <= 64"):
-        speculator.check_level_budget([2, 2, 1], 65, 64 * 7)
+        v2_speculator.check_level_budget([2, 2, 1], 65, 64 * 7)
 
 
 def _tree_speculator(widths, batch_sharded_sampling=False):
@@ -371,7 +371,7 @@ def _tree_speculator(widths, batch_sharded_sampling=False):
     spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
                            num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
                            uses_dynamic_speculative_decoding=lambda: False)
-    return speculator.make_tree_speculator_class(FakeV2Speculator)(
+    return v2_speculator.make_tree_speculator_class(FakeV2Speculator)(
         v2_config(spec, batch_sharded_sampling), torch.device("cpu"))
 
 
@@ -463,7 +463,7 @@ def _threshold_speculator(widths=WIDTHS, threshold=2):
                            num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
                            uses_dynamic_speculative_decoding=lambda: True, draft_tree_max_batch_size=threshold,
                            draft_tree_depth=len(widths))
-    return speculator.make_tree_speculator_class(FakeV2Speculator)(v2_config(spec), torch.device("cpu"))
+    return v2_speculator.make_tree_speculator_class(FakeV2Speculator)(v2_config(spec), torch.device("cpu"))
 
 
 def test_dynamic_speculative_decoding_is_refused_unless_the_threshold_sets_it():

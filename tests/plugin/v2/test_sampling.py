@@ -68,9 +68,7 @@ from tests.spec_decode.test_tree_sampling import (
     sampling_distribution,
 )
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
-from vllm_treewy.vllm_plugin.v2 import sampler as v2_sampler
-from vllm_treewy.vllm_plugin.v2 import speculator
+from vllm_treewy.vllm_plugin.v2 import runner as v2_tree_runner
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants
 from vllm_treewy.vllm_plugin.v2 import run_state as v2_run_state
 from vllm_treewy.vllm_plugin.v2 import acceptance as v2_acceptance
@@ -279,14 +277,14 @@ def v2_tree_batch(roots: torch.Tensor, drafts: torch.Tensor, root_positions: tor
 
 def run_v2_step(runner, batch):
     """V2's calls of one step through the adapter's hooks: prepare_attn (tree rows, depth positions), then sample."""
-    prepare_attn = v2_runner._finding_tree_rows(lambda self, input_batch: None)
+    prepare_attn = v2_tree_runner._finding_tree_rows(lambda self, input_batch: None)
     prepare_attn(runner, batch)
     hidden_states = batch.input_ids.float()[:, None]
 
     def plain_sample(*args, **kwargs):
         raise AssertionError("a step of tree rows took V2's own sample")
 
-    return v2_runner._sampling_trees(plain_sample)(runner, hidden_states, batch, None)
+    return v2_tree_runner._sampling_trees(plain_sample)(runner, hidden_states, batch, None)
 
 
 def run_trials(runner, tree: DraftTree, ranking: torch.Tensor, roots: torch.Tensor, seed: int) -> torch.Tensor:
@@ -391,8 +389,8 @@ def test_v2_tree_sampling_emits_the_models_distribution(monkeypatch, tree_name, 
 
 # Planted bugs, each in the adapter's path on V2's sampler.
 def _parents_draw(monkeypatch, tree: DraftTree):
-    walk = v2_sampler.sampled_tree_acceptance_of_draws
-    monkeypatch.setattr(v2_sampler, "sampled_tree_acceptance_of_draws",
+    walk = v2_acceptance.sampled_tree_acceptance_of_draws
+    monkeypatch.setattr(v2_acceptance, "sampled_tree_acceptance_of_draws",
                         lambda tables, drafts, node_draws: walk(tables, drafts, parents_draw(tree.parents, node_draws)))
 
 
@@ -401,11 +399,11 @@ def _root_position(monkeypatch, tree: DraftTree):
         block = step.token_indices.view(step.num_requests, step.block_len)
         positions[block] = positions[block[:, :1]]
 
-    monkeypatch.setattr(v2_runner, "override_positions", every_node_at_the_root)
+    monkeypatch.setattr(v2_tree_runner, "override_positions", every_node_at_the_root)
 
 
 def _chain_positions(monkeypatch, tree: DraftTree):
-    monkeypatch.setattr(v2_runner, "override_positions", lambda positions, step: None)
+    monkeypatch.setattr(v2_tree_runner, "override_positions", lambda positions, step: None)
 
 
 PLANTED = {"parents-draw": _parents_draw, "root-position": _root_position, "chain-positions": _chain_positions}
