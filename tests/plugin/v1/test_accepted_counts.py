@@ -16,7 +16,7 @@ from vllm_treewy.vllm_plugin.v1.accepted_counts import (
     gdn_counts_and_block_tables,
     record_chain_accepted_counts,
 )
-from vllm_treewy.vllm_plugin.gdn.groups import count_table_of
+from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import SamplingTables
 
 NUM_SLOTS, MAX_REQS = 8, 6

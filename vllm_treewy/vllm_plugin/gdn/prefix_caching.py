@@ -72,13 +72,13 @@ skipped post-processing are the chains': nothing in them depends on the draft sh
 from __future__ import annotations
 
 import torch
-from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_treewy.kernels.boundary_states import BoundaryLayer
 from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.kernels.triton.boundary_states import boundary_table
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.gdn import sampling_tables
+from vllm_treewy.vllm_plugin.gdn.groups import first_gdn_layer, gdn_groups
 from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import BufferLayout, GDNPage
 from vllm_treewy.vllm_plugin.gdn.step_metadata import chain_count_offset
 from vllm_treewy.vllm_plugin.patch_points import MAMBA_TEMPORAL_COPY_SPEC
@@ -112,9 +112,7 @@ def runner_boundary_layers(runner, block_table_of=None):
 
     layers, block_tables, block_size = [], [], None
     forward_context = runner.compilation_config.static_forward_context
-    for group_id, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        if not isinstance(group.kv_cache_spec, MambaSpec):
-            continue
+    for group_id, group in gdn_groups(runner):
         block_size = group.kv_cache_spec.block_size
         for name in group.layer_names:
             if getattr(forward_context[name], "reconstructs_state", False):
@@ -139,10 +137,9 @@ def commit_table(runner, tree, device) -> torch.Tensor:
     """The commit table the GDN verify follows (`gdn.step_metadata.GroupStepBuffers.commit_ancestors`, the first GDN
     group's counts layer's: one table for every group, built once), for the boundary kernels' tree rows."""
     with_chain = chain_count_offset(runner.speculative_config) > 0
-    forward_context = runner.compilation_config.static_forward_context
-    for group in runner.kv_cache_config.kv_cache_groups:
-        if isinstance(group.kv_cache_spec, MambaSpec):
-            return forward_context[group.layer_names[0]].step_buffers.commit_ancestors(tree, with_chain, device)
+    layer = first_gdn_layer(runner)
+    if layer is not None:
+        return layer.step_buffers.commit_ancestors(tree, with_chain, device)
     raise RuntimeError("a draft tree's boundary states need a GDN group")
 
 

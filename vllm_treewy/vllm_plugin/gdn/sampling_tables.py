@@ -12,13 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from vllm.v1.kv_cache_interface import MambaSpec
+import torch
+
+from vllm_treewy.kernels.triton import slot_counts
+from vllm_treewy.vllm_plugin.gdn.groups import first_gdn_layer
 
 T = TypeVar("T")
 
 
 class SamplingTables:
-    """The runner's after-sampling tables by name (`"count"`: `v1.accepted_counts.count_table_of`; `"boundary"`:
+    """The runner's after-sampling tables by name (`"count"`: `count_table_of`; `"boundary"`:
     `gdn.prefix_caching`'s boundary layers and table), each with the addresses it was built from. Owned by the first layer
     of the model's first GDN group (`of_runner`; every GDN layer that keeps slot counts has one as
     `gdn.sampling_tables`, the others' unused), so nothing is added to vLLM's runner; it lives as long as that layer
@@ -38,8 +41,11 @@ class SamplingTables:
 def of_runner(runner) -> SamplingTables | None:
     """The runner's tables (V1 or V2 runner): those of the first layer of its first GDN group, where that layer keeps
     slot counts; None otherwise."""
-    layers = runner.compilation_config.static_forward_context
-    for group in runner.kv_cache_config.kv_cache_groups:
-        if isinstance(group.kv_cache_spec, MambaSpec):
-            return getattr(layers[group.layer_names[0]], "sampling_tables", None)
-    return None
+    return getattr(first_gdn_layer(runner), "sampling_tables", None)
+
+
+def count_table_of(runner, groups) -> torch.Tensor:
+    """The groups' `count_table` (`(count state, block table)` per GDN group), one of the runner's tables (V1 or V2
+    runner): built again only where a count state or block table moved."""
+    addresses = tuple((counts.data_ptr(), block_table.data_ptr()) for counts, block_table in groups)
+    return of_runner(runner).get("count", addresses, lambda: slot_counts.count_table(groups))

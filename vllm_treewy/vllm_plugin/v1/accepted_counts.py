@@ -23,8 +23,9 @@ import torch
 
 from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.gdn.groups import count_table_of, counted_gdn_groups
+from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups
 from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes, commit_table, tree_commit_counts
+from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
 from vllm_treewy.vllm_plugin.gdn.step_metadata import chain_count_offset, verifies_tree
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 from vllm_treewy.vllm_plugin.trees.run_state import tree_state_of

@@ -35,8 +35,9 @@ import torch
 
 from vllm_treewy.kernels.triton import slot_counts
 from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts, reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.gdn.groups import count_table_of, counted_gdn_groups
+from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups
 from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes
+from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
 from vllm_treewy.vllm_plugin.gdn.step_metadata import chain_count_offset, with_commit_nodes
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_UPDATE_BLOCK_TABLE, V2_RUNNER_POSTPROCESS_SAMPLED
 from vllm_treewy.vllm_plugin.v2.prefix_caching import record_after_sampling_v2
