@@ -332,7 +332,8 @@ def install_step_timers(timers: StepTimers, llm, scheduler, runner) -> list[str]
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
     from vllm.v1.worker import gpu_model_runner
 
-    from vllm_treewy.vllm_plugin import accepted_counts, step_metadata
+    from vllm_treewy.vllm_plugin.v1 import accepted_counts
+    from vllm_treewy.vllm_plugin.gdn import step_metadata
 
     targets = [(llm.llm_engine, "step", "LLMEngine.step"),
                (llm.llm_engine.output_processor, "process_outputs", "output_processor.process_outputs"),

@@ -22,15 +22,15 @@ from pathlib import Path
 
 # (what, the adapter's wrapper, the vLLM function it wraps): (file suffix, function name) each
 WRAPPERS = (
-    ("GDN metadata build", ("vllm_plugin/step_metadata.py", "build"), ("backends/gdn_attn.py", "build")),
-    ("after sampling", ("vllm_plugin/accepted_counts.py", "update_states_after_model_execute"),
+    ("GDN metadata build", ("vllm_plugin/gdn/step_metadata.py", "build"), ("backends/gdn_attn.py", "build")),
+    ("after sampling", ("vllm_plugin/v1/accepted_counts.py", "update_states_after_model_execute"),
      ("worker/gpu_model_runner.py", "_update_states_after_model_execute")),
-    ("prepare inputs", ("vllm_plugin/tree_runner.py", "prepare_inputs"),
+    ("prepare inputs", ("vllm_plugin/v1/runner.py", "prepare_inputs"),
      ("worker/gpu_model_runner.py", "_prepare_inputs")),
-    ("build attention metadata", ("vllm_plugin/tree_runner.py", "build_attention_metadata"),
+    ("build attention metadata", ("vllm_plugin/v1/runner.py", "build_attention_metadata"),
      ("worker/gpu_model_runner.py", "_build_attention_metadata")),
-    ("sample", ("vllm_plugin/tree_runner.py", "sample"), ("worker/gpu_model_runner.py", "_sample")),
-    ("scheduler update", ("vllm_plugin/tree_budget.py", "update_after_schedule"),
+    ("sample", ("vllm_plugin/v1/runner.py", "sample"), ("worker/gpu_model_runner.py", "_sample")),
+    ("scheduler update", ("vllm_plugin/trees/budget.py", "update_after_schedule"),
      ("core/sched/scheduler.py", "_update_after_schedule")),
 )
 STEP = ("worker/gpu_model_runner.py", "execute_model")  # the CPU runner inherits it

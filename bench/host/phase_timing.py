@@ -18,8 +18,8 @@ def install() -> StepTimers:
     from vllm.v1.spec_decode.eagle import EagleProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_treewy.vllm_plugin import tree_runner
-    from vllm_treewy.vllm_plugin.mtp_tree_proposer import TreeMtpProposer
+    from vllm_treewy.vllm_plugin.v1 import runner as tree_runner
+    from vllm_treewy.vllm_plugin.v1.proposer import TreeMtpProposer
 
     timers = StepTimers()
     original_head = TreeMtpProposer._run_head

@@ -196,7 +196,8 @@ def fixture_engine_inputs(batch: int):
 
 def count_updates(args) -> None:
     """The adapter's two per-step count updates under reconstruct (the default mode)."""
-    from vllm_treewy.vllm_plugin import accepted_counts, step_metadata
+    from vllm_treewy.vllm_plugin.v1 import accepted_counts
+    from vllm_treewy.vllm_plugin.gdn import step_metadata
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     model, prompts = fixture_engine_inputs(args.batch)

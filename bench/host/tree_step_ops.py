@@ -65,8 +65,8 @@ def measure(args) -> dict:
     from transformers import AutoTokenizer
 
     from vllm_treewy.fixture import blurred_mtp_variant, build_fixture, fixture_prompts
-    from vllm_treewy.vllm_plugin import tree_runner
-    from vllm_treewy.vllm_plugin.mtp_tree_proposer import TreeMtpProposer
+    from vllm_treewy.vllm_plugin.v1 import runner as tree_runner
+    from vllm_treewy.vllm_plugin.v1.proposer import TreeMtpProposer
     from vllm_treewy.vllm_plugin.testing.equivalence import engine
 
     root = Path(tempfile.mkdtemp())

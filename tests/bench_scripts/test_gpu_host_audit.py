@@ -26,12 +26,12 @@ def frames(*sites):
 
 def test_the_innermost_three_package_frames():
     stack = frames((f"{VENV}/torch/_tensor.py", 10, "tolist"),
-                   ("/w/vllm_treewy/vllm_plugin/step_metadata.py", 131, "with_commit_nodes"),
+                   ("/w/vllm_treewy/vllm_plugin/gdn/step_metadata.py", 131, "with_commit_nodes"),
                    ("/w/bench/gpu_host_audit.py", 200, "timed"),
                    (f"{VENV}/vllm/v1/attention/backends/gdn_attn.py", 300, "build"),
                    (RUNNER, 2249, "_build_attention_metadata"),
                    (RUNNER, 3940, "execute_model"))
-    assert audit.package_frames(stack) == ("vllm_treewy/vllm_plugin/step_metadata.py:131 with_commit_nodes",
+    assert audit.package_frames(stack) == ("vllm_treewy/vllm_plugin/gdn/step_metadata.py:131 with_commit_nodes",
                                            "vllm/v1/attention/backends/gdn_attn.py:300 build",
                                            "vllm/v1/worker/gpu_model_runner.py:2249 _build_attention_metadata")
     assert audit.package_frames(stack[:1]) == ()

@@ -10,10 +10,10 @@ VENV = "/venv/lib/python3.12/site-packages"
 def test_the_call_site_is_the_innermost_frame_in_vllm_or_vllm_treewy():
     frames = [
         (f"{VENV}/torch/_tensor.py", 10, "__setitem__"),
-        ("/work/wt/vllm_treewy/vllm_plugin/step_metadata.py", 131, "with_commit_nodes"),
+        ("/work/wt/vllm_treewy/vllm_plugin/gdn/step_metadata.py", 131, "with_commit_nodes"),
         (f"{VENV}/vllm/v1/attention/backends/gdn_attn.py", 300, "build"),
     ]
-    assert call_site(frames) == "vllm_treewy/vllm_plugin/step_metadata.py:131 with_commit_nodes"
+    assert call_site(frames) == "vllm_treewy/vllm_plugin/gdn/step_metadata.py:131 with_commit_nodes"
     assert call_site(frames[2:]) == "vllm/v1/attention/backends/gdn_attn.py:300 build"
     assert call_site(frames[:1]) == UNKNOWN_SITE
 

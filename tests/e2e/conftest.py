@@ -15,7 +15,7 @@ import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as cpu_gdn
 from tests.e2e.planted_bugs import planted_state_commit_bug
 from vllm_treewy.fixture import build_fixture, fixture_prompts, prompts_before_a_block_boundary
 from vllm_treewy.fixture.exact import ExactModel
-from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
+from vllm_treewy.vllm_plugin.gdn.layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.testing.equivalence import (
     EquivalenceVerdict,
     GenerationRun,

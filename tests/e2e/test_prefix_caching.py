@@ -28,7 +28,8 @@ from transformers import AutoTokenizer
 from vllm_treewy.fixture import fixture_prompts
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.kernels.bookkeeping.boundary_states_torch import boundary_rows
-from vllm_treewy.vllm_plugin import prefix_caching
+from vllm_treewy.vllm_plugin.gdn import prefix_caching
+from vllm_treewy.vllm_plugin.v1 import prefix_caching as v1_prefix_caching
 from vllm_treewy.vllm_plugin.testing.equivalence import (
     attributes_added_to_vllm,
     compare_tie_aware,
@@ -64,13 +65,13 @@ def _generate(llm, prompts, max_tokens):
 
 
 def _capturing_boundary_states(captured: list):
-    """`prefix_caching.record_after_sampling`, which also keeps (request, tokens before the boundary, node, commit
+    """`v1.prefix_caching.record_after_sampling`, which also keeps (request, tokens before the boundary, node, commit
     count, every layer's state and conv window at the boundary's block) of each boundary it writes (chains and, with
     their commit counts and table, draft trees)."""
-    original = prefix_caching.record_after_sampling
+    original = v1_prefix_caching.record_after_sampling
 
     def record(runner, num_reqs, commit_counts=None, commit_ancestors=None):
-        views, _, block_size = prefix_caching._runner_boundary_layers(runner)
+        views, _, block_size = prefix_caching.runner_boundary_layers(runner)
         layers = [int(name.split("layers.")[1].split(".")[0]) for group in runner.kv_cache_config.kv_cache_groups
                   for name in group.layer_names
                   if getattr(runner.compilation_config.static_forward_context[name], "reconstructs_state", False)]
@@ -98,7 +99,7 @@ def _two_turns(model: str, speculative_config: dict, prompt_starts, first_tokens
     corpus = _corpus_tokens(model)
     captured = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prefix_caching, "record_after_sampling", _capturing_boundary_states(captured))
+        patch.setattr(v1_prefix_caching, "record_after_sampling", _capturing_boundary_states(captured))
         with engine(model, speculative_config=speculative_config, enable_prefix_caching=True,
                     prefix_cache_retention_interval=None, **ENGINE) as llm:
             mode = llm.llm_engine.vllm_config.cache_config.mamba_cache_mode

@@ -20,7 +20,7 @@ import pytest
 
 from tests.e2e.test_prefix_caching import _assert_boundary_states_are_the_models, _two_turns
 from vllm_treewy.fixture import blurred_mtp_variant
-from vllm_treewy.vllm_plugin import prefix_caching
+from vllm_treewy.vllm_plugin.gdn import prefix_caching
 
 pytestmark = pytest.mark.e2e
 

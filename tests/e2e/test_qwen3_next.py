@@ -22,8 +22,8 @@ from transformers import AutoConfig, AutoTokenizer
 from vllm_treewy.fixture import blurred_mtp_variant, build_fixture, fixture_prompts
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.gdn_layer import ReconstructGatedDeltaNetAttention
-from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout
+from vllm_treewy.vllm_plugin.gdn.layer import ReconstructGatedDeltaNetAttention
+from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import BufferLayout
 from vllm_treewy.vllm_plugin.testing.equivalence import (
     bf16_step,
     compare_tie_aware,

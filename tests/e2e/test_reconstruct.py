@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoConfig
 
 from tests.e2e.conftest import SPEC_KS
-from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout
+from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import BufferLayout
 
 pytestmark = pytest.mark.e2e
 

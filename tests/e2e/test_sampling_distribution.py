@@ -259,7 +259,7 @@ def planted(bug: str | None):
         yield
         return
     if bug == "parents-draw":
-        from vllm_treewy.vllm_plugin import tree_sampler
+        from vllm_treewy.vllm_plugin.v1 import sampler as tree_sampler
 
         original = tree_sampler.sampled_tree_acceptance_of_draws
         tree_sampler.sampled_tree_acceptance_of_draws = parents_draw
@@ -271,7 +271,7 @@ def planted(bug: str | None):
     if bug == "vllm-cpu-expand":  # the plugin's fix left out: vLLM's own expansion in the worker's overrides
         import vllm.utils.cpu_triton_utils as cpu_tl
 
-        from vllm_treewy.vllm_plugin import cpu_rejection_expand
+        from vllm_treewy.vllm_plugin.compat import cpu_rejection_expand
 
         fixed, install = cpu_tl._expand_kernel_impl, cpu_rejection_expand.install
         cpu_rejection_expand.install = lambda: None  # the plugin's register() runs again at engine start
@@ -281,7 +281,7 @@ def planted(bug: str | None):
         finally:
             cpu_tl._expand_kernel_impl, cpu_rejection_expand.install = fixed, install
         return
-    from vllm_treewy.vllm_plugin import tree_sampler
+    from vllm_treewy.vllm_plugin.v1 import sampler as tree_sampler
 
     original = tree_sampler.sampled_tree_acceptance
     tree_sampler.sampled_tree_acceptance = planted_acceptance(bug)
@@ -332,7 +332,7 @@ def _speculative_run(model: str, runs: SamplingRuns, name: str, engine_index: in
 @contextlib.contextmanager
 def sampling_paths_counted(counts: dict):
     """Within: `counts[path]` = the steps `tree_sampler` sampled by that path ("levels", "every-node")."""
-    from vllm_treewy.vllm_plugin import tree_sampler
+    from vllm_treewy.vllm_plugin.v1 import sampler as tree_sampler
 
     originals = {"levels": tree_sampler._sample_by_levels, "every-node": tree_sampler._sample_every_node}
 

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from vllm_treewy.fixture import fixture_prompts
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout
+from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import BufferLayout
 from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
 
 pytestmark = pytest.mark.e2e

@@ -26,11 +26,12 @@ from vllm_treewy.fixture import (PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, P
                                  prompts_before_a_block_boundary)
 from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin import tree_runner, tree_sampler
+from vllm_treewy.vllm_plugin.v1 import runner as tree_runner
+from vllm_treewy.vllm_plugin.v1 import sampler as tree_sampler
 from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, write_drafts_file
 from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
-from vllm_treewy.vllm_plugin.pseudo_value_buffer import BufferLayout
-from vllm_treewy.vllm_plugin.tree_fallbacks import FALLBACK_METRIC
+from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import BufferLayout
+from vllm_treewy.vllm_plugin.trees.fallbacks import FALLBACK_METRIC
 
 pytestmark = pytest.mark.e2e
 

@@ -1,5 +1,5 @@
 """Tree attention through vLLM's compiled `unified_attention` with the tree `qq_bias`, and the KV compaction, on CUDA in
-bf16 at Qwen3.5 full-attention sizes, compiled (the interpreter tests in `tests/plugin/test_tree_attention_triton.py`
+bf16 at Qwen3.5 full-attention sizes, compiled (the interpreter tests in `tests/plugin/trees/test_attention_triton.py`
 run the same kernel on CPU at small sizes). Run on the H200: `pytest -m gpu tests/gpu`."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from vllm_treewy.tree import DraftTree
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from tests.plugin.paged_batches import make_batch, reference_attention  # noqa: E402
-from vllm_treewy.vllm_plugin.tree_attention_triton import (  # noqa: E402
+from vllm_treewy.vllm_plugin.trees.attention_triton import (  # noqa: E402
     split_kv_cache,
     tree_qq_bias,
     tree_rows_attention,

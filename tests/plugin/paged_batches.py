@@ -9,7 +9,7 @@ import torch
 
 from tests.plugin.attention_reference import masked_attention_fp64
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.tree_attention_triton import split_kv_cache
+from vllm_treewy.vllm_plugin.trees.attention_triton import split_kv_cache
 
 
 def empty_cache(num_blocks, num_kv_heads, block_size, width, dtype, layout, fill=float("nan")) -> torch.Tensor:

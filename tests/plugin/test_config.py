@@ -275,7 +275,7 @@ def test_compute_hash(fixture_model):
 
 def test_reconstruct_chains_and_trees_run_on_the_v2_runner(fixture_model):
     """vLLM picks Model Runner V2 unless its feature check lists something: reconstruct chains and draft trees list
-    nothing (they run there: runner_v2, tree_runner_v2)."""
+    nothing (they run there: v2.accepted_counts, v2.runner)."""
     for config in (mtp(mamba_state_commit="reconstruct"), mtp(mamba_state_commit="reconstruct", k=1),
                    mtp(mamba_state_commit="reconstruct", draft_tree_widths=[1, 1, 1]),
                    mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1]),

@@ -23,6 +23,7 @@ from typing import Literal
 
 from vllm.config.speculative import SpeculativeConfig
 from vllm.config.utils import config
+from vllm.platforms import current_platform
 from vllm.utils.hashing import safe_hash
 
 from vllm_treewy.tree import DraftTree
@@ -117,8 +118,6 @@ class TreewySpeculativeConfig(SpeculativeConfig):
         if self.target_model_config is not None and self.target_model_config.uses_mrope:
             raise ValueError(f"draft_tree_widths={widths}: models with M-RoPE positions are not supported yet (tree "
                              "tokens take depth positions on one axis)")
-        from vllm.platforms import current_platform
-
         if not (current_platform.is_cpu() or current_platform.is_cuda()):
             raise ValueError(f"draft_tree_widths={widths}: draft trees run on vLLM's CPU backend or on CUDA with "
                              "attention_backend='TRITON_ATTN' (tree attention reads those paged KV layouts)")
@@ -187,7 +186,7 @@ def reconstructs_mamba_state(speculative_config) -> bool:
 
 
 def keeps_slot_counts(speculative_config) -> bool:
-    """True if the GDN layers keep a per-slot count of the last verified block (`step_metadata`): reconstruct (the
+    """True if the GDN layers keep a per-slot count of the last verified block (`gdn.step_metadata`): reconstruct (the
     node to commit), and a store_all draft tree (the block of the accepted node, where the next step starts: vLLM's
     accepted count says how deep, not which branch)."""
     return reconstructs_mamba_state(speculative_config) or draft_tree_of(speculative_config) is not None
@@ -199,6 +198,6 @@ def draft_tree_of(speculative_config) -> DraftTree | None:
 
 
 def install() -> None:
-    """Makes every place that builds a SpeculativeConfig build ours (which runner vLLM picks: `runner_v2`)."""
+    """Makes every place that builds a SpeculativeConfig build ours (which runner vLLM picks: `v2.accepted_counts`)."""
     for point in patch_points.SPECULATIVE_CONFIG:
         point.replace(TreewySpeculativeConfig)

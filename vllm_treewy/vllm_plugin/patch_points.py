@@ -139,7 +139,8 @@ SPECULATIVE_CONFIG = tuple(
 )
 V2_UNSUPPORTED_FEATURES = PatchPoint(
     "vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features", "wraps",
-    "draft trees hook the V1 runner: list them so vLLM falls back to V1 and says why (reconstruct chains run on V2)",
+    "reconstruct with prefix caching and pipeline parallelism keeps to the V1 runner: list it so vLLM falls back to V1 "
+    "and says why (chains and draft trees otherwise run on V2)",
     ("self",),
 )
 _GDN_BUILDER = "vllm.v1.attention.backends.gdn_attn"
@@ -316,11 +317,11 @@ _RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 V2_RUNNER_POSTPROCESS_SAMPLED = PatchPoint(
     _RUNNER_V2, "GPUModelRunner.postprocess_sampled", "wraps",
     "where Model Runner V2 hands on each batch row's sampled-token count (a device tensor) right after sampling: "
-    "record the speculative rows' counts in their GDN slots (runner_v2)",
+    "record the speculative rows' counts in their GDN slots (v2.accepted_counts)",
     ("self", "idx_mapping", "sampled_tokens", "num_sampled", "num_rejected"), only_on="cuda",
 )
 
-# Draft trees on Model Runner V2 (`tree_runner_v2`, CUDA).
+# Draft trees on Model Runner V2 (`v2.runner`, CUDA).
 V2_RUNNER_PREPARE_ATTN = PatchPoint(
     _RUNNER_V2, "GPUModelRunner.prepare_attn", "wraps",
     "draft trees on V2: after V2's slot mappings (from its device positions), find the step's tree rows from the input "
@@ -369,7 +370,7 @@ V2_RUNNER_CAPTURE_MODEL = PatchPoint(
     _RUNNER_V2, "GPUModelRunner.capture_model", "wraps",
     "draft trees on V2: the runner's tree state bound while V2 captures its graphs (the target's FULL decode graphs "
     "get the tree bias through the model state's prepare_attn); after it, the post-sampler graphs of tree steps "
-    "(tree_accept_graphs)", ("self",), only_on="cuda",
+    "(v2.accept_graphs)", ("self",), only_on="cuda",
 )
 V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY = PatchPoint(
     _RUNNER_V2, "GPUModelRunner.profile_cudagraph_memory", "wraps",
@@ -379,7 +380,7 @@ V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY = PatchPoint(
 INPUT_PROCESSOR_VALIDATE_PARAMS = PatchPoint(
     "vllm.v1.engine.input_processor", "InputProcessor._validate_params", "wraps",
     "draft trees: requests with the sampling parameters a runner's tree path does not make exact refused at "
-    "admission (tree_admission: V1's thinking budget and structured outputs; V2's also penalties and bad words)",
+    "admission (trees.admission: V1's thinking budget and structured outputs; V2's also penalties and bad words)",
     ("self", "params", "supported_tasks"),
 )
 V2_CAPTURE_POOL = PatchPoint(
@@ -455,7 +456,7 @@ _MAMBA_WORKER_UTILS = "vllm.v1.worker.mamba_utils"
 MAMBA_ALIGN_POSTPROCESS = PatchPoint(
     _MAMBA_WORKER_UTILS, "postprocess_mamba_align_gpu", "wraps",
     "prefix caching under reconstruct: vLLM's post-sampling copy of store_all's boundary state is skipped (the "
-    "runner looks the module attribute up at call time; prefix_caching writes the boundary states) and the host's "
+    "runner looks the module attribute up at call time; v1.prefix_caching writes the boundary states) and the host's "
     "accepted counts stay 1, so the next migration copies at offset 0",
     ("bufs", "num_reqs", "num_accepted_tokens_gpu", "num_accepted_tokens_cpu_tensor"),
 )
@@ -479,7 +480,7 @@ V2_MAMBA_INITIALIZE_KV_CACHE = PatchPoint(
 V2_MAMBA_POSTPROCESS_STATE = PatchPoint(
     _MAMBA_HYBRID_STATE, "MambaHybridModelState.postprocess_state", "wraps",
     "prefix caching under reconstruct on V2: V2's accepted counts stay 1 (its pre-copy migrates at offset 0) and "
-    "its store_all boundary copy is skipped; runner_v2's postprocess_sampled hook writes the boundary states",
+    "its store_all boundary copy is skipped; v2.accepted_counts' postprocess_sampled hook writes the boundary states",
     ("self", "idx_mapping", "num_sampled", "num_computed_tokens"), only_on="cuda",
 )
 MAMBA_TEMPORAL_COPY_SPEC = PatchPoint(
@@ -496,11 +497,11 @@ SCHEDULER_UPDATE_AFTER_SCHEDULE = PatchPoint(
 SCHEDULER_MAKE_STATS = PatchPoint(
     "vllm.v1.core.sched.scheduler", "Scheduler.make_stats", "wraps",
     "draft trees: the step's SchedulerStats, which vLLM sends to the front end, carry the tree fallbacks counted "
-    "since the last stats (tree_fallbacks)", ("self",), returns="SchedulerStats | None",
+    "since the last stats (trees.fallbacks)", ("self",), returns="SchedulerStats | None",
 )
 SCHEDULER_STATS = PatchPoint(
     "vllm.v1.metrics.stats", "SchedulerStats", "calls",
-    "tree_fallbacks reads its fields: whether the installed vLLM has plugin_counters (patches/)",
+    "trees.fallbacks reads its fields: whether the installed vLLM has plugin_counters (patches/)",
 )
 
 # The models whose GDN layers are `QwenGatedDeltaNetAttention`: vLLM sizes a hybrid's pages from these classmethods.
@@ -596,7 +597,7 @@ V2_PROPOSE_KEYWORDS = ("dummy_run", "num_speculative_tokens")
 INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes(
         "vllm.v1.engine.input_processor", "InputProcessor", ("vllm_config", "speculative_config"), "reads",
-        "admission on draft trees (tree_admission): the engine's tree and which runner serves it",
+        "admission on draft trees (trees.admission): the engine's tree and which runner serves it",
     ),
     InternalAttributes(
         _RUNNER, "GPUModelRunner",
@@ -604,11 +605,11 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
          "kv_cache_config", "compilation_config", "speculative_config", "uniform_decode_query_len", "device"),
         "reads; sets positions",
         "the step's draft counts, accepted counts and positions (device and numpy buffers), the KV-cache groups and "
-        "the layers (accepted_counts, tree_runner, full_graph_batches)",
+        "the layers (v1.accepted_counts, v1.runner, v1.full_graph_batches)",
     ),
     InternalAttributes(
         _RUNNER, "GPUModelRunner", ("cache_config", "seq_lens", "_mamba_bufs"), "reads; sets _mamba_bufs",
-        "prefix caching (prefix_caching): the GDN cache mode, the step's device sequence lengths (the running "
+        "prefix caching (v1.prefix_caching): the GDN cache mode, the step's device sequence lengths (the running "
         "block column and the boundary of each row), the align buffers without the speculative context",
     ),
     InternalAttributes(
@@ -618,7 +619,7 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes(
         _RUNNER_V2, "GPUModelRunner", ("block_tables", "kv_cache_config", "compilation_config", "speculative_config"),
         "reads", "Model Runner V2: the GDN groups' block tables (rows per request state), the KV-cache groups and the "
-        "layers (runner_v2)",
+        "layers (v2.accepted_counts)",
     ),
     InternalAttributes(
         _RUNNER_V2, "GPUModelRunner", ("cache_config", "input_buffers"), "reads",
@@ -636,13 +637,13 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         _RUNNER_V2, "GPUModelRunner",
         ("speculator", "sampler", "rejection_sampler", "model", "num_speculative_steps", "batch_sharder",
          "model_state", "attn_groups"),
-        "reads", "draft trees on V2 (tree_runner_v2): the tree speculator's state, the sampler, the logprobs helper; "
-        "the attention groups whose TRITON_ATTN caches the post-sampler graphs compact (tree_accept_graphs)",
+        "reads", "draft trees on V2 (v2.runner): the tree speculator's state, the sampler, the logprobs helper; "
+        "the attention groups whose TRITON_ATTN caches the post-sampler graphs compact (v2.accept_graphs)",
     ),
     InternalAttributes(
         "vllm.v1.worker.utils", "AttentionGroup", ("backend", "layer_names", "kv_cache_group_id"), "reads",
         "draft trees on V2: the TRITON_ATTN layers of each KV-cache group, for the post-sampler graphs "
-        "(tree_accept_graphs.triton_cache_groups)",
+        "(v2.accept_graphs.triton_cache_groups)",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu.input_batch", "InputBatch",
@@ -698,7 +699,7 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     ),
     InternalAttributes(
         "vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor", ("min_toks", "neg_inf_tensor"), "reads",
-        "draft trees (tree_sampler): each request's (min_tokens, output list, stop tokens, structured) and whether "
+        "draft trees (v1.sampler): each request's (min_tokens, output list, stop tokens, structured) and whether "
         "any is pending, to mask a tree node's stop tokens at its depth",
     ),
     InternalAttributes(
@@ -753,11 +754,11 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
     InternalAttributes(
         "vllm.v1.core.sched.output", "SchedulerOutput",
         ("num_scheduled_tokens", "scheduled_spec_decode_tokens", "total_num_scheduled_tokens"), "reads and sets",
-        "draft trees: a request whose whole tree does not fit the step's budget keeps no drafts (tree_budget)",
+        "draft trees: a request whose whole tree does not fit the step's budget keeps no drafts (trees.budget)",
     ),
     InternalAttributes(
         "vllm.v1.core.sched.output", "SchedulerOutput", ("num_spec_tokens_to_schedule", "finished_req_ids"), "reads",
-        "draft_tree_max_batch_size (tree_budget): the draft count each scheduled request's next drafts will have "
+        "draft_tree_max_batch_size (trees.budget): the draft count each scheduled request's next drafts will have "
         "(vLLM's dynamic speculative decoding), and the requests whose record goes",
     ),
     InternalAttributes(
@@ -812,7 +813,7 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
                        "reads", "the added-attributes check: the drafter's attention groups"),
     InternalAttributes(
         "vllm.v1.metrics.stats", "SchedulerStats", ("plugin_counters",), "sets",
-        "tree fallbacks into the step's stats (tree_fallbacks); the field comes from "
+        "tree fallbacks into the step's stats (trees.fallbacks); the field comes from "
         "patches/vllm-0.32.0-plugin-counters.diff, which `make install` applies: missing means it is not applied",
     ),
     InternalAttributes(

@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.tree_run_state import TreeRunState
+from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState
 
 DRAFTS_ENV = "VLLM_TREEWY_TEST_DRAFTS"
 PERTURBATION = 7  # > any sibling rank: a perturbed node's token still differs from its siblings'

@@ -52,7 +52,7 @@ def engine(model: str, **kwargs):
 
     Engines in one process share vLLM's distributed state: run them one after another, never nested.
     """
-    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.distributed import cleanup_dist_env_and_memory  # imported once an engine runs, after its set-up
 
     llm = None
     try:
@@ -150,7 +150,7 @@ def run_greedy(model: str, prompt_ids: list[list[int]], max_tokens: list[int], *
 
 
 # The adapter's names contain this; none may be set on vLLM's objects (state that crosses steps lives in buffers
-# vLLM allocates or in objects of the adapter: the GDN layers' `step_buffers` and `sampling_tables`, the tree
+# vLLM allocates or in objects of the adapter: the GDN layers' `step_buffers` and `gdn.sampling_tables`, the tree
 # drafter's `tree_state`).
 ADAPTER_MARK = "treewy"
 
@@ -354,6 +354,7 @@ class KVCacheReport:
 
 def kv_cache_report(llm: LLM) -> KVCacheReport:
     """Reads an in-process engine's KV-cache config (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    # vLLM's KV-cache internals, read from a running engine only
     from vllm.utils.torch_utils import get_dtype_size
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
     from vllm.v1.kv_cache_interface import MambaSpec

@@ -1,0 +1,318 @@
+"""What the reconstruct GDN layers need per step, derived once per step by vLLM's GDN metadata builder.
+
+Each step commits every speculative request's previous verify inside its own verify (one state read and write). The
+slot's count state (in the group's first GDN layer's page, on the device) says which node: 0 when nothing
+is pending, else 1 + the accepted node's index in the slot's last verified block, recorded right after that step's
+sampling (`v1.accepted_counts` for chains, `v1.sampler` for draft trees). The step's count update turns it into each
+row's commit node, then records this step's counts: the speculative rows' node counts (until their sampling records
+the accepted ones), and 0 for every other row, so a slot that a finished, aborted or preempted request left behind
+with a pending commit is never committed into by its next owner. A store_all draft tree keeps the same count: its
+commit node is the block the next step starts from (`gdn.store_all_tree`).
+
+The count update runs where it costs no host time: in a batch with speculative rows, the group's first GDN layer
+launches it at the start of its forward (`update_counts`), before any layer of the group reads the commit nodes, so a
+FULL CUDA graph captures it and replays it for free; in a batch without any (prefills only), the builder runs it. One
+Triton launch on CUDA (`kernels.bookkeeping.slot_counts_triton`), torch ops elsewhere; no host sync either way.
+
+Both runners call the builder's `build` (Model Runner V2 for the first GDN group of a spec; for each further group it
+re-gathers the state indices, which `v2.accepted_counts` follows with `with_commit_nodes` too: each group commits its
+own slots).
+
+Draft trees (a static shape, `draft_tree_widths`): a request's verified tokens are a prefix of the tree's verified
+block (1 + N tokens, or the root alone for a decode that got no drafts), so their parents and ancestors are rows of
+the tree's one ancestor table. With `draft_tree_max_batch_size` a step verifies trees or chains of the tree's depth
+D (`trees.budget`: never both), and commits what each slot verified last, of either shape: the commit follows
+`commit_ancestor_table`, the tree's verified block (rows 0 .. N) then the chain's (rows N + 1 .. N + 1 + D), and a
+chain's count is recorded with the offset `chain_count_offset` (1 + N), so count c names tree node c - 1 for
+c <= 1 + N and chain block index c - (2 + N) beyond. The step's own count update writes each speculative row's node
+count without the offset: the step's sampling overwrites it for every speculative row (`v1.accepted_counts`,
+`v1.sampler`, `v2.accepted_counts`) before any later step reads it, and a count of 1 (the root alone) means the same in
+both shapes. In FULL-graph batches the slots and commit nodes go to persistent buffers, like vLLM's own GDN metadata.
+What the builds keep across steps (those buffers, the tree's table) is the group's `GroupStepBuffers`, which the group's
+counts layer owns: nothing is added to vLLM's builders. """
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
+from vllm_treewy.kernels.bookkeeping.dispatch import commit_nodes_and_counts
+from vllm_treewy.tree import DraftTree, chain_parents, node_requests
+from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts
+from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD
+
+
+@dataclass
+class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
+    # [rows of spec_state_indices_tensor] int32, contiguous (the kernels index it flat): each speculative row's state
+    # slot. vLLM's own column 0 is strided: its FULL-graph buffer has 1 + k columns, which it fills by broadcasting
+    # reconstruct's one block per request.
+    spec_slots: torch.Tensor | None = None
+    # [rows] int32: the local node of the slot's previous verify to commit before this step's verify (-1: nothing to
+    # commit: a new request, or a padding row).
+    commit_nodes: torch.Tensor | None = None
+    # [1 + num_nodes, D] int32 ancestor table of the static tree's verified block (root, then the nodes), which this
+    # step's tree verify follows; None for chains and for a chain step of a tree config (`draft_tree_max_batch_size`).
+    # One per GDN group (`GroupStepBuffers`): a FULL CUDA graph keeps its address.
+    tree_ancestors: torch.Tensor | None = None
+    # [T, D] int32: row a the path of commit node a in the slot's rows, which every slot's pending commit follows
+    # (`commit_ancestor_table`); None for chains. One per GDN group, like tree_ancestors.
+    commit_ancestors: torch.Tensor | None = None
+    # The most tokens a speculative row verifies this step where that is below the pseudo-value buffer's rows: 1 + D
+    # in a chain step of `draft_tree_max_batch_size`, so the verify launches as a chain config's would; None: the
+    # buffer's rows (1 + num_speculative_tokens).
+    verify_block_len: int | None = None
+    # The step's count update (`commit_nodes_and_counts` on this metadata's tensors), left for `counts_layer`, the
+    # group's first GDN layer, to run in its forward; None where the builder ran it.
+    count_update: Callable[[], None] | None = None
+    counts_layer: str | None = None
+
+    def update_counts(self, layer_name: str) -> None:
+        """At the start of each reconstruct GDN layer's speculative step: the group's first layer runs the step's
+        count update (the commit nodes every layer of the group reads); the others find it done."""
+        if self.count_update is not None and layer_name == self.counts_layer:
+            self.count_update()
+
+    # The per-node tensors below are derived on first use, in the GDN layer's forward: inside a CUDA graph's capture
+    # they are captured ops on the builder's persistent spec_query_start_loc, so a replay recomputes them for its own
+    # batch. (Built here in the builder, outside the graph, a replay would read the capture's freed tensors.)
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor | None:
+        """`[N, D]` int32 ancestor table of the packed verified tokens (local indices, as
+        `vllm_treewy.kernels.ancestor_table_triton.ancestor_table` builds it): rows of the static tree's table. None
+        for chains."""
+        if self.tree_ancestors is None:
+            return None
+        return self.tree_ancestors[self._tree_rows].contiguous()
+
+    @cached_property
+    def _tree_rows(self) -> torch.Tensor:
+        """`[N]` each packed token's row of the static tree's table. A FULL graph's padding tokens (past the last
+        request's, counted as its nodes) may index past the block: clamped, their rows are never used."""
+        return self.node_indices.clamp(max=self.tree_ancestors.shape[0] - 1)
+
+    @cached_property
+    def parents(self) -> torch.Tensor:
+        """`[N]` local parents of the packed draft chains or trees."""
+        if self.tree_ancestors is not None:
+            return self.tree_ancestors[self._tree_rows, 1].contiguous()
+        return chain_parents(self.spec_query_start_loc, self.num_spec_decode_tokens)
+
+    @cached_property
+    def _node_requests(self) -> torch.Tensor:
+        return node_requests(self.spec_query_start_loc, self.num_spec_decode_tokens)
+
+    @cached_property
+    def node_slots(self) -> torch.Tensor:
+        """`[N]` int64 state slot of each packed draft node (its request's)."""
+        return self.spec_slots.long()[self._node_requests]
+
+    @cached_property
+    def node_blocks(self) -> torch.Tensor:
+        """`[N]` int64 each packed draft node's own state block (store_all: column `node_indices` of its request's
+        row of `spec_state_indices_tensor`)."""
+        return self.spec_state_indices_tensor.long()[self._node_requests, self.node_indices]
+
+    @cached_property
+    def node_indices(self) -> torch.Tensor:
+        """`[N]` int64 index of each packed draft node within its request (0 = the last sampled token)."""
+        nodes = torch.arange(self.num_spec_decode_tokens, device=self.spec_query_start_loc.device)
+        return nodes - self.spec_query_start_loc.long()[self._node_requests]
+
+    @cached_property
+    def rest_metadata(self) -> GDNAttentionMetadata:
+        """The batch's prefills, as vLLM's own GDN path sees a batch without speculation."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(GDNAttentionMetadata)}
+        fields.update(
+            spec_sequence_masks=None, num_spec_decodes=0, num_spec_decode_tokens=0, spec_sequence_masks_cpu=None,
+            spec_token_indx=None, non_spec_token_indx=None, spec_state_indices_tensor=None,
+            spec_query_start_loc=None, num_accepted_tokens=None, num_actual_tokens=self.non_spec_token_indx.shape[0],
+        )
+        return GDNAttentionMetadata(**fields)
+
+
+_GDN_METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(GDNAttentionMetadata))
+
+
+class GroupStepBuffers:
+    """What a GDN KV-cache group's step metadata keeps from one build to the next outside vLLM's KV cache. Owned by
+    the group's counts layer (`counts_layer`: our GDN layer, as its `step_buffers`), so nothing is added to vLLM's
+    metadata builders; it lives as long as the layer (the model). It holds:
+
+    - per metadata builder of the group (vLLM makes one per group, or one per microbatch), the FULL-graph buffers
+      of the spec slots and commit nodes (`staged`): made at the builder's first staged batch, the size of the
+      builder's own persistent `num_accepted_tokens`, never replaced, since captured graphs read them at their
+      address; they go with the builder;
+    - the static tree's ancestor table (`tree_ancestors`, draft trees) and the commit table (`commit_ancestors`):
+      made at the first speculative batch, read at the same address by every step's forward;
+    - whether the counts layer was checked to run first of the group's layers (`order_checked`, once).
+    """
+
+    def __init__(self):
+        self._staged = WeakIdKeyDictionary()  # builder -> (slots, commit nodes), each [builder's max rows] int32
+        self._tree_ancestors: torch.Tensor | None = None
+        self._commit_ancestors: torch.Tensor | None = None
+        self.order_checked = False
+
+    def staged(self, builder, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `rows` of `builder`'s persistent slots and commit nodes (made at first use, filled with -1)."""
+        buffers = self._staged.get(builder)
+        if buffers is None:
+            buffers = tuple(torch.full_like(builder.num_accepted_tokens, -1) for _ in range(2))
+            self._staged[builder] = buffers
+        return buffers[0][:rows], buffers[1][:rows]
+
+    def tree_ancestors(self, tree: DraftTree, device) -> torch.Tensor:
+        """The static tree's verified-block ancestor table (`verified_tree_ancestors`), built once."""
+        if self._tree_ancestors is None:
+            self._tree_ancestors = verified_tree_ancestors(tree, device)
+        return self._tree_ancestors
+
+    def commit_ancestors(self, tree: DraftTree, with_chain: bool, device) -> torch.Tensor:
+        """The group's `commit_ancestor_table`, built once (the tree's own table where no chain step runs)."""
+        if self._commit_ancestors is None:
+            self._commit_ancestors = (commit_ancestor_table(tree, device) if with_chain
+                                      else self.tree_ancestors(tree, device))
+        return self._commit_ancestors
+
+
+def counts_layer(builder):
+    """The builder's first GDN layer (our `ReconstructGatedDeltaNetAttention`): it holds the group's count state and
+    `GroupStepBuffers`, and runs the step's count update."""
+    return builder.vllm_config.compilation_config.static_forward_context[builder.layer_names[0]]
+
+
+def _checked_counts_layer_name(builder, buffers: GroupStepBuffers) -> str:
+    """The counts layer's name. vLLM assigns a group the model's layers `i, i + n, i + 2n, ...` in order, so it runs
+    first of the group's layers: checked once per group, since a layer that ran before it would read the previous
+    step's commit nodes."""
+    name = builder.layer_names[0]
+    if not buffers.order_checked:
+        first = min(builder.layer_names, key=extract_layer_index)
+        if first != name:
+            raise RuntimeError(f"reconstruct: the GDN group's count state is in {name}, but {first} runs first")
+        buffers.order_checked = True
+    return name
+
+
+def verified_tree_ancestors(tree: DraftTree, device) -> torch.Tensor:
+    """`[1 + N, depth + 1]` int32 local ancestor table of the tree's verified block (root = row 0)."""
+    block = tree.with_root()
+    parents = torch.tensor(block.parents, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, block.num_nodes], dtype=torch.int32, device=device)
+    return ancestor_table_torch(parents, cu, block.max_depth)
+
+
+def verified_chain_ancestors(depth: int, width: int, device) -> torch.Tensor:
+    """`[1 + depth, width]` int32 local ancestor table of a chain's verified block (row j: j, j - 1, .., 0, then -1)."""
+    rows = torch.arange(1 + depth, dtype=torch.int32, device=device)[:, None]
+    path = rows - torch.arange(width, dtype=torch.int32, device=device)
+    return torch.where(path >= 0, path, -1)
+
+
+def commit_ancestor_table(tree: DraftTree, device) -> torch.Tensor:
+    """`[(1 + N) + (1 + D), D + 1]` int32: the tree's verified block (rows 0 .. N, `verified_tree_ancestors`), then
+    the verified block of the chain of the tree's depth D (rows N + 1 .. N + 1 + D, block-local indices). Row a is
+    the path of commit node a = count - 1 in the slot's rows (counts: `chain_count_offset`)."""
+    tree_block = verified_tree_ancestors(tree, device)
+    return torch.cat([tree_block, verified_chain_ancestors(tree.max_depth, tree_block.shape[1], device)])
+
+
+def chain_count_offset(speculative_config) -> int:
+    """What a chain row's recorded count (1 + its accepted block index) is offset by: 1 + N with a tree's
+    `draft_tree_max_batch_size` (the chain's rows of `commit_ancestor_table` follow the tree's), else 0."""
+    tree = draft_tree_of(speculative_config)
+    if tree is None or getattr(speculative_config, "draft_tree_max_batch_size", None) is None:
+        return 0
+    return 1 + tree.num_nodes
+
+
+def verifies_tree(speculative_config, draft_counts) -> bool:
+    """Whether a step of a tree config verifies trees: always without `draft_tree_max_batch_size`; with it, when
+    some row has the tree's N drafts (`trees.budget`: a step holds tree rows or chain rows, never both). The one rule
+    for the step's shape on the host: `draft_counts` are the step's per-row draft counts, a host tensor (vLLM's
+    `num_decode_draft_tokens_cpu`, -1: not a decode) or a sequence of ints; None: no speculative row."""
+    tree = draft_tree_of(speculative_config)
+    if tree is None:
+        return False
+    if chain_count_offset(speculative_config) == 0:
+        return True
+    return draft_counts is not None and bool((torch.as_tensor(draft_counts) == tree.num_nodes).any())
+
+
+def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool) -> ReconstructGDNAttentionMetadata:
+    """vLLM's GDN metadata with each speculative row's slot, commit node and the step's count update; `tree_verify`:
+    the step verifies the config's tree (`verifies_tree`), else chains."""
+    result = ReconstructGDNAttentionMetadata(**{name: getattr(metadata, name) for name in _GDN_METADATA_FIELDS})
+    layer = counts_layer(builder)
+    counts, buffers = layer.verified_node_counts(), layer.step_buffers
+    tree = draft_tree_of(builder.vllm_config.speculative_config)
+    batch_slots = slots = commit_nodes = None
+    if metadata.num_spec_decodes > 0:
+        # Every row of the batch (a FULL graph's padding rows too: in the null slot, with no nodes), so that a
+        # staged batch is computed straight into the builder's persistent buffers.
+        batch_slots = metadata.spec_state_indices_tensor[:, 0]
+        rows = batch_slots.shape[0]
+        # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
+        if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, metadata.num_spec_decodes,
+                                      metadata.num_spec_decode_tokens):
+            slots, commit_nodes = buffers.staged(builder, rows)
+        else:
+            slots = torch.empty(rows, dtype=batch_slots.dtype, device=batch_slots.device)
+            commit_nodes = torch.empty_like(slots)
+        if tree is not None:  # `ancestors` and `parents` follow in the forward
+            with_chain = chain_count_offset(builder.vllm_config.speculative_config) > 0
+            result.commit_ancestors = buffers.commit_ancestors(tree, with_chain, slots.device)
+            if tree_verify:
+                result.tree_ancestors = buffers.tree_ancestors(tree, slots.device)
+            else:
+                result.verify_block_len = 1 + tree.max_depth
+        if counts is None:
+            slots.copy_(batch_slots)
+            commit_nodes.fill_(-1)
+        result.spec_slots, result.commit_nodes = slots, commit_nodes
+    if counts is not None:
+        # The slots, contiguous (vLLM's column 0 is strided); each row's commit node from the count recorded after
+        # its slot's last sampling (`v1.accepted_counts`: 1 + the accepted node's block index; 0, nothing pending,
+        # gives -1); then the step's counts. The null block (CUDA-graph capture and padding rows point there) never
+        # holds a verify to commit: else every row of a capture would commit into it at once; nor is a count ever
+        # recorded for it. Every row outside the speculative path (prefills, and a first step that vLLM counts as
+        # a decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's new owner
+        # commits nothing. One launch on CUDA.
+        update = functools.partial(
+            commit_nodes_and_counts, counts, batch_slots=batch_slots, spec_query_start_loc=metadata.spec_query_start_loc,
+            slots=slots, commit_nodes=commit_nodes, non_spec_slots=metadata.non_spec_state_indices_tensor,
+            null_block=NULL_BLOCK_ID)
+        if metadata.num_spec_decodes > 0:
+            result.count_update, result.counts_layer = update, _checked_counts_layer_name(builder, buffers)
+        else:
+            update()  # no speculative step runs in this batch's forward
+    return result
+
+
+def _building_commit_nodes(original):
+    @functools.wraps(original)
+    def build(self, *args, **kwargs):
+        metadata = original(self, *args, **kwargs)
+        if not keeps_slot_counts(self.vllm_config.speculative_config):
+            return metadata
+        # build(common_prefix_len, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu, ...)
+        draft_counts = kwargs.get("num_decode_draft_tokens_cpu", args[3] if len(args) > 3 else None)
+        return with_commit_nodes(self, metadata, verifies_tree(self.vllm_config.speculative_config, draft_counts))
+
+    return build
+
+
+def install() -> None:
+    GDN_METADATA_BUILD.wrap(_building_commit_nodes)

@@ -1,0 +1,83 @@
+"""Admission of requests on draft trees: the sampling parameters a runner's tree path does not make exact are refused
+when the request arrives, with a VLLMValidationError naming them, instead of being sampled with the wrong context.
+
+One mechanism for both runners (INPUT_PROCESSOR_VALIDATE_PARAMS wraps vLLM's `InputProcessor._validate_params`, in
+the front end, before the request reaches the engine); each runner has its own list, below:
+`REFUSED_ON_V1_TREES` (the V1 runner, `v1.runner`: vLLM's CPU backend, or CUDA with VLLM_USE_V2_MODEL_RUNNER=0)
+and `REFUSED_ON_V2_TREES` (Model Runner V2, `v2.runner`). The runner is the one
+`vllm_config.use_v2_model_runner` picks, as the engine does. Chains (no tree) are left to vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm.exceptions import VLLMValidationError
+
+from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.patch_points import INPUT_PROCESSOR_VALIDATE_PARAMS
+
+
+# What the V1 tree path does not make exact, as (name, neutral value); refused at admission:
+# - thinking_token_budget: vLLM's `ThinkingBudgetStateHolder` counts a row's context as its committed output plus
+#   `spec_token_ids` (a tree row's drafts in node order) and advances its state machine on every sampler call (the
+#   level path calls it once per level), so a node's forced end-of-thinking lands at the wrong depth or not at all;
+# - structured_outputs: the scheduler validates a row's drafts as a chain in node order (keeping them up to the
+#   first node that does not follow its predecessor: a partial tree, which `find_tree_step` raises on) and fills the
+#   grammar bitmask of draft position i from the grammar advanced over drafts 0 .. i - 1, which
+#   `apply_grammar_bitmask` puts on the logits row of node i, not of its path.
+# Penalties, bad words and seeds are exact on V1 (the level path hands vLLM each node's path).
+REFUSED_ON_V1_TREES = (("thinking_token_budget", None), ("structured_outputs", None))
+
+
+# What V2's tree path does not make exact (`v2.runner`'s docstring, 3.): its penalties and bad-words matching read a
+# tree row's drafts in node order, its thinking-token budget counts a node's context as the root plus its place in
+# node order, and a grammar's state follows one path. Refused at admission, as (name, neutral value).
+REFUSED_ON_V2_TREES = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                       ("bad_words", None), ("thinking_token_budget", None), ("structured_outputs", None))
+
+
+def refused_params(params, refused: tuple[tuple[str, object], ...]) -> list[str]:
+    """The names of the parameters of `refused` ((name, neutral value) pairs) that `params` sets."""
+    return [name for name, neutral in refused if getattr(params, name, neutral) not in (neutral, [])]
+
+
+def _runner_refusals(use_v2_model_runner: bool):
+    """(the runner's refused parameters, its name, what to do instead)."""
+    if use_v2_model_runner:
+        return REFUSED_ON_V2_TREES, "Model Runner V2", ("serve the tree on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0:"
+                                                        " penalties and bad words exact there) or without "
+                                                        "draft_tree_widths")
+    return REFUSED_ON_V1_TREES, "the V1 model runner", "serve without draft_tree_widths (an MTP chain)"
+
+
+def tree_refusal(params, speculative_config, use_v2_model_runner: bool) -> tuple[str, str] | None:
+    """`(message, first refused parameter)` when the request is refused on this engine's draft trees; None when
+    admitted (or the engine has no tree)."""
+    if draft_tree_of(speculative_config) is None:
+        return None
+    refused, runner, alternative = _runner_refusals(use_v2_model_runner)
+    used = refused_params(params, refused)
+    if not used:
+        return None
+    settings = ", ".join(f"{name}={getattr(params, name)}" for name in used)
+    return (f"draft_tree_widths on {runner} does not support these sampling parameters yet ({settings}): a tree node "
+            f"would see other nodes' drafts. Send the request without them, or {alternative}", used[0])
+
+
+def _refusing_tree_params(original):
+    @functools.wraps(original)
+    def validate(self, params, *args, **kwargs):
+        if hasattr(params, "repetition_penalty"):  # SamplingParams (pooling requests have none of these)
+            refusal = tree_refusal(params, self.speculative_config,
+                                   bool(getattr(self.vllm_config, "use_v2_model_runner", False)))
+            if refusal is not None:
+                raise VLLMValidationError(refusal[0], parameter=refusal[1])
+        return original(self, params, *args, **kwargs)
+
+    return validate
+
+
+def install() -> None:
+    """Every platform with draft trees (CPU: the V1 runner; CUDA: either runner)."""
+    INPUT_PROCESSOR_VALIDATE_PARAMS.wrap(_refusing_tree_params)

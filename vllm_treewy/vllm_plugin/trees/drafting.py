@@ -1,0 +1,37 @@
+"""What both runners' MTP tree drafters share (V1's `v1.proposer`, Model Runner V2's `v2.speculator`): the KV slots
+of a drafting level's block and the first pass's inputs with each tree row's accepted path laid out as a chain.
+Device ops; no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_treewy.spec_decode.acceptance import TreeAcceptance
+from vllm_treewy.spec_decode.tree_drafting import accepted_path_sources
+from vllm_treewy.vllm_plugin.trees.step import TreeStep
+
+
+PADDING_SLOT = -1  # vLLM's PADDING_SLOT_ID: the cache write skips the token
+
+
+def kv_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, max_model_len: int) -> torch.Tensor:
+    """KV slots of `positions [R, n]` (request r's row of the block table); padding past max_model_len."""
+    valid = positions < max_model_len
+    clamped = positions.clamp(max=max_model_len - 1)
+    blocks = block_table.gather(1, clamped // block_size)
+    return torch.where(valid, blocks * block_size + clamped % block_size, PADDING_SLOT)
+
+
+def accepted_paths_as_chains(step: TreeStep, acceptance: TreeAcceptance, token_ids, positions, hidden_states):
+    """The first pass's inputs with every tree row's verified block laid out as its accepted path's chain
+    (`accepted_path_sources`): token ids and hidden states gathered, positions root + row. New tensors."""
+    num_requests, block_len = step.num_requests, step.block_len
+    block_rows = step.token_indices.view(num_requests, block_len)
+    index = torch.arange(token_ids.shape[0], device=token_ids.device)
+    sources = block_rows.gather(1, accepted_path_sources(acceptance.accepted_nodes, block_len))
+    index[block_rows.reshape(-1)] = sources.reshape(-1)
+    chain_positions = positions.clone()
+    chain_positions[block_rows.reshape(-1)] = (
+        step.root_positions[:, None] + torch.arange(block_len, device=positions.device)).reshape(-1).to(positions.dtype)
+    return token_ids[index], chain_positions, hidden_states[index]
