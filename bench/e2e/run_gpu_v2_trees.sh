@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # MTP draft trees on Model Runner V2 (vllm_plugin/v2/runner.py, drafting levels in CUDA graphs), in one device
-# command: the chosen engines start at once (bench/gpu_v2_chains.py's turns: starts overlap, timings do not), on the
+# command: the chosen engines start at once (bench/e2e/gpu_v2_chains.py's turns: starts overlap, timings do not), on the
 # fixture's blurred-MTP variant (its head right about half the time, so trees branch usefully):
 #   fp16 trees, judged tie-aware against no speculation (fp16) at every batch size (one timed pass each: their
 #     outputs are what is judged);

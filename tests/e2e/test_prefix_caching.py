@@ -6,7 +6,7 @@ vLLM's CPU backend cannot run its own MTP (store_all) with prefix caching: in al
 GDN states between blocks with fused Triton kernels (`precopy_mamba_align_fused_kernel`,
 `postprocess_mamba_fused_kernel`) that the CPU wheel does not have ("'function' object is not subscriptable"). Under
 reconstruct the plugin takes vLLM's per-request copy instead and writes the boundary states itself
-(`vllm_plugin.prefix_caching`), so it runs here; prefix caching without speculation runs on CPU too.
+(`vllm_plugin.gdn.prefix_caching`), so it runs here; prefix caching without speculation runs on CPU too.
 
 The engine keeps every boundary state (`prefix_cache_retention_interval=None`): vLLM's default keeps only the prompts'
 replay boundaries, which prefill writes. First turn: prompts ending 1 to 6 tokens before the second block boundary

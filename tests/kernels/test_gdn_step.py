@@ -357,7 +357,7 @@ def test_launch_table_covers_every_step():
 
 
 def test_launch_table_measured_choices():
-    """The H200's choices (bench/results/kernels.md, "Launch table"): 16-row state-pass programs (128 key columns, 2
+    """The H200's choices (bench/results/kernels/README.md, "Launch table"): 16-row state-pass programs (128 key columns, 2
     warps) except fp32 states with 3-4 nodes above 4 requests and with 1-2 nodes at 5-8 requests (64 rows, 64
     columns, 4 warps) and 16-bit states with 3-4 nodes above 4 requests (5-8: 64 / 64 / 4; more: 128 rows, 128
     columns, 8 warps); one-warp request epilogues up to 8 nodes; trees of more than 8 nodes the path epilogue, 4

@@ -20,7 +20,7 @@ import pytest
 import torch
 from triton.runtime.jit import JITFunction
 
-from bench.compile_report import compile_launch, step_case
+from bench.kernels.compile_report import compile_launch, step_case
 from vllm_treewy.kernels.bookkeeping.boundary_states_torch import BoundaryLayer
 from vllm_treewy.kernels.factor_rows import slot_factor_width
 from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch

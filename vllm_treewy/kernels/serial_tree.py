@@ -1,6 +1,6 @@
 """The per-node serial draft tree in torch, batched over requests: every node's conv window and GDN state from its
 parent's, as store_all keeps them (a state per node). The baseline reconstruct is held against on CPU; the Triton
-twin of the recurrence is the kernel benchmarks' yardstick (`bench/serial_baseline.py`), the fp64 ground truth
+twin of the recurrence is the kernel benchmarks' yardstick (`bench/kernels/serial_baseline.py`), the fp64 ground truth
 `kernels.reference`.
 
 Packed like the closed form: `parents [N]` local (-1: the request's start state), `cu_nodes [B + 1]`, and a static

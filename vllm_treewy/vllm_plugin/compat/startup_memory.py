@@ -6,7 +6,7 @@ profiling KV cache of vLLM's CUDA-graph memory profile, one block per sequence),
 (TRITON_ATTN's 12 MiB) are carved out of it. That pins the whole segment past every later `empty_cache()`, so the KV
 cache, sized from memory vLLM counted as free, fails to allocate in one piece: "Tried to allocate 70.25 GiB ...
 29.20 GiB is reserved by PyTorch but unallocated", for store_all and reconstruct alike (the pinning blocks' stacks:
-bench/memory_pins.py). Emptying the cache first gives the builders fresh small segments; with it both start.
+bench/e2e/memory_pins.py). Emptying the cache first gives the builders fresh small segments; with it both start.
 """
 
 from __future__ import annotations
