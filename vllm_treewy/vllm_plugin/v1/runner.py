@@ -16,20 +16,21 @@ chain path, causal attention and rejection sampler, with the GDN commit of what 
 3. `_build_attention_metadata`: CPU: the tree step rides on the CPU attention metadata. TRITON_ATTN: a covering step
    (and every uniform decode batch of a CUDA-graph capture, where `_prepare_inputs` did not run) gets the tree bias
    on its metadata; a mixed step gets the tree step; the layers' caches are recorded for the compaction. The first
-   build checks the layers' backends and settings.
-4. Attention `forward`: CPU: vLLM's kernel attends the whole batch causally, then `tree_attention` overwrites the
-   tree rows' output; the layer's caches are recorded. TRITON_ATTN (`trees.attention_triton`): with the bias, vLLM's
-   own launch is tree attention (the bias reaches `unified_attention` through vLLM's forward context for the
-   launch's duration; FULL CUDA graphs capture it); a mixed batch (PIECEWISE: attention runs eagerly)
-   runs vLLM's causal launch, then the tree rows alone with the bias overwrite their output.
+   build checks the layers' backends and settings (`trees.attention`, which Model Runner V2's hooks share).
+4. Attention `forward` (`trees.attention`'s hooks, the same on either runner): CPU: vLLM's kernel attends the whole
+   batch causally, then `tree_attention` overwrites the tree rows' output; the layer's caches are recorded.
+   TRITON_ATTN (`trees.attention_triton`): with the bias, vLLM's own launch is tree attention (the bias reaches
+   `unified_attention` through vLLM's forward context for the launch's duration; FULL CUDA graphs capture it); a
+   mixed batch (PIECEWISE: attention runs eagerly) runs vLLM's causal launch, then the tree rows alone with the bias
+   overwrite their output.
 5. GDN layers: the step metadata carries the tree (`gdn.step_metadata`), reconstruct verifies it and commits the
    previous step's accepted leaf (`gdn.reconstruct.step_torch` on CPU, `step_triton` on CUDA).
 6. `_sample`: tree acceptance with vLLM's sampler (`v1.sampler`), the accepted path's K/V compacted, the accepted
    leaf written into each GDN slot's count state for the next step's commit; the acceptance left in the tree state
    for the MTP proposer (`v1.proposer`), which drafts the next tree in the same step.
 
-Refused at admission (`trees.admission.REFUSED_ON_V1_TREES`): a thinking-token budget and structured
-outputs, the two sampling parameters whose vLLM state reads a tree row's drafts as a chain (below). A grammar bitmask
+Refused at admission (`trees.admission.REFUSED_ON_V1_TREES`): a thinking-token budget and structured outputs, the two
+sampling parameters whose vLLM state reads a tree row's drafts as a chain (that list's comment says why). A grammar bitmask
 that still reaches the runner (`sample_tokens`, before vLLM's `apply_grammar_bitmask` masks a row's logits by its
 position in node order) raises instead of being applied.
 

@@ -63,7 +63,7 @@ class AcceptGraphBuffers:
 def triton_cache_groups(runner) -> list[list[torch.Tensor]]:
     """The KV caches of the runner's TRITON_ATTN layers per KV-cache group (V2 builds one block table per group, which
     its layers' metadata share), each cache once (KV sharing: its first layer's group), in V2's group and layer
-    order: the grouping `v1.runner._hand_to_triton_layers` records a step's layers with."""
+    order: the grouping `trees.attention.hand_to_triton_layers` records a step's layers with."""
     layers = runner.compilation_config.static_forward_context
     groups: dict[int, list[torch.Tensor]] = {}
     seen = set()

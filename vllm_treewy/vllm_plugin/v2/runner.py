@@ -1,20 +1,20 @@
 """Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN), the runner vLLM picks on
 CUDA; VLLM_USE_V2_MODEL_RUNNER=0 puts them on the V1 runner's hooks (`v1.runner`), as vLLM's CPU backend does.
 
-What V2 shares with the V1 tree path (`v1.runner`) unchanged:
+What V2 shares with the V1 tree path (`v1.runner`), through `trees` and `gdn`:
 
 - the tree step (`trees.step.find_tree_step`: the tree rows, their block tokens, parents, position shifts) and the
   depth RoPE positions (`trees.step.override_positions`);
-- tree attention on TRITON_ATTN (`v1.runner._hand_to_triton_layers` puts the tree bias, or for a batch with
+- tree attention on TRITON_ATTN (`trees.attention.hand_to_triton_layers` puts the tree bias, or for a batch with
   prefills the tree step, onto the step's attention metadata and records the layers' caches; the attention forward
-  and `unified_attention` wrappers are runner-independent);
-- the GDN side: V2 calls the same GDN metadata builder, so `gdn.step_metadata` gives the tree's commit nodes and counts,
-  and the reconstruct layer verifies along the tree (nothing V2-specific);
+  and `unified_attention` hooks, `trees.attention`, serve either runner);
+- the GDN side: V2 calls the same GDN metadata builder, so `gdn.step_metadata` gives the tree's commit nodes and
+  counts, and the reconstruct layer verifies along the tree (nothing V2-specific);
 - acceptance (the one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws`), the output rows
-  (`v1.sampler.tree_output_rows`), the accepted path's K/V compaction (`v1.sampler.commit_accepted_path`), the
-  accepted leaf into each GDN slot's count (`v1.sampler.record_accepted_leaves`);
+  (`trees.sampling.tree_output_rows`), the accepted path's K/V compaction (`trees.sampling.commit_accepted_path`),
+  the accepted leaf into each GDN slot's count (`trees.sampling.record_accepted_leaves`);
 - the MTP drafting levels' topology (`spec_decode.tree_drafting`) and the first pass's accepted-path-as-chain inputs
-  (`v1.proposer.accepted_paths_as_chains`, `kv_slots`).
+  (`trees.drafting.accepted_paths_as_chains`, `kv_slots`).
 
 What V2 does its own way, and the hook for each (all in `patch_points.py`):
 
