@@ -5,7 +5,7 @@ the time, so drafts are rejected often: a perfect head would make the test blind
 One prompt, NUM_SAMPLES requests of MAX_TOKENS tokens per engine and setting (temperature 1.0; temperature 0.7 with
 top-p 0.9), each request with its own seed (seeds differ between engines, so their samples are independent), except
 in the UNSEEDED engines, whose requests draw from the engine's seeded stream. The tree samples seeded batches level
-by level and the others with one sampler call over every node (`tree_sampler`'s two paths): `tree-2x2x1` runs the
+by level and the others with one sampler call over every node (`v1.sampler`'s two paths): `tree-2x2x1` runs the
 first, `tree-2x2x1-every-node` the second (`test_each_batch_takes_its_sampling_path` holds which ran). The
 first emitted token comes from the prefill (plain sampling in every engine); the 2nd and 3rd from the first
 speculative step (the drafts verified at depth 1 and 2). Two judges:
@@ -204,7 +204,7 @@ def judge_exact(samples: np.ndarray, logits_at: dict, temperature: float, top_p:
     return Exactness(tests, impossible)
 
 
-# -- planted bugs: tree_sampler's acceptance replaced --------------------------------------------------------------
+# -- planted bugs: v1.sampler's acceptance replaced --------------------------------------------------------------
 def _first_children(parents: torch.Tensor, cu_nodes: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     """Packed index of each request's first child of its current node, num_nodes where it has none."""
     from vllm_treewy.tree import node_requests

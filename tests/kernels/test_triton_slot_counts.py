@@ -1,5 +1,5 @@
 """The per-step count updates of the GDN slots: the one-launch kernels equal their torch twins and the per-row
-semantics of `vllm_plugin.gdn.step_metadata`, `accepted_counts` (V1) and `runner_v2`, on random batches: null-block rows
+semantics of `vllm_plugin.gdn.step_metadata`, `v1.accepted_counts` and `v2.accepted_counts`, on random batches: null-block rows
 (captures, padding), strided slot columns and counts (the count state lives inside each slot's KV-cache page), slots
 that a non-speculative row takes over, stale block-table rows past the batch, and V2's rows it skips (-1). And one
 compiled variant per kernel."""

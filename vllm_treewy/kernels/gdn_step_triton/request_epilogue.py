@@ -134,10 +134,10 @@ def _request_epilogue_kernel(
     w = tl.load(norm_weight + o_v).to(tl.float32)
     if DEPENDENT_LAUNCH:
         gdc_wait()
-    # node i's products are loaded AHEAD nodes before its solve, ahead of the stores in between (a load after a
-    # store is issued after it, so each node would wait an L2 round trip); all of them up front for up to 4 nodes
-    # (measured faster than in the loop, at 8 nodes too despite more registers: bench/results/kernels/README.md, "Choices
-    # inside the kernels")
+    # node i's products are loaded AHEAD nodes before its solve, ahead of the stores in between (a load after a store is
+    # issued after it, so each node would wait an L2 round trip); all of them up front for up to 4 nodes (measured
+    # faster than in the loop, at 8 nodes too despite more registers: bench/results/kernels/README.md, "Choices inside
+    # the kernels")
     AHEAD: tl.constexpr = min(BT, 4)
     p_columns = products + ((i_b * HV + i_hv) * (2 * BT)).to(tl.int64) * V + o_v
     hk = ()

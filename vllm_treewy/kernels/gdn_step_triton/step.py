@@ -69,17 +69,17 @@ TREE_ROWS_16 = StepLaunch(state_rows=16, state_block_k=128, state_warps=2, epilo
 TREE_ROWS_64 = StepLaunch(state_rows=64, state_block_k=64, state_warps=4, epilogue_warps=2, path_nodes=4)
 
 # (state dtype, requests, nodes per request) -> launch; for every step exactly one row holds. Each row is the fastest
-# launch measured at Qwen3.5 GDN dims (H=16, HV=32, K=V=128, bf16 q/k/v), chains at T = 2, 4, 8 and B = 1, 8, 64,
-# trees [2,2,1] / [4,2,2] at B = 1, 64, 256; the sizes between were not all run and go with their neighbours.
-# Chain rows measured on an NVIDIA H200 by `python3 bench/kernels/gated_bench.py --name final --tune-tokens 4 8 2
-# --tune-batches 64 8 1 --tokens 4 2 8 --batches 1 2 4 8 64 256 --short-batches 1 8 64 256 --separate-batches 1 64`,
-# results in bench/results/kernels/tuning/chains.json; tree rows measured on an NVIDIA H200 by `python3
-# bench/kernels/gated_bench.py --name trees_final --states bf16 fp32 --tune-tokens --tokens --trees --gated-trees 4,2,2 2,2,1
-# --gated-tree-batches 64 1 256`, results in bench/results/kernels/tuning/trees.json (both commands of
-# the bench as it was then; its tuning options are gone). The table as it runs now, against vLLM's compiled kernel:
-# measured on an NVIDIA H200 by `python3 bench/kernels/gated_bench.py --name gated --no-fallback --separate-batches`, results
-# in bench/results/kernels/step_vs_compiled.json; which row came from which run: bench/results/kernels/README.md,
-# "Launch table".
+# launch measured at Qwen3.5 GDN dims (H=16, HV=32, K=V=128, bf16 q/k/v), chains at T = 2, 4, 8 and B = 1, 8, 64, trees
+# [2,2,1] / [4,2,2] at B = 1, 64, 256; the sizes between were not all run and go with their neighbours. Chain rows
+# measured on an NVIDIA H200 by `python3 bench/kernels/gated_bench.py --name final --tune-tokens 4 8 2 --tune-batches 64
+# 8 1 --tokens 4 2 8 --batches 1 2 4 8 64 256 --short-batches 1 8 64 256 --separate-batches 1 64`, results in
+# bench/results/kernels/tuning/chains.json; tree rows measured on an NVIDIA H200 by `python3
+# bench/kernels/gated_bench.py --name trees_final --states bf16 fp32 --tune-tokens --tokens --trees --gated-trees 4,2,2
+# 2,2,1 --gated-tree-batches 64 1 256`, results in bench/results/kernels/tuning/trees.json (both commands of the bench
+# as it was then; its tuning options are gone). The table as it runs now, against vLLM's compiled kernel: measured on an
+# NVIDIA H200 by `python3 bench/kernels/gated_bench.py --name gated --no-fallback --separate-batches`, results in
+# bench/results/kernels/step_vs_compiled.json; which row came from which run: bench/results/kernels/README.md, "Launch
+# table".
 LAUNCH_TABLE = (
     # states    requests        nodes           launch
     ("any", (0, 4), (0, 8), ROWS_16),

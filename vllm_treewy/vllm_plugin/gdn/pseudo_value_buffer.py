@@ -4,9 +4,9 @@ Under reconstruct a step verifies each request's draft nodes from its one commit
 factors of the rank-one updates (raw key per value head, its inverse norm, pseudo-value, log decay; fp32, as the
 recurrence used them) and the node's pre-conv input (conv state dtype) into the request's state slot. The next step
 commits the accepted node from there before it verifies (`vllm_treewy.kernels.gdn_step_triton.gdn_step_triton`,
-`conv_step_triton`; the factors' layout: `vllm_treewy.kernels.factor_rows`). A third, one-integer state is the slot's count: between a step's metadata build and its
-sampling, the verified, uncommitted nodes (0: nothing pending); after sampling, 1 + the accepted node's index, which
-the next step's commit reads (`gdn.step_metadata`, `v1.accepted_counts`).
+`conv_step_triton`; the factors' layout: `vllm_treewy.kernels.factor_rows`). A third, one-integer state is the slot's
+count: between a step's metadata build and its sampling, the verified, uncommitted nodes (0: nothing pending); after
+sampling, 1 + the accepted node's index, which the next step's commit reads (`gdn.step_metadata`, `v1.accepted_counts`).
 
 The buffer is three more states on the GDN layer's MambaSpec page, after vLLM's conv and SSM states: vLLM allocates
 it with the KV cache, counts it in its KV-cache report and max concurrency, and frees or reuses it with the slot.

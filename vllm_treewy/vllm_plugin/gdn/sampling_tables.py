@@ -2,10 +2,11 @@
 on vLLM's runner.
 
 Right after sampling, one launch covers every GDN group (`v1.accepted_counts` on V1, `v2.accepted_counts` on Model
-Runner V2: the count table of `kernels.bookkeeping.slot_counts_triton`) or every reconstruct GDN layer (`gdn.prefix_caching` on V1:
-the boundary table of `kernels.bookkeeping.boundary_states_triton`). Each table holds the addresses of the layers' states in vLLM's
-KV cache and of the runner's device block tables; building one is an allocation and a host-to-device copy, so it is
-built once and rebuilt only where one of those addresses changed (a KV cache bound anew). """
+Runner V2: the count table of `kernels.bookkeeping.slot_counts_triton`) or every reconstruct GDN layer
+(`gdn.prefix_caching` on V1: the boundary table of `kernels.bookkeeping.boundary_states_triton`). Each table holds the
+addresses of the layers' states in vLLM's KV cache and of the runner's device block tables; building one is an
+allocation and a host-to-device copy, so it is built once and rebuilt only where one of those addresses changed (a KV
+cache bound anew). """
 
 from __future__ import annotations
 
@@ -21,11 +22,10 @@ T = TypeVar("T")
 
 
 class SamplingTables:
-    """The runner's after-sampling tables by name (`"count"`: `count_table_of`; `"boundary"`:
-    `gdn.prefix_caching`'s boundary layers and table), each with the addresses it was built from. Owned by the first layer
-    of the model's first GDN group (`of_runner`; every GDN layer that keeps slot counts has one as
-    `gdn.sampling_tables`, the others' unused), so nothing is added to vLLM's runner; it lives as long as that layer
-    (the model's life, one runner's)."""
+    """The runner's after-sampling tables by name (`"count"`: `count_table_of`; `"boundary"`: `gdn.prefix_caching`'s
+    boundary layers and table), each with the addresses it was built from. Owned by the first layer of the model's first
+    GDN group (`of_runner`; every GDN layer that keeps slot counts has one as `gdn.sampling_tables`, the others'
+    unused), so nothing is added to vLLM's runner; it lives as long as that layer (the model's life, one runner's)."""
 
     def __init__(self):
         self._tables: dict[str, tuple[tuple, Any]] = {}

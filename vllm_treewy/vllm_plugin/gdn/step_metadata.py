@@ -291,9 +291,9 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool
         # a decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's new owner
         # commits nothing. One launch on CUDA.
         update = functools.partial(
-            commit_nodes_and_counts, counts, batch_slots=batch_slots, spec_query_start_loc=metadata.spec_query_start_loc,
-            slots=slots, commit_nodes=commit_nodes, non_spec_slots=metadata.non_spec_state_indices_tensor,
-            null_block=NULL_BLOCK_ID)
+            commit_nodes_and_counts, counts, batch_slots=batch_slots,
+            spec_query_start_loc=metadata.spec_query_start_loc, slots=slots, commit_nodes=commit_nodes,
+            non_spec_slots=metadata.non_spec_state_indices_tensor, null_block=NULL_BLOCK_ID)
         if metadata.num_spec_decodes > 0:
             result.count_update, result.counts_layer = update, _checked_counts_layer_name(builder, buffers)
         else:

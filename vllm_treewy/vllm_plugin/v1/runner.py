@@ -30,9 +30,9 @@ chain path, causal attention and rejection sampler, with the GDN commit of what 
    for the MTP proposer (`v1.proposer`), which drafts the next tree in the same step.
 
 Refused at admission (`trees.admission.REFUSED_ON_V1_TREES`): a thinking-token budget and structured outputs, the two
-sampling parameters whose vLLM state reads a tree row's drafts as a chain (that list's comment says why). A grammar bitmask
-that still reaches the runner (`sample_tokens`, before vLLM's `apply_grammar_bitmask` masks a row's logits by its
-position in node order) raises instead of being applied.
+sampling parameters whose vLLM state reads a tree row's drafts as a chain (that list's comment says why). A grammar
+bitmask that still reaches the runner (`sample_tokens`, before vLLM's `apply_grammar_bitmask` masks a row's logits by
+its position in node order) raises instead of being applied.
 
 CUDA graphs: FULL for uniform decode batches of tree rows (vLLM's FULL_AND_PIECEWISE or FULL_DECODE_ONLY), attention
 outside the graphs otherwise. `cudagraph_mode` FULL (mixed batches in full graphs too) is refused: a mixed batch's
