@@ -19,8 +19,10 @@ plugins. Invalid values fail while the config is built, in the front end, with o
 """
 
 # No `from __future__ import annotations`: vLLM's CLI builds its arguments from these field types at run time.
+from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from vllm.config.speculative import SpeculativeConfig
 from vllm.config.utils import config
 from vllm.platforms import current_platform
@@ -173,13 +175,6 @@ def threshold_schedule(max_tree_batch: int, num_nodes: int, depth: int) -> list[
     return [(1, max_tree_batch, num_nodes), (max_tree_batch + 1, max(UNBOUNDED_BATCH, max_tree_batch + 1), depth)]
 
 
-def tree_threshold_of(speculative_config) -> int | None:
-    """The draft tree's `draft_tree_max_batch_size` (None: no threshold, the tree at every batch size)."""
-    if draft_tree_of(speculative_config) is None:
-        return None
-    return getattr(speculative_config, "draft_tree_max_batch_size", None)
-
-
 def reconstructs_mamba_state(speculative_config) -> bool:
     """True if this (possibly stock) speculative config asks for reconstruct-on-commit."""
     return getattr(speculative_config, "mamba_state_commit", "store_all") == "reconstruct"
@@ -195,6 +190,47 @@ def keeps_slot_counts(speculative_config) -> bool:
 def draft_tree_of(speculative_config) -> DraftTree | None:
     """The static draft tree this (possibly stock) speculative config verifies; None for chains."""
     return speculative_config.draft_tree if getattr(speculative_config, "is_draft_tree", False) else None
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """The draft shape a speculative config verifies, read from it once (`draft_shape_of`) by the object that owns
+    it for the engine's life and handed down from there: the GDN counts layer (`gdn.layer`, for the step metadata,
+    the commit tables and both runners' count hooks), the scheduler's `trees.budget.TreeSchedulerState`, and the
+    tree drafters (`v1.proposer`, `v2.speculator`).
+
+    - `tree`: the static draft tree (`draft_tree_widths`); None for chains.
+    - `chain_count_offset`: what a chain row's recorded count (1 + its accepted block index) is offset by: 1 + N
+      with a tree's `draft_tree_max_batch_size` (its steps verify the tree or the chain of the tree's depth; the
+      chain's rows of `gdn.step_metadata.commit_ancestor_table` follow the tree's), else 0.
+    """
+
+    tree: DraftTree | None
+    chain_count_offset: int = 0
+
+    @property
+    def has_chain_steps(self) -> bool:
+        """A tree config with `draft_tree_max_batch_size`: some steps verify chains of the tree's depth."""
+        return self.chain_count_offset > 0
+
+    def verifies_tree(self, draft_counts) -> bool:
+        """Whether a step verifies the tree: always for a tree without `draft_tree_max_batch_size`; with it, when
+        some row has the tree's N drafts (`trees.budget`: a step holds tree rows or chain rows, never both). The one
+        rule for the step's shape on the host: `draft_counts` are the step's per-row draft counts, a host tensor
+        (vLLM's `num_decode_draft_tokens_cpu`, -1: not a decode) or a sequence of ints; None: no speculative row."""
+        if self.tree is None:
+            return False
+        if not self.has_chain_steps:
+            return True
+        return draft_counts is not None and bool((torch.as_tensor(draft_counts) == self.tree.num_nodes).any())
+
+
+def draft_shape_of(speculative_config) -> DraftShape:
+    """The `DraftShape` of this (possibly stock) speculative config."""
+    tree = draft_tree_of(speculative_config)
+    if tree is None or getattr(speculative_config, "draft_tree_max_batch_size", None) is None:
+        return DraftShape(tree)
+    return DraftShape(tree, 1 + tree.num_nodes)
 
 
 def install() -> None:

@@ -58,10 +58,11 @@ def test_reconstruct_with_prefix_caching_runs_on_v2_but_not_with_pipeline_parall
     from vllm_treewy.vllm_plugin.gdn.layer import _check_prefix_caching
 
     config = engine_config(fixture_model, RECONSTRUCT, prefix_caching=True)
-    _check_prefix_caching(_with_pipeline_parallelism(config, 1), reconstructs_state=True, keeps_slot_counts=True)
+    _check_prefix_caching(_with_pipeline_parallelism(config, 1), False, reconstructs_state=True, keeps_slot_counts=True)
     with pytest.raises(ValueError, match=r"pipeline parallelism .* runs on the V1 model runner"):
-        _check_prefix_caching(_with_pipeline_parallelism(config, 2), reconstructs_state=True, keeps_slot_counts=True)
-    _check_prefix_caching(config, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs
+        _check_prefix_caching(_with_pipeline_parallelism(config, 2), False,
+                              reconstructs_state=True, keeps_slot_counts=True)
+    _check_prefix_caching(config, False, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs
 
 
 def test_reconstruct_trees_with_prefix_caching_run_as_chains_do(fixture_model):
@@ -73,9 +74,10 @@ def test_reconstruct_trees_with_prefix_caching_run_as_chains_do(fixture_model):
     tree = {**RECONSTRUCT, "draft_tree_widths": [2, 2, 1]}
     config = engine_config(fixture_model, tree, prefix_caching=True)
     assert config.cache_config.mamba_cache_mode == "align"
-    _check_prefix_caching(config, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs
-    _check_prefix_caching(_with_pipeline_parallelism(config, 1), reconstructs_state=True, keeps_slot_counts=True)
+    _check_prefix_caching(config, True, reconstructs_state=True, keeps_slot_counts=True)  # V1: runs
+    _check_prefix_caching(_with_pipeline_parallelism(config, 1), True, reconstructs_state=True, keeps_slot_counts=True)
     with pytest.raises(ValueError, match=r"pipeline parallelism .* runs on the V1 model runner"):
-        _check_prefix_caching(_with_pipeline_parallelism(config, 2), reconstructs_state=True, keeps_slot_counts=True)
+        _check_prefix_caching(_with_pipeline_parallelism(config, 2), True,
+                              reconstructs_state=True, keeps_slot_counts=True)
     with pytest.raises(ValueError, match=r"mamba_state_commit='store_all' and prefix caching"):
-        _check_prefix_caching(config, reconstructs_state=False, keeps_slot_counts=True)
+        _check_prefix_caching(config, True, reconstructs_state=False, keeps_slot_counts=True)

@@ -12,6 +12,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttenti
 
 from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.config import DraftShape, draft_shape_of
 from vllm_treewy.vllm_plugin.gdn.layer import ReconstructGatedDeltaNetAttention
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import SamplingTables
 from vllm_treewy.vllm_plugin.gdn.step_metadata import (
@@ -39,9 +40,9 @@ class FakeGDNLayer:
     verified_node_counts = ReconstructGatedDeltaNetAttention.verified_node_counts
     keeps_slot_counts = True
 
-    def __init__(self, kv_cache):
+    def __init__(self, kv_cache, shape: DraftShape = DraftShape(None)):
         self.kv_cache = kv_cache
-        self.step_buffers, self.sampling_tables = GroupStepBuffers(), SamplingTables()
+        self.step_buffers, self.sampling_tables = GroupStepBuffers(shape), SamplingTables()
 
 
 class FakeBuilder(SimpleNamespace):
@@ -56,10 +57,10 @@ def staged_buffers(builder) -> tuple[torch.Tensor, torch.Tensor]:
 def _builder(full_graphs: bool, widths=None, threshold=None):
     # the count state inside each slot's KV-cache page, after the slot's other states: strided
     counts = torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2:]
-    layer = FakeGDNLayer((None, None, None, None, counts))
     tree = None if widths is None else DraftTree.from_widths(widths)
     speculative_config = SimpleNamespace(is_draft_tree=tree is not None, draft_tree=tree,
                                          draft_tree_max_batch_size=threshold)
+    layer = FakeGDNLayer((None, None, None, None, counts), draft_shape_of(speculative_config))
     builder = FakeBuilder(
         layer_names=["gdn.0"], use_full_cuda_graph=full_graphs, decode_cudagraph_max_bs=MAX_ROWS,
         num_accepted_tokens=torch.ones(MAX_ROWS, dtype=torch.int32),
@@ -72,7 +73,7 @@ def _builder(full_graphs: bool, widths=None, threshold=None):
 
 def _build(builder, metadata, tree_verify=True):
     """The wrapped build, then the step's count update, as the group's first GDN layer runs it in the forward
-    (`tree_verify`: a tree config's step verifies its tree, `gdn.step_metadata.verifies_tree`)."""
+    (`tree_verify`: a tree config's step verifies its tree, `config.DraftShape.verifies_tree`)."""
     result = with_commit_nodes(builder, metadata, tree_verify)
     result.update_counts("gdn.0")
     return result
@@ -344,17 +345,18 @@ def test_a_chain_step_of_a_tree_threshold_verifies_a_chain_and_commits_through_b
     """draft_tree_max_batch_size: a step verifies the tree where some row holds it (vLLM's per-row draft counts),
     else chains of the tree's depth (no tree table, the chain's length for the verify launch); both commit through
     the one table of both shapes, at one address."""
-    from vllm_treewy.vllm_plugin.gdn.step_metadata import commit_ancestor_table, verifies_tree
+    from vllm_treewy.vllm_plugin.gdn.step_metadata import commit_ancestor_table
 
     builder, counts = _builder(full_graphs=True, widths=[2, 1], threshold=2)  # N = 4, depth 2
     config = builder.vllm_config.speculative_config
+    shape = draft_shape_of(config)
     chain_drafts = torch.tensor([2, 1])
-    chain = _build(builder, _spec_step([3, 5], [3, 2], [1, 1]), verifies_tree(config, chain_drafts))
+    chain = _build(builder, _spec_step([3, 5], [3, 2], [1, 1]), shape.verifies_tree(chain_drafts))
     assert chain.tree_ancestors is None and chain.ancestors is None and chain.verify_block_len == 3
     assert chain.parents.tolist() == [-1, 0, 1, -1, 0]
     assert torch.equal(chain.commit_ancestors, commit_ancestor_table(config.draft_tree, "cpu"))
     _sampled(counts, [3, 5], [1 + 4 + 3, 1 + 4 + 1])  # chain counts, offset by 1 + N: blocks 2 and 0
-    tree = _build(builder, _spec_step([3, 5], [5, 5], [1, 1]), verifies_tree(config, torch.tensor([4, 4])))
+    tree = _build(builder, _spec_step([3, 5], [5, 5], [1, 1]), shape.verifies_tree(torch.tensor([4, 4])))
     assert tree.commit_nodes.tolist() == [7, 5]  # the commit table's chain rows 5 + 2 and 5 + 0
     assert tree.tree_ancestors.shape == (5, 3) and tree.verify_block_len is None
     assert tree.commit_ancestors is chain.commit_ancestors

@@ -9,20 +9,16 @@ import torch
 
 from vllm_treewy.kernels.conv_step_torch import commit_rows_and_parents
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.gdn.step_metadata import (
-    chain_count_offset,
-    commit_ancestor_table,
-    verified_tree_ancestors,
-    verifies_tree,
-)
+from vllm_treewy.vllm_plugin.config import draft_shape_of
+from vllm_treewy.vllm_plugin.gdn.step_metadata import commit_ancestor_table, verified_tree_ancestors
 from vllm_treewy.vllm_plugin.trees.step import find_tree_step
 
 TREE = DraftTree.from_widths([2, 2, 1])  # N = 10, D = 3
 N, D = TREE.num_nodes, TREE.max_depth
 
 
-def _config(threshold):
-    return SimpleNamespace(is_draft_tree=True, draft_tree=TREE, draft_tree_max_batch_size=threshold)
+def _shape(threshold):
+    return draft_shape_of(SimpleNamespace(is_draft_tree=True, draft_tree=TREE, draft_tree_max_batch_size=threshold))
 
 
 def _find(drafts, chain_depth):
@@ -46,12 +42,12 @@ def test_a_step_of_chains_has_no_tree_rows_and_a_step_never_mixes_shapes():
 
 def test_the_gdn_step_verifies_the_tree_only_when_a_row_holds_it():
     counts = torch.tensor([3, -1, 0])
-    assert not verifies_tree(_config(2), counts) and not verifies_tree(_config(2), None)
-    assert verifies_tree(_config(2), torch.tensor([N, -1, 0]))
-    assert verifies_tree(_config(None), counts)  # no threshold: every speculative step is the tree's
-    assert not verifies_tree(SimpleNamespace(is_draft_tree=False), counts)
-    assert chain_count_offset(_config(2)) == chain_count_offset(_config(0)) == 1 + N
-    assert chain_count_offset(_config(None)) == 0
+    assert not _shape(2).verifies_tree(counts) and not _shape(2).verifies_tree(None)
+    assert _shape(2).verifies_tree(torch.tensor([N, -1, 0]))
+    assert _shape(None).verifies_tree(counts)  # no threshold: every speculative step is the tree's
+    assert not draft_shape_of(SimpleNamespace(is_draft_tree=False)).verifies_tree(counts)
+    assert _shape(2).chain_count_offset == _shape(0).chain_count_offset == 1 + N
+    assert _shape(None).chain_count_offset == 0
 
 
 def test_the_commit_table_holds_the_trees_block_then_the_chains():

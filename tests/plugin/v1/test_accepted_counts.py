@@ -11,6 +11,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.config import draft_shape_of
 from vllm_treewy.vllm_plugin.v1.accepted_counts import (
     chain_step_of_tree_config,
     gdn_counts_and_block_tables,
@@ -110,8 +111,9 @@ def test_which_steps_of_a_tree_config_verify_chains():
     def step(*drafts):
         return SimpleNamespace(scheduled_spec_decode_tokens={f"r{i}": [0] * n for i, n in enumerate(drafts)})
 
-    assert chain_step_of_tree_config(config, step(3, 1))
-    assert chain_step_of_tree_config(config, step())  # prefills only: counts of rows without drafts stay put
-    assert not chain_step_of_tree_config(config, step(10, 10))
+    assert chain_step_of_tree_config(draft_shape_of(config), step(3, 1))
+    # prefills only: counts of rows without drafts stay put
+    assert chain_step_of_tree_config(draft_shape_of(config), step())
+    assert not chain_step_of_tree_config(draft_shape_of(config), step(10, 10))
     config.draft_tree_max_batch_size = None  # no threshold: every step is the tree's
-    assert not chain_step_of_tree_config(config, step(3))
+    assert not chain_step_of_tree_config(draft_shape_of(config), step(3))

@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from tests.plugin.gdn.test_step_metadata import FakeGDNLayer, staged_buffers
 from vllm_treewy.kernels.bookkeeping import dispatch
+from vllm_treewy.vllm_plugin.config import draft_shape_of
 from vllm_treewy.vllm_plugin.v2 import accepted_counts as v2_accepted_counts
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_UPDATE_BLOCK_TABLE
 
@@ -170,6 +171,15 @@ def test_a_batch_without_speculation_clears_every_groups_slots_in_the_builder(v2
     assert _counts(runner, "gdn.0")[[6, 1]].tolist() == [0, 0] and _counts(runner, "gdn.1")[[8, 4]].tolist() == [0, 0]
 
 
+def _with_config(monkeypatch, runner, speculative_config) -> None:
+    """The runner's speculative config, and its draft shape in every GDN layer's step buffers (as each layer reads it
+    at its construction)."""
+    monkeypatch.setattr(runner, "speculative_config", speculative_config)
+    for name in LAYERS:
+        buffers = runner.compilation_config.static_forward_context[name].step_buffers
+        monkeypatch.setattr(buffers, "shape", draft_shape_of(speculative_config))
+
+
 def test_store_all_and_trees_leave_the_v2_hooks_alone(v2_setup, monkeypatch):
     builders, runner = v2_setup
     _set_requests(runner, {1: [2], 2: [3]})
@@ -177,7 +187,7 @@ def test_store_all_and_trees_leave_the_v2_hooks_alone(v2_setup, monkeypatch):
         _counts(runner, name).fill_(4)
     for config in (SimpleNamespace(mamba_state_commit="store_all"),
                    SimpleNamespace(mamba_state_commit="reconstruct", is_draft_tree=True, draft_tree=object())):
-        monkeypatch.setattr(runner, "speculative_config", config)
+        _with_config(monkeypatch, runner, config)
         _sample(runner, [0], [2])
         assert _counts(runner, "gdn.0")[2] == 4 and _counts(runner, "gdn.1")[3] == 4
 
@@ -189,7 +199,7 @@ def test_a_chain_step_of_a_tree_threshold_records_its_counts_past_the_trees(v2_s
 
     builders, runner = v2_setup
     tree = DraftTree.from_widths([2, 2, 1])
-    monkeypatch.setattr(runner, "speculative_config", SimpleNamespace(
+    _with_config(monkeypatch, runner, SimpleNamespace(
         mamba_state_commit="reconstruct", is_draft_tree=True, draft_tree=tree, draft_tree_max_batch_size=2))
     state = SimpleNamespace(accepted=None)
     monkeypatch.setattr(runner, "speculator", SimpleNamespace(tree_state=state), raising=False)

@@ -28,6 +28,7 @@ from vllm_treewy.kernels.bookkeeping.boundary_states_torch import BoundaryLayer,
 from vllm_treewy.kernels.gdn_step_torch import committed_states
 from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.config import DraftShape, draft_shape_of
 from vllm_treewy.vllm_plugin.gdn import prefix_caching
 from vllm_treewy.vllm_plugin.v2 import accepted_counts as v2_accepted_counts
 from vllm_treewy.vllm_plugin.gdn.layer import ReconstructGatedDeltaNetAttention
@@ -75,7 +76,7 @@ class PageLayer:
     def __init__(self, kv_cache):
         self.kv_cache = kv_cache
         self.sampling_tables = SamplingTables()
-        self.step_buffers = GroupStepBuffers()
+        self.step_buffers = GroupStepBuffers(DraftShape(None))  # a chain config's; `_with_config` sets another
 
     def ssm_state(self):
         return GDNPage.of(self.kv_cache).ssm_state
@@ -339,6 +340,15 @@ def test_v2_reconstruct_refuses_kdas_recoverssm():
 TREE = DraftTree.from_widths([1, 2])
 
 
+def _with_config(runner, speculative_config) -> None:
+    """The runner's speculative config, and its draft shape in every GDN layer's step buffers (as each layer reads it
+    at its construction)."""
+    runner.speculative_config = speculative_config
+    for layer in runner.compilation_config.static_forward_context.values():
+        if isinstance(layer, PageLayer):
+            layer.step_buffers = GroupStepBuffers(draft_shape_of(speculative_config))
+
+
 def _tree_config(max_batch_size):
     return SimpleNamespace(mamba_state_commit="reconstruct", is_draft_tree=True, draft_tree=TREE,
                            draft_tree_max_batch_size=max_batch_size)
@@ -364,7 +374,7 @@ def test_v2_tree_steps_write_what_v1_writes_along_the_accepted_path(path, chain_
     running = [6, 7, 8, 7, 9, 8]
     seq_lens = [r + max(d, 0) for r, d in zip(running, drafts)]
     runner = _v2_runner((2, 1), gen, seq_lens)
-    runner.speculative_config = _tree_config(4 if chain_step else None)
+    _with_config(runner, _tree_config(4 if chain_step else None))
     accepted = None
     if not chain_step:
         step = SimpleNamespace(request_indices=torch.tensor([0, 1, 2]))

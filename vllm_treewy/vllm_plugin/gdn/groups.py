@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from vllm_treewy.vllm_plugin.config import DraftShape
+
 
 def gdn_groups(runner) -> Iterator[tuple[int, object]]:
     """(group id, vLLM's `KVCacheGroupSpec`) per KV-cache group of GDN layers, in the runner's group order."""
@@ -28,6 +30,17 @@ def first_layers(runner) -> Iterator[tuple[int, object]]:
 def first_gdn_layer(runner):
     """The first layer of the runner's first GDN group; None where the model has no GDN group."""
     return next((layer for _, layer in first_layers(runner)), None)
+
+
+def draft_shape_of_runner(runner) -> DraftShape:
+    """The config's `DraftShape` as the runner's first GDN layer holds it (`gdn.step_metadata.GroupStepBuffers`,
+    read from the config once, at the layer's construction): for the hooks of a config whose GDN layers keep slot
+    counts (reconstruct, store_all draft trees)."""
+    layer = first_gdn_layer(runner)
+    if getattr(layer, "step_buffers", None) is None:
+        raise RuntimeError("the draft shape of a config that keeps GDN slot counts is its first GDN layer's; the "
+                           "runner has no such layer")
+    return layer.step_buffers.shape
 
 
 def counted_gdn_groups(runner):

@@ -26,7 +26,7 @@ from vllm.utils.torch_utils import get_dtype_size
 from vllm_treewy.vllm_plugin.gdn import prefix_caching
 from vllm_treewy.vllm_plugin.gdn import reconstruct
 from vllm_treewy.vllm_plugin.gdn import store_all_tree
-from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts, reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.config import draft_shape_of, keeps_slot_counts, reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_SSM_STATE_VIEW,
     CPU_UNPACKED_CONV_WEIGHT,
@@ -54,11 +54,15 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         super().__init__(*args, **kwargs)
         self.reconstructs_state = reconstructs_mamba_state(self.speculative_config)
         self.keeps_slot_counts = keeps_slot_counts(self.speculative_config)
+        # The draft shape, read from the config here once and handed down in the step buffers: the step metadata,
+        # the commit tables and both runners' count hooks read it from the counts layer.
+        shape = draft_shape_of(self.speculative_config)
         # What the step bookkeeping keeps across vLLM's calls, used where this layer is its group's first
         # (`gdn.step_metadata.counts_layer`) or the model's first GDN layer (`gdn.sampling_tables.of_runner`).
-        self.step_buffers = GroupStepBuffers() if self.keeps_slot_counts else None
+        self.step_buffers = GroupStepBuffers(shape) if self.keeps_slot_counts else None
         self.sampling_tables = SamplingTables() if self.keeps_slot_counts else None
-        _check_prefix_caching(get_current_vllm_config(), self.reconstructs_state, self.keeps_slot_counts)
+        _check_prefix_caching(get_current_vllm_config(), shape.tree is not None, self.reconstructs_state,
+                              self.keeps_slot_counts)
         if self.reconstructs_state and current_platform.is_cuda_alike():
             self._check_cuda_support()
             # forward_cuda then takes vLLM's fused-norm path, whose speculative half `_forward_core_fused_norm` runs
@@ -228,17 +232,17 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         return super()._forward_core(mixed_qkv, b, a, core_attn_out)
 
 
-def _check_prefix_caching(vllm_config, reconstructs_state: bool, keeps_slot_counts: bool) -> None:
+def _check_prefix_caching(vllm_config, drafts_trees: bool, reconstructs_state: bool, keeps_slot_counts: bool) -> None:
     """Prefix caching of GDN states (align mode) runs reconstruct chains on either runner (`gdn.prefix_caching`), but
     on Model Runner V2 not with pipeline parallelism, and reconstruct draft trees alike (the boundary states along
     the accepted path: `gdn.prefix_caching.record_after_sampling`, `record_after_sampling_v2`); store_all trees are
-    refused with it."""
+    refused with it. `drafts_trees`: the config's draft shape is a tree."""
     mode = vllm_config.cache_config.mamba_cache_mode
     if not keeps_slot_counts or mode == "none":
         return
     if mode != prefix_caching.ALIGN:
         raise ValueError(f"vllm-treewy knows mamba_cache_mode 'none' and 'align', got {mode!r}")
-    if draft_tree_of(vllm_config.speculative_config) is not None:
+    if drafts_trees:
         if not reconstructs_state:
             raise ValueError("draft_tree_widths with mamba_state_commit='store_all' and prefix caching "
                              "(mamba_cache_mode='align') is not supported: disable prefix caching "

@@ -80,7 +80,6 @@ from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
 from vllm_treewy.vllm_plugin.gdn import sampling_tables
 from vllm_treewy.vllm_plugin.gdn.groups import first_gdn_layer, gdn_groups
 from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import BufferLayout, GDNPage
-from vllm_treewy.vllm_plugin.gdn.step_metadata import chain_count_offset
 from vllm_treewy.vllm_plugin.patch_points import MAMBA_TEMPORAL_COPY_SPEC
 
 ALIGN = "align"
@@ -133,13 +132,12 @@ def runner_boundary_layers(runner, block_table_of=None):
     return sampling_tables.of_runner(runner).get("boundary", addresses, build)
 
 
-def commit_table(runner, tree, device) -> torch.Tensor:
+def commit_table(runner, device) -> torch.Tensor:
     """The commit table the GDN verify follows (`gdn.step_metadata.GroupStepBuffers.commit_ancestors`, the first GDN
     group's counts layer's: one table for every group, built once), for the boundary kernels' tree rows."""
-    with_chain = chain_count_offset(runner.speculative_config) > 0
     layer = first_gdn_layer(runner)
     if layer is not None:
-        return layer.step_buffers.commit_ancestors(tree, with_chain, device)
+        return layer.step_buffers.commit_ancestors(device)
     raise RuntimeError("a draft tree's boundary states need a GDN group")
 
 

@@ -23,13 +23,13 @@ block (1 + N tokens, or the root alone for a decode that got no drafts), so thei
 the tree's one ancestor table. With `draft_tree_max_batch_size` a step verifies trees or chains of the tree's depth
 D (`trees.budget`: never both), and commits what each slot verified last, of either shape: the commit follows
 `commit_ancestor_table`, the tree's verified block (rows 0 .. N) then the chain's (rows N + 1 .. N + 1 + D), and a
-chain's count is recorded with the offset `chain_count_offset` (1 + N), so count c names tree node c - 1 for
+chain's count is recorded with the offset `DraftShape.chain_count_offset` (1 + N), so count c names tree node c - 1 for
 c <= 1 + N and chain block index c - (2 + N) beyond. The step's own count update writes each speculative row's node
 count without the offset: the step's sampling overwrites it for every speculative row (`v1.accepted_counts`,
 `v1.sampler`, `v2.accepted_counts`) before any later step reads it, and a count of 1 (the root alone) means the same in
 both shapes. In FULL-graph batches the slots and commit nodes go to persistent buffers, like vLLM's own GDN metadata.
-What the builds keep across steps (those buffers, the tree's table) is the group's `GroupStepBuffers`, which the group's
-counts layer owns: nothing is added to vLLM's builders. """
+What the builds keep across steps (those buffers, the tree's table, the config's `DraftShape`) is the group's
+`GroupStepBuffers`, which the group's counts layer owns: nothing is added to vLLM's builders. """
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
 from vllm_treewy.kernels.bookkeeping.dispatch import commit_nodes_and_counts
 from vllm_treewy.tree import DraftTree, chain_parents, node_requests
-from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts
+from vllm_treewy.vllm_plugin.config import DraftShape, keeps_slot_counts
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD
 
 
@@ -154,12 +154,15 @@ class GroupStepBuffers:
       of the spec slots and commit nodes (`staged`): made at the builder's first staged batch, the size of the
       builder's own persistent `num_accepted_tokens`, never replaced, since captured graphs read them at their
       address; they go with the builder;
+    - the config's draft shape (`shape`, the layer's `DraftShape`: the tree, None for chains, and its chain count
+      offset);
     - the static tree's ancestor table (`tree_ancestors`, draft trees) and the commit table (`commit_ancestors`):
       made at the first speculative batch, read at the same address by every step's forward;
     - whether the counts layer was checked to run first of the group's layers (`order_checked`, once).
     """
 
-    def __init__(self):
+    def __init__(self, shape: DraftShape):
+        self.shape = shape
         self._staged = WeakIdKeyDictionary()  # builder -> (slots, commit nodes), each [builder's max rows] int32
         self._tree_ancestors: torch.Tensor | None = None
         self._commit_ancestors: torch.Tensor | None = None
@@ -173,17 +176,18 @@ class GroupStepBuffers:
             self._staged[builder] = buffers
         return buffers[0][:rows], buffers[1][:rows]
 
-    def tree_ancestors(self, tree: DraftTree, device) -> torch.Tensor:
-        """The static tree's verified-block ancestor table (`verified_tree_ancestors`), built once."""
+    def tree_ancestors(self, device) -> torch.Tensor:
+        """The static tree's verified-block ancestor table (`verified_tree_ancestors`), built once (trees only)."""
         if self._tree_ancestors is None:
-            self._tree_ancestors = verified_tree_ancestors(tree, device)
+            self._tree_ancestors = verified_tree_ancestors(self.shape.tree, device)
         return self._tree_ancestors
 
-    def commit_ancestors(self, tree: DraftTree, with_chain: bool, device) -> torch.Tensor:
-        """The group's `commit_ancestor_table`, built once (the tree's own table where no chain step runs)."""
+    def commit_ancestors(self, device) -> torch.Tensor:
+        """The group's `commit_ancestor_table`, built once (the tree's own table where no chain step runs; trees
+        only)."""
         if self._commit_ancestors is None:
-            self._commit_ancestors = (commit_ancestor_table(tree, device) if with_chain
-                                      else self.tree_ancestors(tree, device))
+            self._commit_ancestors = (commit_ancestor_table(self.shape.tree, device) if self.shape.has_chain_steps
+                                      else self.tree_ancestors(device))
         return self._commit_ancestors
 
 
@@ -224,40 +228,18 @@ def verified_chain_ancestors(depth: int, width: int, device) -> torch.Tensor:
 def commit_ancestor_table(tree: DraftTree, device) -> torch.Tensor:
     """`[(1 + N) + (1 + D), D + 1]` int32: the tree's verified block (rows 0 .. N, `verified_tree_ancestors`), then
     the verified block of the chain of the tree's depth D (rows N + 1 .. N + 1 + D, block-local indices). Row a is
-    the path of commit node a = count - 1 in the slot's rows (counts: `chain_count_offset`)."""
+    the path of commit node a = count - 1 in the slot's rows (counts: `DraftShape.chain_count_offset`)."""
     tree_block = verified_tree_ancestors(tree, device)
     return torch.cat([tree_block, verified_chain_ancestors(tree.max_depth, tree_block.shape[1], device)])
 
 
-def chain_count_offset(speculative_config) -> int:
-    """What a chain row's recorded count (1 + its accepted block index) is offset by: 1 + N with a tree's
-    `draft_tree_max_batch_size` (the chain's rows of `commit_ancestor_table` follow the tree's), else 0."""
-    tree = draft_tree_of(speculative_config)
-    if tree is None or getattr(speculative_config, "draft_tree_max_batch_size", None) is None:
-        return 0
-    return 1 + tree.num_nodes
-
-
-def verifies_tree(speculative_config, draft_counts) -> bool:
-    """Whether a step of a tree config verifies trees: always without `draft_tree_max_batch_size`; with it, when
-    some row has the tree's N drafts (`trees.budget`: a step holds tree rows or chain rows, never both). The one rule
-    for the step's shape on the host: `draft_counts` are the step's per-row draft counts, a host tensor (vLLM's
-    `num_decode_draft_tokens_cpu`, -1: not a decode) or a sequence of ints; None: no speculative row."""
-    tree = draft_tree_of(speculative_config)
-    if tree is None:
-        return False
-    if chain_count_offset(speculative_config) == 0:
-        return True
-    return draft_counts is not None and bool((torch.as_tensor(draft_counts) == tree.num_nodes).any())
-
-
 def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool) -> ReconstructGDNAttentionMetadata:
     """vLLM's GDN metadata with each speculative row's slot, commit node and the step's count update; `tree_verify`:
-    the step verifies the config's tree (`verifies_tree`), else chains."""
+    the step verifies the config's tree (`DraftShape.verifies_tree`), else chains."""
     result = ReconstructGDNAttentionMetadata(**{name: getattr(metadata, name) for name in _GDN_METADATA_FIELDS})
     layer = counts_layer(builder)
     counts, buffers = layer.verified_node_counts(), layer.step_buffers
-    tree = draft_tree_of(builder.vllm_config.speculative_config)
+    tree = buffers.shape.tree
     batch_slots = slots = commit_nodes = None
     if metadata.num_spec_decodes > 0:
         # Every row of the batch (a FULL graph's padding rows too: in the null slot, with no nodes), so that a
@@ -272,10 +254,9 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool
             slots = torch.empty(rows, dtype=batch_slots.dtype, device=batch_slots.device)
             commit_nodes = torch.empty_like(slots)
         if tree is not None:  # `ancestors` and `parents` follow in the forward
-            with_chain = chain_count_offset(builder.vllm_config.speculative_config) > 0
-            result.commit_ancestors = buffers.commit_ancestors(tree, with_chain, slots.device)
+            result.commit_ancestors = buffers.commit_ancestors(slots.device)
             if tree_verify:
-                result.tree_ancestors = buffers.tree_ancestors(tree, slots.device)
+                result.tree_ancestors = buffers.tree_ancestors(slots.device)
             else:
                 result.verify_block_len = 1 + tree.max_depth
         if counts is None:
@@ -309,7 +290,7 @@ def _building_commit_nodes(original):
             return metadata
         # build(common_prefix_len, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu, ...)
         draft_counts = kwargs.get("num_decode_draft_tokens_cpu", args[3] if len(args) > 3 else None)
-        return with_commit_nodes(self, metadata, verifies_tree(self.vllm_config.speculative_config, draft_counts))
+        return with_commit_nodes(self, metadata, counts_layer(self).step_buffers.shape.verifies_tree(draft_counts))
 
     return build
 

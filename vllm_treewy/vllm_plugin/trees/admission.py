@@ -54,7 +54,7 @@ def _runner_refusals(use_v2_model_runner: bool):
 def tree_refusal(params, speculative_config, use_v2_model_runner: bool) -> tuple[str, str] | None:
     """`(message, first refused parameter)` when the request is refused on this engine's draft trees; None when
     admitted (or the engine has no tree)."""
-    if draft_tree_of(speculative_config) is None:
+    if draft_tree_of(speculative_config) is None:  # the front end's read: it holds no runner-side object
         return None
     refused, runner, alternative = _runner_refusals(use_v2_model_runner)
     used = refused_params(params, refused)

@@ -27,16 +27,18 @@ import functools
 import weakref
 from dataclasses import dataclass, field
 
-from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.config import DraftShape, draft_shape_of
 from vllm_treewy.vllm_plugin.patch_points import SCHEDULER_MAKE_STATS, SCHEDULER_UPDATE_AFTER_SCHEDULE
 from vllm_treewy.vllm_plugin.trees.fallbacks import TreeFallbacks
 
 
 @dataclass
 class TreeSchedulerState:
-    """One scheduler's tree bookkeeping: its fallbacks, and each running request's draft count of the last step it
-    was scheduled in (the shape of the drafts it holds next)."""
+    """One scheduler's tree bookkeeping: its config's draft shape (read once, when the scheduler's first step builds
+    this state), its fallbacks, and each running request's draft count of the last step it was scheduled in (the
+    shape of the drafts it holds next)."""
 
+    shape: DraftShape
     fallbacks: TreeFallbacks = field(default_factory=TreeFallbacks)
     drafted_with: dict[str, int] = field(default_factory=dict)
 
@@ -77,18 +79,17 @@ def keep_one_draft_shape(scheduler_output, num_nodes: int, drafted_with: dict[st
 def _of(registry: weakref.WeakKeyDictionary, scheduler) -> TreeSchedulerState:
     found = registry.get(scheduler)
     if found is None:
-        found = registry[scheduler] = TreeSchedulerState()
+        found = registry[scheduler] = TreeSchedulerState(draft_shape_of(scheduler.vllm_config.speculative_config))
     return found
 
 
 def _whole_trees_only(original, registry: weakref.WeakKeyDictionary):
     @functools.wraps(original)
     def update_after_schedule(self, scheduler_output):
-        config = self.vllm_config.speculative_config
-        tree = draft_tree_of(config)
+        state = _of(registry, self)
+        tree = state.shape.tree
         if tree is not None:
-            state = _of(registry, self)
-            if getattr(config, "draft_tree_max_batch_size", None) is None:
+            if not state.shape.has_chain_steps:
                 dropped = drop_partial_trees(scheduler_output, tree.num_nodes)
             else:
                 dropped = keep_one_draft_shape(scheduler_output, tree.num_nodes, state.drafted_with)
@@ -103,8 +104,9 @@ def _with_fallbacks(original, registry: weakref.WeakKeyDictionary):
     @functools.wraps(original)
     def make_stats(self, *args, **kwargs):
         stats = original(self, *args, **kwargs)
-        if draft_tree_of(self.vllm_config.speculative_config) is not None:
-            _of(registry, self).fallbacks.report(stats)
+        state = _of(registry, self)
+        if state.shape.tree is not None:
+            state.fallbacks.report(stats)
         return stats
 
     return make_stats

@@ -8,7 +8,7 @@ that read it would rebuild the state at the wrong node (`tests/plugin/gdn/test_s
 move, so the count state of the pseudo-value buffer (in vLLM's KV cache) keeps it until the request's next step:
 1 + the accepted node's index in the verified block (chains: vLLM's accepted count; draft trees: written by the
 tree sampler). With a tree's `draft_tree_max_batch_size`, a step without tree rows verifies chains, whose counts go
-in with `gdn.step_metadata.chain_count_offset` (the commit table's chain rows follow the tree's); a step with tree rows
+in with `config.DraftShape.chain_count_offset` (the commit table's chain rows follow the tree's); a step with tree rows
 has no chain rows (`trees.budget`) and leaves its counts to the tree sampler. With prefix caching (align mode) every
 config's counts and block-boundary states are `v1.prefix_caching.record_after_sampling`'s (trees: with the commit
 table and the tree sampler's accepted leaves). Device work right after vLLM's own
@@ -23,11 +23,10 @@ import functools
 import torch
 
 from vllm_treewy.kernels.bookkeeping import dispatch, slot_counts_torch, slot_counts_triton
-from vllm_treewy.vllm_plugin.config import draft_tree_of, reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups
+from vllm_treewy.vllm_plugin.config import DraftShape, reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups, draft_shape_of_runner
 from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes, commit_table, tree_commit_counts
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
-from vllm_treewy.vllm_plugin.gdn.step_metadata import chain_count_offset, verifies_tree
 from vllm_treewy.vllm_plugin.patch_points import RUNNER_AFTER_SAMPLING
 from vllm_treewy.vllm_plugin.trees.run_state import tree_state_of
 from vllm_treewy.vllm_plugin.v1 import prefix_caching
@@ -51,7 +50,7 @@ def gdn_counts_and_block_tables(runner) -> list[tuple[torch.Tensor, torch.Tensor
 
 def record_chain_accepted_counts(runner, num_reqs: int, offset: int = 0) -> None:
     """After vLLM counted this step's accepted tokens per row (its `num_reqs` rows): the speculative rows' counts
-    (+ `offset`, `gdn.step_metadata.chain_count_offset`) into their slots (rows that verified no drafts, e.g. prefills,
+    (+ `offset`, `config.DraftShape.chain_count_offset`) into their slots (rows that verified no drafts, e.g. prefills,
     keep their slot's count). Device tensors only: no host sync. CUDA: one launch for every group (it runs every
     step, outside the graphs)."""
     groups = gdn_counts_and_block_tables(runner)
@@ -67,35 +66,35 @@ def record_chain_accepted_counts(runner, num_reqs: int, offset: int = 0) -> None
         slot_counts_torch.record_accepted_counts_torch(groups, draft_tokens, accepted, num_reqs)
 
 
-def chain_step_of_tree_config(speculative_config, scheduler_output) -> bool:
-    """Whether a step of a tree config with `draft_tree_max_batch_size` verified chains (`verifies_tree` over the
-    drafts the scheduler gave each request)."""
+def chain_step_of_tree_config(shape: DraftShape, scheduler_output) -> bool:
+    """Whether a step of a tree config with `draft_tree_max_batch_size` verified chains (`DraftShape.verifies_tree`
+    over the drafts the scheduler gave each request)."""
     drafts = [len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values()]
-    return chain_count_offset(speculative_config) > 0 and not verifies_tree(speculative_config, drafts)
+    return shape.has_chain_steps and not shape.verifies_tree(drafts)
 
 
 def _recording_accepted_counts(original):
     @functools.wraps(original)
     def update_states_after_model_execute(self, output_token_ids, scheduler_output):
         original(self, output_token_ids, scheduler_output)
-        config = self.speculative_config
-        if not reconstructs_mamba_state(config):
+        if not reconstructs_mamba_state(self.speculative_config):
             return
-        tree = draft_tree_of(config)
+        shape = draft_shape_of_runner(self)
+        tree = shape.tree
         num_reqs = output_token_ids.size(0)
         if caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
             if tree is None:
                 prefix_caching.record_after_sampling(self, num_reqs)
             else:  # the tree sampler left the counts here (`v1.runner`)
-                chain_step = chain_step_of_tree_config(config, scheduler_output)
+                chain_step = chain_step_of_tree_config(shape, scheduler_output)
                 counts = tree_commit_counts(
-                    self.num_accepted_tokens.gpu, num_reqs, chain_count_offset(config) if chain_step else 0,
+                    self.num_accepted_tokens.gpu, num_reqs, shape.chain_count_offset if chain_step else 0,
                     None if chain_step else tree_state_of(self).accepted)
-                prefix_caching.record_after_sampling(self, num_reqs, counts, commit_table(self, tree, counts.device))
+                prefix_caching.record_after_sampling(self, num_reqs, counts, commit_table(self, counts.device))
         elif tree is None:
             record_chain_accepted_counts(self, num_reqs)
-        elif chain_step_of_tree_config(config, scheduler_output):
-            record_chain_accepted_counts(self, num_reqs, chain_count_offset(config))
+        elif chain_step_of_tree_config(shape, scheduler_output):
+            record_chain_accepted_counts(self, num_reqs, shape.chain_count_offset)
 
     return update_states_after_model_execute
 

@@ -40,7 +40,7 @@ from vllm.platforms import current_platform
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
-from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.config import draft_shape_of
 from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, accepted_paths_as_chains, kv_slots
 from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, with_tree
 from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState
@@ -52,7 +52,8 @@ class TreeMtpProposer(EagleProposer):
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
-        tree = draft_tree_of(vllm_config.speculative_config)
+        shape = draft_shape_of(vllm_config.speculative_config)  # the drafter's one read of the tree shape
+        tree = shape.tree
         self.tree = tree if self.method == "mtp" else None
         self.tree_state = TreeRunState(self.tree) if self.tree is not None else None
         self._level_output: torch.Tensor | None = None  # the first pass's head output at each request's root
@@ -60,7 +61,7 @@ class TreeMtpProposer(EagleProposer):
         self._drafting_chain = False  # within a propose of a threshold config's chain
         if self.tree is None:
             return
-        if getattr(vllm_config.speculative_config, "draft_tree_max_batch_size", None) is not None:
+        if shape.has_chain_steps:
             self.tree_state.chain_depth = vllm_config.speculative_config.draft_tree_depth
         if vllm_config.model_config.uses_mrope:
             raise NotImplementedError("draft_tree_widths with method 'mtp': models with M-RoPE positions are not "

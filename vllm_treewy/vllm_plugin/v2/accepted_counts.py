@@ -34,11 +34,11 @@ import functools
 import torch
 
 from vllm_treewy.kernels.bookkeeping import dispatch, slot_counts_torch, slot_counts_triton
-from vllm_treewy.vllm_plugin.config import draft_tree_of, keeps_slot_counts, reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups
+from vllm_treewy.vllm_plugin.config import keeps_slot_counts, reconstructs_mamba_state
+from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups, draft_shape_of_runner
 from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
-from vllm_treewy.vllm_plugin.gdn.step_metadata import chain_count_offset, with_commit_nodes
+from vllm_treewy.vllm_plugin.gdn.step_metadata import with_commit_nodes
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_UPDATE_BLOCK_TABLE, V2_RUNNER_POSTPROCESS_SAMPLED
 from vllm_treewy.vllm_plugin.v2.prefix_caching import record_after_sampling_v2
 
@@ -59,7 +59,7 @@ def leaf_count_groups(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, offset: int = 0) -> None:
     """After V2's sampler counted this step's tokens per batch row (`num_sampled [rows]`; `idx_mapping [rows]`: each
-    row's request state, -1 to skip): the speculative rows' counts (+ `offset`, `gdn.step_metadata.chain_count_offset`)
+    row's request state, -1 to skip): the speculative rows' counts (+ `offset`, `config.DraftShape.chain_count_offset`)
     into their slots in every GDN group that keeps slot counts. A row speculated this step iff its slot holds a count
     (the step's count update gave it its node count, every other row's slot 0), so no per-row flag is needed. Device
     tensors only; CUDA: one launch for every group."""
@@ -81,10 +81,10 @@ def _recording_sampled_counts(original):
     @functools.wraps(original)
     def postprocess_sampled(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs):
         original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
-        config = self.speculative_config
-        if not reconstructs_mamba_state(config):
+        if not reconstructs_mamba_state(self.speculative_config):
             return
-        tree = draft_tree_of(config)
+        shape = draft_shape_of_runner(self)
+        tree = shape.tree
         if caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
             if tree is None:
                 record_after_sampling_v2(self, idx_mapping, num_sampled)
@@ -92,13 +92,13 @@ def _recording_sampled_counts(original):
                 accepted = self.speculator.tree_state.accepted
                 record_after_sampling_v2(
                     self, idx_mapping, num_sampled, tree=tree, accepted_tree=accepted,
-                    chain_offset=chain_count_offset(config) if accepted is None else 0)
+                    chain_offset=shape.chain_count_offset if accepted is None else 0)
         elif tree is None:
             record_sampled_counts(self, idx_mapping, num_sampled)
-        elif chain_count_offset(config) and self.speculator.tree_state.accepted is None:
+        elif shape.has_chain_steps and self.speculator.tree_state.accepted is None:
             # a chain step of draft_tree_max_batch_size: V2 samples, then postprocesses, then proposes, so the tree
             # acceptance is there for the drafter exactly after a tree step (whose counts are the tree sampler's)
-            record_sampled_counts(self, idx_mapping, num_sampled, chain_count_offset(config))
+            record_sampled_counts(self, idx_mapping, num_sampled, shape.chain_count_offset)
 
     return postprocess_sampled
 

@@ -56,7 +56,7 @@ def record_after_sampling_v2(runner, idx_mapping: torch.Tensor, num_sampled: tor
     seq_lens = runner.input_buffers.seq_lens
     counts_layer = views[0]
     rows = (counts_layer.counts, counts_layer.block_table, idx_mapping, seq_lens, num_sampled, num_rows)
-    commit_ancestors = None if tree is None else commit_table(runner, tree, idx_mapping.device)
+    commit_ancestors = None if tree is None else commit_table(runner, idx_mapping.device)
 
     def counts_of(accepted):
         return accepted if tree is None else tree_commit_counts(accepted, num_rows, chain_offset, accepted_tree)

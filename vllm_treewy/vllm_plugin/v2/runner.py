@@ -139,6 +139,7 @@ _CALL_TREE_STATE: contextvars.ContextVar = contextvars.ContextVar("treewy_v2_cal
 
 def tree_state_of_runner(runner) -> TreeRunStateV2 | None:
     state = getattr(getattr(runner, "speculator", None), "tree_state", None)
+    # The config read on purpose: the check that the speculator holds the tree state the config asks for.
     if state is None and draft_tree_of(runner.speculative_config) is not None:
         raise ValueError(f"draft_tree_widths on Model Runner V2: the speculator {type(runner.speculator).__name__} "
                          "does not draft trees (method 'mtp' builds TreeMtpSpeculatorV2)")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
-from vllm_treewy.vllm_plugin.config import draft_tree_of
+from vllm_treewy.vllm_plugin.config import draft_shape_of
 from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, accepted_paths_as_chains, kv_slots
 from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, tree_qq_bias_of, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep, device_arange
@@ -95,18 +95,19 @@ def make_tree_speculator_class(base):
     class TreeMtpSpeculatorV2(base):
         def __init__(self, vllm_config, device):
             super().__init__(vllm_config, device)
-            tree = draft_tree_of(vllm_config.speculative_config)
+            shape = draft_shape_of(vllm_config.speculative_config)  # the speculator's one read of the tree shape
+            tree = shape.tree
             self.tree = tree
             self.tree_state = TreeRunStateV2(tree) if tree is not None else None
             if tree is None:
                 return
             spec = vllm_config.speculative_config
-            threshold = getattr(spec, "draft_tree_max_batch_size", None)
             # dynamic speculative decoding: only the schedule draft_tree_max_batch_size sets (tree or chain per step)
-            if spec.enable_adaptive_verification or (spec.uses_dynamic_speculative_decoding() and threshold is None):
+            if spec.enable_adaptive_verification or (spec.uses_dynamic_speculative_decoding()
+                                                     and not shape.has_chain_steps):
                 raise NotImplementedError("draft_tree_widths on Model Runner V2: adaptive verification and dynamic "
                                           "speculative decoding change the drafts per request (a tree is static)")
-            if threshold is not None:
+            if shape.has_chain_steps:
                 self.tree_state.chain_depth = spec.draft_tree_depth
             if vllm_config.parallel_config.enable_batch_sharded_sampling:
                 raise NotImplementedError("draft_tree_widths on Model Runner V2: batch-sharded sampling is not "
