@@ -56,7 +56,7 @@ def _step_metadata(slots, commit_nodes, tree: DraftTree | None = None):
         parents = torch.tensor(tree.parents * len(slots), dtype=torch.int32)
         ancestors = ancestor_table_torch(parents, cu, tree.max_depth)
         tree_ancestors = ancestors[:n]
-    return SimpleNamespace(spec_slots=slots, spec_query_start_loc=cu, parents=parents, ancestors=ancestors,
+    return SimpleNamespace(state_indices=slots, spec_query_start_loc=cu, parents=parents, ancestors=ancestors,
                            tree_ancestors=tree_ancestors, commit_ancestors=tree_ancestors, verify_block_len=None,
                            commit_nodes=torch.tensor(commit_nodes, dtype=torch.int32),
                            node_slots=slots.long().repeat_interleave(n),
@@ -285,7 +285,7 @@ def _shape_metadata(slots, commit_nodes, shape: str, commit_ancestors):
     else:
         n = 1 + DEPTH
         cu = torch.arange(len(slots) + 1, dtype=torch.int32) * n
-        metadata = SimpleNamespace(spec_slots=torch.tensor(slots, dtype=torch.int32), spec_query_start_loc=cu,
+        metadata = SimpleNamespace(state_indices=torch.tensor(slots, dtype=torch.int32), spec_query_start_loc=cu,
                                    parents=chain_parents(cu, int(cu[-1])), ancestors=None, tree_ancestors=None,
                                    verify_block_len=n,
                                    commit_nodes=torch.tensor(commit_nodes, dtype=torch.int32),

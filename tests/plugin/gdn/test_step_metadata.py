@@ -111,7 +111,7 @@ def test_commit_nodes_follow_the_accepted_counts_of_slots_with_a_pending_verify(
     first = _build(builder, _spec_step([3, 5], [4, 1], [1, 1]))
     assert isinstance(first, ReconstructGDNAttentionMetadata)
     # the kernels index the slots flat: one per row, whatever vLLM's column stride (a broadcast 1 + k here)
-    assert first.spec_slots.tolist() == [3, 5] and first.spec_slots.is_contiguous()
+    assert first.state_indices.tolist() == [3, 5] and first.state_indices.is_contiguous()
     assert first.commit_nodes.tolist() == [-1, -1]  # fresh slots: nothing verified before
     assert counts[[3, 5]].tolist() == [4, 1]
     _sampled(counts, [3, 5], [3, 1])
@@ -188,9 +188,9 @@ def test_full_graph_batches_stage_the_commit_nodes_at_a_fixed_address():
     second = _build(builder, _spec_step([3], [4], [3], padding_rows=2))
     slots, commit_nodes = staged_buffers(builder)
     assert first.commit_nodes.data_ptr() == second.commit_nodes.data_ptr() == commit_nodes.data_ptr()
-    assert first.spec_slots.data_ptr() == second.spec_slots.data_ptr() == slots.data_ptr()
+    assert first.state_indices.data_ptr() == second.state_indices.data_ptr() == slots.data_ptr()
     assert second.commit_nodes.tolist() == [2, -1, -1]  # padding rows (the null slot) commit nothing
-    assert second.spec_slots.tolist() == [3, 0, 0] and second.spec_slots.is_contiguous()
+    assert second.state_indices.tolist() == [3, 0, 0] and second.state_indices.is_contiguous()
     assert counts[0] == 0  # nor are they counted
 
 
@@ -202,8 +202,8 @@ def test_each_builder_of_a_group_stages_into_its_own_buffers():
     other._stage_spec_decode = functools.partial(GDNAttentionMetadataBuilder._stage_spec_decode, other)
     first, second = _build(builder, _spec_step([3], [4], [1])), _build(other, _spec_step([5], [4], [1]))
     assert first.commit_nodes.data_ptr() != second.commit_nodes.data_ptr()
-    assert first.spec_slots.tolist() == [3] and second.spec_slots.tolist() == [5]
-    assert _build(builder, _spec_step([3], [4], [1])).spec_slots.data_ptr() == first.spec_slots.data_ptr()
+    assert first.state_indices.tolist() == [3] and second.state_indices.tolist() == [5]
+    assert _build(builder, _spec_step([3], [4], [1])).state_indices.data_ptr() == first.state_indices.data_ptr()
     assert [name for name in vars(builder) if "treewy" in name] == []
 
 
@@ -336,8 +336,8 @@ def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_p
                              num_decode_draft_tokens_cpu=torch.tensor([k, k, k], dtype=torch.int32))
     metadata.update_counts("gdn.0")  # the first GDN layer's forward
     assert metadata.spec_state_indices_tensor.stride(0) == 1 + k  # vLLM's staged buffer, strided column 0
-    assert metadata.spec_slots.tolist() == [7, 2, 5] and metadata.spec_slots.is_contiguous()
-    assert metadata.spec_slots.data_ptr() == staged_buffers(builder)[0].data_ptr()
+    assert metadata.state_indices.tolist() == [7, 2, 5] and metadata.state_indices.is_contiguous()
+    assert metadata.state_indices.data_ptr() == staged_buffers(builder)[0].data_ptr()
     assert metadata.commit_nodes.tolist() == [1, 3, -1]
 
 

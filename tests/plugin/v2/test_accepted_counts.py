@@ -126,10 +126,11 @@ def test_each_gdn_group_commits_its_own_slots_when_v2_regathers_its_metadata(v2_
         for slot, count in pending.items():
             counts[slot] = count
     first, second = _step(builders, runner, [0, 1, 2], [1 + K] * 3, [20, 30, 40], [K] * 3)
-    assert first.spec_slots.tolist() == [7, 2, 5] and first.commit_nodes.tolist() == [1, 3, -1]
-    assert second.spec_slots.tolist() == [3, 6, 1] and second.commit_nodes.tolist() == [2, 0, -1]
+    assert first.state_indices.tolist() == [7, 2, 5] and first.commit_nodes.tolist() == [1, 3, -1]
+    assert second.state_indices.tolist() == [3, 6, 1] and second.commit_nodes.tolist() == [2, 0, -1]
     # each group's FULL-graph buffers are its own builder's (a graph replays them at a fixed address)
-    assert second.spec_slots.data_ptr() == staged_buffers(builders[1])[0].data_ptr() != first.spec_slots.data_ptr()
+    staged = staged_buffers(builders[1])[0]
+    assert second.state_indices.data_ptr() == staged.data_ptr() != first.state_indices.data_ptr()
     assert second.spec_state_indices_tensor.data_ptr() == builders[1].spec_state_indices_tensor.data_ptr()
     assert second.counts_layer == "gdn.1" and first.counts_layer == "gdn.0"
     # the step's counts: every speculative row's node count in its own group's slots

@@ -109,9 +109,9 @@ class PseudoValueBuffer:
                          pseudo_values.flatten(1), log_decays], dim=1)
         self.factors.index_put_((slots, nodes), row.to(self.factors.dtype))
 
-    def slot_factors(self, slots: torch.Tensor):
-        """The factor rows of `slots` `[B, T, ...]` (a copy), split as `BufferLayout.split`."""
-        return self.layout.split(self.factors[slots.long()])
+    def slot_factors(self, state_indices: torch.Tensor):
+        """The factor rows `[B, T, ...]` of the slots `state_indices [B]` (a copy), split as `BufferLayout.split`."""
+        return self.layout.split(self.factors[state_indices.long()])
 
 
 def _model_buffer_layout(vllm_config) -> BufferLayout:

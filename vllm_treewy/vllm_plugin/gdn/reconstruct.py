@@ -34,16 +34,17 @@ def commit_tree(metadata) -> torch.Tensor | None:
     return metadata.commit_ancestors
 
 
-def commit_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, slots: torch.Tensor,
-             commit_nodes: torch.Tensor, commit_ancestors: torch.Tensor | None = None) -> None:
-    """Each slot's previous verify, committed at `commit_nodes` (-1: nothing) from its buffer rows, in place: along
-    the chain, or along the paths of `commit_ancestors` `[T, D]` (`commit_tree`)."""
-    keys, key_scales, pseudo_values, log_decays = buffer.slot_factors(slots)
+def commit_torch(buffer: PseudoValueBuffer, ssm_state: torch.Tensor, state_indices: torch.Tensor,
+                 commit_nodes: torch.Tensor, commit_ancestors: torch.Tensor | None = None) -> None:
+    """Each slot's previous verify (`state_indices [R]`: each speculative row's state slot), committed at
+    `commit_nodes` (-1: nothing) from its buffer rows, in place: along the chain, or along the paths of
+    `commit_ancestors` `[T, D]` (`commit_tree`)."""
+    keys, key_scales, pseudo_values, log_decays = buffer.slot_factors(state_indices)
     rows = buffer.layout.num_nodes
-    cu = torch.arange(slots.shape[0] + 1, device=slots.device) * rows
+    cu = torch.arange(state_indices.shape[0] + 1, device=state_indices.device) * rows
     flat = (t.flatten(0, 1) for t in (keys * key_scales[..., None], pseudo_values, log_decays))
     commit_rows, parents = commit_rows_and_parents(rows, commit_nodes, commit_ancestors)
-    torch_kernels.commit_packed(ssm_state, slots, *flat, parents, cu, commit_rows)
+    torch_kernels.commit_packed(ssm_state, state_indices, *flat, parents, cu, commit_rows)
 
 
 def recurrence_inputs(layer, conv_out, a, b, layout):
@@ -59,17 +60,18 @@ def recurrence_inputs(layer, conv_out, a, b, layout):
 def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state, buffer) -> torch.Tensor:
     """Core attention outputs `[N, HV, V]` (before the gated RMSNorm) of the packed draft chains or trees `x`
     (pre-conv qkv `[N, conv_dim]`), after committing each slot's previous step."""
-    slots, cu_nodes = metadata.spec_slots, metadata.spec_query_start_loc
+    state_indices, cu_nodes = metadata.state_indices, metadata.spec_query_start_loc
     commit_ancestors = commit_tree(metadata)
-    commit_torch(buffer, ssm_state, slots, metadata.commit_nodes, commit_ancestors)
+    commit_torch(buffer, ssm_state, state_indices, metadata.commit_nodes, commit_ancestors)
     activation = "silu" if layer.activation == "silu" else None
-    conv_out = conv_step_packed(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
-                                buffer.conv_inputs, metadata.commit_nodes, commit_ancestors=commit_ancestors,
+    conv_out = conv_step_packed(x, conv_history, state_indices, conv_weight, layer.conv1d.bias, metadata.parents,
+                                cu_nodes, buffer.conv_inputs, metadata.commit_nodes, commit_ancestors=commit_ancestors,
                                 activation=activation)
     layout = buffer.layout
     query, k, key_scales, v, g, beta = recurrence_inputs(layer, conv_out, a, b, layout)
-    out, pseudo_values = torch_kernels.verify_packed(query, k * key_scales[..., None], v, g, beta, ssm_state, slots,
-                                                     metadata.parents, cu_nodes, max_depth=layout.num_nodes)
+    out, pseudo_values = torch_kernels.verify_packed(query, k * key_scales[..., None], v, g, beta, ssm_state,
+                                                     state_indices, metadata.parents, cu_nodes,
+                                                     max_depth=layout.num_nodes)
     buffer.write_factors(metadata.node_slots, metadata.node_indices, k, key_scales, pseudo_values, g)
     return out.to(x.dtype)
 
@@ -77,18 +79,18 @@ def step_torch(layer, metadata, x, a, b, *, conv_weight, conv_history, ssm_state
 def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv_history, ssm_state, buffer) -> None:
     """Writes the normed, gated core outputs of the packed draft chains or trees `x` (pre-conv qkv) into `out`
     `[N, HV, V]`, after committing each slot's previous step. No host sync: capturable in a FULL CUDA graph."""
-    slots, cu_nodes, commit_nodes = metadata.spec_slots, metadata.spec_query_start_loc, metadata.commit_nodes
+    state_indices, cu_nodes, commit_nodes = metadata.state_indices, metadata.spec_query_start_loc, metadata.commit_nodes
     layout, ancestors = buffer.layout, metadata.ancestors
     commit_ancestors = commit_tree(metadata)
     max_nodes = metadata.verify_block_len or layout.num_nodes  # a chain step of a tree config: its chain's length
     activation = "silu" if layer.activation == "silu" else None
     # a request's nodes in one block of rows (a chain of 3 drafts: 4, not the default 16, most of which would be
     # masked rows holding registers); larger trees loop over blocks of 16
-    conv_out = conv_step_triton(x, conv_history, slots, conv_weight, layer.conv1d.bias, metadata.parents, cu_nodes,
-                                buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
+    conv_out = conv_step_triton(x, conv_history, state_indices, conv_weight, layer.conv1d.bias, metadata.parents,
+                                cu_nodes, buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
                                 activation=activation, block_nodes=min(16, triton.next_power_of_2(max_nodes)))
-    gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state, slots,
-                    metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
+    gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state,
+                    state_indices, metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
                     ancestors=ancestors, scale=layout.head_k_dim**-0.5, norm_eps=layer.layer_norm_epsilon,
                     activation=layer.norm.activation, out=out, factors=buffer.factors, commit_nodes=commit_nodes,
                     commit_ancestors=commit_ancestors)

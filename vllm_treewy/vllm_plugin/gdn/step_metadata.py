@@ -27,7 +27,8 @@ chain's count is recorded with the offset `DraftShape.chain_count_offset` (1 + N
 c <= 1 + N and chain block index c - (2 + N) beyond. The step's own count update writes each speculative row's node
 count without the offset: the step's sampling overwrites it for every speculative row (`v1.accepted_counts`,
 `v1.sampler`, `v2.accepted_counts`) before any later step reads it, and a count of 1 (the root alone) means the same in
-both shapes. In FULL-graph batches the slots and commit nodes go to persistent buffers, like vLLM's own GDN metadata.
+both shapes. In FULL-graph batches the state indices and commit nodes go to persistent buffers, like vLLM's own GDN
+metadata.
 What the builds keep across steps (those buffers, the tree's table, the config's `DraftShape`) is the group's
 `GroupStepBuffers`, which the group's counts layer owns: nothing is added to vLLM's builders. """
 
@@ -54,10 +55,11 @@ from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD
 
 @dataclass
 class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
-    # [rows of spec_state_indices_tensor] int32, contiguous (the kernels index it flat): each speculative row's state
-    # slot. vLLM's own column 0 is strided: its FULL-graph buffer has 1 + k columns, which it fills by broadcasting
-    # reconstruct's one block per request.
-    spec_slots: torch.Tensor | None = None
+    # [rows of spec_state_indices_tensor] int32, contiguous (the kernels index it flat, as their `state_indices`):
+    # each speculative row's state slot, the values of vLLM's column 0 `spec_state_indices_tensor[:, 0]`. vLLM's
+    # column is strided: its FULL-graph buffer has 1 + k columns, which it fills by broadcasting reconstruct's one
+    # block per request. (`node_slots` is another thing: per packed node, its request's slot.)
+    state_indices: torch.Tensor | None = None
     # [rows] int32: the local node of the slot's previous verify to commit before this step's verify (-1: nothing to
     # commit: a new request, or a padding row).
     commit_nodes: torch.Tensor | None = None
@@ -116,7 +118,7 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     @cached_property
     def node_slots(self) -> torch.Tensor:
         """`[N]` int64 state slot of each packed draft node (its request's)."""
-        return self.spec_slots.long()[self._node_requests]
+        return self.state_indices.long()[self._node_requests]
 
     @cached_property
     def node_blocks(self) -> torch.Tensor:
@@ -151,7 +153,7 @@ class GroupStepBuffers:
     metadata builders; it lives as long as the layer (the model). It holds:
 
     - per metadata builder of the group (vLLM makes one per group, or one per microbatch), the FULL-graph buffers
-      of the spec slots and commit nodes (`staged`): made at the builder's first staged batch, the size of the
+      of the state indices and commit nodes (`staged`): made at the builder's first staged batch, the size of the
       builder's own persistent `num_accepted_tokens`, never replaced, since captured graphs read them at their
       address; they go with the builder;
     - the config's draft shape (`shape`, the layer's `DraftShape`: the tree, None for chains, and its chain count
@@ -163,13 +165,15 @@ class GroupStepBuffers:
 
     def __init__(self, shape: DraftShape):
         self.shape = shape
-        self._staged = WeakIdKeyDictionary()  # builder -> (slots, commit nodes), each [builder's max rows] int32
+        # builder -> (state indices, commit nodes), each [builder's max rows] int32
+        self._staged = WeakIdKeyDictionary()
         self._tree_ancestors: torch.Tensor | None = None
         self._commit_ancestors: torch.Tensor | None = None
         self.order_checked = False
 
     def staged(self, builder, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `rows` of `builder`'s persistent slots and commit nodes (made at first use, filled with -1)."""
+        """The first `rows` of `builder`'s persistent state indices and commit nodes (made at first use, filled
+        with -1)."""
         buffers = self._staged.get(builder)
         if buffers is None:
             buffers = tuple(torch.full_like(builder.num_accepted_tokens, -1) for _ in range(2))
@@ -240,40 +244,42 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool
     layer = counts_layer(builder)
     counts, buffers = layer.verified_node_counts(), layer.step_buffers
     tree = buffers.shape.tree
-    batch_slots = slots = commit_nodes = None
+    strided_state_indices = state_indices = commit_nodes = None
     if metadata.num_spec_decodes > 0:
         # Every row of the batch (a FULL graph's padding rows too: in the null slot, with no nodes), so that a
         # staged batch is computed straight into the builder's persistent buffers.
-        batch_slots = metadata.spec_state_indices_tensor[:, 0]
-        rows = batch_slots.shape[0]
+        # vLLM's column 0: each speculative row's state slot, strided (its FULL-graph buffer has 1 + k columns)
+        strided_state_indices = metadata.spec_state_indices_tensor[:, 0]
+        rows = strided_state_indices.shape[0]
         # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
         if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, metadata.num_spec_decodes,
                                       metadata.num_spec_decode_tokens):
-            slots, commit_nodes = buffers.staged(builder, rows)
+            state_indices, commit_nodes = buffers.staged(builder, rows)
         else:
-            slots = torch.empty(rows, dtype=batch_slots.dtype, device=batch_slots.device)
-            commit_nodes = torch.empty_like(slots)
+            state_indices = torch.empty(rows, dtype=strided_state_indices.dtype, device=strided_state_indices.device)
+            commit_nodes = torch.empty_like(state_indices)
         if tree is not None:  # `ancestors` and `parents` follow in the forward
-            result.commit_ancestors = buffers.commit_ancestors(slots.device)
+            result.commit_ancestors = buffers.commit_ancestors(state_indices.device)
             if tree_verify:
-                result.tree_ancestors = buffers.tree_ancestors(slots.device)
+                result.tree_ancestors = buffers.tree_ancestors(state_indices.device)
             else:
                 result.verify_block_len = 1 + tree.max_depth
         if counts is None:
-            slots.copy_(batch_slots)
+            state_indices.copy_(strided_state_indices)
             commit_nodes.fill_(-1)
-        result.spec_slots, result.commit_nodes = slots, commit_nodes
+        result.state_indices, result.commit_nodes = state_indices, commit_nodes
     if counts is not None:
-        # The slots, contiguous (vLLM's column 0 is strided); each row's commit node from the count recorded after
-        # its slot's last sampling (`v1.accepted_counts`: 1 + the accepted node's block index; 0, nothing pending,
-        # gives -1); then the step's counts. The null block (CUDA-graph capture and padding rows point there) never
-        # holds a verify to commit: else every row of a capture would commit into it at once; nor is a count ever
-        # recorded for it. Every row outside the speculative path (prefills, and a first step that vLLM counts as
-        # a decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's new owner
-        # commits nothing. One launch on CUDA.
+        # The state indices, contiguous (vLLM's column 0 is strided); each row's commit node from the count
+        # recorded after its slot's last sampling (`v1.accepted_counts`: 1 + the accepted node's block index; 0,
+        # nothing pending, gives -1); then the step's counts. The null block (CUDA-graph capture and padding rows
+        # point there) never holds a verify to commit: else every row of a capture would commit into it at once; nor
+        # is a count ever recorded for it. Every row outside the speculative path (prefills, and a first step that
+        # vLLM counts as a decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's
+        # new owner commits nothing. One launch on CUDA. (The kernel's keywords: `batch_slots` the strided source,
+        # `slots` the contiguous state indices it fills.)
         update = functools.partial(
-            commit_nodes_and_counts, counts, batch_slots=batch_slots,
-            spec_query_start_loc=metadata.spec_query_start_loc, slots=slots, commit_nodes=commit_nodes,
+            commit_nodes_and_counts, counts, batch_slots=strided_state_indices,
+            spec_query_start_loc=metadata.spec_query_start_loc, slots=state_indices, commit_nodes=commit_nodes,
             non_spec_slots=metadata.non_spec_state_indices_tensor, null_block=NULL_BLOCK_ID)
         if metadata.num_spec_decodes > 0:
             result.count_update, result.counts_layer = update, _checked_counts_layer_name(builder, buffers)
