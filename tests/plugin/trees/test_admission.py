@@ -71,11 +71,31 @@ def test_each_runner_refuses_its_parameters_on_trees_and_nothing_on_chains(runne
         assert (refusal is not None) == (field in REFUSED[runner]), field
         if refusal is not None:
             message, parameter = refusal
-            assert parameter == field and f"{field}=" in message
+            assert parameter == field and field in message and "_backend" not in message
             assert ("Model Runner V2" if v2 else "the V1 model runner") in message
+            assert message.endswith(admission.ALTERNATIVES[field] + ".")
         assert admission.tree_refusal(SamplingParams(**{field: value}), None, v2) is None  # chains: vLLM's
         chain = SimpleNamespace(is_draft_tree=False, draft_tree=None, draft_tree_widths=[1, 1, 1])
         assert admission.tree_refusal(SamplingParams(**{field: value}), chain, v2) is None
+
+
+def test_a_refusal_shows_what_the_user_sent_and_one_alternative_that_works_for_every_parameter():
+    """Structured outputs as the user's fields (response_format arrives as them), never the params' private state; a
+    thinking budget is not sent to a chain without a reasoning parser (vLLM refuses it there too); several refused
+    parameters with different alternatives get the one that works for all (send the request without them)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    message, _ = admission.tree_refusal(SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)),
+                                        tree_spec(), False)
+    assert message.startswith("structured outputs (response_format / structured_outputs: json_object=True)")
+    assert "StructuredOutputsParams" not in message and "MTP chain" in message
+    message, _ = admission.tree_refusal(SamplingParams(thinking_token_budget=4), tree_spec(), False)
+    assert "--reasoning-parser" in message and "without thinking_token_budget" in message
+    message, parameter = admission.tree_refusal(SamplingParams(presence_penalty=0.5, thinking_token_budget=4),
+                                                tree_spec(), True)
+    assert parameter == "presence_penalty"
+    assert message.endswith("Instead, send the request without presence_penalty, thinking_token_budget."), message
 
 
 def test_the_lists_are_the_runners_own():

@@ -42,27 +42,67 @@ def refused_params(params, refused: tuple[tuple[str, object], ...]) -> list[str]
     return [name for name, neutral in refused if getattr(params, name, neutral) not in (neutral, [])]
 
 
-def _runner_refusals(use_v2_model_runner: bool):
-    """(the runner's refused parameters, its name, what to do instead)."""
-    if use_v2_model_runner:
-        return REFUSED_ON_V2_TREES, "Model Runner V2", ("serve the tree on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0:"
-                                                        " penalties and bad words exact there) or without "
-                                                        "draft_tree_widths")
-    return REFUSED_ON_V1_TREES, "the V1 model runner", "serve without draft_tree_widths (an MTP chain)"
+# What a refused request can do instead, per parameter: on the request, and on the server. Each alternative runs:
+# a chain (the same --speculative-config without draft_tree_widths) applies vLLM's grammar to its drafts, vLLM's thinking
+# budget needs a reasoning parser on any engine (vLLM refuses the budget without one), and the V1 runner's tree path
+# samples penalties and bad words along each node's path.
+_CHAIN = "serve an MTP chain (the same --speculative-config without draft_tree_widths)"
+ALTERNATIVES = {
+    "structured_outputs": f"send the request without response_format / structured_outputs, or {_CHAIN}, where vLLM "
+                          "applies the grammar to the drafts",
+    "thinking_token_budget": "send the request without thinking_token_budget (max_tokens bounds the whole answer), or "
+                             f"{_CHAIN} with a reasoning parser (--reasoning-parser, e.g. qwen3 for Qwen3.5), which "
+                             "vLLM's thinking budget needs",
+}
+_ON_V1 = ("send the request without them, or serve the tree on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), where "
+          "penalties and bad words are exact on trees")
+ALTERNATIVES.update(dict.fromkeys(("repetition_penalty", "frequency_penalty", "presence_penalty", "bad_words"), _ON_V1))
+# Why each is refused, per parameter (the comments above the lists say how).
+REASONS = {
+    "structured_outputs": "vLLM's grammar reads a row's drafts as one chain, so a tree node would be masked by the "
+                          "grammar after other nodes' drafts",
+    "thinking_token_budget": "vLLM's budget tracker counts a row's drafts as one chain, so a node's forced end of "
+                             "thinking would land at the wrong depth",
+}
+REASONS.update(dict.fromkeys(("repetition_penalty", "frequency_penalty", "presence_penalty", "bad_words"),
+                             "its penalties and bad words read a row's drafts as one chain, so a node would be "
+                             "penalized for other nodes' drafts"))
+
+
+def describe_setting(params, name: str) -> str:
+    """A refused parameter as the user sent it: structured outputs by the public fields set (the OpenAI API's
+    response_format arrives as them), never the params object's private state."""
+    value = getattr(params, name)
+    if name != "structured_outputs":
+        return f"{name}={value!r}"
+    fields = {f: getattr(value, f) for f in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+              if getattr(value, f, None) not in (None, False)}
+    shown = ", ".join(f"{f}={v!r}" for f, v in fields.items())
+    return f"structured outputs (response_format / structured_outputs: {shown})"
+
+
+def _runner_name(use_v2_model_runner: bool) -> str:
+    return "Model Runner V2" if use_v2_model_runner else "the V1 model runner"
 
 
 def tree_refusal(params, speculative_config, use_v2_model_runner: bool) -> tuple[str, str] | None:
     """`(message, first refused parameter)` when the request is refused on this engine's draft trees; None when
-    admitted (or the engine has no tree)."""
-    if draft_tree_of(speculative_config) is None:  # the front end's read: it holds no runner-side object
+    admitted (or the engine has no tree). The message names each refused parameter as the user sent it, why, and
+    what works instead (`ALTERNATIVES`)."""
+    tree = draft_tree_of(speculative_config)  # the front end's read: it holds no runner-side object
+    if tree is None:
         return None
-    refused, runner, alternative = _runner_refusals(use_v2_model_runner)
-    used = refused_params(params, refused)
+    used = refused_params(params, REFUSED_ON_V2_TREES if use_v2_model_runner else REFUSED_ON_V1_TREES)
     if not used:
         return None
-    settings = ", ".join(f"{name}={getattr(params, name)}" for name in used)
-    return (f"draft_tree_widths on {runner} does not support these sampling parameters yet ({settings}): a tree node "
-            f"would see other nodes' drafts. Send the request without them, or {alternative}", used[0])
+    widths = getattr(speculative_config, "draft_tree_widths", None)
+    settings = ", ".join(describe_setting(params, name) for name in used)
+    reasons = "; ".join(dict.fromkeys(REASONS[name] for name in used))
+    alternatives = set(ALTERNATIVES[name] for name in used)
+    # One alternative where the refused parameters share it; else the one that works for them all.
+    instead = alternatives.pop() if len(alternatives) == 1 else f"send the request without {', '.join(used)}"
+    return (f"{settings}: not supported with draft_tree_widths={widths} on {_runner_name(use_v2_model_runner)} "
+            f"({reasons}). Instead, {instead}.", used[0])
 
 
 def _refusing_tree_params(original):
