@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -82,6 +83,8 @@ def soak_strategy(strategy: str, args, extra_args: tuple[str, ...], deadline: fl
                                          if s.name == "vllm:request_success_total"}
         result_checks["server_alive"] = {"passed": server.alive() and server.healthy(), "detail": {}}
         log = server.log_text()
+        summary["engine_lines"] = [line[:300] for line in log.splitlines() if any(
+            m in line for m in ("Maximum concurrency", "KV cache size", "num_gpu_blocks", "draft tree of depth"))]
         dead = [line[:300] for line in log.splitlines() if any(m in line for m in ENGINE_DEAD_MARKERS)]
         result_checks["no_engine_errors"] = {"passed": not dead, "detail": {"lines": dead[:20]}}
     failed = [o for o in outcomes if o.result == "failed"]
@@ -102,11 +105,15 @@ def soak_strategy(strategy: str, args, extra_args: tuple[str, ...], deadline: fl
     return summary
 
 
-def gpu_args(kv_cache_memory_bytes: int) -> tuple[tuple[str, ...], dict]:
-    """The gpu-vllm site's engine arguments and the drafter's attention backend (bench/e2e/gpu_site.py)."""
+def gpu_args(kv_cache_memory_bytes: int, out: Path) -> tuple[tuple[str, ...], dict]:
+    """The gpu-vllm site's engine arguments and the drafter's attention backend (bench/e2e/gpu_site.py); puts the
+    plugin's entry point where the servers find it (the site imports the project from the source tree)."""
     from bench.e2e import gpu_site
 
     gpu_site.seed_model_info_cache()
+    metadata = gpu_site.plugin_metadata_dir(out / "plugin-metadata")
+    if metadata is not None:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(metadata), os.environ.get("PYTHONPATH")) if p)
     args = ("--attention-backend", gpu_site.ENGINE["attention_backend"], "--gdn-prefill-backend",
             gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes", str(kv_cache_memory_bytes))
     return args, dict(gpu_site.SPECULATIVE)
@@ -135,7 +142,7 @@ def parse(argv):
     extra = [a for a in extra if a != "--"]
     args.speculative_extra, args.extra_env = {}, {}
     if args.gpu:
-        site_args, args.speculative_extra = gpu_args(args.kv_cache_memory_bytes)
+        site_args, args.speculative_extra = gpu_args(args.kv_cache_memory_bytes, Path(args.out))
         extra = [*site_args, *extra]
     return args, tuple(extra)
 

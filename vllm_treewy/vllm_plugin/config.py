@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from vllm.config.speculative import SpeculativeConfig
 from vllm.config.utils import config
+from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.hashing import safe_hash
 
@@ -35,6 +36,19 @@ MambaStateCommit = Literal["store_all", "reconstruct"]
 RECONSTRUCT_METHODS = ("mtp", "custom_class")
 TREE_METHODS = ("mtp", "custom_class")  # drafters that propose a whole tree in node order (custom_class: tests)
 GDN_LAYER_TYPE = "linear_attention"
+
+logger = init_logger(__name__)
+
+
+def tree_metrics_note(widths: list[int], depth: int, num_nodes: int) -> str:
+    """What vLLM's figures count once a tree's config holds its N nodes in num_speculative_tokens (logged once at
+    start-up, where vLLM prints that config)."""
+    return (f"draft_tree_widths={widths}: a draft tree of depth {depth} with {num_nodes} nodes. vLLM's config and "
+            f"spec-decode figures count nodes from here on: num_speculative_tokens={num_nodes} (the drafts each "
+            f"verify holds); 'Avg Draft acceptance rate' is accepted tokens over {num_nodes} nodes per verify (a path "
+            f"accepts at most {depth}); the per-position acceptance has {num_nodes} positions, of which 0..{depth - 1}"
+            f" are depths 1..{depth} and the rest stay 0. Acceptance at depth d: accepted at position d - 1 / drafts; "
+            f"the mean acceptance length reads as for a chain of depth {depth}")
 
 
 def _has_gdn_layers(model_config) -> bool:
@@ -67,6 +81,8 @@ class TreewySpeculativeConfig(SpeculativeConfig):
             self._validate_tree_drafting()
             # vLLM schedules, verifies and accounts num_speculative_tokens drafts per request: all N nodes.
             self.num_speculative_tokens = self.draft_tree.num_nodes
+            logger.info_once(tree_metrics_note(self.draft_tree_widths, self.draft_tree_depth,
+                                               self.num_speculative_tokens))
             if self.draft_tree_max_batch_size is not None:
                 self.num_speculative_tokens_per_batch_size = threshold_schedule(
                     self.draft_tree_max_batch_size, self.draft_tree.num_nodes, self.draft_tree_depth)
