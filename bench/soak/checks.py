@@ -6,10 +6,11 @@
 - `refusals_say_why`: every 4xx message names the parameter it refuses;
 - `kv_usage_zero`: once idle, vLLM's `vllm:kv_cache_usage_perc` is 0 and no request is running or waiting (every
   aborted and disconnected request freed its blocks);
-- `slot_counts_in_range`: the plugin's probe (`gdn.slot_count_probe`) finds every GDN slot's count naming a node of
-  the verified block; counts left by the last owner of a freed slot are reported (`stale_counts`), as the next
-  owner's first step resets them;
-- `greedy_replay_identical`: greedy requests sent alone after the soak give the tokens they gave before it;
+- `greedy_replay_identical`: greedy requests sent alone after the soak give the tokens they gave before it. They run
+  in GDN slots that aborted, dropped and preempted requests left, some with a commit pending: what shows that a
+  slot's count state is reset for its next owner (`gdn.step_metadata`: the owner's first step writes 0 before any
+  layer reads it). The count state itself is not readable through the server, and a scan of it would say nothing:
+  it lives in the GDN page of vLLM's one KV pool, whose free blocks the attention layers reuse;
 - `spec_metrics_consistent`: vLLM's acceptance counters: accepted <= drafted tokens, accepted <= drafts x depth,
   the per-position counters sum to the accepted ones and never grow with depth, none beyond the draft depth; tree
   engines export `vllm:treewy_tree_fallbacks`.
@@ -75,12 +76,3 @@ def spec_metrics(samples: list[Sample], depth: int, tree: bool) -> tuple[bool, d
         problems.append("no vllm:treewy_tree_fallbacks")
     detail["problems"] = problems
     return not problems, detail
-
-
-def slot_count_check(probe: dict | None) -> tuple[bool | None, dict]:
-    """None (not checked) where the server has no probe."""
-    if probe is None:
-        return None, {"probe": "not loaded: the count state is not readable over HTTP without it"}
-    groups = [g for worker in probe["results"] for g in (worker or {}).get("groups", [])]
-    detail = {"groups": groups, "stale_counts": sum(g["nonzero"] for g in groups)}
-    return bool(groups) and all(g["out_of_range"] == 0 for g in groups), detail

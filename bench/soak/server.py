@@ -1,11 +1,9 @@
 """One `vllm serve` process for a soak: the README's chain or [2,2,1] tree command on loopback, its health, /metrics,
-the slot-count probe and its log.
+and its log.
 
 The server runs in its own process group (torn down on exit, whatever happens) with prefix caching on and vLLM's
 defaults otherwise; `extra_args` adds what a site needs (CI: `--enforce-eager`; the H200: the gpu-vllm site's
-backends and a fixed KV budget). With `probe=True` it also loads the plugin's slot-count probe
-(`vllm_treewy.vllm_plugin.gdn.slot_count_probe`, a vLLM worker extension, read through vLLM's development endpoint
-POST /collective_rpc, which `VLLM_SERVER_DEV_MODE=1` turns on); it changes nothing the engine does.
+backends and a fixed KV budget).
 """
 
 from __future__ import annotations
@@ -32,8 +30,6 @@ README_SPECS = {
     "tree": {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct",
              "draft_tree_widths": [2, 2, 1]},
 }
-PROBE_CLASS = "vllm_treewy.vllm_plugin.gdn.slot_count_probe.SlotCountProbe"
-PROBE_METHOD = "treewy_slot_counts"
 # Log lines that mean the engine died or a request failed inside it (not a client's disconnect).
 ENGINE_DEAD_MARKERS = ("EngineDeadError", "EngineCore encountered a fatal error", "Engine core proc",
                        "AsyncLLM output_handler failed", "died unexpectedly")
@@ -45,14 +41,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(model: str, strategy: str, port: int, max_model_len: int, probe: bool,
+def serve_command(model: str, strategy: str, port: int, max_model_len: int,
                   speculative_extra: dict | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
     spec = {**README_SPECS[strategy], **(speculative_extra or {})}
-    probe_args = ["--worker-extension-cls", PROBE_CLASS] if probe else []
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
             "--speculative-config", json.dumps(spec), "--enable-prefix-caching",
             "--max-model-len", str(max_model_len), "--host", HOST, "--port", str(port),
-            *probe_args, *extra_args]  # fmt: skip
+            *extra_args]  # fmt: skip
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, str]:
@@ -105,13 +100,6 @@ class Server:
             raise RuntimeError(f"/metrics: HTTP {status}: {text[:500]}")
         return parse_prometheus(text)
 
-    def slot_counts(self) -> dict | None:
-        """The probe's per-worker summaries, or None where the server was started without it."""
-        status, text = http("POST", f"{self.base_url}/collective_rpc", {"method": PROBE_METHOD})
-        if status != 200:
-            return None
-        return json.loads(text)
-
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -122,13 +110,11 @@ class Server:
         return self.log_text()[-chars:]
 
 
-def server_env(probe: bool, extra_env: dict | None = None) -> dict:
+def server_env(extra_env: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # `vllm serve` runs its engine core in its own process
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    if probe:
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /collective_rpc, which reads the probe
     env.update(extra_env or {})
     return env
 

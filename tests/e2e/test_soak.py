@@ -3,7 +3,7 @@
 n > 1, logprobs, stop strings, penalties, min_tokens, structured outputs, thinking budgets, long and too-long prompts,
 max_tokens 1, empty prompts, bad parameters) of which at least 20 are dropped mid-stream or aborted, in a KV cache
 small enough for preemptions. Then every check of `bench.soak.checks` holds: the server kept serving, every 4xx
-says why, the KV usage went back to 0, the slots' counts are in range, greedy replays are identical, and vLLM's
+says why, the KV usage went back to 0, greedy replays (in slots aborted requests left) are identical, and vLLM's
 acceptance counters are consistent.
 
 About 2.5 minutes on the 2-core CI machine (two engine starts at once, eager, then about a minute of requests).
@@ -23,15 +23,15 @@ MIN_REQUESTS = 200
 MIN_DROPPED = 20  # disconnects + aborts
 # A KV cache of this many blocks per server (a block holds 256+ tokens of every layer on the fixture): long prompts
 # beside 16 running requests overflow it, so vLLM preempts and recomputes.
-NUM_BLOCKS = 48
+NUM_BLOCKS = 32
 
 
 def test_soak_chain_and_tree(fixture_model, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     out = tmp_path / "soak"
-    code = soak_main(["--out", str(out), "--model", fixture_model, "--parallel", "--requests", "230",
-                      "--duration-s", "120", "--deadline-s", "170", "--concurrency", "16", "--max-tokens", "6",
-                      "--max-model-len", "512", "--p-disconnect", "0.15", "--p-abort", "0.15",
+    code = soak_main(["--out", str(out), "--model", fixture_model, "--parallel", "--requests", "220",
+                      "--duration-s", "150", "--concurrency", "16", "--max-tokens", "4",
+                      "--max-model-len", "320", "--p-disconnect", "0.15", "--p-abort", "0.15",
                       "--start-timeout-s", "150", "--", "--enforce-eager", "--num-gpu-blocks-override",
                       str(NUM_BLOCKS)])
     summary = json.loads((out / "summary.json").read_text())
@@ -44,7 +44,7 @@ def test_soak_chain_and_tree(fixture_model, tmp_path, monkeypatch):
     for s in summary["strategies"]:
         assert s["requests"] >= MIN_REQUESTS, report
         assert s["aborts"] + s["disconnects"] >= MIN_DROPPED, report
-        assert all(c["passed"] for c in s["checks"].values()), report  # the probe too: none skipped
+        assert all(c["passed"] for c in s["checks"].values()), report
         kinds = {r["kind"] for r in s["refusals"]}
         assert {"bad_temperature", "too_long_prompt"} <= kinds, s["refusals"]
         if s["strategy"] == "tree":  # the tree path's own refusals, with an alternative

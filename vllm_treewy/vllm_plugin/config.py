@@ -37,7 +37,7 @@ RECONSTRUCT_METHODS = ("mtp", "custom_class")
 TREE_METHODS = ("mtp", "custom_class")  # drafters that propose a whole tree in node order (custom_class: tests)
 GDN_LAYER_TYPE = "linear_attention"
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines
 
 
 def tree_metrics_note(widths: list[int], depth: int, num_nodes: int) -> str:
