@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 WEIGHTS = {
     "greedy": 8, "sampled": 6, "seeded": 4, "n_best": 3, "logprobs": 3, "chat_logprobs": 2, "stop": 3,
     "penalties": 3, "min_tokens": 3, "structured_outputs": 2, "response_format": 2, "thinking_budget": 2,
-    "long_prompt": 2, "too_long_prompt": 1, "max_tokens_1": 3, "empty_prompt": 1, "empty_chat": 1, "chat": 4,
+    "long_prompt": 4, "too_long_prompt": 1, "max_tokens_1": 3, "empty_prompt": 1, "empty_chat": 1, "chat": 4,
     "bad_temperature": 1, "bad_top_p": 1, "bad_n": 1, "bad_max_tokens": 1, "bad_logprobs": 1, "bad_model": 1,
 }  # fmt: skip
 # Kinds whose answer is a generation the client can drop or abort.
@@ -108,7 +108,9 @@ def plan_request(index: int, kind: str, rng: random.Random, ctx: MixContext) -> 
         p = Planned(index, kind, "chat", {**chat, "extra_body": {"thinking_token_budget": 4}}, "either",
                     checks={"max_tokens": m})
     elif kind == "long_prompt":
-        p.args["prompt"] = _long_prompt(rng, ctx, ctx.max_model_len - ctx.max_tokens - rng.randint(1, 64))
+        # Up to max_model_len, often a few tokens short of a block boundary that decoding then crosses: where a full
+        # KV cache makes vLLM preempt.
+        p.args["prompt"] = _long_prompt(rng, ctx, ctx.max_model_len - ctx.max_tokens - rng.randint(12, 72))
         p.args.update(temperature=rng.choice([0, 0.8]))
     elif kind == "too_long_prompt":
         p.args["prompt"] = _long_prompt(rng, ctx, ctx.max_model_len + rng.randint(1, 32))

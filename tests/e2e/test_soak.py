@@ -23,7 +23,7 @@ MIN_REQUESTS = 200
 MIN_DROPPED = 20  # disconnects + aborts
 # A KV cache of this many blocks per server (a block holds 256+ tokens of every layer on the fixture): long prompts
 # beside 16 running requests overflow it, so vLLM preempts and recomputes.
-NUM_BLOCKS = 32
+NUM_BLOCKS = 20
 
 
 def test_soak_chain_and_tree(fixture_model, tmp_path, monkeypatch):

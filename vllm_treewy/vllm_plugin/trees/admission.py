@@ -42,10 +42,10 @@ def refused_params(params, refused: tuple[tuple[str, object], ...]) -> list[str]
     return [name for name, neutral in refused if getattr(params, name, neutral) not in (neutral, [])]
 
 
-# What a refused request can do instead, per parameter: on the request, and on the server. Each alternative runs:
-# a chain (the same --speculative-config without draft_tree_widths) applies vLLM's grammar to its drafts, vLLM's thinking
-# budget needs a reasoning parser on any engine (vLLM refuses the budget without one), and the V1 runner's tree path
-# samples penalties and bad words along each node's path.
+# What a refused request can do instead, per parameter: on the request, and on the server. Each alternative runs: a
+# chain (the same --speculative-config without draft_tree_widths) applies vLLM's grammar to its drafts, vLLM's
+# thinking budget needs a reasoning parser on any engine (vLLM refuses the budget without one), and the V1 runner's
+# tree path samples penalties and bad words along each node's path.
 _CHAIN = "serve an MTP chain (the same --speculative-config without draft_tree_widths)"
 ALTERNATIVES = {
     "structured_outputs": f"send the request without response_format / structured_outputs, or {_CHAIN}, where vLLM "
