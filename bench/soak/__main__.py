@@ -38,7 +38,7 @@ DEPTH = 3  # the README's chain (k = 3) and tree ([2,2,1]) both draft 3 deep
 
 def refusal_reasons(outcomes) -> dict:
     """4xx answers grouped by kind, status and message (what docs/requests.md tabulates)."""
-    groups = Counter((o.kind, o.status, o.reason[:400]) for o in outcomes if o.result == "refused")
+    groups = Counter((o.kind, o.status, o.reason[:1500]) for o in outcomes if o.result == "refused")
     return [{"kind": k, "status": s, "message": m, "count": c} for (k, s, m), c in sorted(groups.items())]
 
 

@@ -234,6 +234,16 @@ def test_a_tree_builds_with_either_strategy_on_cpu(fixture_model, commit):
     assert spec_config.num_speculative_tokens == 6  # vLLM schedules all N nodes; the depth stays in the widths
 
 
+def test_a_tree_says_what_vllms_figures_count():
+    """vLLM prints num_speculative_tokens (the N nodes) and rates over N node slots for a tree: the plugin's start-up
+    line says so, with the depth the user wrote and which per-position series are depths."""
+    from vllm_treewy.vllm_plugin.config import tree_metrics_note
+
+    note = tree_metrics_note([2, 2, 1], 3, 10)
+    assert "depth 3 with 10 nodes" in note and "num_speculative_tokens=10" in note
+    assert "0..2 are depths 1..3" in note and "over 10 nodes per verify" in note
+
+
 def test_a_store_all_tree_is_refused_off_cpu(fixture_model, monkeypatch):
     from vllm.platforms import current_platform
 
