@@ -32,7 +32,7 @@ def test_soak_chain_and_tree(fixture_model, tmp_path, monkeypatch):
     code = soak_main(["--out", str(out), "--model", fixture_model, "--parallel", "--requests", "220",
                       "--duration-s", "150", "--concurrency", "16", "--max-tokens", "4",
                       "--max-model-len", "320", "--p-disconnect", "0.15", "--p-abort", "0.15",
-                      "--start-timeout-s", "150", "--", "--enforce-eager", "--num-gpu-blocks-override",
+                      "--start-timeout-s", "300", "--", "--enforce-eager", "--num-gpu-blocks-override",
                       str(NUM_BLOCKS)])
     summary = json.loads((out / "summary.json").read_text())
     report = json.dumps([{k: s.get(k) for k in ("strategy", "requests", "by_result", "aborts", "disconnects",
