@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     if args.model is None:
         from vllm_treewy.fixture import build_fixture
 
-        args.model = str(build_fixture(Path(tempfile.mkdtemp(prefix="soak-fixture-", dir=args.out))))
+        args.model = str(build_fixture(Path(tempfile.mkdtemp(prefix="soak-fixture-"))))
     results: dict[str, dict] = {}
 
     def run(strategy: str) -> None:
