@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -103,7 +104,7 @@ async def run_one(client: openai.AsyncOpenAI, p: Planned) -> Outcome:
     return out
 
 
-async def drive(base_url: str, planned: list[Planned], concurrency: int, duration_s: float) -> list[Outcome]:
+async def drive(base_url: str, planned: Iterable[Planned], concurrency: int, duration_s: float) -> list[Outcome]:
     """Runs `planned` in order with at most `concurrency` in flight; stops starting new ones after `duration_s`."""
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(limits=limits, timeout=CLIENT_TIMEOUT_S) as http_client:

@@ -9,6 +9,7 @@ refused as the engine's configuration decides: the tree path's refusals, vLLM's 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 # Relative weights of the kinds in the mix.
@@ -153,9 +154,10 @@ def plan_request(index: int, kind: str, rng: random.Random, ctx: MixContext) -> 
     return p
 
 
-def plan(num_requests: int, seed: int, ctx: MixContext) -> list[Planned]:
-    """The seeded sequence of `num_requests` requests."""
+def plan(num_requests: int, seed: int, ctx: MixContext) -> Iterator[Planned]:
+    """The seeded sequence of `num_requests` requests, made as they are sent (a long soak's plan is never held)."""
     rng = random.Random(seed)
     kinds = list(WEIGHTS)
     weights = [WEIGHTS[k] for k in kinds]
-    return [plan_request(i, rng.choices(kinds, weights)[0], rng, ctx) for i in range(num_requests)]
+    for i in range(num_requests):
+        yield plan_request(i, rng.choices(kinds, weights)[0], rng, ctx)

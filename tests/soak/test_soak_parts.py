@@ -16,7 +16,7 @@ CTX = mix.MixContext("m", [[1, 2, 3], list(range(40))], 320, 4, 0.15, 0.15)
 
 
 def test_the_mix_is_seeded_and_holds_every_kind():
-    first, again = mix.plan(600, 3, CTX), mix.plan(600, 3, CTX)
+    first, again = list(mix.plan(600, 3, CTX)), list(mix.plan(600, 3, CTX))
     assert [(p.kind, p.args, p.action) for p in first] == [(p.kind, p.args, p.action) for p in again]
     assert {p.kind for p in first} == set(mix.WEIGHTS)
     assert {p.action for p in first} == {"read", "stream", "disconnect", "abort"}
