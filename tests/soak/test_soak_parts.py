@@ -74,3 +74,14 @@ def test_the_table_has_a_row_per_kind_and_server():
     assert table.rows([summary]) == [
         (table.SENT["penalties"], "[2,2,1] tree", "200", "accepted"),
         (table.SENT["bad_n"], "[2,2,1] tree", "400", "n must be at least 1, got 0.")]
+
+
+def test_the_servers_are_the_readmes_commands():
+    import json
+    from pathlib import Path
+
+    from bench.soak.server import README_SPECS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for spec in README_SPECS.values():
+        assert json.dumps(spec, separators=(",", ":")) in readme, spec
