@@ -29,11 +29,13 @@ SERVERS = {"chain": "reconstruct chain (k = 3)", "tree": "[2,2,1] tree"}
 
 
 def rows(summaries: list[dict]) -> list[tuple[str, str, str, str]]:
-    """(sent, server, status, message) for every refused kind, and "accepted" rows for the kinds a server took."""
+    """(sent, server, status, message) for every refused kind, and "accepted" rows for the kinds a server took; the
+    server names its platform (a `--gpu` soak runs vLLM's default runner on CUDA, Model Runner V2)."""
     out = {}
     for summary in summaries:
+        platform = "CUDA, Model Runner V2" if summary.get("args", {}).get("gpu") else "CPU, V1 runner"
         for result in summary["strategies"]:
-            server = SERVERS[result["strategy"]]
+            server = f"{SERVERS[result['strategy']]} ({platform})"
             for refusal in result.get("refusals", []):
                 message = refusal["message"].removeprefix(f"Error code: {refusal['status']} - ")
                 out.setdefault((refusal["kind"], server), (str(refusal["status"]), message))

@@ -72,8 +72,8 @@ def test_the_table_has_a_row_per_kind_and_server():
     summary = {"strategies": [{"strategy": "tree", "by_kind": {"bad_n": 1, "penalties": 2}, "refusals": [
         {"kind": "bad_n", "status": 400, "message": "Error code: 400 - n must be at least 1, got 0.", "count": 1}]}]}
     assert table.rows([summary]) == [
-        (table.SENT["penalties"], "[2,2,1] tree", "200", "accepted"),
-        (table.SENT["bad_n"], "[2,2,1] tree", "400", "n must be at least 1, got 0.")]
+        (table.SENT["penalties"], "[2,2,1] tree (CPU, V1 runner)", "200", "accepted"),
+        (table.SENT["bad_n"], "[2,2,1] tree (CPU, V1 runner)", "400", "n must be at least 1, got 0.")]
 
 
 def test_the_servers_are_the_readmes_commands():
