@@ -6,8 +6,8 @@ small enough for preemptions. Then every check of `bench.soak.checks` holds: the
 says why, the KV usage went back to 0, greedy replays (in slots aborted requests left) are identical, and vLLM's
 acceptance counters are consistent.
 
-Time: the two engine starts (at once, eager) and 1.5 minutes of requests: 4.3 minutes on the shared 2-core machine at
-a load average of 10, where each start took 150-160 s (bench/results/soak/README.md).
+Time: the two engine starts (at once, eager) and about a minute of requests: 2.5 minutes on the 2-core machine (4.3
+under a load average of 10, where each start took 150-160 s; bench/results/soak/README.md).
 """
 
 from __future__ import annotations
