@@ -57,7 +57,7 @@ from vllm_treewy.vllm_plugin.patch_points import (
     RUNNER_SAMPLE,
     RUNNER_SAMPLE_TOKENS,
 )
-from vllm_treewy.vllm_plugin.trees.attention import check_tree_backends, hand_to_triton_layers
+from vllm_treewy.vllm_plugin.trees.attention import check_tree_backends, hand_tree_to_attention_layers
 from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.trees.run_state import tree_state_of
 from vllm_treewy.vllm_plugin.trees.sampling import record_accepted_leaves
@@ -124,8 +124,8 @@ def _handing_tree_step_to_attention(original):
                 replace_metadata(attn_metadata, lambda name, metadata: with_tree(metadata, tree_step=step)
                                  if isinstance(metadata, CPUAttentionMetadata) else None)
         else:
-            hand_to_triton_layers(state, self.compilation_config.static_forward_context, attn_metadata, step,
-                                  prepared, self.device)
+            hand_tree_to_attention_layers(state, self.compilation_config.static_forward_context, attn_metadata,
+                                          step, prepared, self.device)
         return attn_metadata, spec_common
 
     return build_attention_metadata
