@@ -373,8 +373,8 @@ def serve_command(args, model: str, on_gpu: bool) -> list[str]:
     """`vllm serve MODEL --speculative-config '<README's spec>'` (the tree's with `--tree`) and, on the GPU, the
     gpu-vllm site's backends and a fixed KV budget (the GPU is shared); prefix caching left to vLLM."""
     spec = {**README_SPECS["tree" if args.tree else "chain"], **(gpu_site.SPECULATIVE if on_gpu else {})}
-    site = ["--attention-backend", gpu_site.ENGINE["attention_backend"], "--gdn-prefill-backend",
-            gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes",
+    backend = ["--attention-backend", gpu_site.ATTENTION_BACKEND] if gpu_site.ATTENTION_BACKEND else []
+    site = [*backend, "--gdn-prefill-backend", gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes",
             str(args.kv_cache_memory_bytes or 4 << 30)] if on_gpu else []
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--speculative-config",
             json.dumps(spec), *site, "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--port",
