@@ -61,9 +61,9 @@ class AcceptGraphBuffers:
 
 
 def paged_cache_groups_of(runner) -> list[list[torch.Tensor]]:
-    """The KV caches of the runner's TRITON_ATTN and FLASH_ATTN layers per KV-cache group (V2 builds one block table
-    per group, which its layers' metadata share), each cache once (KV sharing: its first layer's group), in V2's group and layer
-    order: the grouping `trees.attention.hand_tree_to_attention_layers` records a step's layers with."""
+    """The KV caches of the runner's TRITON_ATTN and FLASH_ATTN layers per KV-cache group (V2 builds one block table per
+    group, which its layers' metadata share), each cache once (KV sharing: its first layer's group), in V2's group and
+    layer order: the grouping `trees.attention.hand_tree_to_attention_layers` records a step's layers with."""
     layers = runner.compilation_config.static_forward_context
     groups: dict[int, list[torch.Tensor]] = {}
     seen = set()

@@ -24,11 +24,12 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    `is_prefilling_np`, `query_start_loc_np`), each root's position is read on the device (V2's host count of
    computed tokens is an upper bound under async scheduling), and the tree tokens get depth positions in V2's
    persistent positions buffer (a FULL graph reads it in place).
-2. `MambaHybridModelState.prepare_attn` (V2_MAMBA_PREPARE_ATTN; real steps, dummy runs and graph captures): the
-   tree bias, ancestor table or step onto the TRITON_ATTN / FLASH_ATTN metadata, as V1's `_build_attention_metadata`
-   hook does. A capture or dummy run of a uniform 1 + N decode batch gets the bias or table (V2 replays FULL decode
-   graphs for decode-only batches, every row a tree row or a one-token decode); the drafter's own first-pass graphs are captured without it, and so are
-   the target's 1 + D decode graphs of `draft_tree_max_batch_size` (chain steps: vLLM's causal attention).
+2. `MambaHybridModelState.prepare_attn` (V2_MAMBA_PREPARE_ATTN; real steps, dummy runs and graph captures): the tree
+   bias, ancestor table or step onto the TRITON_ATTN / FLASH_ATTN metadata, as V1's `_build_attention_metadata` hook
+   does. A capture or dummy run of a uniform 1 + N decode batch gets the bias or table (V2 replays FULL decode graphs
+   for decode-only batches, every row a tree row or a one-token decode); the drafter's own first-pass graphs are
+   captured without it, and so are the target's 1 + D decode graphs of `draft_tree_max_batch_size` (chain steps: vLLM's
+   causal attention).
 3. `GPUModelRunner.sample` (V2_RUNNER_SAMPLE): tree acceptance instead of V2's rejection sampler. V2's sampler draws
    every verified token's row in ONE call (`Sampler.sample`), its Gumbel noise keyed by (request seed, position):
    with depth positions, a node at depth d draws with the noise plain decoding uses at that position, so walking the
