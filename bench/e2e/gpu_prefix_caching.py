@@ -150,7 +150,8 @@ def run_name(args) -> str:
 
 def _as_v2_chains_run(args) -> argparse.Namespace:
     """This run as `bench.e2e.gpu_v2_chains` names its shape (a chain of K drafts or the tree, no threshold)."""
-    return argparse.Namespace(strategy=args.strategy, k=K, tree_widths=args.tree_widths, tree_max_batch_size=None)
+    return argparse.Namespace(strategy=args.strategy, k=K, tree_widths=args.tree_widths, tree_max_batch_size=None,
+                              attention_backend=args.attention_backend)
 
 
 def speculative_config(args) -> dict | None:
