@@ -221,3 +221,25 @@ def test_check_flash_tree_support_names_what_it_refuses():
     impl.vllm_flash_attn_version, impl.kv_cache_dtype, impl.logits_soft_cap = 4, "fp8", 30.0
     with pytest.raises(NotImplementedError, match="FlashAttention version 4.*fp8.*soft cap.*TRITON_ATTN"):
         tree_attention_hooks.check_flash_tree_support(impl)
+
+
+def test_check_tree_backends_accepts_flash_attn_and_names_the_supported_backends(monkeypatch):
+    """On CUDA (platform stood in), FLASH_ATTN layers pass with supported settings and are refused with what is
+    wrong; a layer of another backend is refused naming FLASH_ATTN and TRITON_ATTN."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    impl = object.__new__(flash_attn.FlashAttentionImpl)
+    impl.vllm_flash_attn_version, impl.kv_cache_dtype, impl.sliding_window = 3, "auto", (-1, -1)
+    impl.alibi_slopes, impl.logits_soft_cap, impl.sinks, impl.dcp_world_size = None, 0.0, None, 1
+    impl.kv_sharing_target_layer_name, impl.attn_type = None, tree_attention_hooks.AttentionType.DECODER
+    config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                             static_forward_context={"attn": SimpleNamespace(impl=impl)})
+    metadata = object.__new__(flash_attn.FlashAttentionMetadata)
+    tree_attention_hooks.check_tree_backends(config, {"attn": metadata})
+    impl.sliding_window = (127, 0)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        tree_attention_hooks.check_tree_backends(config, {"attn": metadata})
+    with pytest.raises(ValueError, match=r"layer attn runs SimpleNamespace.*FLASH_ATTN.*TRITON_ATTN"):
+        tree_attention_hooks.check_tree_backends(config, {"attn": SimpleNamespace()})
