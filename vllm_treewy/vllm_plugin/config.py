@@ -122,7 +122,8 @@ class TreewySpeculativeConfig(SpeculativeConfig):
                              "tokens take depth positions on one axis)")
         if not (current_platform.is_cpu() or current_platform.is_cuda()):
             raise ValueError(f"draft_tree_widths={widths}: draft trees run on vLLM's CPU backend or on CUDA with "
-                             "attention_backend='TRITON_ATTN' (tree attention reads those paged KV layouts)")
+                             "attention_backend 'FLASH_ATTN' or 'TRITON_ATTN' (tree attention reads those paged KV "
+                             "layouts)")
         if self.mamba_state_commit == "store_all" and not current_platform.is_cpu():
             raise ValueError(f"draft_tree_widths={widths}: the store_all tree (a GDN state per node, the baseline "
                              "reconstruct is compared with) runs on vLLM's CPU backend only; use 'reconstruct'")

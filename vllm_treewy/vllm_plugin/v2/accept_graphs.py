@@ -18,7 +18,7 @@ caches and counts end exactly as the R real rows leave them, and the padded outp
 Captured in V2's capture phase (`GPUModelRunner.capture_model`, right after V2's own graphs and the drafting levels'
 ones: `v2.runner`), at the levels' padded sizes, into the same pool, as those are; nothing inside V2's
 graph-memory profiling. What the graph bakes in: the KV caches of the TRITON_ATTN layers grouped by KV-cache group
-(`triton_cache_groups`; a step whose recorded layers group differently runs eagerly) and the GDN groups' count
+(`paged_cache_groups_of`; a step whose recorded layers group differently runs eagerly) and the GDN groups' count
 states and V2 block tables (persistent).
 """
 
@@ -36,7 +36,7 @@ from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeConstants, 
 from vllm_treewy.vllm_plugin.v2.acceptance import TreeSampling, accept_and_commit_tree_rows
 from vllm_treewy.vllm_plugin.v2.accepted_counts import leaf_count_groups
 
-TRITON_ATTN = "TRITON_ATTN"
+PAGED_TREE_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN")  # one paged KV layout: `trees.attention_flash`
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines, as it configures them
 
 
@@ -60,16 +60,16 @@ class AcceptGraphBuffers:
                    [zeros(max_reqs, width, dtype=torch.int32) for width in table_widths])
 
 
-def triton_cache_groups(runner) -> list[list[torch.Tensor]]:
-    """The KV caches of the runner's TRITON_ATTN layers per KV-cache group (V2 builds one block table per group, which
-    its layers' metadata share), each cache once (KV sharing: its first layer's group), in V2's group and layer
-    order: the grouping `trees.attention.hand_to_triton_layers` records a step's layers with."""
+def paged_cache_groups_of(runner) -> list[list[torch.Tensor]]:
+    """The KV caches of the runner's TRITON_ATTN and FLASH_ATTN layers per KV-cache group (V2 builds one block table per
+    group, which its layers' metadata share), each cache once (KV sharing: its first layer's group), in V2's group and
+    layer order: the grouping `trees.attention.hand_tree_to_attention_layers` records a step's layers with."""
     layers = runner.compilation_config.static_forward_context
     groups: dict[int, list[torch.Tensor]] = {}
     seen = set()
     for attn_groups in runner.attn_groups:
         for attn_group in attn_groups:
-            if attn_group.backend.get_name() != TRITON_ATTN:
+            if attn_group.backend.get_name() not in PAGED_TREE_BACKENDS:
                 continue
             for name in attn_group.layer_names:
                 cache = layers[name].kv_cache
@@ -86,8 +86,8 @@ def _cache_key(caches) -> frozenset:
 class TreeAcceptGraphs:
     """The captured graphs of `accept_and_commit_tree_rows` by padded request count, with their buffers.
 
-    `cache_groups`: `triton_cache_groups`; `gdn_groups`: `v2.accepted_counts.gdn_groups_of`; `max_model_len` bounds the
-    positions a move touches, so a group's table buffer holds cdiv(max_model_len, block size) + 1 columns (a step's
+    `cache_groups`: `paged_cache_groups_of`; `gdn_groups`: `v2.accepted_counts.gdn_groups_of`; `max_model_len` bounds
+    the positions a move touches, so a group's table buffer holds cdiv(max_model_len, block size) + 1 columns (a step's
     table rows are copied up to that width: no position past it is ever read). `constants`: the tree's on the device
     (the speculator's `tree_constants`, whose uniform steps the runner's all-tree steps share)."""
 
@@ -151,7 +151,7 @@ class TreeAcceptGraphs:
 
     def _group_tables(self, step: TreeStep) -> list[torch.Tensor] | None:
         """The step's tree-row block table of each captured cache group, in capture order (None: the step's layers
-        are not grouped as captured, or not all TRITON_ATTN)."""
+        are not grouped as captured, or not all TRITON_ATTN / FLASH_ATTN)."""
         if any(not isinstance(layer, PagedLayerCaches) for layer in step.attention_layers):
             return None
         tables = {_cache_key(caches): table for table, caches in paged_cache_groups(step.attention_layers)}
@@ -208,7 +208,7 @@ def capture_accept_graphs(runner, state) -> None:
     state.accept_graphs = None
     if not sizes:
         return
-    graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, triton_cache_groups(runner),
+    graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, paged_cache_groups_of(runner),
                               leaf_count_groups(runner), max(sizes), speculator.max_model_len,
                               speculator.tree_constants(state.tree))
     graphs.capture(sizes, speculator.prefill_cudagraph_manager.pool, speculator.vllm_config, speculator.device)

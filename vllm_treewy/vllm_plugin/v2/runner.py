@@ -1,13 +1,14 @@
-"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN), the runner vLLM picks on
-CUDA; VLLM_USE_V2_MODEL_RUNNER=0 puts them on the V1 runner's hooks (`v1.runner`), as vLLM's CPU backend does.
+"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with FLASH_ATTN or TRITON_ATTN), the runner
+vLLM picks on CUDA; VLLM_USE_V2_MODEL_RUNNER=0 puts them on the V1 runner's hooks (`v1.runner`), as vLLM's CPU
+backend does.
 
 What V2 shares with the V1 tree path (`v1.runner`), through `trees` and `gdn`:
 
 - the tree step (`trees.step.find_tree_step`: the tree rows, their block tokens, parents, position shifts) and the
   depth RoPE positions (`trees.step.override_positions`);
-- tree attention on TRITON_ATTN (`trees.attention.hand_to_triton_layers` puts the tree bias, or for a batch with
-  prefills the tree step, onto the step's attention metadata and records the layers' caches; the attention forward
-  and `unified_attention` hooks, `trees.attention`, serve either runner);
+- tree attention on TRITON_ATTN and FLASH_ATTN (`trees.attention.hand_tree_to_attention_layers` puts the tree bias
+  or ancestor table, or for a batch with prefills the tree step, onto the step's attention metadata and records the
+  layers' caches; the attention forward hooks, `trees.attention`, serve either runner);
 - the GDN side: V2 calls the same GDN metadata builder, so `gdn.step_metadata` gives the tree's commit nodes and
   counts, and the reconstruct layer verifies along the tree (nothing V2-specific);
 - acceptance (the one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws`), the output rows
@@ -23,11 +24,12 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    `is_prefilling_np`, `query_start_loc_np`), each root's position is read on the device (V2's host count of
    computed tokens is an upper bound under async scheduling), and the tree tokens get depth positions in V2's
    persistent positions buffer (a FULL graph reads it in place).
-2. `MambaHybridModelState.prepare_attn` (V2_MAMBA_PREPARE_ATTN; real steps, dummy runs and graph captures): the
-   tree bias or step onto the TRITON_ATTN metadata, as V1's `_build_attention_metadata` hook does. A capture or dummy
-   run of a uniform 1 + N decode batch gets the bias (V2 replays FULL decode graphs for decode-only batches, every
-   row a tree row or a one-token decode); the drafter's own first-pass graphs are captured without it, and so are
-   the target's 1 + D decode graphs of `draft_tree_max_batch_size` (chain steps: vLLM's causal attention).
+2. `MambaHybridModelState.prepare_attn` (V2_MAMBA_PREPARE_ATTN; real steps, dummy runs and graph captures): the tree
+   bias, ancestor table or step onto the TRITON_ATTN / FLASH_ATTN metadata, as V1's `_build_attention_metadata` hook
+   does. A capture or dummy run of a uniform 1 + N decode batch gets the bias or table (V2 replays FULL decode graphs
+   for decode-only batches, every row a tree row or a one-token decode); the drafter's own first-pass graphs are
+   captured without it, and so are the target's 1 + D decode graphs of `draft_tree_max_batch_size` (chain steps: vLLM's
+   causal attention).
 3. `GPUModelRunner.sample` (V2_RUNNER_SAMPLE): tree acceptance instead of V2's rejection sampler. V2's sampler draws
    every verified token's row in ONE call (`Sampler.sample`), its Gumbel noise keyed by (request seed, position):
    with depth positions, a node at depth d draws with the noise plain decoding uses at that position, so walking the
@@ -73,7 +75,7 @@ from vllm_treewy.vllm_plugin.patch_points import (
     V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY,
     V2_RUNNER_SAMPLE,
 )
-from vllm_treewy.vllm_plugin.trees.attention import check_tree_backends, hand_to_triton_layers
+from vllm_treewy.vllm_plugin.trees.attention import check_tree_backends, hand_tree_to_attention_layers
 from vllm_treewy.vllm_plugin.trees.step import (
     TreeConstants,
     TreeStep,
@@ -212,8 +214,8 @@ def _handing_tree_to_attention(original):
             per_layer = attn_metadata if isinstance(attn_metadata, dict) else {}
             check_tree_backends(self.vllm_config.compilation_config, per_layer)
             state.backends_checked = bool(per_layer)
-        hand_to_triton_layers(state, self.vllm_config.compilation_config.static_forward_context, attn_metadata, step,
-                              prepared, input_batch.positions.device)
+        hand_tree_to_attention_layers(state, self.vllm_config.compilation_config.static_forward_context,
+                                      attn_metadata, step, prepared, input_batch.positions.device)
         return attn_metadata
 
     return prepare_attn
