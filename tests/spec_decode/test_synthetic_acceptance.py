@@ -17,6 +17,7 @@ from vllm_treewy.spec_decode.acceptance import UniformWalkTables
 from vllm_treewy.spec_decode.synthetic_acceptance import (
     NodeRateIndex,
     conditional_rates_reference,
+    expected_accepted_nodes,
     node_rates,
     synthetic_tree_acceptance,
 )
@@ -172,3 +173,14 @@ def test_requests_of_one_batch_keep_their_own_rates():
         assert p_value > P_MIN, frequencies
     # and the classes differ: prose accepts fewer
     assert result.num_accepted[1::2].double().mean() < result.num_accepted[0::2].double().mean() - 0.5
+
+
+def test_expected_accepted_nodes_is_the_walks_mean():
+    rates = [unconditional_to_conditional_rates(CODE_LIKE[:3]), [0.4] * 3]
+    result, _, _ = run(TREE_322, torch.tensor(rates), TRIALS, seed=15)
+    accepted = result.num_accepted.double()
+    standard_error = float(accepted.std()) / TRIALS ** 0.5
+    assert abs(float(accepted.mean()) - expected_accepted_nodes(TREE_322, rates)) < 4 * standard_error
+    chain = DraftTree.from_widths([1, 1, 1, 1]).parents
+    assert expected_accepted_nodes(chain, [unconditional_to_conditional_rates(CODE_LIKE), [0.0] * 4]) == pytest.approx(
+        sum(CODE_LIKE))  # vLLM's chain: 1 + sum(p) tokens a step

@@ -91,3 +91,18 @@ def conditional_rates_reference(parents: Sequence[int], rates: Sequence[Sequence
         first = all(parents[m] != parent for m in range(node))
         out.append(rates[FIRST_CHILD if first else LATER_SIBLING][depth[node] - 1])
     return out
+
+
+def expected_accepted_nodes(parents: Sequence[int], rates: Sequence[Sequence[float]]) -> float:
+    """The mean number of drafts the synthetic walk accepts on one tree with ``rates [2][D]`` (the mean acceptance
+    length is one more: the bonus): the sum over nodes of P(the walk takes the node) = P(it takes the parent) x the
+    probability that no earlier sibling carries and this one does."""
+    node_rate = conditional_rates_reference(parents, rates)
+    taken: list[float] = []
+    none_earlier: dict[int, float] = {}  # per parent: P(no child so far carried)
+    for node, parent in enumerate(parents):
+        reach = 1.0 if parent < 0 else taken[parent]
+        missed = none_earlier.get(parent, 1.0)
+        taken.append(reach * missed * node_rate[node])
+        none_earlier[parent] = missed * (1.0 - node_rate[node])
+    return sum(taken)
