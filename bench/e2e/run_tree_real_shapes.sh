@@ -10,7 +10,7 @@
 # trees need it until tree attention runs on FLASH_ATTN); MAX_TOKENS (128), PROMPT_LEN (256), GPU_UTIL (0.9);
 # CALL_LIMIT_S (570): an engine that would start with less than MIN_ENGINE_S (240) left is skipped and logged.
 # OUT_DIR gets ENGINE.json per engine (points, command, device facts, the runner and graphs vLLM used), log.txt,
-# logs.tar.gz and report.{json,csv,md} (tree / chain tokens/s, step-time ratio, break-even sibling rate per B).
+# logs-HHMMSS.tar.gz and report.{json,csv,md} (tree / chain tokens/s, step-time ratio, break-even sibling rate per B).
 set -u
 out=$1; shift
 mkdir -p "$out/logs"
@@ -40,5 +40,5 @@ for engine in ${ENGINES:-tree221 k3-code}; do
 done
 python3 -m bench.e2e.tree_real_shapes report --out "$out" >"$out/logs/report.log" 2>&1
 echo "=== report rc=$? at $(( $(date +%s) - start )) s" >>"$log"
-tar czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
+tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"  # a call's own (folders merge)
 tail -60 "$log"

@@ -78,7 +78,8 @@ def test_wrapper_runs_the_chosen_engines_and_skips_by_time(tmp_path):
                    capture_output=True, timeout=60)
     log = (out / "log.txt").read_text()
     assert "=== tree3221 rc=0" in log and "=== k4-prose rc=0" in log and "=== report rc=0" in log
-    subprocess.run(["tar", "xzf", str(out / "logs.tar.gz"), "-C", str(tmp_path)], check=True)
+    (archive,) = out.glob("logs-*.tar.gz")
+    subprocess.run(["tar", "xzf", str(archive), "-C", str(tmp_path)], check=True)
     command = (tmp_path / "logs" / "k4-prose.log").read_text()
     assert "engine --name k4 --profiles prose --shape qwen35-35b-a3b --layers 8 --batches 1 8" in command
     assert "--attention-backend TRITON_ATTN" in command
