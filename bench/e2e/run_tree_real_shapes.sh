@@ -2,7 +2,8 @@
 # Draft trees against chains at a real shape with synthetic acceptance (bench/e2e/tree_real_shapes.py), one engine per
 # process, in turn, in one device call; then the report over everything OUT_DIR holds (earlier calls' engines too).
 # Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
-#   SHAPE=qwen35-27b LAYERS=16 ENGINES="tree221 k3-code" BATCHES="1 2 4 8" bash bench/e2e/run_tree_real_shapes.sh OUT_DIR
+#   SHAPE=qwen35-27b LAYERS=16 ENGINES="tree221 k3-code" BATCHES="1 2 4 8" \
+#     bash bench/e2e/run_tree_real_shapes.sh OUT_DIR
 # ENGINES: tree221 tree322 tree2221 tree3221 (each serves every profile and sibling rate through its requests' extra
 # arguments) and k3-code k3-prose k4-code k4-prose (vLLM's synthetic chain: one profile an engine). SHAPE: a shape of
 # bench/sweep/models.py or "fixture" (the CPU dry run); LAYERS: the shape cut to that many layers (a multiple of 4;
@@ -17,13 +18,15 @@ mkdir -p "$out/logs"
 log=$out/log.txt
 start=$(date +%s)
 limit=${CALL_LIMIT_S:-570}
-echo "=== $(date -u +%FT%TZ) SHAPE=${SHAPE:-qwen35-27b} LAYERS=${LAYERS:-} ENGINES='${ENGINES:-}' BATCHES='${BATCHES:-}' ATTN_BACKEND=${ATTN_BACKEND:-TRITON_ATTN} $*" >>"$log"
+echo "=== $(date -u +%FT%TZ) SHAPE=${SHAPE:-qwen35-27b} LAYERS=${LAYERS:-} ENGINES='${ENGINES:-}'" \
+  "BATCHES='${BATCHES:-}' ATTN_BACKEND=${ATTN_BACKEND:-TRITON_ATTN} $*" >>"$log"
 layers=(); [ -n "${LAYERS:-}" ] && layers=(--layers "$LAYERS")
 for engine in ${ENGINES:-tree221 k3-code}; do
   case $engine in
     tree221|tree322|tree2221|tree3221) name=$engine profiles=(--profiles code prose) ;;
     k3-code|k3-prose|k4-code|k4-prose) name=${engine%-*} profiles=(--profiles "${engine#*-}") ;;
-    *) echo "unknown engine $engine (tree221 tree322 tree2221 tree3221 k3-code k3-prose k4-code k4-prose)" >&2; exit 2 ;;
+    *) echo "unknown engine $engine (tree221 tree322 tree2221 tree3221 k3-code k3-prose k4-code k4-prose)" >&2
+       exit 2 ;;
   esac
   left=$(( limit - ($(date +%s) - start) ))
   if [ "$left" -lt "${MIN_ENGINE_S:-240}" ]; then
