@@ -20,8 +20,9 @@ Each point (engine, profile, sibling rate, B): B requests of `--prompt-len` rand
 generated tokens (ignore_eos), all admitted at once; tokens/s = generated / seconds; step time = seconds / the
 runner's steps (`gpu_v2_chains.counting_steps`, which also counts V2's FULL-graph replays by token count); acceptance
 length from vLLM's spec-decode counters. `report` computes per B the tree / chain tokens/s, the step-time ratio, and
-the break-even sibling rate (the sibling rate at which the tree's expected acceptance length, `spec_decode.synthetic_acceptance.expected_accepted_nodes`, times the chain's step time
-over the tree's, equals the chain's measured length).
+the break-even sibling rate (the sibling rate at which the tree's expected acceptance length,
+`spec_decode.synthetic_acceptance.expected_accepted_nodes`, times the chain's step time over the tree's, equals the
+chain's measured length).
 
 On CPU (`--shape fixture`, the dry run): vLLM's CPU backend runs the V1 runner, which has no synthetic tree path and
 whose sampler refuses synthetic chains, so acceptance is the fixture's real one and no class is sent; the flow, files
