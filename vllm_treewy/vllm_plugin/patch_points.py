@@ -378,6 +378,12 @@ V2_RUNNER_SAMPLE = PatchPoint(
     ("self", "hidden_states", "input_batch", "grammar_output"), only_on="cuda",
     returns="tuple[SamplerOutput, Tensor, Tensor]",
 )
+V2_RUNNER_ADD_REQUESTS = PatchPoint(
+    _RUNNER_V2, "GPUModelRunner.add_requests", "wraps",
+    "synthetic tree acceptance on V2 (benchmarks): each new request's rates (its SamplingParams.extra_args, else the "
+    "engine's) into its request slot's row of the tree state's rate tensor (trees.synthetic)",
+    ("self", "scheduler_output"), only_on="cuda",
+)
 V2_SAMPLER_SAMPLE = PatchPoint(
     "vllm.v1.worker.gpu.sample.sampler", "Sampler.sample", "calls",
     "draft trees on V2: every logits row's draw with the request's sampling parameters, Gumbel noise keyed by "
@@ -597,6 +603,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     V2_RUNNER_PREPARE_ATTN,
     V2_MAMBA_PREPARE_ATTN,
     V2_RUNNER_SAMPLE,
+    V2_RUNNER_ADD_REQUESTS,
     V2_SAMPLER_SAMPLE,
     V2_NUM_SAMPLED_AND_REJECTED,
     V2_REJECTION_LOGPROBS,
@@ -678,6 +685,22 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
          "model_state", "attn_groups"),
         "reads", "draft trees on V2 (v2.runner): the tree speculator's state, the sampler, the logprobs helper; "
         "the attention groups whose TRITON_ATTN / FLASH_ATTN caches the post-sampler graphs compact (v2.accept_graphs)",
+    ),
+    InternalAttributes(
+        _RUNNER_V2, "GPUModelRunner", ("req_states",), "reads",
+        "synthetic tree acceptance on V2: a new request's slot (req_states.req_id_to_index), its rates' row",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.states", "RequestState", ("req_id_to_index",), "reads",
+        "synthetic tree acceptance on V2: the request slot of a new request",
+    ),
+    InternalAttributes(
+        "vllm.v1.core.sched.output", "SchedulerOutput", ("scheduled_new_reqs",), "reads",
+        "synthetic tree acceptance on V2: the step's new requests, whose rates are read once",
+    ),
+    InternalAttributes(
+        "vllm.v1.core.sched.output", "NewRequestData", ("req_id", "sampling_params"), "reads",
+        "synthetic tree acceptance on V2: a new request's id and its extra_args' rates",
     ),
     InternalAttributes(
         "vllm.v1.worker.utils", "AttentionGroup", ("backend", "layer_names", "kv_cache_group_id"), "reads",

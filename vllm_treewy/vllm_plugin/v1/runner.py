@@ -142,6 +142,10 @@ def _sampling_trees(original):
             state.accepted = None
         if step is None:
             return original(self, logits, spec_decode_metadata)
+        if getattr(self.speculative_config, "synthetic_tree_acceptance_rates", None) is not None:
+            raise NotImplementedError("synthetic_tree_acceptance_rates: synthetic tree acceptance runs on Model Runner "
+                                      "V2 only (the V1 runner's tree sampler has no synthetic path); unset "
+                                      "VLLM_USE_V2_MODEL_RUNNER=0")
         sampled, acceptance, logprobs = sample_with_trees(logits, spec_decode_metadata, step, self.sampler,
                                                           self.input_batch.sampling_metadata)
         if not caches_gdn_prefixes(self.cache_config):  # align mode: `v1.accepted_counts` records them with the

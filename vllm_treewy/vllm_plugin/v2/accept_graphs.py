@@ -33,6 +33,7 @@ from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees.sampling import PLACEHOLDER_TOKEN, paged_cache_groups
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeConstants, TreeStep, uniform_tree_step
+from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2.acceptance import TreeSampling, accept_and_commit_tree_rows
 from vllm_treewy.vllm_plugin.v2.accepted_counts import leaf_count_groups
 
@@ -93,13 +94,14 @@ class TreeAcceptGraphs:
 
     def __init__(self, tree: DraftTree, num_speculative_steps: int, cache_groups: list[list[torch.Tensor]],
                  gdn_groups: list[tuple[torch.Tensor, torch.Tensor]], max_reqs: int, max_model_len: int,
-                 constants: TreeConstants):
+                 constants: TreeConstants, synthetic: SyntheticTreeRates | None = None):
         self.tree, self.num_speculative_steps = tree, num_speculative_steps
         self.cache_groups, self.gdn_groups, self.max_reqs = cache_groups, gdn_groups, max_reqs
         self.group_keys = [_cache_key(caches) for caches in cache_groups]
         widths = [-(-max_model_len // caches[0].shape[2]) + 1 for caches in cache_groups]
         self.buffers = AcceptGraphBuffers.allocate(max_reqs, 1 + tree.num_nodes, widths, constants.parents.device)
         self.constants = constants
+        self.synthetic = synthetic  # its rate tensor read in place by request state (persistent)
         self.graphs: dict[int, object] = {}  # padded request count -> its graph (anything with `replay()`)
         self.outputs: dict[int, TreeSampling] = {}  # padded request count -> the body's result, read after replay
 
@@ -115,7 +117,8 @@ class TreeAcceptGraphs:
                                  for caches, table in zip(self.cache_groups, tables) for cache in caches]
         result = accept_and_commit_tree_rows(
             step, bufs.draws[: size * block_len], step.query_start_loc, bufs.input_ids[: size * block_len],
-            self.num_speculative_steps, bufs.idx_mapping[:size], self.gdn_groups if gdn_groups is None else gdn_groups)
+            self.num_speculative_steps, bufs.idx_mapping[:size], self.gdn_groups if gdn_groups is None else gdn_groups,
+            self.synthetic)
         self.outputs[size] = result
         return result
 
@@ -124,7 +127,8 @@ class TreeAcceptGraphs:
         """One graph of the body per padded request count in `sizes`, recorded as V2's CudaGraphManager records its
         own (its pool, vLLM's graph-capture context and stream), after an eager warm-up. Buffers inert while
         capturing: draws no draft carries (nothing accepted: every move copies a root onto itself), and the warm-up
-        records no count."""
+        records no count. (Synthetic acceptance accepts whatever the tokens: its warm-up may move K/V within the
+        zeroed table rows' block 0, vLLM's null block, which holds no request's K/V.)"""
         # vLLM's graph-capture helpers looked up at capture time, where V2 runs (CUDA; tests stand them in)
         from vllm.compilation.cudagraph_pool import capture_pool
         from vllm.distributed.parallel_state import graph_capture
@@ -210,7 +214,7 @@ def capture_accept_graphs(runner, state) -> None:
         return
     graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, paged_cache_groups_of(runner),
                               leaf_count_groups(runner), max(sizes), speculator.max_model_len,
-                              speculator.tree_constants(state.tree))
+                              speculator.tree_constants(state.tree), state.synthetic)
     graphs.capture(sizes, speculator.prefill_cudagraph_manager.pool, speculator.vllm_config, speculator.device)
     state.accept_graphs = graphs
     logger.info("vllm-treewy: captured the draft tree's acceptance as CUDA graphs for %d batch sizes (up to %d "

@@ -50,6 +50,12 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    all tree rows replays its post-sampler work (walk, compaction, GDN counts) as one CUDA graph per padded request
    count, captured right after V2's capture phase (V2_RUNNER_CAPTURE_MODEL, again): `v2.accept_graphs`.
 4. The MTP drafter (V2_MTP_SPECULATOR, `TreeMtpSpeculatorV2`): `v2.speculator`.
+5. `GPUModelRunner.add_requests` (V2_RUNNER_ADD_REQUESTS), only with synthetic tree acceptance (benchmarks:
+   `rejection_sample_method: "synthetic"` with a tree, `trees.synthetic`): each new request's rates into its request
+   slot's row, read by hook 3's acceptance by request state. vLLM's own synthetic path is its rejection sampler, which
+   hook 3 replaces on tree steps: there the synthetic draw replaces only the walk's accept decision (the bonus is V2's
+   draw, compaction and GDN commit are the real ones); chain steps (`draft_tree_max_batch_size`) keep vLLM's synthetic
+   chain with the chain's rates (`config`).
 
 State across calls: the speculator's `TreeRunStateV2` (`tree_state`), which the runner owns through its speculator.
 The model state's `prepare_attn` does not reach the runner, so the runner's entry points (execute_model,
@@ -68,6 +74,7 @@ from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import (
     V2_MAMBA_PREPARE_ATTN,
+    V2_RUNNER_ADD_REQUESTS,
     V2_MTP_SPECULATOR,
     V2_RUNNER_CAPTURE_MODEL,
     V2_RUNNER_EXECUTE_MODEL,
@@ -238,6 +245,24 @@ def _sampling_trees(original):
     return sample
 
 
+def _adding_synthetic_rates(original):
+    """V2's add_requests, then each new request's synthetic tree acceptance rates (its extra_args', else the engine's)
+    into its request slot's row (`trees.synthetic`), read once per request."""
+
+    @functools.wraps(original)
+    def add_requests(self, scheduler_output, *args, **kwargs):
+        result = original(self, scheduler_output, *args, **kwargs)
+        state = getattr(getattr(self, "speculator", None), "tree_state", None)
+        if state is not None and state.synthetic is not None:
+            for new_req in scheduler_output.scheduled_new_reqs:
+                if new_req.sampling_params is not None:
+                    state.synthetic.add_request(self.req_states.req_id_to_index[new_req.req_id],
+                                                new_req.sampling_params.extra_args)
+        return result
+
+    return add_requests
+
+
 def install() -> None:
     """CUDA only (V2 runs there)."""
     if not getattr(V2_MTP_SPECULATOR.resolve(), "_treewy_tree_speculator", False):
@@ -250,3 +275,4 @@ def install() -> None:
     V2_RUNNER_PREPARE_ATTN.wrap(_finding_tree_rows)
     V2_MAMBA_PREPARE_ATTN.wrap(_handing_tree_to_attention)
     V2_RUNNER_SAMPLE.wrap(_sampling_trees)
+    V2_RUNNER_ADD_REQUESTS.wrap(_adding_synthetic_rates)

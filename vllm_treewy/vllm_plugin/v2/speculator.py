@@ -43,6 +43,7 @@ from vllm_treewy.vllm_plugin.trees.metadata import (
     with_tree,
 )
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep, device_arange
+from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 
 
@@ -112,6 +113,7 @@ def make_tree_speculator_class(base):
             if tree is None:
                 return
             spec = vllm_config.speculative_config
+            self.tree_state.synthetic = SyntheticTreeRates.of(spec, self.max_num_reqs, device)
             # dynamic speculative decoding: only the schedule draft_tree_max_batch_size sets (tree or chain per step)
             if spec.enable_adaptive_verification or (spec.uses_dynamic_speculative_decoding()
                                                      and not shape.has_chain_steps):
