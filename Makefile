@@ -3,6 +3,9 @@ PYTHON ?= python3
 # vLLM's CUDA wheel where an NVIDIA driver is present, its CPU wheel elsewhere.
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST = $(PYTHON) -m pytest -q -rs
+# The suite runs on TEST_WORKERS pytest-xdist processes (CI's machine has 2 cores; the interpreted Triton kernels and
+# vLLM's CPU engines are each mostly one core's work).
+TEST_WORKERS ?= 2
 # `$(call timed,NAME,COMMAND)`: runs COMMAND and prints its wall time (CI's log says how long each stage takes).
 timed = t0=$$(date +%s); $(2) || exit $$?; echo "stage '$(1)': $$(( $$(date +%s) - t0 )) s"
 # Every install is constrained (pip fails if the file is missing): on CPU machines (CI, developers) by the lock that
@@ -26,11 +29,12 @@ endif
 	$(PYTHON) -c 'from vllm_treewy.cpu_compat import install; print(install())'
 	$(PYTHON) -c 'from vllm_treewy.vllm_patches import apply; print(apply())'
 
-# Kernels and adapter first, then the vLLM end-to-end tests in their own process (vLLM binds the process's
-# CPU threads when an engine starts).
+# Kernels and adapter first, then the vLLM end-to-end tests in their own processes (vLLM binds the process's
+# CPU threads when an engine starts). Unit tests go to whichever worker is free (`worksteal`); the e2e tests by the
+# groups tests/e2e/conftest.py gives them (a module's engine runs happen once, on one worker).
 test: install
-	@$(call timed,unit tests,$(PYTEST) tests --ignore=tests/e2e)
-	@$(call timed,e2e tests,$(PYTEST) tests/e2e)
+	@$(call timed,unit tests,$(PYTEST) -n $(TEST_WORKERS) --dist worksteal tests --ignore=tests/e2e)
+	@$(call timed,e2e tests,$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests/e2e)
 
 # Resolves the extras afresh in a new virtual environment and pins what it got.
 lock:

@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     if current_platform.is_cuda():
         # decode batches are padded to these (1 + k tokens per request); fewer sizes, a shorter start-up
         sizes = [(1 + args.k) * b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_num_seqs]
-        cuda_only = dict(gpu_site.ENGINE, compilation_config={"cudagraph_capture_sizes": sizes})
+        cuda_only = dict(gpu_site.ENGINE, **gpu_site.attention_site(),
+                         compilation_config={"cudagraph_capture_sizes": sizes})
         spec_cuda_only = gpu_site.SPECULATIVE
     model = prepare_qwen35_shape(Path(f"/tmp/{args.shape}"), args.shape).path
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,

@@ -150,7 +150,8 @@ def run_name(args) -> str:
 
 def _as_v2_chains_run(args) -> argparse.Namespace:
     """This run as `bench.e2e.gpu_v2_chains` names its shape (a chain of K drafts or the tree, no threshold)."""
-    return argparse.Namespace(strategy=args.strategy, k=K, tree_widths=args.tree_widths, tree_max_batch_size=None)
+    return argparse.Namespace(strategy=args.strategy, k=K, tree_widths=args.tree_widths, tree_max_batch_size=None,
+                              attention_backend=args.attention_backend)
 
 
 def speculative_config(args) -> dict | None:
@@ -373,8 +374,8 @@ def serve_command(args, model: str, on_gpu: bool) -> list[str]:
     """`vllm serve MODEL --speculative-config '<README's spec>'` (the tree's with `--tree`) and, on the GPU, the
     gpu-vllm site's backends and a fixed KV budget (the GPU is shared); prefix caching left to vLLM."""
     spec = {**README_SPECS["tree" if args.tree else "chain"], **(gpu_site.SPECULATIVE if on_gpu else {})}
-    site = ["--attention-backend", gpu_site.ENGINE["attention_backend"], "--gdn-prefill-backend",
-            gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes",
+    backend = ["--attention-backend", gpu_site.ATTENTION_BACKEND] if gpu_site.ATTENTION_BACKEND else []
+    site = [*backend, "--gdn-prefill-backend", gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes",
             str(args.kv_cache_memory_bytes or 4 << 30)] if on_gpu else []
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--speculative-config",
             json.dumps(spec), *site, "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--port",

@@ -1,15 +1,26 @@
-"""What vLLM must be told on the gpu-vllm site (../shared/tools/gpu-vllm/README.md): FlashAttention's and
-FlashInfer's compiled kernels do not travel, so the target and the MTP drafter both run Triton attention and the
-GDN prefill runs its Triton kernel. Everything else stays vLLM's default."""
+"""What vLLM must be told on the gpu-vllm site (../shared/tools/gpu-vllm/README.md): FlashInfer's compiled kernels
+do not travel, so the GDN prefill runs its Triton kernel. The attention backend is vLLM's pick (FLASH_ATTN,
+FlashAttention 3, on an H100/H200: the tool carries its kernels) for the target and the MTP drafter, as on a user's
+install, unless the call names one in the environment variable ATTENTION_BACKEND (e.g. TRITON_ATTN, to compare the
+same engines on both backends; a benchmark that needs one says why). Everything else stays vLLM's default."""
 
 import importlib.metadata
+import os
 import shutil
 import tomllib
 from pathlib import Path
 
-ENGINE = {"attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton"}
-# The drafter picks its own backend (FLASH_ATTN first on CUDA) unless told.
-SPECULATIVE = {"attention_backend": "TRITON_ATTN"}
+ATTENTION_BACKEND = os.environ.get("ATTENTION_BACKEND") or None  # None: vLLM picks
+
+
+def attention_site(backend: str | None = ATTENTION_BACKEND) -> dict:
+    """`attention_backend` for vLLM's engine or speculative config: `backend`, or nothing (vLLM picks)."""
+    return {"attention_backend": backend} if backend else {}
+
+
+ENGINE = {"gdn_prefill_backend": "triton"}  # with `attention_site(...)` beside it
+# The drafter picks its own backend unless told: told the target's when the call names one.
+SPECULATIVE = attention_site()
 
 # vLLM inspects each model class in a fresh Python process the first time a machine sees it (~25 s each on the H200:
 # Qwen3_5ForCausalLM, then Qwen3_5MTP; for the MoE shapes Qwen3_5MoeForCausalLM and Qwen3_5MoeMTP) and caches the

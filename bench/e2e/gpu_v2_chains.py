@@ -142,14 +142,15 @@ def run_name(args) -> str:
     if args.tree_widths and args.tree_max_batch_size is not None:
         shape += f"-t{args.tree_max_batch_size}"
     return (f"{args.strategy}{shape}" + ("-v1" if args.runner == "v1" else "")
-            + (f"-{args.name_suffix}" if args.name_suffix else ""))
+            + (f"-{args.name_suffix}" if args.name_suffix else "")
+            + (f"-{args.attention_backend.lower()}" if args.attention_backend else ""))
 
 
 def speculative_config(args) -> dict:
     """MTP with the strategy: a chain of k drafts, or (`--tree-widths`) the MTP tree of those widths (depth drafts
     as the user writes them; vLLM then schedules the tree's N nodes)."""
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
-            **gpu_site.SPECULATIVE}
+            **gpu_site.attention_site(args.attention_backend)}
     if args.tree_widths:
         spec.update(num_speculative_tokens=len(args.tree_widths), draft_tree_widths=list(args.tree_widths))
         if args.tree_max_batch_size is not None:

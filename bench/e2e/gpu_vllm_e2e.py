@@ -75,6 +75,7 @@ def engine_kwargs(args, num_tokens_per_request: int | tuple[int, ...]) -> dict:
         return dict(max_num_seqs=max(args.batch_sizes))
     kwargs = dict(
         **gpu_site.ENGINE,
+        **gpu_site.attention_site(getattr(args, "attention_backend", gpu_site.ATTENTION_BACKEND)),
         mamba_ssm_cache_dtype=args.ssm_cache_dtype,
         dtype=args.dtype,
         max_num_seqs=max(args.batch_sizes),
@@ -130,6 +131,9 @@ def add_common_args(parser, runs: bool = True):
                              "the host's Python under cProfile (bench/e2e/e2e_profile.py)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="fixed KV cache size (no memory profiling): for engines that share the GPU at once")
+    parser.add_argument("--attention-backend", default=gpu_site.ATTENTION_BACKEND,
+                        help="the target's and the drafter's attention backend (e.g. TRITON_ATTN beside FLASH_ATTN "
+                             "for the same engine in one call); default: $ATTENTION_BACKEND, else vLLM's pick")
 
 
 def prompts_and_model():

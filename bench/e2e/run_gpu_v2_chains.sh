@@ -3,8 +3,9 @@
 # forced onto V1), judged against no speculation: every engine at once, timed in turn (bench/e2e/gpu_v2_chains.py).
 # Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
 #   bash bench/e2e/run_gpu_v2_chains.sh OUT_DIR "ENGINES" [args for every engine]
-#   ENGINES: STRATEGY:K[:v1] separated by spaces (v1: forced onto the V1 runner), e.g.
-#            "reconstruct:3 store_all:3 reconstruct:1 store_all:1 reconstruct:3:v1"
+#   ENGINES: STRATEGY:K[:v1][@BACKEND] separated by spaces (v1: forced onto the V1 runner; BACKEND: the engine's
+#            attention backend, default vLLM's pick, FLASH_ATTN on the H200, or $ATTENTION_BACKEND for the call), e.g.
+#            "reconstruct:3 store_all:3 reconstruct:1 store_all:1 reconstruct:3:v1 reconstruct:3@TRITON_ATTN"
 #   e.g.  bash bench/e2e/run_gpu_v2_chains.sh $OUT "reconstruct:3 store_all:3" --dtype float16
 # KV_BYTES (default 12 GiB) is each engine's fixed KV cache (store_all k = 3 needs ~9 GiB for B = 256 on the
 # fixture); GPU_UTIL (default 0.1) its start-up memory check. Each engine runs under `timeout ${CALL_LIMIT_S:-540}`.
@@ -25,11 +26,12 @@ common=(--kv-cache-memory-bytes "${KV_BYTES:-12884901888}" --gpu-memory-utilizat
         --turns-dir "$work/turns" --engines "$n")
 turn=0 pids=()
 for e in $engines; do
+  backend=; [[ $e == *@* ]] && backend=${e#*@} && e=${e%@*}
   IFS=: read -r strategy k runner <<<"$e"
-  name=$strategy-k$k${runner:+-$runner}
+  name=$strategy-k$k${runner:+-$runner}${backend:+-$backend}
   # each engine its own vLLM cache (its compile artifacts; engines of one config hash would write the same files)
   VLLM_CACHE_ROOT=$work/cache-$name timeout "$limit" python3 bench/e2e/gpu_v2_chains.py spec --strategy "$strategy" \
-    --k "$k" --runner "${runner:-default}" --runs "$work/runs" --turn "$turn" "${common[@]}" "$@" \
+    --k "$k" --runner "${runner:-default}" ${backend:+--attention-backend "$backend"} --runs "$work/runs" --turn "$turn" "${common[@]}" "$@" \
     >"$work/logs/$name.log" 2>&1 &
   pids+=($!); echo "=== $name (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
   turn=$((turn + 1)); sleep 4
@@ -40,6 +42,6 @@ VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/e2e/gpu_v2_
 pids+=($!); echo "=== reference (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
 for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
 tar czf "$out/engines.tar.gz" -C "$work" logs runs
-grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Capturing CUDA graphs|cudagraph_mode|GDN spec decode|Maximum concurrency| started | done |batch [0-9]+|beside|runs on V2|PASS|FAIL|Traceback|Error" \
+grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Capturing CUDA graphs|cudagraph_mode|GDN spec decode|Maximum concurrency|Using [A-Z_]+ attention backend|backend out of| started | done |batch [0-9]+|beside|runs on V2|PASS|FAIL|Traceback|Error" \
   "$work"/logs/*.log | cut -c1-300 >>"$log"
 grep -E "^===|runs on V2|PASS|FAIL|Traceback|Error|beside|batch [0-9]+:" "$log" | cut -c1-300 | tail -80

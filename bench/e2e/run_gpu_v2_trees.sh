@@ -14,6 +14,9 @@
 # OUT_DIR gets log.txt (summary), gpu_v2_trees.json (the reference's report) and engines.tar.gz (every engine's log
 # and run JSON). ENGINES (names from the catalog below) and BATCHES choose what runs; KV_BYTES (default 8 GiB) per
 # engine, GPU_UTIL (0.1), CALL_LIMIT_S (480) per engine, STAGGER_S (1) between engine starts.
+# Attention: vLLM's pick (FLASH_ATTN on the H200) for every engine and the reference; ATTENTION_BACKEND=TRITON_ATTN
+# names one for the whole call, and every catalog name with "-triton" appended runs that engine on TRITON_ATTN
+# beside the same engine on vLLM's pick (e.g. ENGINES="tree221-bf16 tree221-bf16-triton": tokens/s of both).
 set -u
 out=$1; shift
 work=${WORK:-/tmp/v2-trees}
@@ -51,6 +54,9 @@ done
 # (bench/results/mtp_tree_acceptance_cpu: on the fixture the trees gain less over the chain than under greedy).
 for name in tree221-bf16 tree322-bf16 tree42-bf16 tree3221-bf16 k4-bf16 k3-bf16 k2-bf16; do
   catalog[$name-t1]="${catalog[$name]} --temperature 1.0 --name-suffix bf16-t1"
+done
+for name in "${!catalog[@]}"; do
+  catalog[$name-triton]="${catalog[$name]} --attention-backend TRITON_ATTN"
 done
 engines=()
 for name in ${ENGINES:-tree221-fp16 tree211-fp16 tree221-bf16}; do
@@ -100,6 +106,6 @@ pids+=($!); echo "=== reference (turn $turn) started at $(( $(date +%s) - start 
 for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
 echo "=== all engines done at $(( $(date +%s) - start )) s (target: 190 s)" >>"$log"
 tar czf "$out/engines.tar.gz" -C "$work" logs runs
-grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Capturing CUDA graphs|cudagraph_mode|Maximum concurrency| started | done |batch [0-9]+|beside|runs on V2|PASS|FAIL|Traceback|Error" \
+grep -hE "Using V2 Model Runner|Model Runner V2 does not|model runner instead|Capturing CUDA graphs|cudagraph_mode|Maximum concurrency|Using [A-Z_]+ attention backend|backend out of|FA3_AVAILABLE| started | done |batch [0-9]+|beside|runs on V2|PASS|FAIL|Traceback|Error" \
   "$work"/logs/*.log | cut -c1-300 >>"$log"
 grep -E "^===|runs on V2|PASS|FAIL|Traceback|Error|beside|batch [0-9]+:| done " "$log" | cut -c1-300 | tail -80

@@ -148,12 +148,17 @@ def is_moe(dims: dict) -> bool:
     return "num_experts" in dims
 
 
-def write_shape_config(out_dir: Path, shape: str) -> Path:
+def write_shape_config(out_dir: Path, shape: str, num_layers: int | None = None) -> Path:
     """config.json (and shape.json, the dims as written) of a Qwen3.5 shape: the dense text model
-    (`Qwen3_5ForCausalLM`) or, for a shape with experts, the MoE one (`Qwen3_5MoeForCausalLM`)."""
+    (`Qwen3_5ForCausalLM`) or, for a shape with experts, the MoE one (`Qwen3_5MoeForCausalLM`). `num_layers`: the
+    shape cut to that many layers (a multiple of 4: the 3 GDN : 1 attention pattern kept), every layer's size kept."""
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     dims = SHAPES[shape]
+    if num_layers is not None:
+        if num_layers <= 0 or num_layers % 4:
+            raise ValueError(f"num_layers={num_layers}: a multiple of 4 (3 GDN : 1 full attention), e.g. 16")
+        dims = dict(dims, num_hidden_layers=num_layers)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_cls, architecture = ((Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM") if is_moe(dims)
                                 else (Qwen3_5TextConfig, "Qwen3_5ForCausalLM"))  # fmt: skip
@@ -171,13 +176,13 @@ def write_shape_config(out_dir: Path, shape: str) -> Path:
     return out_dir
 
 
-def prepare_qwen35_shape(out_dir: Path, shape: str) -> PreparedModel:
+def prepare_qwen35_shape(out_dir: Path, shape: str, num_layers: int | None = None) -> PreparedModel:
     """config.json of a Qwen3.5 shape (weights come from `--load-format dummy`) and a matching tokenizer, in a
     directory of its own (`out_dir/tokenizer`, no config.json): transformers 5 loads the tokenizer of a directory
     whose config says qwen3_5* as its Qwen3.5 BPE class whatever tokenizer_config.json names, which would not be
-    the word-level one (its text would decode without spaces)."""
+    the word-level one (its text would decode without spaces). `num_layers`: as `write_shape_config`."""
     dims = SHAPES[shape]
-    write_shape_config(out_dir, shape)
+    write_shape_config(out_dir, shape, num_layers)
     tokenizer = out_dir / "tokenizer"
     write_word_tokenizer(tokenizer, dims["vocab_size"])
     rng = random.Random(f"{shape}-prompts")

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_catalog_entries_parse_into_their_configs(tmp_path):
-    engines = "tree221t8-fp16 tree221t8-bf16 tree221-bf16 k3-bf16 tree3221-bf16-t1 k4-bf16 tree4-fp16 k1-bf16"
+    engines = ("tree221t8-fp16 tree221t8-bf16 tree221-bf16 k3-bf16 tree3221-bf16-t1 k4-bf16 tree4-fp16 k1-bf16 "
+               "tree221-bf16-triton")
     env = dict(os.environ, DRY_RUN="1", ENGINES=engines,
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", WORK=str(tmp_path / "work"))
@@ -33,6 +34,21 @@ def test_catalog_entries_parse_into_their_configs(tmp_path):
     assert "'num_speculative_tokens': 4" in lines["k4-bf16"] and "tokens/request 5" in lines["k4-bf16"]
     assert "'draft_tree_widths': [4]" in lines["tree4-fp16"] and "'num_speculative_tokens': 1" in lines["tree4-fp16"]
     assert "tokens/request 2" in lines["k1-bf16"]
+    # vLLM picks the attention backend (FLASH_ATTN on the H200) unless an engine names TRITON_ATTN, apart by name
+    assert "attention_backend" not in lines["tree221-bf16"]
+    assert "reconstruct-tree221-bf16-triton_attn" in lines["tree221-bf16-triton"]
+    assert "'attention_backend': 'TRITON_ATTN'" in lines["tree221-bf16-triton"]
+
+
+def test_the_gpu_site_names_an_attention_backend_only_when_the_call_does():
+    script = "from bench.e2e import gpu_site; print(gpu_site.ENGINE, gpu_site.SPECULATIVE)"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop("ATTENTION_BACKEND", None)
+    picked = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    named = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(env, ATTENTION_BACKEND="TRITON_ATTN"),
+                           capture_output=True, text=True)
+    assert picked.stdout.strip() == "{'gdn_prefill_backend': 'triton'} {}", picked.stderr
+    assert named.stdout.strip() == "{'gdn_prefill_backend': 'triton'} {'attention_backend': 'TRITON_ATTN'}"
 
 
 def test_a_threshold_run_is_named_apart_from_the_plain_tree():

@@ -119,3 +119,15 @@ def test_wrap_wraps_once_and_finds_its_mark_under_a_later_wrapper(monkeypatch):
     for _ in range(2):
         from_config.wrap(doubling_classmethod, calls)
     assert Owner.from_config(3) == 6 and calls[-1] == 3 and len(calls) == 3
+
+
+def test_a_point_vllm_binds_on_cuda_only_is_checked_by_name_elsewhere(monkeypatch):
+    """FlashAttention's varlen function is a module global only where vLLM's CUDA extensions load: without CUDA the
+    check finds the name in the module's source (and fails when vLLM stops naming it), and resolving gives None."""
+    monkeypatch.setattr(patch_points, "_cuda_extensions_loaded", lambda: False)
+    point = patch_points.FLASH_ATTN_VARLEN_FUNC
+    point.check()
+    assert point.resolve() is None or callable(point.resolve())
+    gone = dataclasses.replace(point, attribute="flash_attn_varlen_func_renamed")
+    with pytest.raises(TypeError, match="no longer names"):
+        gone.check()

@@ -182,7 +182,15 @@ def uniform_tree_acceptance(tables: UniformWalkTables, draft_tokens: torch.Tenso
     No host syncs, static shapes.
     """
     parent_tokens = block_tokens[:, tables.parent_blocks]
-    match = draft_tokens == parent_tokens  # [B, N]
+    return walk_of_matches(tables, draft_tokens == parent_tokens, block_tokens)
+
+
+def walk_of_matches(tables: UniformWalkTables, match: torch.Tensor, block_tokens: torch.Tensor) -> TreeAcceptance:
+    """``uniform_tree_acceptance`` from which nodes *match* (``match [B, N]`` bool: the node carries the target's
+    token at its parent) instead of from tokens: the walk moves to the first matching child of its current node
+    and stops where none matches; ``block_tokens [B, 1 + N]`` gives the bonus (the token at the last accepted node).
+    Real acceptance matches tokens; the synthetic acceptance (``synthetic_acceptance``) draws the matches.
+    No host syncs, static shapes."""
     chosen = match & ~(match[:, :, None] & tables.earlier_siblings).any(dim=1)
     accepted = (chosen[:, :, None] | tables.not_ancestor).all(dim=1)  # [B, N]
     accepted_nodes = torch.where(accepted[:, :, None] & tables.node_at_depth, tables.node_ids, -1).amax(dim=1)

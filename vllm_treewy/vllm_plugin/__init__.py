@@ -8,8 +8,8 @@ Layout (each sub-package's docstring says more):
   `patch_points`: every vLLM attribute the plugin wraps or replaces, checked against vLLM's source.
 - `gdn/`: the GDN layer under reconstruct (and store_all trees), its pseudo-value buffer, the per-step metadata and
   commit, the GDN groups' count state, the block-boundary states of prefix caching: runner-independent.
-- `trees/`: draft trees on either runner: the step and its metadata, attention (CPU, TRITON_ATTN), the drafting and
-  sampling parts both runners share, admission, the token budget and its fallbacks.
+- `trees/`: draft trees on either runner: the step and its metadata, attention (CPU, TRITON_ATTN, FLASH_ATTN), the
+  drafting and sampling parts both runners share, admission, the token budget and its fallbacks.
 - `v1/`, `v2/`: each model runner's hooks (vLLM's V1 runner; Model Runner V2), thin; neither imports the other.
 - `compat/`: start-up fixes (vLLM's CPU wheel, start-up memory).
 - `testing/`: helpers of the test suite and the demo.
@@ -54,5 +54,5 @@ def register() -> None:
         v2_runner.install()  # and draft trees
     if current_platform.is_cpu() or current_platform.is_cuda():
         admission.install()  # draft trees: what each runner's tree path does not make exact, refused
-        v1_runner.install()  # draft trees on the V1 runner: vLLM's CPU attention, or TRITON_ATTN on CUDA
+        v1_runner.install()  # draft trees on the V1 runner: vLLM's CPU attention, or TRITON_ATTN / FLASH_ATTN on CUDA
         attention.install()  # and the attention backends' tree rows, for either runner

@@ -31,6 +31,12 @@ from vllm.utils.hashing import safe_hash
 
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin import patch_points
+from vllm_treewy.vllm_plugin.trees.synthetic import (
+    FIRST_CHILD_KEY,
+    SIBLING_KEY,
+    checked_rates,
+    unconditional_chain_rates,
+)
 
 MambaStateCommit = Literal["store_all", "reconstruct"]
 RECONSTRUCT_METHODS = ("mtp", "custom_class")
@@ -71,7 +77,19 @@ class TreewySpeculativeConfig(SpeculativeConfig):
     """Draft trees only: the largest batch (requests per step) that verifies the tree; larger batches verify the
     MTP chain of the tree's depth. None: the tree at every batch size; 0: the chain at every batch size."""
 
+    synthetic_tree_acceptance_rates: list[float] | None = None
+    """Synthetic tree acceptance (benchmarks only, with rejection_sample_method='synthetic' and a draft tree): per
+    draft depth, the probability that a node's first child (the drafter's top candidate) is accepted given its
+    parent was (conditional, unlike vLLM's synthetic_acceptance_rates; those of the chain with these rates are set
+    from them). Requests may set their own in SamplingParams.extra_args under the same key."""
+
+    synthetic_tree_sibling_rates: list[float] | None = None
+    """Synthetic tree acceptance: per draft depth, the probability that a later child (rank r >= 1) is accepted given
+    its parent was and the children before it were not (one rate for every rank >= 1). Required with
+    synthetic_tree_acceptance_rates; requests may set their own in SamplingParams.extra_args under the same key."""
+
     def __post_init__(self):
+        self._fill_chain_synthetic_rates()
         super().__post_init__()
         self._validate_draft_tree_widths()
         if self.mamba_state_commit == "reconstruct":
@@ -86,6 +104,53 @@ class TreewySpeculativeConfig(SpeculativeConfig):
             if self.draft_tree_max_batch_size is not None:
                 self.num_speculative_tokens_per_batch_size = threshold_schedule(
                     self.draft_tree_max_batch_size, self.draft_tree.num_nodes, self.draft_tree_depth)
+        self._validate_synthetic_tree_rates()
+
+    def _fill_chain_synthetic_rates(self) -> None:
+        """Before vLLM's checks: a synthetic tree given only its tree rates gets vLLM's synthetic_acceptance_rates of
+        the chain with the same rank-0 rates (what vLLM's sampler accepts the chain steps of
+        draft_tree_max_batch_size with), which vLLM requires with rejection_sample_method='synthetic'."""
+        first = self.synthetic_tree_acceptance_rates
+        if (self.rejection_sample_method == "synthetic" and first is not None and self.draft_tree_widths
+                and self.synthetic_acceptance_rates is None and self.synthetic_acceptance_length is None):
+            self.synthetic_acceptance_rates = unconditional_chain_rates(
+                checked_rates(FIRST_CHILD_KEY, first, len(self.draft_tree_widths)))
+
+    def _validate_synthetic_tree_rates(self) -> None:
+        first, sibling = self.synthetic_tree_acceptance_rates, self.synthetic_tree_sibling_rates
+        if first is None and sibling is None:
+            if self.rejection_sample_method == "synthetic" and self.is_draft_tree:
+                raise ValueError(
+                    f"rejection_sample_method='synthetic' with draft_tree_widths={self.draft_tree_widths} needs "
+                    f"{FIRST_CHILD_KEY} and {SIBLING_KEY} (one conditional probability per draft depth each); "
+                    "vLLM's synthetic_acceptance_rates / synthetic_acceptance_length describe chains only")
+            return
+        if self.rejection_sample_method != "synthetic" or not self.is_draft_tree:
+            raise ValueError(
+                f"{FIRST_CHILD_KEY} / {SIBLING_KEY} need rejection_sample_method='synthetic' and a draft tree "
+                f"(draft_tree_widths with a width > 1), got rejection_sample_method={self.rejection_sample_method!r}, "
+                f"draft_tree_widths={self.draft_tree_widths}; for chains use vLLM's synthetic_acceptance_rates")
+        if first is None or sibling is None:
+            raise ValueError(f"synthetic tree acceptance needs both {FIRST_CHILD_KEY} and {SIBLING_KEY}, got "
+                             f"{FIRST_CHILD_KEY}={first}, {SIBLING_KEY}={sibling}")
+        depth = self.draft_tree_depth
+        self.synthetic_tree_acceptance_rates = checked_rates(FIRST_CHILD_KEY, first, depth)
+        self.synthetic_tree_sibling_rates = checked_rates(SIBLING_KEY, sibling, depth)
+        if current_platform.is_cpu():
+            raise ValueError(f"{FIRST_CHILD_KEY}: synthetic tree acceptance runs on Model Runner V2 (CUDA); vLLM's "
+                             "CPU backend runs the V1 runner, whose tree sampler has no synthetic path (and vLLM's CPU "
+                             "sampler refuses synthetic chains): serve without rejection_sample_method='synthetic'")
+        # vLLM's rates for the chain steps: those of the chain with the tree's rank-0 rates (set above, or given),
+        # padded with zeros to the N draft tokens the config now holds (vLLM checks their count against it)
+        chain = unconditional_chain_rates(self.synthetic_tree_acceptance_rates)
+        given = list(self.synthetic_acceptance_rates or [])
+        if len(given) < depth or any(abs(a - b) > 1e-6 for a, b in zip(given, chain)):
+            raise ValueError(
+                f"synthetic_acceptance_rates={given} with {FIRST_CHILD_KEY}={first}: a draft tree's synthetic "
+                f"acceptance is given by {FIRST_CHILD_KEY} and {SIBLING_KEY} only (vLLM's per-position rates of "
+                f"its chain steps are set from them: {chain}); leave synthetic_acceptance_rates and "
+                "synthetic_acceptance_length unset")
+        self.synthetic_acceptance_rates = chain + [0.0] * (self.num_speculative_tokens - depth)
 
     def _validate_draft_tree_max_batch_size(self) -> None:
         threshold = self.draft_tree_max_batch_size
@@ -138,7 +203,8 @@ class TreewySpeculativeConfig(SpeculativeConfig):
                              "tokens take depth positions on one axis)")
         if not (current_platform.is_cpu() or current_platform.is_cuda()):
             raise ValueError(f"draft_tree_widths={widths}: draft trees run on vLLM's CPU backend or on CUDA with "
-                             "attention_backend='TRITON_ATTN' (tree attention reads those paged KV layouts)")
+                             "attention_backend 'FLASH_ATTN' or 'TRITON_ATTN' (tree attention reads those paged KV "
+                             "layouts)")
         if self.mamba_state_commit == "store_all" and not current_platform.is_cpu():
             raise ValueError(f"draft_tree_widths={widths}: the store_all tree (a GDN state per node, the baseline "
                              "reconstruct is compared with) runs on vLLM's CPU backend only; use 'reconstruct'")

@@ -25,6 +25,9 @@ class PatchPoint:
     parameters: tuple[str, ...] | None = None  # leading parameter names the adapter relies on (None: a class)
     only_on: str | None = None  # "cpu" or "cuda": the adapter touches it on that platform only (None: everywhere)
     returns: str | None = None  # how the annotated return type starts, module paths left out (the adapter unpacks it)
+    # vLLM binds the attribute only where its CUDA extensions load (the module imports everywhere): elsewhere the
+    # check finds the module and the name in its source, and the parameters are checked on CUDA
+    bound_on_cuda_only: bool = False
 
     def _owner_and_name(self):
         owner = importlib.import_module(self.module)
@@ -35,6 +38,8 @@ class PatchPoint:
 
     def resolve(self):
         owner, name = self._owner_and_name()
+        if self.bound_on_cuda_only:
+            return getattr(owner, name, None)  # None where vLLM did not bind it (no CUDA extensions)
         return getattr(owner, name)
 
     def replace(self, new) -> None:
@@ -63,6 +68,11 @@ class PatchPoint:
 
     def check(self) -> None:
         """Raises if vLLM no longer has this attribute with the parameters the adapter relies on."""
+        if self.bound_on_cuda_only and not _cuda_extensions_loaded():
+            module = importlib.import_module(self.module)
+            if not re.search(rf"\b{re.escape(self.attribute)}\b", inspect.getsource(module)):
+                raise TypeError(f"{self}: vLLM's module no longer names {self.attribute}")
+            return
         target = self.original()
         if self.parameters is None:
             if not inspect.isclass(target):
@@ -80,6 +90,12 @@ class PatchPoint:
 
     def __str__(self) -> str:
         return f"{self.module}.{self.attribute}"
+
+
+def _cuda_extensions_loaded() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _unqualified(annotation: str) -> str:
@@ -116,7 +132,8 @@ class InternalAttributes:
         source = "\n".join(sources)
 
         def assigned(name):
-            return re.search(rf"\.{name}\b\s*(:[^=\n]+)?=(?!=)|[\"']{name}[\"']", source) is not None
+            # `.name =`, `.name: T =`, or one target of a tuple assignment (`self.name, self.other = ...`)
+            return re.search(rf"\.{name}\b\s*(:[^=\n]+)?(,\s*[\w.]+)*\s*=(?!=)|[\"']{name}[\"']", source) is not None
 
         return [n for n in self.names if not (n in fields or hasattr(owner, n) or assigned(n))]
 
@@ -312,6 +329,25 @@ TRITON_UNIFIED_ATTENTION = PatchPoint(
     ("q", "k", "v", "out", "cu_seqlens_q", "max_seqlen_q", "seqused_k", "max_seqlen_k", "softmax_scale", "causal",
      "window_size", "block_table", "softcap", "q_descale", "k_descale", "v_descale"), only_on="cuda",
 )
+_FLASH_ATTN = "vllm.v1.attention.backends.flash_attn"
+FLASH_ATTENTION_FORWARD = PatchPoint(
+    _FLASH_ATTN, "FlashAttentionImpl.forward", "wraps",
+    "draft trees on CUDA: the two passes merged by log-sum-exp instead of vLLM's launch (batches of tree rows and "
+    "one-token decodes), or the tree rows recomputed after it (mixed batches)",
+    ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"), only_on="cuda",
+)
+FLASH_ATTN_VARLEN_FUNC = PatchPoint(
+    _FLASH_ATTN, "flash_attn_varlen_func", "calls",
+    "draft trees on FLASH_ATTN: the prefix pass, the FlashAttention call FlashAttentionImpl makes (a module global "
+    "that vLLM binds on CUDA installs only), non-causal with return_softmax_lse=True as its context pass does",
+    ("q", "k", "v", "max_seqlen_q", "cu_seqlens_q", "max_seqlen_k", "cu_seqlens_k", "seqused_k"), only_on="cuda",
+    bound_on_cuda_only=True,
+)
+MERGE_ATTN_STATES = PatchPoint(
+    "vllm.v1.attention.ops.merge_attn_states", "merge_attn_states", "calls",
+    "draft trees on FLASH_ATTN: the prefix and ancestor passes merged by their log-sum-exps",
+    ("output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse"), only_on="cuda",
+)
 
 _RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 V2_RUNNER_POSTPROCESS_SAMPLED = PatchPoint(
@@ -341,6 +377,12 @@ V2_RUNNER_SAMPLE = PatchPoint(
     "rejection sampler; returns (SamplerOutput, num_sampled, num_rejected) as V2's sample does",
     ("self", "hidden_states", "input_batch", "grammar_output"), only_on="cuda",
     returns="tuple[SamplerOutput, Tensor, Tensor]",
+)
+V2_RUNNER_ADD_REQUESTS = PatchPoint(
+    _RUNNER_V2, "GPUModelRunner.add_requests", "wraps",
+    "synthetic tree acceptance on V2 (benchmarks): each new request's rates (its SamplingParams.extra_args, else the "
+    "engine's) into its request slot's row of the tree state's rate tensor (trees.synthetic)",
+    ("self", "scheduler_output"), only_on="cuda",
 )
 V2_SAMPLER_SAMPLE = PatchPoint(
     "vllm.v1.worker.gpu.sample.sampler", "Sampler.sample", "calls",
@@ -554,10 +596,14 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     RUNNER_INITIALIZE_METADATA_BUILDERS,
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
+    FLASH_ATTENTION_FORWARD,
+    FLASH_ATTN_VARLEN_FUNC,
+    MERGE_ATTN_STATES,
     V2_RUNNER_POSTPROCESS_SAMPLED,
     V2_RUNNER_PREPARE_ATTN,
     V2_MAMBA_PREPARE_ATTN,
     V2_RUNNER_SAMPLE,
+    V2_RUNNER_ADD_REQUESTS,
     V2_SAMPLER_SAMPLE,
     V2_NUM_SAMPLED_AND_REJECTED,
     V2_REJECTION_LOGPROBS,
@@ -638,12 +684,28 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         ("speculator", "sampler", "rejection_sampler", "model", "num_speculative_steps", "batch_sharder",
          "model_state", "attn_groups"),
         "reads", "draft trees on V2 (v2.runner): the tree speculator's state, the sampler, the logprobs helper; "
-        "the attention groups whose TRITON_ATTN caches the post-sampler graphs compact (v2.accept_graphs)",
+        "the attention groups whose TRITON_ATTN / FLASH_ATTN caches the post-sampler graphs compact (v2.accept_graphs)",
+    ),
+    InternalAttributes(
+        _RUNNER_V2, "GPUModelRunner", ("req_states",), "reads",
+        "synthetic tree acceptance on V2: a new request's slot (req_states.req_id_to_index), its rates' row",
+    ),
+    InternalAttributes(
+        "vllm.v1.worker.gpu.states", "RequestState", ("req_id_to_index",), "reads",
+        "synthetic tree acceptance on V2: the request slot of a new request",
+    ),
+    InternalAttributes(
+        "vllm.v1.core.sched.output", "SchedulerOutput", ("scheduled_new_reqs",), "reads",
+        "synthetic tree acceptance on V2: the step's new requests, whose rates are read once",
+    ),
+    InternalAttributes(
+        "vllm.v1.core.sched.output", "NewRequestData", ("req_id", "sampling_params"), "reads",
+        "synthetic tree acceptance on V2: a new request's id and its extra_args' rates",
     ),
     InternalAttributes(
         "vllm.v1.worker.utils", "AttentionGroup", ("backend", "layer_names", "kv_cache_group_id"), "reads",
-        "draft trees on V2: the TRITON_ATTN layers of each KV-cache group, for the post-sampler graphs "
-        "(v2.accept_graphs.triton_cache_groups)",
+        "draft trees on V2: the TRITON_ATTN / FLASH_ATTN layers of each KV-cache group, for the post-sampler graphs "
+        "(v2.accept_graphs.paged_cache_groups_of)",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu.input_batch", "InputBatch",
@@ -789,7 +851,18 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         "draft trees on CUDA: the tree rows' launch; the tree bias and step ride on it",
     ),
     InternalAttributes(
-        _ATTN_LAYER, "Attention", ("kv_cache", "_k_scale", "isa"), "reads",
+        _FLASH_ATTN, "FlashAttentionImpl",
+        ("scale", "head_size", "num_kv_heads", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks",
+         "kv_cache_dtype", "attn_type", "vllm_flash_attn_version", "dcp_world_size", "kv_sharing_target_layer_name"),
+        "reads", "draft trees on FLASH_ATTN: the settings the two passes pass on, refused where they are wrong",
+    ),
+    InternalAttributes(
+        _FLASH_ATTN, "FlashAttentionMetadata",
+        ("query_start_loc", "max_query_len", "seq_lens", "max_seq_len", "block_table", "max_num_splits"), "reads",
+        "draft trees on FLASH_ATTN: the two passes' batch; the tree's ancestor table and step ride on it",
+    ),
+    InternalAttributes(
+        _ATTN_LAYER, "Attention", ("kv_cache", "_k_scale", "_v_scale", "isa"), "reads",
         "draft trees: the layer's paged cache, its KV descale (a buffer vLLM registers as \"_k_scale\") for the tree "
         "rows' own launch, and the CPU cache packing (`isa`, which vLLM's CPU builder sets on the layer)",
         assigned_in="vllm.v1.attention.backends.cpu_attn",

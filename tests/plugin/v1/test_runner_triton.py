@@ -58,8 +58,8 @@ def triton_metadata(batch, max_query_len=None) -> TritonAttentionMetadata:
         causal=True)
 
 
-def hand_to_triton_layers(tree_state, layers, per_layer, step, prepared):
-    tree_attention_hooks.hand_to_triton_layers(tree_state, layers, per_layer, step, prepared, torch.device("cpu"))
+def hand_tree_to_attention_layers(tree_state, layers, per_layer, step, prepared):
+    tree_attention_hooks.hand_tree_to_attention_layers(tree_state, layers, per_layer, step, prepared, torch.device("cpu"))
     return per_layer
 
 
@@ -98,7 +98,7 @@ def test_vllms_triton_forward_under_the_wrapper_is_tree_attention(interpreted_tr
     step = tree_step_of_batch(batch)
     metadata = triton_metadata(batch)
     state = TreeRunState(batch.tree)
-    metadata = hand_to_triton_layers(state, one_layer(batch.kv_cache), {"attn.0": metadata}, step, True)["attn.0"]
+    metadata = hand_tree_to_attention_layers(state, one_layer(batch.kv_cache), {"attn.0": metadata}, step, True)["attn.0"]
     covering = "prefill" not in batch.kinds or all(q <= 1 for k, q in zip(batch.kinds, batch.query_lens)
                                                     if k == "prefill")
     assert step.covers_batch == covering
@@ -125,7 +125,7 @@ def test_a_capture_dummy_run_of_uniform_decodes_takes_the_bias_and_others_do_not
                        block_size=16, dtype=torch.float32, layout="NHD")
     state, layers = TreeRunState(tree), one_layer(batch.kv_cache)
     # "c": a uniform decode of the chain of the tree's depth (draft_tree_max_batch_size's larger batches: causal)
-    built = hand_to_triton_layers(state, layers, {"a": triton_metadata(batch),
+    built = hand_tree_to_attention_layers(state, layers, {"a": triton_metadata(batch),
                                                   "b": triton_metadata(batch, max_query_len=64),
                                                   "c": triton_metadata(batch, max_query_len=1 + tree.max_depth)},
                                   None, False)
@@ -133,8 +133,8 @@ def test_a_capture_dummy_run_of_uniform_decodes_takes_the_bias_and_others_do_not
     assert bias.shape[1] == 1 + tree.num_nodes and tree_qq_bias_of(built["b"]) is None
     assert tree_qq_bias_of(built["c"]) is None
     # A real step without tree rows (prepared) never takes it; the bias is built once per runner.
-    assert tree_qq_bias_of(hand_to_triton_layers(state, layers, {"a": triton_metadata(batch)}, None, True)["a"]) is None
-    again = hand_to_triton_layers(state, layers, {"a": triton_metadata(batch)}, None, False)["a"]
+    assert tree_qq_bias_of(hand_tree_to_attention_layers(state, layers, {"a": triton_metadata(batch)}, None, True)["a"]) is None
+    again = hand_tree_to_attention_layers(state, layers, {"a": triton_metadata(batch)}, None, False)["a"]
     assert tree_qq_bias_of(again) is bias
 
 
@@ -144,7 +144,7 @@ def test_layers_sharing_a_cache_are_compacted_once():
                        dtype=torch.float32, layout="NHD")
     layers = {**one_layer(batch.kv_cache), "attn.1": SimpleNamespace(kv_cache=batch.kv_cache)}
     step = tree_step_of_batch(batch)
-    hand_to_triton_layers(TreeRunState(tree), layers, {"attn.0": triton_metadata(batch),
+    hand_tree_to_attention_layers(TreeRunState(tree), layers, {"attn.0": triton_metadata(batch),
                                                        "attn.1": triton_metadata(batch)}, step, True)
     assert len(step.attention_layers) == 1
 
@@ -204,7 +204,7 @@ def test_commit_accepted_path_compacts_recorded_triton_layers():
 
 
 def test_commit_accepted_path_compacts_layers_sharing_a_block_table_in_one_call(monkeypatch):
-    """Layers that share their tree rows' block table (one KV-cache group, as `hand_to_triton_layers` records them)
+    """Layers that share their tree rows' block table (one KV-cache group, as `hand_tree_to_attention_layers` records them)
     are compacted by ONE `compact_accepted_kv_paged` call with all their caches (the moves computed once per table);
     each cache ends as compacting it alone leaves it; a CPU-layout layer is still compacted on its own."""
     from vllm_treewy.vllm_plugin.trees import sampling as tree_sampling

@@ -65,7 +65,7 @@ class World:
         return other
 
     def recorded_layers(self, idx_mapping: torch.Tensor) -> list[PagedLayerCaches]:
-        """The step's layers as `_hand_to_triton_layers` records them: a group's layers share its rows' table."""
+        """The step's layers as `hand_tree_to_attention_layers` records them: a group's layers share its rows' table."""
         layers = []
         for table, caches in zip(self.tables, self.caches):
             rows = table[idx_mapping.long()]
@@ -198,9 +198,9 @@ def test_steps_the_graphs_do_not_hold_run_eagerly():
     assert graphs.graph_size(1) == 2 and graphs.graph_size(3) == 4 and graphs.graph_size(5) is None
 
 
-def test_triton_cache_groups_follow_the_kv_cache_groups():
-    """TRITON_ATTN layers per KV-cache group, each cache once (a shared cache in its first layer's group), other
-    backends left out."""
+def test_paged_cache_groups_follow_the_kv_cache_groups():
+    """TRITON_ATTN and FLASH_ATTN layers (one paged KV layout) per KV-cache group, each cache once (a shared cache in
+    its first layer's group), other backends left out."""
     caches = [torch.zeros(2, 1, 4, 2) for _ in range(4)]
     layers = {f"l{i}": SimpleNamespace(kv_cache=c) for i, c in enumerate(caches)}
     layers["shared"] = SimpleNamespace(kv_cache=caches[0])
@@ -212,8 +212,8 @@ def test_triton_cache_groups_follow_the_kv_cache_groups():
 
     runner = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers), attn_groups=[
         [group("TRITON_ATTN", ["l0", "l1"], 0)], [group("GDN_ATTN", ["gdn"], 1)],
-        [group("TRITON_ATTN", ["shared", "l2"], 2), group("TRITON_ATTN", ["l3"], 2)]])
-    groups = accept_graphs.triton_cache_groups(runner)
+        [group("FLASH_ATTN", ["shared", "l2"], 2), group("TRITON_ATTN", ["l3"], 2)]])
+    groups = accept_graphs.paged_cache_groups_of(runner)
     assert [[id(c) for c in g] for g in groups] == [[id(caches[0]), id(caches[1])], [id(caches[2]), id(caches[3])]]
 
 
@@ -256,7 +256,7 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_the_levels_sizes(monkeyp
     tree = DraftTree.from_widths([2, 2, 1])
     world = World(seed=2)
     before = world.clone()
-    monkeypatch.setattr(accept_graphs, "triton_cache_groups", lambda runner: world.caches)
+    monkeypatch.setattr(accept_graphs, "paged_cache_groups_of", lambda runner: world.caches)
     monkeypatch.setattr("vllm_treewy.vllm_plugin.v2.accepted_counts.gdn_groups_of", lambda runner: world.gdn_groups)
     state = TreeRunStateV2(tree)
     level_graphs = {}

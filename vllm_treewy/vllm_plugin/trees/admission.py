@@ -5,7 +5,9 @@ One mechanism for both runners (INPUT_PROCESSOR_VALIDATE_PARAMS wraps vLLM's `In
 the front end, before the request reaches the engine); each runner has its own list, below:
 `REFUSED_ON_V1_TREES` (the V1 runner, `v1.runner`: vLLM's CPU backend, or CUDA with VLLM_USE_V2_MODEL_RUNNER=0)
 and `REFUSED_ON_V2_TREES` (Model Runner V2, `v2.runner`). The runner is the one
-`vllm_config.use_v2_model_runner` picks, as the engine does. Chains (no tree) are left to vLLM.
+`vllm_config.use_v2_model_runner` picks, as the engine does. Chains (no tree) are left to vLLM. Requests whose
+extra_args set synthetic tree acceptance rates (`trees.synthetic`) are refused unless the engine is a synthetic tree
+one and the rates are one probability per depth (`synthetic_rates_refusal`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from vllm.exceptions import VLLMValidationError
 
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import INPUT_PROCESSOR_VALIDATE_PARAMS
+from vllm_treewy.vllm_plugin.trees.synthetic import FIRST_CHILD_KEY, RATE_KEYS, request_rates
 
 
 # What the V1 tree path does not make exact, as (name, neutral value); refused at admission:
@@ -105,12 +108,33 @@ def tree_refusal(params, speculative_config, use_v2_model_runner: bool) -> tuple
             f"({reasons}). Instead, {instead}.", used[0])
 
 
+def synthetic_rates_refusal(params, speculative_config) -> tuple[str, str] | None:
+    """`(message, parameter)` when the request's extra_args set synthetic tree acceptance rates (`trees.synthetic`)
+    that this engine cannot take: it has no synthetic tree acceptance, or they are not one probability per depth."""
+    extra_args = getattr(params, "extra_args", None) or {}
+    keys = [key for key in RATE_KEYS if key in extra_args]
+    if not keys:
+        return None
+    synthetic_tree = (draft_tree_of(speculative_config) is not None
+                      and getattr(speculative_config, FIRST_CHILD_KEY, None) is not None)
+    if not synthetic_tree:
+        return (f"extra_args[{keys[0]!r}]: synthetic tree acceptance rates need an engine with "
+                "rejection_sample_method='synthetic' and draft_tree_widths (a benchmark engine); send the request "
+                "without them", "extra_args")
+    try:
+        request_rates(extra_args, speculative_config.draft_tree_depth)
+    except ValueError as error:
+        return str(error), "extra_args"
+    return None
+
+
 def _refusing_tree_params(original):
     @functools.wraps(original)
     def validate(self, params, *args, **kwargs):
         if hasattr(params, "repetition_penalty"):  # SamplingParams (pooling requests have none of these)
             refusal = tree_refusal(params, self.speculative_config,
                                    bool(getattr(self.vllm_config, "use_v2_model_runner", False)))
+            refusal = refusal or synthetic_rates_refusal(params, self.speculative_config)
             if refusal is not None:
                 raise VLLMValidationError(refusal[0], parameter=refusal[1])
         return original(self, params, *args, **kwargs)

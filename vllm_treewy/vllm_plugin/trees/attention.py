@@ -1,6 +1,6 @@
 """Draft trees in vLLM's attention backends, for both runners (V1's `v1.runner`, Model Runner V2's `v2.runner`): the
-tree rows' attention in the CPU and TRITON_ATTN layers' `forward`, the check of each layer's backend and settings,
-and the hand-over of a step's tree (bias or step) to the TRITON_ATTN layers' metadata.
+tree rows' attention in the CPU, TRITON_ATTN and FLASH_ATTN layers' `forward`, the check of each layer's backend and
+settings, and the hand-over of a step's tree (bias, ancestor table or step) to the layers' metadata.
 
 - CPU: vLLM's kernel attends the whole batch causally, then `trees.attention_cpu.tree_attention` overwrites the
   tree rows' output; the layer's caches are recorded for the compaction.
@@ -8,7 +8,16 @@ and the hand-over of a step's tree (bias or step) to the TRITON_ATTN layers' met
   or a CUDA-graph capture's uniform decode batch), vLLM's own launch is tree attention: the bias reaches
   `unified_attention` through vLLM's forward context for the launch's duration (FULL CUDA graphs capture it); a
   mixed batch (attention runs eagerly) runs vLLM's causal launch, then the tree rows alone with the bias overwrite
+  their output. TRITON_ATTN keeps this one-launch path rather than the two passes: the bias is vLLM's own kernel
+  argument, and a covering step costs one launch instead of three.
+- FLASH_ATTN (`trees.attention_flash`, FlashAttention 2 or 3): with the tree's ancestor table on the metadata (the
+  same covering steps and captures), the two passes (prefix over the paged cache with vLLM's FlashAttention call,
+  ancestors among the new tokens) merged by log-sum-exp replace vLLM's launch for the whole batch (FULL CUDA graphs
+  capture them); a mixed batch runs vLLM's causal launch, then the two passes over the tree rows alone overwrite
   their output.
+
+Both CUDA backends keep the same paged KV layout, so the accepted path's compaction is one function for both
+(`attention_triton.compact_accepted_kv_paged`), its layers recorded when the metadata is built.
 """
 
 from __future__ import annotations
@@ -24,29 +33,52 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 from vllm_treewy.vllm_plugin.patch_points import (
     CPU_ATTENTION_FORWARD,
+    FLASH_ATTENTION_FORWARD,
+    FLASH_ATTN_VARLEN_FUNC,
+    MERGE_ATTN_STATES,
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
 )
-from vllm_treewy.vllm_plugin.trees import attention_triton
+from vllm_treewy.vllm_plugin.trees import attention_flash, attention_triton
 from vllm_treewy.vllm_plugin.trees.attention_cpu import split_kv_cache, tree_attention
-from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, tree_qq_bias_of, tree_step_of, with_tree
+from vllm_treewy.vllm_plugin.trees.metadata import (
+    replace_metadata,
+    tree_block_ancestors_of,
+    tree_qq_bias_of,
+    tree_step_of,
+    with_tree,
+)
 from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState
 from vllm_treewy.vllm_plugin.trees.step import AttentionLayerCaches, PagedLayerCaches, TreeStep
 
 
+TREE_BACKENDS_ON_CUDA = ("FLASH_ATTN", "TRITON_ATTN")  # vLLM's backend names, as `attention_backend` takes them
+
+
+def _tree_metadata_classes() -> dict:
+    """vLLM's metadata class of each backend with a tree path on this platform, by backend name. Looked up at call
+    time: each backend module imports on its own platform only."""
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+        return {"CPU_ATTN": CPUAttentionMetadata}
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+    return {"FLASH_ATTN": FlashAttentionMetadata, "TRITON_ATTN": TritonAttentionMetadata}
+
+
 def check_tree_backends(compilation_config, per_layer: dict) -> None:
-    """Draft trees read the CPU or TRITON_ATTN KV layout; any other attention backend is refused with its name, and
-    so are TRITON_ATTN layers with settings the tree bias leaves wrong (`check_triton_tree_support`)."""
-    if current_platform.is_cpu():  # each backend module imports on its own platform only
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata as Supported
-    else:
-        from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata as Supported
+    """Draft trees run on vLLM's CPU attention on CPU, and on FLASH_ATTN (FlashAttention 2 or 3) or TRITON_ATTN on
+    CUDA; any other attention backend is refused with its name and the supported ones, and so are layers whose
+    settings the tree path leaves wrong (`check_triton_tree_support`, `check_flash_tree_support`)."""
+    supported = _tree_metadata_classes()
     for name, metadata in per_layer.items():
-        if not isinstance(metadata, (Supported, GDNAttentionMetadata)):
+        if not isinstance(metadata, (*supported.values(), GDNAttentionMetadata)):
             raise ValueError(f"draft_tree_widths: layer {name} runs {type(metadata).__name__}; draft trees need "
-                             "attention_backend='TRITON_ATTN' on CUDA (vLLM's CPU attention on CPU)")
-        if not current_platform.is_cpu() and isinstance(metadata, Supported):
+                             f"attention_backend in {TREE_BACKENDS_ON_CUDA} on CUDA (vLLM's CPU attention on CPU)")
+        if isinstance(metadata, supported.get("TRITON_ATTN", ())):
             check_triton_tree_support(compilation_config.static_forward_context[name].impl)
+        elif isinstance(metadata, supported.get("FLASH_ATTN", ())):
+            check_flash_tree_support(compilation_config.static_forward_context[name].impl)
     mode = compilation_config.cudagraph_mode
     if mode is not None and mode.mixed_mode() == CUDAGraphMode.FULL:
         raise ValueError(f"draft_tree_widths: cudagraph_mode {mode.name} puts batches with prefills in FULL CUDA "
@@ -54,16 +86,40 @@ def check_tree_backends(compilation_config, per_layer: dict) -> None:
                          "default), FULL_DECODE_ONLY, PIECEWISE or NONE")
 
 
-def hand_to_triton_layers(state: TreeRunState, layers: dict, attn_metadata, step: TreeStep | None,
-                          prepared: bool, device) -> None:
-    """The tree bias or the tree step onto the TRITON_ATTN metadata, and each layer's cache into the step."""
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata  # CUDA only: TRITON_ATTN's module
+def uniform_tree_marking(state: TreeRunState, tree, device):
+    """`replace_metadata`'s replacement for a batch whose requests are all rows of `tree` or one-token decodes: the
+    tree's bias onto TRITON_ATTN metadata, its ancestor table onto FLASH_ATTN metadata (the whole batch's launch
+    becomes tree attention); other metadata kept."""
+    # CUDA only: the two backends' modules, looked up at call time (tests stand them in)
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 
+    def replacement(name, metadata):
+        if isinstance(metadata, TritonAttentionMetadata):
+            return with_tree(metadata, tree_qq_bias=state.qq_bias(tree, device))
+        if isinstance(metadata, FlashAttentionMetadata):
+            return with_tree(metadata, tree_block_ancestors=state.block_ancestors(tree, device))
+        return None
+
+    return replacement
+
+
+def hand_tree_to_attention_layers(state: TreeRunState, layers: dict, attn_metadata, step: TreeStep | None,
+                                  prepared: bool, device) -> None:
+    """The step's tree onto the TRITON_ATTN and FLASH_ATTN metadata (a covering step's bias or ancestor table for
+    the whole batch's launch, else the tree step for the tree rows' own passes), and each layer's cache into the
+    step for the compaction."""
+    # CUDA only: the two backends' modules, looked up at call time (tests stand them in)
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+
+    paged = (TritonAttentionMetadata, FlashAttentionMetadata)
     tree = state.tree
     recorded = set()  # caches already recorded: a cache that layers share (KV sharing) is compacted once
     tree_rows_of = {}  # the tree rows of each block table: layers of one KV-cache group share theirs
     if step is not None:
         step.qq_bias = state.qq_bias(tree, device)
+    whole_batch = uniform_tree_marking(state, tree, device)
 
     def record(name, metadata):
         kv_cache = layers[name].kv_cache
@@ -75,22 +131,25 @@ def hand_to_triton_layers(state: TreeRunState, layers: dict, attn_metadata, step
             step.attention_layers.append(PagedLayerCaches(kv_cache, tree_rows_of[id(table)]))
 
     def replacement(name, metadata):
-        if not isinstance(metadata, TritonAttentionMetadata):
+        if not isinstance(metadata, paged):
             return None
         if step is not None:
-            return with_tree(metadata, **({"tree_qq_bias": step.qq_bias} if step.covers_batch else
-                                          {"tree_step": step}))
+            if step.covers_batch:
+                return whole_batch(name, metadata)
+            if isinstance(metadata, FlashAttentionMetadata):
+                return with_tree(metadata, tree_step=step, tree_block_ancestors=state.block_ancestors(tree, device))
+            return with_tree(metadata, tree_step=step)
         if not prepared and metadata.max_query_len == 1 + tree.num_nodes:
             # A dummy run (CUDA-graph capture): its uniform decode batch stands for steps of tree rows only (a batch
             # with a prefill is never replayed in a FULL graph: `v1.full_graph_batches`).
-            return with_tree(metadata, tree_qq_bias=state.qq_bias(tree, device))
+            return whole_batch(name, metadata)
         return None
 
     replace_metadata(attn_metadata, replacement)
     if step is not None:
         for per_layer in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
             for name, metadata in per_layer.items():
-                if isinstance(metadata, TritonAttentionMetadata):
+                if isinstance(metadata, paged):
                     record(name, metadata)
 
 
@@ -178,10 +237,77 @@ def _attending_tree_rows_triton(original):
     return forward
 
 
+def check_flash_tree_support(impl) -> None:
+    """What the two passes leave right on FLASH_ATTN: FlashAttention 2 or 3 (their varlen call returns the
+    log-sum-exp over a paged cache), unquantized KV, full causal decoder attention without soft cap, ALiBi or sinks
+    (the ancestor pass computes none of them), no decode context parallelism; all else refused."""
+    reasons = []
+    if impl.vllm_flash_attn_version not in (2, 3):
+        reasons.append(f"FlashAttention version {impl.vllm_flash_attn_version} (2 and 3 have a tree path)")
+    if is_quantized_kv_cache(impl.kv_cache_dtype):
+        reasons.append(f"kv_cache_dtype {impl.kv_cache_dtype!r} (only unquantized KV)")
+    if tuple(impl.sliding_window) != (-1, -1):
+        reasons.append("a sliding window")
+    if impl.alibi_slopes is not None:
+        reasons.append("ALiBi")
+    if impl.logits_soft_cap:
+        reasons.append("a logits soft cap")
+    if impl.sinks is not None:
+        reasons.append("attention sinks")
+    if impl.attn_type != AttentionType.DECODER:
+        reasons.append(f"attention type {impl.attn_type}")
+    if impl.dcp_world_size > 1:
+        reasons.append("decode context parallelism")
+    if impl.kv_sharing_target_layer_name is not None:
+        reasons.append("KV sharing (the ancestor pass reads the layer's own new K/V)")
+    if reasons:
+        raise NotImplementedError("draft_tree_widths with FLASH_ATTN: not supported with " + ", ".join(reasons)
+                                  + "; attention_backend='TRITON_ATTN' may support it")
+
+
+def _flash_prefix_kwargs(impl, layer, attn_metadata, num_requests: int) -> dict:
+    """What vLLM's own FlashAttention call passes beside the tensors: version, KV descales, split count."""
+    descale = layer._k_scale.expand(num_requests, impl.num_kv_heads)
+    return {"fa_version": impl.vllm_flash_attn_version, "k_descale": descale,
+            "v_descale": layer._v_scale.expand(num_requests, impl.num_kv_heads),
+            "num_splits": attn_metadata.max_num_splits}
+
+
+def _attending_tree_rows_flash(original):
+    @functools.wraps(original)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        ancestors, step = tree_block_ancestors_of(attn_metadata), tree_step_of(attn_metadata)
+        if ancestors is None:
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        key_cache, value_cache = attention_triton.split_kv_cache(kv_cache, self.head_size)
+        prefix_attention, merge = FLASH_ATTN_VARLEN_FUNC.resolve(), MERGE_ATTN_STATES.resolve()
+        if step is None:  # the whole batch: tree rows and one-token decodes; the two passes instead of vLLM's launch
+            attention_flash.tree_batch_attention(
+                prefix_attention, merge, query, key, value, key_cache, value_cache, output,
+                query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
+                block_table=attn_metadata.block_table, max_query_len=attn_metadata.max_query_len,
+                max_seq_len=attn_metadata.max_seq_len, block_ancestors=ancestors, scale=self.scale,
+                prefix_kwargs=_flash_prefix_kwargs(self, layer, attn_metadata, attn_metadata.seq_lens.shape[0]))
+            return output
+        output = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        attention_flash.tree_rows_attention(
+            prefix_attention, merge, query, key, value, key_cache, value_cache, output,
+            token_indices=step.token_indices, request_indices=step.request_indices,
+            tree_query_start_loc=step.query_start_loc, seq_lens=attn_metadata.seq_lens,
+            block_table=attn_metadata.block_table, block_len=step.block_len, max_seq_len=attn_metadata.max_seq_len,
+            block_ancestors=ancestors, scale=self.scale,
+            prefix_kwargs=_flash_prefix_kwargs(self, layer, attn_metadata, step.num_requests))
+        return output
+
+    return forward
+
+
 def install() -> None:
-    """The attention backend's hooks, for either runner: vLLM's CPU attention on CPU, TRITON_ATTN on CUDA."""
+    """The attention backend's hooks, for either runner: vLLM's CPU attention on CPU, TRITON_ATTN and FLASH_ATTN on
+    CUDA."""
     if current_platform.is_cpu():
         CPU_ATTENTION_FORWARD.wrap(_attending_tree_rows)
     else:
         TRITON_ATTENTION_FORWARD.wrap(_attending_tree_rows_triton)
         TRITON_UNIFIED_ATTENTION.wrap(_passing_qq_bias)
+        FLASH_ATTENTION_FORWARD.wrap(_attending_tree_rows_flash)

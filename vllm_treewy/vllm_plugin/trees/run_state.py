@@ -16,6 +16,7 @@ import torch
 
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.trees.attention_flash import tree_block_ancestors
 from vllm_treewy.vllm_plugin.trees.attention_triton import tree_qq_bias
 from vllm_treewy.vllm_plugin.trees.step import TreeStep
 
@@ -31,11 +32,18 @@ class TreeRunState:
     chain_depth: int = 0
     # Tree biases (TRITON_ATTN) by node count: built once; CUDA graphs keep their addresses.
     qq_biases: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Ancestor tables (FLASH_ATTN) by node count: built once; CUDA graphs keep their addresses.
+    block_ancestor_tables: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def qq_bias(self, tree: DraftTree, device) -> torch.Tensor:
         if tree.num_nodes not in self.qq_biases:
             self.qq_biases[tree.num_nodes] = tree_qq_bias(tree, device)
         return self.qq_biases[tree.num_nodes]
+
+    def block_ancestors(self, tree: DraftTree, device) -> torch.Tensor:
+        if tree.num_nodes not in self.block_ancestor_tables:
+            self.block_ancestor_tables[tree.num_nodes] = tree_block_ancestors(tree, device)
+        return self.block_ancestor_tables[tree.num_nodes]
 
 
 def tree_state_of(runner) -> TreeRunState | None:

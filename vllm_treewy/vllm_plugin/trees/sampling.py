@@ -11,6 +11,7 @@ import functools
 import torch
 
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance, UniformWalkTables
+from vllm_treewy.spec_decode.synthetic_acceptance import NodeRateIndex
 from vllm_treewy.vllm_plugin.trees.attention_cpu import compact_accepted_kv
 from vllm_treewy.vllm_plugin.trees.attention_triton import compact_accepted_kv_paged
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeStep
@@ -35,6 +36,12 @@ def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, acceptance: Tre
 def walk_tables(parents: tuple[int, ...], device: torch.device) -> UniformWalkTables:
     """A tree's walk tables on the device, built once (read only)."""
     return UniformWalkTables.of(parents, device)
+
+
+@functools.lru_cache(maxsize=16)
+def rate_index(parents: tuple[int, ...], device: torch.device) -> NodeRateIndex:
+    """A tree's node rate index for synthetic acceptance on the device, built once (read only)."""
+    return NodeRateIndex.of(parents, device)
 
 
 def paged_cache_groups(layers) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:

@@ -8,10 +8,10 @@ proposer unchanged. With a draft tree (`spec_decode.tree_drafting` has the level
    `v1.runner`'s sampling hands over): the head's K/V of the committed tokens land where vLLM's chain puts them,
    and the pass's output at each request's last accepted token gives level 1 (its top-w1 tokens).
 2. For l = 1 .. depth - 1, one forward of the head over every request's level block (root + nodes of depth <= l,
-   `uniform_tree_step`): the same tree attention as the target's verify (CPU: `tree_attention` over vLLM's
-   causal pass; TRITON_ATTN: the tree bias in vLLM's launch), depth RoPE positions, KV slots at P0 + block index
-   (inside the lookahead vLLM's scheduler allocates for N drafts). Each node's hidden input is its parent's head
-   output (the root's: the target's hidden state), its token id its own.
+   `uniform_tree_step`): the same tree attention as the target's verify (CPU: `tree_attention` over vLLM's causal pass;
+   TRITON_ATTN: the tree bias in vLLM's launch; FLASH_ATTN: the two passes), depth RoPE positions, KV slots at P0 +
+   block index (inside the lookahead vLLM's scheduler allocates for N drafts). Each node's hidden input is its parent's
+   head output (the root's: the target's hidden state), its token id its own.
 3. The drafts leave in node order, `[num_reqs, N]`, as a chain's would: the scheduler and the verify side are
    unchanged.
 
@@ -42,6 +42,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
 from vllm_treewy.vllm_plugin.config import draft_shape_of
 from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, accepted_paths_as_chains, kv_slots
+from vllm_treewy.vllm_plugin.trees.attention import uniform_tree_marking
 from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, with_tree
 from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep, device_arange, uniform_tree_step
@@ -232,13 +233,12 @@ class TreeMtpProposer(EagleProposer):
 
     def _attach_tree(self, per_layer: dict, step: TreeStep) -> None:
         """The level's tree (every request a tree row) onto the head's attention metadata, in place, as `v1.runner`
-        hands the target's: the step for the CPU post-pass, or the tree bias for vLLM's TRITON_ATTN launch."""
-        bias = self._level_bias(step.tree)
-        tree = {"tree_step": step} if bias is None else {"tree_qq_bias": bias}
-        replace_metadata(per_layer, lambda name, metadata: with_tree(metadata, **tree))
-
-    def _level_bias(self, tree) -> torch.Tensor | None:
-        return None if current_platform.is_cpu() else self.tree_state.qq_bias(tree, self.device)
+        hands the target's: the step for the CPU post-pass; on CUDA the tree bias for vLLM's TRITON_ATTN launch or
+        the ancestor table for FLASH_ATTN's two passes (`trees.attention.uniform_tree_marking`)."""
+        if current_platform.is_cpu():
+            replace_metadata(per_layer, lambda name, metadata: with_tree(metadata, tree_step=step))
+        else:
+            replace_metadata(per_layer, uniform_tree_marking(self.tree_state, step.tree, self.device))
 
 
 class _LevelBlocks(NamedTuple):

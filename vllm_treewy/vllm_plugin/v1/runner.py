@@ -1,5 +1,5 @@
-"""Draft trees in vLLM's V1 model runner (CPU backend, or CUDA with TRITON_ATTN): one target pass verifies every
-request's whole tree.
+"""Draft trees in vLLM's V1 model runner (CPU backend, or CUDA with FLASH_ATTN or TRITON_ATTN): one target pass
+verifies every request's whole tree.
 
 Per step, when the speculative config has a tree (`draft_tree_widths` with a width > 1) and the step's drafts are
 trees (with `draft_tree_max_batch_size`, a step of a larger batch verifies MTP chains of the tree's depth: vLLM's own
@@ -13,16 +13,18 @@ chain path, causal attention and rejection sampler, with the GDN commit of what 
    attention metadata. It also says whether the tree rows cover the batch (every other request a one-token query).
 2. CUDA: a batch that looks like a uniform decode (every request 1 + N tokens) but is not all tree rows (a prefill
    chunk of 1 + N tokens) is not given to a FULL CUDA graph (`v1.full_graph_batches`, for chains too).
-3. `_build_attention_metadata`: CPU: the tree step rides on the CPU attention metadata. TRITON_ATTN: a covering step
-   (and every uniform decode batch of a CUDA-graph capture, where `_prepare_inputs` did not run) gets the tree bias
-   on its metadata; a mixed step gets the tree step; the layers' caches are recorded for the compaction. The first
-   build checks the layers' backends and settings (`trees.attention`, which Model Runner V2's hooks share).
+3. `_build_attention_metadata`: CPU: the tree step rides on the CPU attention metadata. TRITON_ATTN / FLASH_ATTN: a
+   covering step (and every uniform decode batch of a CUDA-graph capture, where `_prepare_inputs` did not run) gets the
+   tree bias / ancestor table on its metadata; a mixed step gets the tree step; the layers' caches are recorded for the
+   compaction. The first build checks the layers' backends and settings (`trees.attention`, which Model Runner V2's
+   hooks share).
 4. Attention `forward` (`trees.attention`'s hooks, the same on either runner): CPU: vLLM's kernel attends the whole
    batch causally, then `tree_attention` overwrites the tree rows' output; the layer's caches are recorded.
    TRITON_ATTN (`trees.attention_triton`): with the bias, vLLM's own launch is tree attention (the bias reaches
    `unified_attention` through vLLM's forward context for the launch's duration; FULL CUDA graphs capture it); a
    mixed batch (PIECEWISE: attention runs eagerly) runs vLLM's causal launch, then the tree rows alone with the bias
-   overwrite their output.
+   overwrite their output. FLASH_ATTN (`trees.attention_flash`): the prefix and ancestor passes merged by
+   log-sum-exp, for the whole covering batch instead of vLLM's launch, or for the tree rows after it.
 5. GDN layers: the step metadata carries the tree (`gdn.step_metadata`), reconstruct verifies it and commits the
    previous step's accepted leaf (`gdn.reconstruct.step_torch` on CPU, `step_triton` on CUDA).
 6. `_sample`: tree acceptance with vLLM's sampler (`v1.sampler`), the accepted path's K/V compacted, the accepted
@@ -57,7 +59,7 @@ from vllm_treewy.vllm_plugin.patch_points import (
     RUNNER_SAMPLE,
     RUNNER_SAMPLE_TOKENS,
 )
-from vllm_treewy.vllm_plugin.trees.attention import check_tree_backends, hand_to_triton_layers
+from vllm_treewy.vllm_plugin.trees.attention import check_tree_backends, hand_tree_to_attention_layers
 from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.trees.run_state import tree_state_of
 from vllm_treewy.vllm_plugin.trees.sampling import record_accepted_leaves
@@ -124,8 +126,8 @@ def _handing_tree_step_to_attention(original):
                 replace_metadata(attn_metadata, lambda name, metadata: with_tree(metadata, tree_step=step)
                                  if isinstance(metadata, CPUAttentionMetadata) else None)
         else:
-            hand_to_triton_layers(state, self.compilation_config.static_forward_context, attn_metadata, step,
-                                  prepared, self.device)
+            hand_tree_to_attention_layers(state, self.compilation_config.static_forward_context, attn_metadata,
+                                          step, prepared, self.device)
         return attn_metadata, spec_common
 
     return build_attention_metadata
@@ -140,6 +142,10 @@ def _sampling_trees(original):
             state.accepted = None
         if step is None:
             return original(self, logits, spec_decode_metadata)
+        if getattr(self.speculative_config, "synthetic_tree_acceptance_rates", None) is not None:
+            raise NotImplementedError("synthetic_tree_acceptance_rates: synthetic tree acceptance runs on Model Runner "
+                                      "V2 only (the V1 runner's tree sampler has no synthetic path); unset "
+                                      "VLLM_USE_V2_MODEL_RUNNER=0")
         sampled, acceptance, logprobs = sample_with_trees(logits, spec_decode_metadata, step, self.sampler,
                                                           self.input_batch.sampling_metadata)
         if not caches_gdn_prefixes(self.cache_config):  # align mode: `v1.accepted_counts` records them with the

@@ -18,7 +18,7 @@ caches and counts end exactly as the R real rows leave them, and the padded outp
 Captured in V2's capture phase (`GPUModelRunner.capture_model`, right after V2's own graphs and the drafting levels'
 ones: `v2.runner`), at the levels' padded sizes, into the same pool, as those are; nothing inside V2's
 graph-memory profiling. What the graph bakes in: the KV caches of the TRITON_ATTN layers grouped by KV-cache group
-(`triton_cache_groups`; a step whose recorded layers group differently runs eagerly) and the GDN groups' count
+(`paged_cache_groups_of`; a step whose recorded layers group differently runs eagerly) and the GDN groups' count
 states and V2 block tables (persistent).
 """
 
@@ -33,10 +33,11 @@ from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees.sampling import PLACEHOLDER_TOKEN, paged_cache_groups
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeConstants, TreeStep, uniform_tree_step
+from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2.acceptance import TreeSampling, accept_and_commit_tree_rows
 from vllm_treewy.vllm_plugin.v2.accepted_counts import leaf_count_groups
 
-TRITON_ATTN = "TRITON_ATTN"
+PAGED_TREE_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN")  # one paged KV layout: `trees.attention_flash`
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines, as it configures them
 
 
@@ -60,16 +61,16 @@ class AcceptGraphBuffers:
                    [zeros(max_reqs, width, dtype=torch.int32) for width in table_widths])
 
 
-def triton_cache_groups(runner) -> list[list[torch.Tensor]]:
-    """The KV caches of the runner's TRITON_ATTN layers per KV-cache group (V2 builds one block table per group, which
-    its layers' metadata share), each cache once (KV sharing: its first layer's group), in V2's group and layer
-    order: the grouping `trees.attention.hand_to_triton_layers` records a step's layers with."""
+def paged_cache_groups_of(runner) -> list[list[torch.Tensor]]:
+    """The KV caches of the runner's TRITON_ATTN and FLASH_ATTN layers per KV-cache group (V2 builds one block table per
+    group, which its layers' metadata share), each cache once (KV sharing: its first layer's group), in V2's group and
+    layer order: the grouping `trees.attention.hand_tree_to_attention_layers` records a step's layers with."""
     layers = runner.compilation_config.static_forward_context
     groups: dict[int, list[torch.Tensor]] = {}
     seen = set()
     for attn_groups in runner.attn_groups:
         for attn_group in attn_groups:
-            if attn_group.backend.get_name() != TRITON_ATTN:
+            if attn_group.backend.get_name() not in PAGED_TREE_BACKENDS:
                 continue
             for name in attn_group.layer_names:
                 cache = layers[name].kv_cache
@@ -86,20 +87,21 @@ def _cache_key(caches) -> frozenset:
 class TreeAcceptGraphs:
     """The captured graphs of `accept_and_commit_tree_rows` by padded request count, with their buffers.
 
-    `cache_groups`: `triton_cache_groups`; `gdn_groups`: `v2.accepted_counts.gdn_groups_of`; `max_model_len` bounds the
-    positions a move touches, so a group's table buffer holds cdiv(max_model_len, block size) + 1 columns (a step's
+    `cache_groups`: `paged_cache_groups_of`; `gdn_groups`: `v2.accepted_counts.gdn_groups_of`; `max_model_len` bounds
+    the positions a move touches, so a group's table buffer holds cdiv(max_model_len, block size) + 1 columns (a step's
     table rows are copied up to that width: no position past it is ever read). `constants`: the tree's on the device
     (the speculator's `tree_constants`, whose uniform steps the runner's all-tree steps share)."""
 
     def __init__(self, tree: DraftTree, num_speculative_steps: int, cache_groups: list[list[torch.Tensor]],
                  gdn_groups: list[tuple[torch.Tensor, torch.Tensor]], max_reqs: int, max_model_len: int,
-                 constants: TreeConstants):
+                 constants: TreeConstants, synthetic: SyntheticTreeRates | None = None):
         self.tree, self.num_speculative_steps = tree, num_speculative_steps
         self.cache_groups, self.gdn_groups, self.max_reqs = cache_groups, gdn_groups, max_reqs
         self.group_keys = [_cache_key(caches) for caches in cache_groups]
         widths = [-(-max_model_len // caches[0].shape[2]) + 1 for caches in cache_groups]
         self.buffers = AcceptGraphBuffers.allocate(max_reqs, 1 + tree.num_nodes, widths, constants.parents.device)
         self.constants = constants
+        self.synthetic = synthetic  # its rate tensor read in place by request state (persistent)
         self.graphs: dict[int, object] = {}  # padded request count -> its graph (anything with `replay()`)
         self.outputs: dict[int, TreeSampling] = {}  # padded request count -> the body's result, read after replay
 
@@ -115,7 +117,8 @@ class TreeAcceptGraphs:
                                  for caches, table in zip(self.cache_groups, tables) for cache in caches]
         result = accept_and_commit_tree_rows(
             step, bufs.draws[: size * block_len], step.query_start_loc, bufs.input_ids[: size * block_len],
-            self.num_speculative_steps, bufs.idx_mapping[:size], self.gdn_groups if gdn_groups is None else gdn_groups)
+            self.num_speculative_steps, bufs.idx_mapping[:size], self.gdn_groups if gdn_groups is None else gdn_groups,
+            self.synthetic)
         self.outputs[size] = result
         return result
 
@@ -124,7 +127,8 @@ class TreeAcceptGraphs:
         """One graph of the body per padded request count in `sizes`, recorded as V2's CudaGraphManager records its
         own (its pool, vLLM's graph-capture context and stream), after an eager warm-up. Buffers inert while
         capturing: draws no draft carries (nothing accepted: every move copies a root onto itself), and the warm-up
-        records no count."""
+        records no count. (Synthetic acceptance accepts whatever the tokens: its warm-up may move K/V within the
+        zeroed table rows' block 0, vLLM's null block, which holds no request's K/V.)"""
         # vLLM's graph-capture helpers looked up at capture time, where V2 runs (CUDA; tests stand them in)
         from vllm.compilation.cudagraph_pool import capture_pool
         from vllm.distributed.parallel_state import graph_capture
@@ -151,7 +155,7 @@ class TreeAcceptGraphs:
 
     def _group_tables(self, step: TreeStep) -> list[torch.Tensor] | None:
         """The step's tree-row block table of each captured cache group, in capture order (None: the step's layers
-        are not grouped as captured, or not all TRITON_ATTN)."""
+        are not grouped as captured, or not all TRITON_ATTN / FLASH_ATTN)."""
         if any(not isinstance(layer, PagedLayerCaches) for layer in step.attention_layers):
             return None
         tables = {_cache_key(caches): table for table, caches in paged_cache_groups(step.attention_layers)}
@@ -208,9 +212,9 @@ def capture_accept_graphs(runner, state) -> None:
     state.accept_graphs = None
     if not sizes:
         return
-    graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, triton_cache_groups(runner),
+    graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, paged_cache_groups_of(runner),
                               leaf_count_groups(runner), max(sizes), speculator.max_model_len,
-                              speculator.tree_constants(state.tree))
+                              speculator.tree_constants(state.tree), state.synthetic)
     graphs.capture(sizes, speculator.prefill_cudagraph_manager.pool, speculator.vllm_config, speculator.device)
     state.accept_graphs = graphs
     logger.info("vllm-treewy: captured the draft tree's acceptance as CUDA graphs for %d batch sizes (up to %d "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState
 from vllm_treewy.vllm_plugin.trees.step import TreeStep
+from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2.accept_graphs import TreeAcceptGraphs
 
 
@@ -19,3 +20,4 @@ class TreeRunStateV2(TreeRunState):
     capturing_drafter: bool = False
     profiling_capture: bool = False  # inside V2's graph-memory profiling: its captures are thrown away
     accept_graphs: TreeAcceptGraphs | None = None  # the post-sampler graphs (`v2.accept_graphs`), once captured
+    synthetic: SyntheticTreeRates | None = None  # synthetic tree acceptance's rates by request slot (benchmarks only)

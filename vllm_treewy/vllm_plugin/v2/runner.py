@@ -1,13 +1,14 @@
-"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with TRITON_ATTN), the runner vLLM picks on
-CUDA; VLLM_USE_V2_MODEL_RUNNER=0 puts them on the V1 runner's hooks (`v1.runner`), as vLLM's CPU backend does.
+"""Draft trees in vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`, CUDA with FLASH_ATTN or TRITON_ATTN), the runner
+vLLM picks on CUDA; VLLM_USE_V2_MODEL_RUNNER=0 puts them on the V1 runner's hooks (`v1.runner`), as vLLM's CPU
+backend does.
 
 What V2 shares with the V1 tree path (`v1.runner`), through `trees` and `gdn`:
 
 - the tree step (`trees.step.find_tree_step`: the tree rows, their block tokens, parents, position shifts) and the
   depth RoPE positions (`trees.step.override_positions`);
-- tree attention on TRITON_ATTN (`trees.attention.hand_to_triton_layers` puts the tree bias, or for a batch with
-  prefills the tree step, onto the step's attention metadata and records the layers' caches; the attention forward
-  and `unified_attention` hooks, `trees.attention`, serve either runner);
+- tree attention on TRITON_ATTN and FLASH_ATTN (`trees.attention.hand_tree_to_attention_layers` puts the tree bias
+  or ancestor table, or for a batch with prefills the tree step, onto the step's attention metadata and records the
+  layers' caches; the attention forward hooks, `trees.attention`, serve either runner);
 - the GDN side: V2 calls the same GDN metadata builder, so `gdn.step_metadata` gives the tree's commit nodes and
   counts, and the reconstruct layer verifies along the tree (nothing V2-specific);
 - acceptance (the one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws`), the output rows
@@ -23,11 +24,12 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    `is_prefilling_np`, `query_start_loc_np`), each root's position is read on the device (V2's host count of
    computed tokens is an upper bound under async scheduling), and the tree tokens get depth positions in V2's
    persistent positions buffer (a FULL graph reads it in place).
-2. `MambaHybridModelState.prepare_attn` (V2_MAMBA_PREPARE_ATTN; real steps, dummy runs and graph captures): the
-   tree bias or step onto the TRITON_ATTN metadata, as V1's `_build_attention_metadata` hook does. A capture or dummy
-   run of a uniform 1 + N decode batch gets the bias (V2 replays FULL decode graphs for decode-only batches, every
-   row a tree row or a one-token decode); the drafter's own first-pass graphs are captured without it, and so are
-   the target's 1 + D decode graphs of `draft_tree_max_batch_size` (chain steps: vLLM's causal attention).
+2. `MambaHybridModelState.prepare_attn` (V2_MAMBA_PREPARE_ATTN; real steps, dummy runs and graph captures): the tree
+   bias, ancestor table or step onto the TRITON_ATTN / FLASH_ATTN metadata, as V1's `_build_attention_metadata` hook
+   does. A capture or dummy run of a uniform 1 + N decode batch gets the bias or table (V2 replays FULL decode graphs
+   for decode-only batches, every row a tree row or a one-token decode); the drafter's own first-pass graphs are
+   captured without it, and so are the target's 1 + D decode graphs of `draft_tree_max_batch_size` (chain steps: vLLM's
+   causal attention).
 3. `GPUModelRunner.sample` (V2_RUNNER_SAMPLE): tree acceptance instead of V2's rejection sampler. V2's sampler draws
    every verified token's row in ONE call (`Sampler.sample`), its Gumbel noise keyed by (request seed, position):
    with depth positions, a node at depth d draws with the noise plain decoding uses at that position, so walking the
@@ -48,6 +50,12 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
    all tree rows replays its post-sampler work (walk, compaction, GDN counts) as one CUDA graph per padded request
    count, captured right after V2's capture phase (V2_RUNNER_CAPTURE_MODEL, again): `v2.accept_graphs`.
 4. The MTP drafter (V2_MTP_SPECULATOR, `TreeMtpSpeculatorV2`): `v2.speculator`.
+5. `GPUModelRunner.add_requests` (V2_RUNNER_ADD_REQUESTS), only with synthetic tree acceptance (benchmarks:
+   `rejection_sample_method: "synthetic"` with a tree, `trees.synthetic`): each new request's rates into its request
+   slot's row, read by hook 3's acceptance by request state. vLLM's own synthetic path is its rejection sampler, which
+   hook 3 replaces on tree steps: there the synthetic draw replaces only the walk's accept decision (the bonus is V2's
+   draw, compaction and GDN commit are the real ones); chain steps (`draft_tree_max_batch_size`) keep vLLM's synthetic
+   chain with the chain's rates (`config`).
 
 State across calls: the speculator's `TreeRunStateV2` (`tree_state`), which the runner owns through its speculator.
 The model state's `prepare_attn` does not reach the runner, so the runner's entry points (execute_model,
@@ -66,6 +74,7 @@ from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.config import draft_tree_of
 from vllm_treewy.vllm_plugin.patch_points import (
     V2_MAMBA_PREPARE_ATTN,
+    V2_RUNNER_ADD_REQUESTS,
     V2_MTP_SPECULATOR,
     V2_RUNNER_CAPTURE_MODEL,
     V2_RUNNER_EXECUTE_MODEL,
@@ -73,7 +82,7 @@ from vllm_treewy.vllm_plugin.patch_points import (
     V2_RUNNER_PROFILE_CUDAGRAPH_MEMORY,
     V2_RUNNER_SAMPLE,
 )
-from vllm_treewy.vllm_plugin.trees.attention import check_tree_backends, hand_to_triton_layers
+from vllm_treewy.vllm_plugin.trees.attention import check_tree_backends, hand_tree_to_attention_layers
 from vllm_treewy.vllm_plugin.trees.step import (
     TreeConstants,
     TreeStep,
@@ -212,8 +221,8 @@ def _handing_tree_to_attention(original):
             per_layer = attn_metadata if isinstance(attn_metadata, dict) else {}
             check_tree_backends(self.vllm_config.compilation_config, per_layer)
             state.backends_checked = bool(per_layer)
-        hand_to_triton_layers(state, self.vllm_config.compilation_config.static_forward_context, attn_metadata, step,
-                              prepared, input_batch.positions.device)
+        hand_tree_to_attention_layers(state, self.vllm_config.compilation_config.static_forward_context,
+                                      attn_metadata, step, prepared, input_batch.positions.device)
         return attn_metadata
 
     return prepare_attn
@@ -236,6 +245,24 @@ def _sampling_trees(original):
     return sample
 
 
+def _adding_synthetic_rates(original):
+    """V2's add_requests, then each new request's synthetic tree acceptance rates (its extra_args', else the engine's)
+    into its request slot's row (`trees.synthetic`), read once per request."""
+
+    @functools.wraps(original)
+    def add_requests(self, scheduler_output, *args, **kwargs):
+        result = original(self, scheduler_output, *args, **kwargs)
+        state = getattr(getattr(self, "speculator", None), "tree_state", None)
+        if state is not None and state.synthetic is not None:
+            for new_req in scheduler_output.scheduled_new_reqs:
+                if new_req.sampling_params is not None:
+                    state.synthetic.add_request(self.req_states.req_id_to_index[new_req.req_id],
+                                                new_req.sampling_params.extra_args)
+        return result
+
+    return add_requests
+
+
 def install() -> None:
     """CUDA only (V2 runs there)."""
     if not getattr(V2_MTP_SPECULATOR.resolve(), "_treewy_tree_speculator", False):
@@ -248,3 +275,4 @@ def install() -> None:
     V2_RUNNER_PREPARE_ATTN.wrap(_finding_tree_rows)
     V2_MAMBA_PREPARE_ATTN.wrap(_handing_tree_to_attention)
     V2_RUNNER_SAMPLE.wrap(_sampling_trees)
+    V2_RUNNER_ADD_REQUESTS.wrap(_adding_synthetic_rates)

@@ -5,7 +5,8 @@ V2 builds it in `init_speculator` from `spec_decode.mtp.speculator.MTPSpeculator
 (V2_MTP_SPECULATOR, rebound to `TreeMtpSpeculatorV2`, vLLM's class unchanged for chains). Per step: V2's own
 first pass (`propose` with one draft, FULL graphs included) over the verified tokens with each tree row's
 accepted path laid out as a chain, on attention metadata without the tree; then the drafting levels: one head
-forward per level over every request's level block, with the tree bias, depth positions and KV slots
+forward per level over every request's level block, with the level tree on the attention metadata (TRITON_ATTN's
+bias or FLASH_ATTN's ancestor table, `trees.attention.uniform_tree_marking`), depth positions and KV slots
 P0 + block index. The levels are one function, `_draft_levels`, over persistent buffers (`TreeLevelBuffers`):
 static shapes, no host sync, so the same body runs eagerly or as a CUDA graph captured per padded request count of
 V2's FULL first-pass graphs, in V2's capture phase (`_capture_levels`; `propose` fills the root buffers and
@@ -32,9 +33,17 @@ import torch
 
 from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
 from vllm_treewy.vllm_plugin.config import draft_shape_of
+from vllm_treewy.vllm_plugin.trees.attention import uniform_tree_marking
 from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, accepted_paths_as_chains, kv_slots
-from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, tree_qq_bias_of, tree_step_of, with_tree
+from vllm_treewy.vllm_plugin.trees.metadata import (
+    replace_metadata,
+    tree_block_ancestors_of,
+    tree_qq_bias_of,
+    tree_step_of,
+    with_tree,
+)
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep, device_arange
+from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 
 
@@ -45,8 +54,10 @@ def _strip_tree(attn_metadata):
     if not isinstance(attn_metadata, dict):
         return attn_metadata
     stripped = dict(attn_metadata)
-    replace_metadata(stripped, lambda name, m: with_tree(m, tree_step=None, tree_qq_bias=None)
-                     if tree_step_of(m) is not None or tree_qq_bias_of(m) is not None else None)
+    replace_metadata(stripped, lambda name, m: with_tree(m, tree_step=None, tree_qq_bias=None,
+                                                        tree_block_ancestors=None)
+                     if any(of(m) is not None for of in (tree_step_of, tree_qq_bias_of, tree_block_ancestors_of))
+                     else None)
     return stripped  # layers that share one metadata object share its copy
 
 
@@ -102,6 +113,7 @@ def make_tree_speculator_class(base):
             if tree is None:
                 return
             spec = vllm_config.speculative_config
+            self.tree_state.synthetic = SyntheticTreeRates.of(spec, self.max_num_reqs, device)
             # dynamic speculative decoding: only the schedule draft_tree_max_batch_size sets (tree or chain per step)
             if spec.enable_adaptive_verification or (spec.uses_dynamic_speculative_decoding()
                                                      and not shape.has_chain_steps):
@@ -179,9 +191,8 @@ def make_tree_speculator_class(base):
             """Host side of every level for `num_reqs` (padded) requests: V2's attention metadata over the input
             buffers (query layout and lengths the body writes), with the level tree's bias, and the level's KV slot
             mappings per layer (views of the persistent slot buffer). Built per step eagerly, once per graph."""
-            # V2's and TRITON_ATTN's modules looked up at call time, where V2 runs (CUDA; tests stand them in)
+            # V2's modules looked up at call time, where V2 runs (CUDA; tests stand them in)
             from vllm.config.compilation import CUDAGraphMode
-            from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
             from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
             from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
@@ -195,9 +206,8 @@ def make_tree_speculator_class(base):
                 desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
                 attn_metadata = self._build_attn_metadata(num_reqs, desc, query_start_loc_np, upper_bound,
                                                           self.tree.num_nodes, slot_mappings=slots)
-                bias = self.tree_state.qq_bias(tree, self.device)
-                replace_metadata(attn_metadata, lambda name, m: with_tree(m, tree_qq_bias=bias)
-                                 if isinstance(m, TritonAttentionMetadata) else None)
+                # every request a row of the level's tree: the TRITON_ATTN bias or the FLASH_ATTN ancestor table
+                replace_metadata(attn_metadata, uniform_tree_marking(self.tree_state, tree, self.device))
                 inputs.append((attn_metadata, build_slot_mappings_by_layer(slots, self.kv_cache_config)))
             return inputs
 

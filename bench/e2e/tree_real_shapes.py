@@ -1,0 +1,308 @@
+"""Draft trees against chains at real model shapes (dummy weights), with synthetic acceptance: tokens/s and step time
+per batch size, and from them the tree / chain ratios and the break-even sibling rate.
+
+One engine per process (a second `LLM` in one process fails on the GPU); `run_tree_real_shapes.sh` loops over engines
+in one device call. An engine is a tree or a chain of the catalog (`ENGINES`), all reconstruct, Model Runner V2 (what
+vLLM picks on CUDA), vLLM's default compilation (FULL and piecewise graphs; decode batches padded to the measured batch
+sizes' token counts), fp32 GDN state, the shape's layers cut with `--layers` (every layer's size kept: the step's cost
+per layer is the real one). Acceptance is synthetic (dummy weights accept nothing): a tree engine takes its classes per
+request (`SamplingParams.extra_args`, `vllm_plugin.trees.synthetic`: rank-0 and sibling conditional rates per depth),
+so one engine serves every (profile, sibling rate) class; a chain uses vLLM's synthetic chain (engine-wide per-position
+rates), so a chain engine serves one profile. Profiles (rank-0 conditional rates per depth):
+
+- `code`: from the unconditional per-position rates 0.917 / 0.837 / 0.648 / 0.538 reported for a Qwen 27B MTP head
+  (c_i = p_i / p_{i-1}, vLLM's conversion);
+- `prose`: 0.55 at every depth.
+
+Sibling rates (trees): 0.2 and 0.4 (`--sibling-rates`).
+
+Each point (engine, profile, sibling rate, B): B requests of `--prompt-len` random token ids and `--max-tokens`
+generated tokens (ignore_eos), all admitted at once; tokens/s = generated / seconds; step time = seconds / the
+runner's steps (`gpu_v2_chains.counting_steps`, which also counts V2's FULL-graph replays by token count); acceptance
+length from vLLM's spec-decode counters. `report` computes per B the tree / chain tokens/s, the step-time ratio, and
+the break-even sibling rate (the sibling rate at which the tree's expected acceptance length,
+`spec_decode.synthetic_acceptance.expected_accepted_nodes`, times the chain's step time over the tree's, equals the
+chain's measured length).
+
+On CPU (`--shape fixture`, the dry run): vLLM's CPU backend runs the V1 runner, which has no synthetic tree path and
+whose sampler refuses synthetic chains, so acceptance is the fixture's real one and no class is sent; the flow, files
+and report are what is checked.
+
+    python3 -m bench.e2e.tree_real_shapes engine --name tree221 --shape qwen35-27b --layers 16 --out OUT
+    python3 -m bench.e2e.tree_real_shapes report --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+from vllm_treewy.spec_decode.synthetic_acceptance import expected_accepted_nodes
+from vllm_treewy.tree import DraftTree
+
+CODE_UNCONDITIONAL = [0.917, 0.837, 0.648, 0.538]
+PROFILES = {
+    "code": [p / q for p, q in zip(CODE_UNCONDITIONAL, [1.0, *CODE_UNCONDITIONAL[:-1]])],
+    "prose": [0.55] * 4,
+}
+# name -> tree widths (a chain: all 1); the chain a tree is judged against has the tree's depth
+CATALOG = {
+    "tree221": [2, 2, 1], "tree322": [3, 2, 2], "tree2221": [2, 2, 2, 1], "tree3221": [3, 2, 2, 1],
+    "k3": [1, 1, 1], "k4": [1, 1, 1, 1],
+}
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def is_tree(widths) -> bool:
+    return any(w > 1 for w in widths)
+
+
+def engine_name(name: str, profile: str | None) -> str:
+    """A chain engine serves one profile: `k3-code`; a tree engine serves all: `tree221`."""
+    return name if profile is None else f"{name}-{profile}"
+
+
+def speculative_config(widths: list[int], profile: str, synthetic: bool, backend: str | None) -> dict:
+    depth = len(widths)
+    spec = {"method": "mtp", "num_speculative_tokens": depth, "mamba_state_commit": "reconstruct"}
+    if is_tree(widths):
+        spec["draft_tree_widths"] = widths
+    if backend is not None:
+        spec["attention_backend"] = backend  # the drafter picks its own backend unless told
+    if synthetic:
+        rates = PROFILES[profile][:depth]
+        spec["rejection_sample_method"] = "synthetic"
+        if is_tree(widths):  # the engine's class; each request sends its own
+            spec.update(synthetic_tree_acceptance_rates=rates, synthetic_tree_sibling_rates=[0.4] * depth)
+        else:  # vLLM's per-position unconditional rates
+            unconditional, product = [], 1.0
+            for rate in rates:
+                product *= rate
+                unconditional.append(product)
+            spec["synthetic_acceptance_rates"] = unconditional
+    return spec
+
+
+def classes(widths, profiles, sibling_rates, synthetic: bool):
+    """(profile, sibling rate, extra_args) per measured class of the engine."""
+    if not synthetic:
+        return [("real", None, None)]
+    depth = len(widths)
+    if not is_tree(widths):
+        return [(profiles[0], None, None)]
+    return [(profile, sibling, {"synthetic_tree_acceptance_rates": PROFILES[profile][:depth],
+                                "synthetic_tree_sibling_rates": [sibling] * depth})
+            for profile in profiles for sibling in sibling_rates]
+
+
+def run_engine(args) -> int:
+    widths = CATALOG[args.name]
+    import vllm_treewy.vllm_plugin as plugin
+    from bench.e2e import gpu_site
+    from bench.e2e.gpu_v2_chains import counting_steps, engine_facts
+    from bench.e2e.gpu_vllm_e2e import device_facts
+    from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
+
+    plugin.register()
+    gpu_site.seed_model_info_cache()
+    from vllm import SamplingParams
+    from vllm.platforms import current_platform
+
+    on_cuda = current_platform.is_cuda()
+    synthetic = on_cuda  # CPU: the V1 runner (module docstring)
+    profile = None if is_tree(widths) or not synthetic else args.profiles[0]
+    name = engine_name(args.name, profile)
+    tree = DraftTree.from_widths(widths)
+    block_len = 1 + (tree.num_nodes if is_tree(widths) else len(widths))
+    batches = sorted(args.batches)
+    engine_kwargs = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(8192, block_len * max(batches)),
+                         max_model_len=args.prompt_len + args.max_tokens + 2 * block_len,
+                         gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype="float32")
+    backend = None
+    if on_cuda:
+        # vLLM's default compilation (FULL and piecewise graphs), decode batches padded to the measured ones; the
+        # site's GDN prefill backend (`gpu_site`). The attention backend is the script's argument: TRITON_ATTN by
+        # default for trees and chains alike (trees need it until tree attention runs on FLASH_ATTN, the backend vLLM
+        # picks on Hopper; both strategies on one backend compare like with like).
+        backend = args.attention_backend
+        engine_kwargs.update(dict(gpu_site.ENGINE, attention_backend=backend), enforce_eager=False,
+                             compilation_config={"cudagraph_capture_sizes": [block_len * b for b in batches]})
+    if args.shape == "fixture":
+        from vllm_treewy.fixture import build_fixture
+
+        model = build_fixture(Path(args.work) / "fixture")
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        load = {}
+    else:
+        from bench.sweep.models import SHAPES, prepare_qwen35_shape
+
+        model = prepare_qwen35_shape(Path(args.work) / f"{args.shape}-{args.layers or 'all'}", args.shape,
+                                     args.layers).path
+        vocab = SHAPES[args.shape]["vocab_size"]
+        load = {"load_format": "dummy"}
+    spec = speculative_config(widths, profile or args.profiles[0], synthetic, backend)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]}
+               for _ in range(max(batches))]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"engine": name, "widths": widths, "shape": args.shape, "layers": args.layers, "synthetic": synthetic,
+              "speculative_config": spec, "command": " ".join([sys.executable, *sys.argv]), "args": vars(args),
+              "device": device_facts(), "points": []}
+
+    def save():  # after the start-up and every point: a run cut by its time limit keeps what it measured
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    start = time.perf_counter()
+    try:
+        with engine(str(model), skip_tokenizer_init=True, speculative_config=spec, **load, **engine_kwargs) as llm:
+            result["engine_start_s"] = time.perf_counter() - start
+            result["kv_cache"] = kv_cache_report(llm).__dict__
+            result.update(engine_facts(llm))  # the runner vLLM picked, its compilation mode and FULL graphs
+            save()
+            llm.generate(prompts[: max(batches)], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
+                         use_tqdm=False)  # warm-up at the largest batch
+            for profile_name, sibling, extra_args in classes(widths, args.profiles, args.sibling_rates, synthetic):
+                for batch in batches:
+                    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                                            detokenize=False, extra_args=extra_args)
+                    before = read_acceptance(llm)
+                    with counting_steps(llm) as counts:
+                        began = time.perf_counter()
+                        outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
+                        seconds = time.perf_counter() - began
+                    after, steps = read_acceptance(llm), counts["steps"]
+                    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+                    drafts = after.num_drafts - before.num_drafts
+                    point = {"profile": profile_name, "sibling_rate": sibling, "batch": batch, "seconds": seconds,
+                             "output_tokens": generated, "tokens_per_s": generated / seconds, "steps": steps,
+                             "step_ms": 1000 * seconds / max(steps, 1),
+                             "acceptance_length": 1 + (after.num_accepted_tokens - before.num_accepted_tokens)
+                             / max(drafts, 1), "full_graph_replays": counts["full_graph_replays"]}
+                    result["points"].append(point)
+                    save()
+                    print(f"{name} {profile_name} sibling {sibling} B={batch}: {point['tokens_per_s']:,.0f} tokens/s, "
+                          f"step {point['step_ms']:.2f} ms, acceptance {point['acceptance_length']:.2f}", flush=True)
+    except Exception as error:  # a failed start-up or point is a result too
+        result["error"] = f"{type(error).__name__}: {error}"[:2000]
+        print(result["error"], flush=True)
+    save()
+    return 0 if "error" not in result else 1
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+def break_even_sibling(widths: list[int], profile: str, chain_length: float, step_ratio: float) -> float | None:
+    """The sibling rate s at which the tree's expected acceptance length / its step time equals the chain's measured
+    length / its step time (`step_ratio` = tree step / chain step); None when no s in [0, 1] reaches it (0.0: the
+    tree pays at any sibling rate)."""
+    depth = len(widths)
+    parents = DraftTree.from_widths(widths).parents
+
+    def gain(s: float) -> float:
+        return (1 + expected_accepted_nodes(parents, [PROFILES[profile][:depth], [s] * depth])) / step_ratio
+
+    if gain(0.0) >= chain_length:
+        return 0.0
+    if gain(1.0) < chain_length:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if gain(mid) < chain_length else (low, mid)
+    return high
+
+
+def report(args) -> int:
+    out = Path(args.out)
+    runs = {}
+    for path in sorted(out.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "points" in data:
+            runs[data["engine"]] = data
+    rows = []
+    for name, run in runs.items():
+        widths = run["widths"]
+        if not is_tree(widths):
+            continue
+        for point in run["points"]:
+            profile = point["profile"]
+            chain = runs.get(engine_name(f"k{len(widths)}", None if profile == "real" else profile))
+            match = [p for p in (chain or {}).get("points", []) if p["batch"] == point["batch"]]
+            row = {"tree": name, "chain": chain["engine"] if chain else None, "profile": profile,
+                   "sibling_rate": point["sibling_rate"], "batch": point["batch"],
+                   "tree_tokens_per_s": point["tokens_per_s"], "tree_step_ms": point["step_ms"],
+                   "tree_acceptance_length": point["acceptance_length"]}
+            if match:
+                c = match[0]
+                step_ratio = point["step_ms"] / c["step_ms"]
+                row.update(chain_tokens_per_s=c["tokens_per_s"], chain_step_ms=c["step_ms"],
+                           chain_acceptance_length=c["acceptance_length"],
+                           tokens_per_s_ratio=point["tokens_per_s"] / c["tokens_per_s"], step_time_ratio=step_ratio,
+                           break_even_sibling_rate=(break_even_sibling(widths, profile, c["acceptance_length"],
+                                                                       step_ratio) if profile in PROFILES else None))
+            rows.append(row)
+    (out / "report.json").write_text(json.dumps({"rows": rows, "engines": sorted(runs),
+                                                 "errors": {n: r["error"] for n, r in runs.items() if "error" in r}},
+                                                indent=1) + "\n")
+    columns = ["tree", "chain", "profile", "sibling_rate", "batch", "tree_tokens_per_s", "chain_tokens_per_s",
+               "tokens_per_s_ratio", "tree_step_ms", "chain_step_ms", "step_time_ratio", "tree_acceptance_length",
+               "chain_acceptance_length", "break_even_sibling_rate"]
+    with open(out / "report.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+    def cell(value, digits=2):
+        return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    lines = ["| tree | chain | profile | sibling | B | tokens/s tree / chain | ratio | step ms tree / chain | step "
+             "ratio | acceptance tree / chain | break-even sibling |", "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['tree']} | {r['chain']} | {r['profile']} | {cell(r['sibling_rate'])} | {r['batch']} | "
+                     f"{cell(r['tree_tokens_per_s'], 0)} / {cell(r.get('chain_tokens_per_s'), 0)} | "
+                     f"{cell(r.get('tokens_per_s_ratio'))} | {cell(r['tree_step_ms'])} / "
+                     f"{cell(r.get('chain_step_ms'))} | {cell(r.get('step_time_ratio'))} | "
+                     f"{cell(r['tree_acceptance_length'])} / {cell(r.get('chain_acceptance_length'))} | "
+                     f"{cell(r.get('break_even_sibling_rate'))} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="role", required=True)
+    run = sub.add_parser("engine", help="one engine's points")
+    run.add_argument("--name", required=True, choices=sorted(CATALOG))
+    run.add_argument("--shape", default="qwen35-27b", help="a shape of bench.sweep.models.SHAPES, or 'fixture'")
+    run.add_argument("--layers", type=int, default=None, help="cut the shape to this many layers (a multiple of 4)")
+    run.add_argument("--profiles", nargs="+", default=["code", "prose"], choices=sorted(PROFILES),
+                     help="a chain engine serves the first")
+    run.add_argument("--sibling-rates", nargs="+", type=float, default=[0.2, 0.4])
+    run.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    run.add_argument("--prompt-len", type=int, default=256)
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    run.add_argument("--attention-backend", default="TRITON_ATTN")
+    run.add_argument("--work", default="/tmp/tree-real-shapes", help="where the model directories are written")
+    run.add_argument("--out", required=True)
+    rep = sub.add_parser("report", help="ratios and break-even sibling rates from an output folder")
+    rep.add_argument("--out", required=True)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_engine(args) if args.role == "engine" else report(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""`bench/e2e/tree_real_shapes.py` and its wrapper without engines (seconds): the engines' configs and classes, the
+report's ratios and break-even sibling rates from written engine files, and the wrapper's engine commands and time
+skips with a stand-in python3. (The whole flow on CPU engines takes minutes on 2 cores: run by hand, `SHAPE=fixture`,
+as its docstring says; not in CI.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.e2e import tree_real_shapes as bench
+from vllm_treewy.spec_decode.synthetic_acceptance import expected_accepted_nodes
+from vllm_treewy.tree import DraftTree
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_configs_and_classes():
+    tree = bench.speculative_config([2, 2, 1], "code", synthetic=True, backend="TRITON_ATTN")
+    assert tree["draft_tree_widths"] == [2, 2, 1] and tree["rejection_sample_method"] == "synthetic"
+    assert tree["synthetic_tree_acceptance_rates"] == pytest.approx([0.917, 0.837 / 0.917, 0.648 / 0.837])
+    chain = bench.speculative_config([1, 1, 1, 1], "code", synthetic=True, backend=None)
+    assert chain["synthetic_acceptance_rates"] == pytest.approx([0.917, 0.837, 0.648, 0.538])
+    assert "draft_tree_widths" not in chain and "attention_backend" not in chain
+    assert "rejection_sample_method" not in bench.speculative_config([2, 2, 1], "code", synthetic=False, backend=None)
+    classes = bench.classes([3, 2, 2, 1], ["code", "prose"], [0.2, 0.4], synthetic=True)
+    assert [(p, s) for p, s, _ in classes] == [("code", 0.2), ("code", 0.4), ("prose", 0.2), ("prose", 0.4)]
+    assert classes[3][2] == {"synthetic_tree_acceptance_rates": [0.55] * 4, "synthetic_tree_sibling_rates": [0.4] * 4}
+    assert bench.classes([1, 1, 1], ["prose"], [0.2], synthetic=True) == [("prose", None, None)]
+
+
+def write_engine(out: Path, name: str, widths, points):
+    (out / f"{name}.json").write_text(json.dumps({"engine": name, "widths": widths, "points": points}))
+
+
+def point(profile, sibling, batch, tokens_per_s, step_ms, length):
+    return {"profile": profile, "sibling_rate": sibling, "batch": batch, "tokens_per_s": tokens_per_s,
+            "step_ms": step_ms, "acceptance_length": length}
+
+
+def test_report_ratios_and_break_even(tmp_path):
+    write_engine(tmp_path, "tree221", [2, 2, 1], [point("code", 0.4, 1, 110.0, 10.5, 3.6),
+                                                   point("prose", 0.2, 1, 80.0, 10.5, 2.1)])
+    write_engine(tmp_path, "k3-code", [1, 1, 1], [point("code", None, 1, 100.0, 10.0, 3.4)])
+    assert bench.main(["report", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    code, prose = rows
+    assert code["chain"] == "k3-code" and code["tokens_per_s_ratio"] == pytest.approx(1.1)
+    assert code["step_time_ratio"] == pytest.approx(1.05)
+    # at the break-even sibling rate the tree's expected length over its step time is the chain's
+    s = code["break_even_sibling_rate"]
+    parents = DraftTree.from_widths([2, 2, 1]).parents
+    tree_length = 1 + expected_accepted_nodes(parents, [bench.PROFILES["code"][:3], [s] * 3])
+    assert tree_length / 1.05 == pytest.approx(3.4, abs=1e-6)
+    assert prose["chain"] is None and "tokens_per_s_ratio" not in prose  # no prose chain measured
+    assert (tmp_path / "report.csv").read_text().splitlines()[0].startswith("tree,chain,profile")
+    assert "| tree221 | k3-code | code |" in (tmp_path / "report.md").read_text()
+
+
+def test_break_even_ends():
+    assert bench.break_even_sibling([2, 2, 1], "code", 1.0, 1.0) == 0.0  # the tree pays at any sibling rate
+    assert bench.break_even_sibling([2, 2, 1], "code", 3.6, 3.0) is None  # a step three times slower never pays
+
+
+def test_wrapper_runs_the_chosen_engines_and_skips_by_time(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "python3 $*"\n')
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", ENGINES="tree3221 k4-prose",
+               SHAPE="qwen35-35b-a3b", LAYERS="8", BATCHES="1 8", CALL_LIMIT_S="600", MIN_ENGINE_S="240")
+    subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(out)], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=60)
+    log = (out / "log.txt").read_text()
+    assert "=== tree3221 rc=0" in log and "=== k4-prose rc=0" in log and "=== report rc=0" in log
+    (archive,) = out.glob("logs-*.tar.gz")
+    subprocess.run(["tar", "xzf", str(archive), "-C", str(tmp_path)], check=True)
+    command = (tmp_path / "logs" / "k4-prose.log").read_text()
+    assert "engine --name k4 --profiles prose --shape qwen35-35b-a3b --layers 8 --batches 1 8" in command
+    assert "--attention-backend TRITON_ATTN" in command
+    env.update(CALL_LIMIT_S="200", ENGINES="tree221")
+    subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "short")], cwd=ROOT, env=env,
+                   check=True, capture_output=True, timeout=60)
+    assert "=== skipped tree221 (time" in (tmp_path / "short" / "log.txt").read_text()
