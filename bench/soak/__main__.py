@@ -112,8 +112,9 @@ def gpu_args(kv_cache_memory_bytes: int, out: Path) -> tuple[tuple[str, ...], di
     metadata = gpu_site.plugin_metadata_dir(out / "plugin-metadata")
     if metadata is not None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(metadata), os.environ.get("PYTHONPATH")) if p)
-    args = ("--attention-backend", gpu_site.ENGINE["attention_backend"], "--gdn-prefill-backend",
-            gpu_site.ENGINE["gdn_prefill_backend"], "--kv-cache-memory-bytes", str(kv_cache_memory_bytes))
+    site = {**gpu_site.ENGINE, **gpu_site.attention_site()}  # the attention backend: vLLM's pick unless named
+    args = tuple(a for name, value in site.items() for a in (f"--{name.replace('_', '-')}", str(value)))
+    args += ("--kv-cache-memory-bytes", str(kv_cache_memory_bytes))
     return args, dict(gpu_site.SPECULATIVE)
 
 
