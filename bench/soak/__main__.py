@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.soak import checks
 from bench.soak.driver import drive, greedy_tokens
-from bench.soak.mix import MixContext, plan
+from bench.soak.mix import WEIGHTS, MixContext, plan
 from bench.soak.server import ENGINE_DEAD_MARKERS, free_port, running_server, serve_command, server_env
 
 CHECK_RESERVE_S = 60
@@ -61,7 +61,8 @@ def soak_strategy(strategy: str, args, extra_args: tuple[str, ...], deadline: fl
         summary["start_s"] = round(server.started_s, 1)
         replay_prompts = prompts[:REPLAY_PROMPTS]
         before = asyncio.run(greedy_tokens(server.base_url, args.model, replay_prompts, REPLAY_TOKENS))
-        ctx = MixContext(args.model, prompts, args.max_model_len, args.max_tokens, args.p_disconnect, args.p_abort)
+        ctx = MixContext(args.model, prompts, args.max_model_len, args.max_tokens, args.p_disconnect, args.p_abort,
+                         tuple(args.skip_kinds))
         planned = plan(args.requests, args.seed, ctx)
         duration = min(args.duration_s, deadline - time.monotonic() - CHECK_RESERVE_S)
         soak_start = time.monotonic()
@@ -132,6 +133,8 @@ def parse(argv):
     parser.add_argument("--p-disconnect", type=float, default=0.12)
     parser.add_argument("--p-abort", type=float, default=0.12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-kinds", nargs="*", default=[], choices=sorted(WEIGHTS),
+                        help="request kinds left out of the mix")
     parser.add_argument("--start-timeout-s", type=float, default=420)
     parser.add_argument("--parallel", action="store_true", help="every strategy's server at once")
     parser.add_argument("--gpu", action="store_true", help="the gpu-vllm site's backends, fixed KV budget")

@@ -51,6 +51,7 @@ class MixContext:
     max_tokens: int  # the mix's largest max_tokens
     p_disconnect: float
     p_abort: float
+    skip_kinds: tuple[str, ...] = ()  # kinds left out of the mix (e.g. where a site lacks a grammar backend)
 
 
 def _prompt(rng: random.Random, ctx: MixContext) -> list[int]:
@@ -157,7 +158,7 @@ def plan_request(index: int, kind: str, rng: random.Random, ctx: MixContext) -> 
 def plan(num_requests: int, seed: int, ctx: MixContext) -> Iterator[Planned]:
     """The seeded sequence of `num_requests` requests, made as they are sent (a long soak's plan is never held)."""
     rng = random.Random(seed)
-    kinds = list(WEIGHTS)
+    kinds = [k for k in WEIGHTS if k not in ctx.skip_kinds]
     weights = [WEIGHTS[k] for k in kinds]
     for i in range(num_requests):
         yield plan_request(i, rng.choices(kinds, weights)[0], rng, ctx)

@@ -4,6 +4,7 @@ for (a planted one each)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,11 @@ def test_the_mix_is_seeded_and_holds_every_kind():
             assert len(p.args["prompt"]) + p.args["max_tokens"] <= CTX.max_model_len
         if p.kind == "too_long_prompt":
             assert len(p.args["prompt"]) > CTX.max_model_len
+
+
+def test_skipped_kinds_stay_out_of_the_mix():
+    ctx = dataclasses.replace(CTX, skip_kinds=("structured_outputs", "response_format"))
+    assert {p.kind for p in mix.plan(600, 3, ctx)} == set(mix.WEIGHTS) - {"structured_outputs", "response_format"}
 
 
 def answer(n=1, tokens=3, finish="length", logprobs=None):
