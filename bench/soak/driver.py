@@ -20,6 +20,7 @@ import openai
 from bench.soak.mix import Planned
 
 CLIENT_TIMEOUT_S = 300
+KEEPALIVE_EXPIRY_S = 2  # below vLLM's HTTP keep-alive timeout (5 s)
 
 
 @dataclass
@@ -106,7 +107,10 @@ async def run_one(client: openai.AsyncOpenAI, p: Planned) -> Outcome:
 
 async def drive(base_url: str, planned: Iterable[Planned], concurrency: int, duration_s: float) -> list[Outcome]:
     """Runs `planned` in order with at most `concurrency` in flight; stops starting new ones after `duration_s`."""
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    # idle connections are dropped before the server's keep-alive timeout (uvicorn's, VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+    # 5 s) can close one under a request the client is sending on it: that race is the client's, not the server's
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(limits=limits, timeout=CLIENT_TIMEOUT_S) as http_client:
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
                                     timeout=CLIENT_TIMEOUT_S, http_client=http_client)
