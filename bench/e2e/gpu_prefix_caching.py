@@ -65,6 +65,7 @@ from bench.e2e import gpu_site, gpu_v2_chains
 from bench.e2e.gpu_v2_chains import engine_facts
 from bench.e2e.gpu_vllm_e2e import (LONG_CONTEXT_POSITIONS, add_common_args, device_facts, engine_kwargs,
                                 long_context_model, prompts_and_model, tree_model, verdict_record)
+from bench.soak.server import README_SPECS  # the README's two `vllm serve` commands' speculative configs
 
 K = 3
 PREFIXES, PREFIX_TOKENS, MAX_TOKENS = 8, 15000, 48
@@ -332,13 +333,6 @@ def run_reference(args) -> int:
     return 0 if ok else 1
 
 
-# The README's two `vllm serve` commands' speculative configs, as it writes them (tests/bench_scripts checks that each
-# one's compact JSON appears there verbatim).
-README_SPECS = {
-    "chain": {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"},
-    "tree": {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct",
-             "draft_tree_widths": [2, 2, 1]},
-}
 SERVE_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens", "vllm:treewy_tree_fallbacks",
                  "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 PER_POSITION_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"

@@ -24,7 +24,8 @@ from pathlib import Path
 from bench.sweep.metrics import Sample, parse_prometheus
 
 HOST = "127.0.0.1"
-# The README's two `vllm serve` commands' speculative configs, as it writes them.
+# The README's two `vllm serve` commands' speculative configs, as it writes them (tests/bench_scripts and tests/soak
+# check that each one's compact JSON appears there verbatim).
 README_SPECS = {
     "chain": {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct"},
     "tree": {"method": "mtp", "num_speculative_tokens": 3, "mamba_state_commit": "reconstruct",

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.soak.server import running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -83,33 +84,9 @@ def log_tail(log_path: Path) -> str:
 
 @contextlib.contextmanager
 def vllm_server(cmd: list[str], log_path: Path):
-    """Starts `cmd` in its own process group, logging to `log_path`; kills the whole group on exit."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=serve_env(), start_new_session=True
-        )
-    try:
-        yield proc
-    finally:
-        stop_process_group(proc)
-
-
-def stop_process_group(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break  # the group is gone
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader exited; its engine core child may still be there: give the group the same signal's chance.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        break
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
+    """Starts `cmd` in its own process group, logging to `log_path`; stops the whole group on exit (the soak's)."""
+    with running_server(cmd, 0, log_path, serve_env()) as server:
+        yield server.process
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
