@@ -61,6 +61,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tests.chi_square import chi2_sf
 from vllm_treewy.fixture import blurred_mtp_variant, fixture_prompts
 
 pytestmark = pytest.mark.e2e
@@ -103,14 +104,6 @@ SPECULATIVE = ("tree-2x2x1", "chain-k3", "tree-2x2x1-every-node")
 BUGS = ("bug-first-child", "bug-root-row", "chain-k3-vllm-expand", "bug-parents-draw")
 TREE_PATHS = {"tree-2x2x1": "levels", "bug-first-child": "levels", "bug-root-row": "levels",
               "tree-2x2x1-every-node": "every-node", "bug-parents-draw": "every-node"}
-
-
-# -- statistics (no scipy: torch's regularized incomplete gamma) ---------------------------------------------------
-def chi2_sf(stat: float, dof: int) -> float:
-    if dof <= 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 @dataclass(frozen=True)

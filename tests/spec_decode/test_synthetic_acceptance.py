@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scipy.stats import chi2
 from vllm.v1.spec_decode.utils import unconditional_to_conditional_rates
 
+from tests.chi_square import chi2_sf
 from tests.kernels.tree_cases import random_trees
 from vllm_treewy.spec_decode.acceptance import UniformWalkTables
 from vllm_treewy.spec_decode.synthetic_acceptance import (
@@ -77,7 +77,7 @@ def frequency_test(parents, accepted_nodes, rates: list[list[float]]):
         p = rates[0 if r == 0 else 1][d - 1]
         statistic += (hits - trials * p) ** 2 / (trials * p * (1 - p))
         frequencies[(d, r)] = (hits / trials, p, trials)
-    return statistic, len(classes), float(chi2.sf(statistic, len(classes))), frequencies
+    return statistic, len(classes), chi2_sf(statistic, len(classes)), frequencies
 
 
 def test_rate_index_is_the_rule():
@@ -157,7 +157,7 @@ def test_a_chain_accepts_as_vllms_synthetic_chain():
     p = [1.0, *CODE_LIKE, 0.0]
     expected = torch.tensor([p[m] - p[m + 1] for m in range(5)], dtype=torch.float64) * TRIALS
     statistic = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2.sf(statistic, 4) > P_MIN, (counts.tolist(), expected.tolist())
+    assert chi2_sf(statistic, 4) > P_MIN, (counts.tolist(), expected.tolist())
     mean_length = 1 + float(result.num_accepted.double().mean())
     standard_error = float(result.num_accepted.double().std()) / TRIALS ** 0.5
     assert abs(mean_length - (1 + sum(CODE_LIKE))) < 4 * standard_error

@@ -27,6 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.chi_square import chi2_sf
 from vllm_treewy.spec_decode.acceptance import (
     UniformWalkTables,
     greedy_tree_acceptance,
@@ -185,13 +186,6 @@ def run_reference_trials(parents, probs: torch.Tensor, ranking: torch.Tensor, ro
 
 
 # -- the judge ---------------------------------------------------------------------------------------------------
-def chi2_sf(stat: float, dof: int) -> float:
-    if dof <= 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def expected_counts(probs: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
     """Expected counts of every emitted tuple, exact: sum over roots of p(y1 | root) p(y2 | y1) p(y3 | y2)."""
     start = torch.bincount(roots, minlength=VOCAB).double()
