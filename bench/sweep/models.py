@@ -88,9 +88,10 @@ QWEN35_A3B_VOCAB_SMALL = dict(
     linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=128, shared_expert_intermediate_size=128,
 )  # fmt: skip
-# Qwen3-Next-80B-A3B's model (config.json of Qwen/Qwen3-Next-80B-A3B-Instruct; transformers' Qwen3NextConfig
-# defaults, documented as that checkpoint's, agree but for rope_theta, max_position_embeddings and the dense
-# intermediate_size, which no layer uses: mlp_only_layers is empty): 48 layers, 3 Gated DeltaNet : 1 full attention,
+# Qwen3-Next-80B-A3B's model (config.json of Qwen/Qwen3-Next-80B-A3B-Instruct as public copies quote it; transformers'
+# Qwen3NextConfig defaults, documented as that checkpoint's, agree but for rope_theta, max_position_embeddings and the
+# dense intermediate_size, which no layer uses: mlp_only_layers is empty; sources in bench/sweep/README.md): 48
+# layers, 3 Gated DeltaNet : 1 full attention,
 # hidden 2048, 512 experts of 512 with 10 routed per token and one shared expert of 512, GDN 16 key / 32 value heads
 # of K = V = 128 (the A3B's), projections interleaved by key head (vLLM's gqa_interleaved_layout), attention 16
 # query / 2 KV heads of 256 (output gate, partial rotary 0.25), one MTP layer (vLLM's default when the config names
@@ -117,7 +118,7 @@ QWEN3_NEXT_80B_A3B = dict(
     decoder_sparse_step=1,
     mlp_only_layers=[],
     max_position_embeddings=262144,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.25},
     partial_rotary_factor=0.25,
     tie_word_embeddings=False,
     rms_norm_eps=1e-6,

@@ -140,7 +140,7 @@ def test_the_qwen3_next_shape_is_its_published_layer_cut_to_20(tmp_path):
     config = AutoConfig.from_pretrained(write_shape_config(tmp_path, "qwen3-next-80b-a3b-20l"))
     assert config.architectures == ["Qwen3NextForCausalLM"] and not hasattr(config, "mamba_ssm_dtype")
     assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 5
-    assert config.rope_parameters["rope_theta"] == 1e7 and config.partial_rotary_factor == 0.25
+    assert config.rope_parameters["rope_theta"] == 5e6 and config.partial_rotary_factor == 0.25
 
     def expert_bytes(dims):  # bf16 routed experts, the bulk of an MoE layer
         return 2 * dims["num_experts"] * 3 * dims["hidden_size"] * dims["moe_intermediate_size"]
