@@ -36,7 +36,8 @@ spec_args() {
   spec=(spec --strategy "$strategy" --k "$k" --runner "${runner:-default}" ${backend:+--attention-backend "$backend"})
 }
 if [ -n "${DRY_RUN:-}" ]; then
-  describe='import sys; from bench.e2e import gpu_v2_chains as g; print(sys.argv[1], "->", g.describe(g.build_parser().parse_args(sys.argv[2:])))'
+  describe='import sys; from bench.e2e import gpu_v2_chains as g
+print(sys.argv[1], "->", g.describe(g.build_parser().parse_args(sys.argv[2:])))'
   turn=0
   for e in $engines; do
     spec_args "$e"
