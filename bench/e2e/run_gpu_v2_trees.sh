@@ -6,8 +6,8 @@
 #     outputs are what is judged);
 #   bf16 trees and chains, tokens/s (median of 3 passes) and acceptance length, reported, not judged against the fp16
 #     reference: a tree beside the chain of its depth in the same call.
-# The no-speculation reference times one pass and skips its control in smaller batches (the fixture's fp16 floor,
-# PASS in the first call). Each run records the runner vLLM picked ("model_runner"): V2 expected for every engine.
+# The no-speculation reference times one pass and skips its control in smaller batches (the Qwen3.5 fixture's fp16
+# floor, PASS in the first call) unless SHAPE_CONTROL=1 (a fixture whose floor no call has shown yet). Each run records the runner vLLM picked ("model_runner"): V2 expected for every engine.
 # Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
 #   bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96, --staggered]
 #   DRY_RUN=1 bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR   # prints the engine commands and checks their arguments only
@@ -73,6 +73,7 @@ n=$(( ${#engines[@]} + 1 ))
 arch=${FIXTURE_ARCH:-qwen3_5}
 common=(--kv-cache-memory-bytes "${KV_BYTES:-8589934592}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
         --turns-dir "$work/turns" --engines "$n" "${batches[@]}" --fixture-architecture "$arch")
+no_control=(--no-shape-control); [ -n "${SHAPE_CONTROL:-}" ] && no_control=()
 if [ -n "${DRY_RUN:-}" ]; then
   for e in "${engines[@]}"; do
     IFS='|' read -r name extra <<<"$e"
@@ -83,7 +84,7 @@ if [ -n "${DRY_RUN:-}" ]; then
   # shellcheck disable=SC2086
   python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; a = g.build_parser().parse_args(sys.argv[1:]); print("reference ->", g.describe(a), "repeats", a.timing_repeats, "shape control", not a.no_shape_control)' \
     reference --runs R --expect $((n - 1)) --out O --turn $((n - 1)) --dtype float16 --timing-repeats 1 \
-    --no-shape-control "${common[@]}" --command C "$@" || exit 1
+    "${no_control[@]}" "${common[@]}" --command C "$@" || exit 1
   exit 0
 fi
 # The fixture and its blurred-MTP variant, built once before the engines start (each engine would otherwise build
@@ -107,8 +108,8 @@ for e in "${engines[@]}"; do
 done
 VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/e2e/gpu_v2_chains.py reference --runs "$work/runs" \
   --expect $((n - 1)) --out "$out/gpu_v2_trees.json" --turn "$turn" --dtype float16 --timing-repeats 1 \
-  --no-shape-control "${common[@]}" \
-  --command "FIXTURE_ARCH='$arch' ENGINES='${ENGINES:-}' BATCHES='${BATCHES:-}' bash bench/e2e/run_gpu_v2_trees.sh \$OUT $*" "$@" >"$work/logs/reference.log" 2>&1 &
+  "${no_control[@]}" "${common[@]}" \
+  --command "FIXTURE_ARCH='$arch' SHAPE_CONTROL='${SHAPE_CONTROL:-}' ENGINES='${ENGINES:-}' BATCHES='${BATCHES:-}' bash bench/e2e/run_gpu_v2_trees.sh \$OUT $*" "$@" >"$work/logs/reference.log" 2>&1 &
 pids+=($!); echo "=== reference (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
 for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
 echo "=== all engines done at $(( $(date +%s) - start )) s (target: 190 s)" >>"$log"

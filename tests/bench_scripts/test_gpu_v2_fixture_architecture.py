@@ -1,6 +1,7 @@
 """The GPU V2 scripts on the Qwen3-Next fixture, without an engine: FIXTURE_ARCH reaches every engine's fixture folder
 (one per architecture) and the GDN state's dtype (`--ssm-cache-dtype`) every engine's kwargs, in both scripts'
-DRY_RUN; the fixture is built as the architecture it is named for. About 20 s (two dry runs, a Python each engine)."""
+DRY_RUN, and SHAPE_CONTROL the reference's control in smaller batches; the fixture is built as the architecture it
+is named for. About 20 s (two dry runs, a Python each engine)."""
 
 import os
 import subprocess
@@ -28,7 +29,8 @@ def _dry_run(tmp_path, script: list[str], **env) -> dict[str, str]:
 
 def test_the_trees_script_runs_the_qwen3_next_fixture_with_the_calls_state_dtype(tmp_path):
     lines = _dry_run(tmp_path, ["bench/e2e/run_gpu_v2_trees.sh", str(tmp_path / "out"), "--ssm-cache-dtype",
-                                "bfloat16"], FIXTURE_ARCH="qwen3_next", ENGINES="k3-fp16 tree221-fp16")
+                                "bfloat16"], FIXTURE_ARCH="qwen3_next", ENGINES="k3-fp16 tree221-fp16",
+                     SHAPE_CONTROL="1")
     assert set(lines) == {"k3-fp16", "tree221-fp16", "reference"}
     for name in ("k3-fp16", "tree221-fp16"):
         assert " model /tmp/fixture-qwen35-qwen3_next-blurred-mtp engine " in lines[name]
@@ -37,6 +39,7 @@ def test_the_trees_script_runs_the_qwen3_next_fixture_with_the_calls_state_dtype
         assert "'mamba_ssm_cache_dtype': 'bfloat16'" in line and "'dtype': 'float16'" in line
     assert "reconstruct-k3-fp16 {'method': 'mtp', 'num_speculative_tokens': 3," in lines["k3-fp16"]
     assert "'draft_tree_widths': [2, 2, 1]" in lines["tree221-fp16"]
+    assert lines["reference"].endswith("shape control True")  # a fixture whose fp16 floor no call has shown
 
 
 def test_the_chains_script_keeps_qwen35_and_an_fp32_state_by_default(tmp_path):
