@@ -19,7 +19,10 @@
 # beside the same engine on vLLM's pick (e.g. ENGINES="tree221-bf16 tree221-bf16-triton": tokens/s of both).
 # FIXTURE_ARCH (default qwen3_5) is the fixture's model class for every engine and the reference: qwen3_next builds
 # the Qwen3-Next fixture (same shape, its own folder). The GDN state's dtype is an engine argument for the whole
-# call: --ssm-cache-dtype float32 (the default) / bfloat16 / auto (vLLM's: the activation dtype on Qwen3-Next).
+# call: --ssm-cache-dtype float32 (the default) / bfloat16 / auto (vLLM's: the activation dtype on Qwen3-Next), e.g.
+#   FIXTURE_ARCH=qwen3_next SHAPE_CONTROL=1 ENGINES="k3-fp16 tree221-fp16" \
+#     bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR --ssm-cache-dtype bfloat16
+# (two such calls at once, each its own WORK and OUT_DIR, judge both state dtypes in one device command).
 set -u
 out=$1; shift
 work=${WORK:-/tmp/v2-trees}
