@@ -258,7 +258,7 @@ def _arriving_runs(runs: Path, expect: int, deadline: float):
 def run_reference(args) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, kv_cache_report
 
-    model, prompts = prompts_and_model()
+    model, prompts = prompts_and_model(args.fixture_architecture)
     model = long_context_model(model)
     tokens = corpus(prompts, 60000)
     workload = shared_prefix_workload(tokens, args.prefix_tokens, max(args.batches.values()))
@@ -385,7 +385,7 @@ def _post(port: int, path: str, body: dict) -> dict:
 def run_serve_check(args) -> int:
     """The README's `vllm serve` command (`--tree`: the second, a [2,2,1] tree), prefix caching left to vLLM (on):
     starts, answers one greedy completion and one chat completion at temperature 0.8, reports /metrics, stops."""
-    model, _ = prompts_and_model()
+    model, _ = prompts_and_model(args.fixture_architecture)
     scratch = Path(args.out).parent / ("serve-tree-plugin-metadata" if args.tree else "serve-plugin-metadata")
     metadata = gpu_site.plugin_metadata_dir(scratch)
     env = dict(os.environ)

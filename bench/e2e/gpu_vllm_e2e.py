@@ -15,7 +15,9 @@ Each engine start takes ~170-185 s on a fresh H200 (measured 2026-11-30: vLLM's 
 autotuning ~95 s, torch.compile ~25 s, kernel JIT warm-up 33 s, now off by default), so three engines need about
 ten minutes of device time. `spec --self-check` judges one engine against its own prefill logits instead.
 
-Model: the fixture at shape `qwen35` (GDN 16 key heads, 32 value heads, K = V = 128). For each batch size the
+Model: the fixture at shape `qwen35` (GDN 16 key heads, 32 value heads, K = V = 128), as Qwen3.5 or (with
+`--fixture-architecture qwen3_next`) as Qwen3-Next, whose GDN projections vLLM reads interleaved by key head and whose
+config has no `mamba_ssm_dtype` (`--ssm-cache-dtype` sets the GDN state's dtype either way). For each batch size the
 first B fixture prompts are submitted at once (`max_num_seqs` = the largest B) for `--max-tokens` greedy tokens;
 tokens/s is B * max_tokens over the `generate` call's wall time, after a warm-up pass over the same batch sizes.
 The reference engine times the same batches without speculation, then re-scores every divergence (tie-aware
@@ -57,22 +59,33 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.e2e import gpu_site
-from vllm_treewy.fixture import (PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, PREEMPTION_PROMPTS,
+from vllm_treewy.fixture import (ARCHITECTURES, PREEMPTION_MAX_TOKENS, PREEMPTION_NUM_BLOCKS, PREEMPTION_PROMPTS,
                                  prompts_before_a_block_boundary)
 from vllm_treewy.fixture.exact import ExactModel
 
 FIXTURE_DIR = "/tmp/fixture-qwen35"
+DEFAULT_ARCHITECTURE = "qwen3_5"
 
 
-def engine_kwargs(args, num_tokens_per_request: int | tuple[int, ...]) -> dict:
+def fixture_dir(architecture: str = DEFAULT_ARCHITECTURE, blurred_mtp: bool = False) -> str:
+    """Where the scripts build the fixture of `architecture` at shape qwen35 (`blurred_mtp`: its blurred-MTP
+    variant), one folder per architecture: Qwen3.5's keeps the name warm machines already hold."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"fixture architecture {architecture!r}: use one of {', '.join(ARCHITECTURES)}")
+    path = FIXTURE_DIR if architecture == DEFAULT_ARCHITECTURE else f"{FIXTURE_DIR}-{architecture}"
+    return path + ("-blurred-mtp" if blurred_mtp else "")
+
+
+def engine_kwargs(args, num_tokens_per_request: int | tuple[int, ...], cuda: bool | None = None) -> dict:
     """What vLLM needs on the gpu-vllm site (gpu-vllm README), and CUDA graphs only at the measured sizes: each batch
     size times each of `num_tokens_per_request` (several where the verified shape changes with the batch:
     `draft_tree_max_batch_size`). Without CUDA (a dry run of the script's flow on vLLM's CPU backend): vLLM's CPU
-    defaults, eager."""
+    defaults, eager; the GDN state's dtype as on CUDA. `cuda`: the kwargs for CUDA or not (default: whether torch
+    sees a GPU; True for a dry run that prints what a GPU engine gets)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return dict(max_num_seqs=max(args.batch_sizes))
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return dict(max_num_seqs=max(args.batch_sizes), mamba_ssm_cache_dtype=args.ssm_cache_dtype)
     kwargs = dict(
         **gpu_site.ENGINE,
         **gpu_site.attention_site(getattr(args, "attention_backend", gpu_site.ATTENTION_BACKEND)),
@@ -108,8 +121,12 @@ def add_common_args(parser, runs: bool = True):
     parser.add_argument("--staggered", action="store_true",
                         help="request i of a batch of B generates max_tokens - i * max_tokens // (2 B) tokens (down to "
                              "about half): the batch shrinks while it runs (e.g. through draft_tree_max_batch_size)")
-    # Qwen3.5 checkpoints keep the SSM state in fp32 (mamba_ssm_dtype).
-    parser.add_argument("--ssm-cache-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--fixture-architecture", default=DEFAULT_ARCHITECTURE, choices=sorted(ARCHITECTURES),
+                        help="the fixture's model class: qwen3_5 (Qwen3.5) or qwen3_next (Qwen3-Next), same shape")
+    # vLLM's mamba_ssm_cache_dtype. Qwen3.5 checkpoints keep the SSM state in fp32 (mamba_ssm_dtype, what "auto"
+    # reads); Qwen3-Next configs have none, so "auto" is the activation dtype there (bf16 as users run it, fp16 under
+    # --dtype float16): a bf16 state under fp16 activations is "bfloat16".
+    parser.add_argument("--ssm-cache-dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     # The activations: bf16 as users run the checkpoints; fp16 rounds 8x finer (vLLM's GDN prefill refuses fp32),
     # so the batch shape, which moves bf16 runs by 2-4 bf16 steps at B >= 64 without speculation, stays within the
     # verdict's one bf16 step there, and a divergence beyond it is a wrong state.
@@ -136,12 +153,14 @@ def add_common_args(parser, runs: bool = True):
                              "for the same engine in one call); default: $ATTENTION_BACKEND, else vLLM's pick")
 
 
-def prompts_and_model():
+def prompts_and_model(architecture: str = DEFAULT_ARCHITECTURE) -> tuple[str, list]:
+    """The fixture of `architecture` at shape qwen35 (built once, `fixture_dir`) and its 256 prompts."""
     from transformers import AutoTokenizer
 
     from vllm_treewy.fixture import build_fixture, fixture_prompts
 
-    model = built_once(FIXTURE_DIR, lambda out: build_fixture(out, shape="qwen35"))
+    model = built_once(fixture_dir(architecture),
+                       lambda out: build_fixture(out, shape="qwen35", architecture=architecture))
     return model, fixture_prompts(AutoTokenizer.from_pretrained(model), 256)
 
 
@@ -275,7 +294,7 @@ def run_spec(args) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
 
     plugin.register()  # in-process engine: this process is the only vLLM process
-    model, prompts = prompts_and_model()
+    model, prompts = prompts_and_model(args.fixture_architecture)
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "mamba_state_commit": args.strategy,
             **gpu_site.SPECULATIVE}
     name = f"{args.strategy}-k{args.k}"
@@ -370,14 +389,15 @@ def print_runs(report: dict) -> None:
 def run_reference(args) -> int:
     from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, kv_cache_report
 
-    model, prompts = prompts_and_model()
+    model, prompts = prompts_and_model(args.fixture_architecture)
     runs = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
     report = {
         "command": args.command or " ".join([sys.executable, *sys.argv]),
         **device_facts(),
         "mode": "eager (enforce_eager), compiled ops" if args.eager else "default (torch.compile + CUDA graphs), "
                 "compiled ops",
-        "model_dtype": args.dtype, "ssm_cache_dtype": args.ssm_cache_dtype, "max_tokens": args.max_tokens,
+        "fixture_architecture": args.fixture_architecture, "model_dtype": args.dtype,
+        "ssm_cache_dtype": args.ssm_cache_dtype, "max_tokens": args.max_tokens,
         "batch_sizes": args.batch_sizes,
         "gpu_memory_utilization": args.gpu_memory_utilization, "runs": {},
     }
@@ -423,7 +443,7 @@ def run_continuations(args) -> int:
     batch, and tokens/s at every batch size. Writes `continuations.json` into `--out-dir`."""
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
-    model, prompts = prompts_and_model()
+    model, prompts = prompts_and_model(args.fixture_architecture)
     batch = prompts[: max(args.batch_sizes)]
     start = time.perf_counter()
     with engine(model, **engine_kwargs(args, 1)) as llm:
@@ -488,7 +508,7 @@ def run_preemption_continuations(args) -> int:
     `preemption.json` into `--out-dir`."""
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
-    model, prompts = prompts_and_model()
+    model, prompts = prompts_and_model(args.fixture_architecture)
     tokens = [t for p in prompts for t in p]
     sizes = attention_block_sizes(args.block_sizes_from)
     names = [tree_name(map(int, shape.split(","))) for shape in args.tree_shapes]
@@ -522,12 +542,15 @@ def tree_spec(widths: list[int], drafter: str = "continuation") -> dict:
 
 
 def tree_model(args) -> tuple[str, list]:
-    """The fixture, or its blurred-MTP variant (`--blurred-mtp`: same target, a head right about half the time)."""
+    """The fixture of `args.fixture_architecture` (default Qwen3.5), or its blurred-MTP variant (`--blurred-mtp`:
+    same target, a head right about half the time)."""
     from vllm_treewy.fixture import blurred_mtp_variant
 
-    base, prompts = prompts_and_model()
+    architecture = getattr(args, "fixture_architecture", DEFAULT_ARCHITECTURE)
+    base, prompts = prompts_and_model(architecture)
     if getattr(args, "blurred_mtp", False):
-        return built_once(FIXTURE_DIR + "-blurred-mtp", lambda out: blurred_mtp_variant(base, out)), prompts
+        return built_once(fixture_dir(architecture, blurred_mtp=True),
+                          lambda out: blurred_mtp_variant(base, out)), prompts
     return base, prompts
 
 
@@ -547,7 +570,7 @@ def run_preempted_tree(args) -> int:
     name = tree_name(widths)
     known = json.loads((out / "preemption.json").read_text())[name]
     os.environ[DRAFTS_ENV] = write_drafts_file(out / f"preempted-{name}-drafts.json", known["sequences"], TRUE_BRANCH)
-    model = long_context_model(prompts_and_model()[0])
+    model = long_context_model(prompts_and_model(args.fixture_architecture)[0])
     prompts = known["prompts"]
     args.batch_sizes = [len(prompts)]
     kwargs = engine_kwargs(args, 1 + DraftTree.from_widths(widths).num_nodes)

@@ -6,8 +6,8 @@
 #     outputs are what is judged);
 #   bf16 trees and chains, tokens/s (median of 3 passes) and acceptance length, reported, not judged against the fp16
 #     reference: a tree beside the chain of its depth in the same call.
-# The no-speculation reference times one pass and skips its control in smaller batches (the fixture's fp16 floor,
-# PASS in the first call). Each run records the runner vLLM picked ("model_runner"): V2 expected for every engine.
+# The no-speculation reference times one pass and skips its control in smaller batches (the Qwen3.5 fixture's fp16
+# floor, PASS in the first call) unless SHAPE_CONTROL=1 (a fixture whose floor no call has shown yet). Each run records the runner vLLM picked ("model_runner"): V2 expected for every engine.
 # Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
 #   bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96, --staggered]
 #   DRY_RUN=1 bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR   # prints the engine commands and checks their arguments only
@@ -17,6 +17,12 @@
 # Attention: vLLM's pick (FLASH_ATTN on the H200) for every engine and the reference; ATTENTION_BACKEND=TRITON_ATTN
 # names one for the whole call, and every catalog name with "-triton" appended runs that engine on TRITON_ATTN
 # beside the same engine on vLLM's pick (e.g. ENGINES="tree221-bf16 tree221-bf16-triton": tokens/s of both).
+# FIXTURE_ARCH (default qwen3_5) is the fixture's model class for every engine and the reference: qwen3_next builds
+# the Qwen3-Next fixture (same shape, its own folder). The GDN state's dtype is an engine argument for the whole
+# call: --ssm-cache-dtype float32 (the default) / bfloat16 / auto (vLLM's: the activation dtype on Qwen3-Next), e.g.
+#   FIXTURE_ARCH=qwen3_next SHAPE_CONTROL=1 ENGINES="k3-fp16 tree221-fp16" \
+#     bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR --ssm-cache-dtype bfloat16
+# (two such calls at once, each its own WORK and OUT_DIR, judge both state dtypes in one device command).
 set -u
 out=$1; shift
 work=${WORK:-/tmp/v2-trees}
@@ -44,6 +50,8 @@ done
 for k in 4 3 2 1; do
   catalog[k$k-bf16]="--k $k --dtype bfloat16 --blurred-mtp --name-suffix bf16 --timing-repeats 3"
 done
+# The chain of the [2,2,1] tree's depth, judged beside it (fp16, the same blurred head).
+catalog[k3-fp16]="--k 3 --dtype float16 --blurred-mtp --name-suffix fp16 --timing-repeats 1"
 # Depth 4: [3,2,2,1] verifies 1 + 33 tokens a request, 256 of them 8,704 tokens: a token budget of 16,384 holds a
 # batch of 256 trees (and their graph); the chain of its depth runs with the same budget.
 for name in tree3221-fp16 tree3221-bf16 k4-bf16; do
@@ -65,28 +73,31 @@ for name in ${ENGINES:-tree221-fp16 tree211-fp16 tree221-bf16}; do
 done
 batches=(--batch-sizes ${BATCHES:-1 8 64})
 n=$(( ${#engines[@]} + 1 ))
+arch=${FIXTURE_ARCH:-qwen3_5}
 common=(--kv-cache-memory-bytes "${KV_BYTES:-8589934592}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
-        --turns-dir "$work/turns" --engines "$n" "${batches[@]}")
+        --turns-dir "$work/turns" --engines "$n" "${batches[@]}" --fixture-architecture "$arch")
+no_control=(--no-shape-control); [ -n "${SHAPE_CONTROL:-}" ] && no_control=()
 if [ -n "${DRY_RUN:-}" ]; then
   for e in "${engines[@]}"; do
     IFS='|' read -r name extra <<<"$e"
     # shellcheck disable=SC2086
-    python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; a = g.build_parser().parse_args(["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", *sys.argv[2:]]); print(sys.argv[1], "->", g.run_name(a), g.speculative_config(a), "tokens/request", g.tokens_per_request(a))' \
+    python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; a = g.build_parser().parse_args(["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", *sys.argv[2:]]); print(sys.argv[1], "->", g.describe(a))' \
       "$name" $extra "${common[@]}" "$@" || exit 1
   done
   # shellcheck disable=SC2086
-  python3 -c 'import sys; from bench.e2e.gpu_v2_chains import build_parser; a = build_parser().parse_args(sys.argv[1:]); print("reference ->", a.role, "expect", a.expect, "dtype", a.dtype, "repeats", a.timing_repeats, "shape control", not a.no_shape_control)' \
+  python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; a = g.build_parser().parse_args(sys.argv[1:]); print("reference ->", g.describe(a), "repeats", a.timing_repeats, "shape control", not a.no_shape_control)' \
     reference --runs R --expect $((n - 1)) --out O --turn $((n - 1)) --dtype float16 --timing-repeats 1 \
-    --no-shape-control "${common[@]}" --command C "$@" || exit 1
+    "${no_control[@]}" "${common[@]}" --command C "$@" || exit 1
   exit 0
 fi
 # The fixture and its blurred-MTP variant, built once before the engines start (each engine would otherwise build
 # its own copy: built_once is race-safe, but four builds compete for the CPU). On a warm machine they are in /tmp
-# from an earlier call: no step (it costs ~19 s, mostly imports).
-if [ -f /tmp/fixture-qwen35/fixture.json ] && [ -f /tmp/fixture-qwen35-blurred-mtp/fixture.json ]; then
+# from an earlier call: no step (it costs ~19 s, mostly imports). The folders: gpu_vllm_e2e.fixture_dir.
+fixture=/tmp/fixture-qwen35; [ "$arch" = qwen3_5 ] || fixture=$fixture-$arch
+if [ -f "$fixture/fixture.json" ] && [ -f "$fixture-blurred-mtp/fixture.json" ]; then
   echo "=== fixture already built (warm machine) at $(( $(date +%s) - start )) s" >>"$log"
 else
-  python3 -c "from bench.e2e import gpu_site; from bench.e2e.gpu_vllm_e2e import prompts_and_model, tree_model; import argparse; gpu_site.seed_model_info_cache(); prompts_and_model(); tree_model(argparse.Namespace(blurred_mtp=True))" >"$work/logs/fixture.log" 2>&1
+  python3 -c "from bench.e2e import gpu_site; from bench.e2e.gpu_vllm_e2e import tree_model; import argparse; gpu_site.seed_model_info_cache(); tree_model(argparse.Namespace(blurred_mtp=True, fixture_architecture='$arch'))" >"$work/logs/fixture.log" 2>&1
   rc=$?; echo "=== fixture rc=$rc at $(( $(date +%s) - start )) s" >>"$log"
 fi
 turn=0 pids=()
@@ -100,8 +111,8 @@ for e in "${engines[@]}"; do
 done
 VLLM_CACHE_ROOT=$work/cache-reference timeout "$limit" python3 bench/e2e/gpu_v2_chains.py reference --runs "$work/runs" \
   --expect $((n - 1)) --out "$out/gpu_v2_trees.json" --turn "$turn" --dtype float16 --timing-repeats 1 \
-  --no-shape-control "${common[@]}" \
-  --command "ENGINES='${ENGINES:-}' BATCHES='${BATCHES:-}' bash bench/e2e/run_gpu_v2_trees.sh \$OUT $*" "$@" >"$work/logs/reference.log" 2>&1 &
+  "${no_control[@]}" "${common[@]}" \
+  --command "FIXTURE_ARCH='$arch' SHAPE_CONTROL='${SHAPE_CONTROL:-}' ENGINES='${ENGINES:-}' BATCHES='${BATCHES:-}' bash bench/e2e/run_gpu_v2_trees.sh \$OUT $*" "$@" >"$work/logs/reference.log" 2>&1 &
 pids+=($!); echo "=== reference (turn $turn) started at $(( $(date +%s) - start )) s" >>"$log"
 for pid in "${pids[@]}"; do wait "$pid"; rc=$?; echo "=== pid $pid rc=$rc at $(( $(date +%s) - start )) s" >>"$log"; done
 echo "=== all engines done at $(( $(date +%s) - start )) s (target: 190 s)" >>"$log"

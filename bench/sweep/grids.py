@@ -361,3 +361,22 @@ GRIDS["h200-a3b-core"] = replace(
     description="h200-a3b's store_all and reconstruct at kv52GiB (store_all binds, reconstruct does not)",
     strategies=("store_all", "reconstruct"), budgets=A3B_BUDGETS[:1],
 )
+# Qwen3-Next-80B-A3B's layer on 20 of its 48 layers (bench.sweep.models.QWEN3_NEXT_80B_A3B_20L, 66-67 GiB of bf16
+# weights with its MTP layer, as the A3B shape): the A3B grid's workloads, lengths and flags, the fp32 GDN state
+# included (a Qwen3-Next checkpoint names no state dtype, so without the flag vLLM would keep it in bf16). A request
+# holds half the A3B's state (15 GDN and 5 attention layers against 30 and 10), so the budgets that bind as the A3B
+# grid's do are about half theirs: `python3 -m bench.sweep.capacity qwen3-next-80b-a3b-20l --kv-gib 8 26
+# --max-model-len 1024` (each request one attention block and 3 GDN groups x (1 + k) blocks + 1 under store_all,
+# 3 + 1 under reconstruct).
+NEXT_BUDGETS = (
+    Budget("kv26GiB", {"kv_cache_memory_bytes": 26 * GiB},
+           "store_all binds (163.0 requests), reconstruct at 512 only (479.5; no speculation 645.2)"),
+    Budget("kv8GiB", {"kv_cache_memory_bytes": 8 * GiB},
+           "both bind: store_all 50.2 requests, reconstruct 147.5 (no speculation 198.5)"),
+)
+GRIDS["h200-next-a3b-20l"] = replace(
+    GRIDS["h200-a3b"], name="h200-next-a3b-20l",
+    description="Qwen3-Next-80B-A3B's layer on 20 layers (MoE, interleaved GDN projections), dummy weights, "
+                "synthetic acceptance 2.8 of 4, one H200, KV budgets where store_all binds",
+    model="qwen3-next-80b-a3b-20l", budgets=NEXT_BUDGETS,
+)

@@ -1,5 +1,5 @@
-"""The models a grid serves, written locally (no model hub): the project's fixture, or a Qwen3.5 shape for
-`--load-format dummy` with a synthetic tokenizer whose vocabulary matches the config's.
+"""The models a grid serves, written locally (no model hub): the project's fixture, or a Qwen3.5 or Qwen3-Next shape
+for `--load-format dummy` with a synthetic tokenizer whose vocabulary matches the config's.
 
 No vllm import: these run before any server starts.
 """
@@ -88,8 +88,51 @@ QWEN35_A3B_VOCAB_SMALL = dict(
     linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=128, shared_expert_intermediate_size=128,
 )  # fmt: skip
+# Qwen3-Next-80B-A3B's model (config.json of Qwen/Qwen3-Next-80B-A3B-Instruct as public copies quote it; transformers'
+# Qwen3NextConfig defaults, documented as that checkpoint's, agree but for rope_theta, max_position_embeddings and the
+# dense intermediate_size, which no layer uses: mlp_only_layers is empty; sources in bench/sweep/README.md): 48
+# layers, 3 Gated DeltaNet : 1 full attention,
+# hidden 2048, 512 experts of 512 with 10 routed per token and one shared expert of 512, GDN 16 key / 32 value heads
+# of K = V = 128 (the A3B's), projections interleaved by key head (vLLM's gqa_interleaved_layout), attention 16
+# query / 2 KV heads of 256 (output gate, partial rotary 0.25), one MTP layer (vLLM's default when the config names
+# none). No mamba_ssm_dtype: vLLM keeps its GDN state in the activation dtype (bf16) unless --mamba-ssm-cache-dtype
+# says otherwise.
+QWEN3_NEXT_80B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5120,
+    num_hidden_layers=48,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=512,
+    num_experts_per_tok=10,
+    norm_topk_prob=True,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.25},
+    partial_rotary_factor=0.25,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)
+# Its layer on 20 of the 48 (the 3 : 1 pattern and every layer's size kept): 1.65 B parameters a layer (512 experts
+# of 3 x 2048 x 512), 33.6 B with the embeddings and the LM head (transformers' model on the meta device), 35.2 B with
+# the MTP layer (35.8 B if it keeps its own embeddings and head), 66-67 GiB of bf16 weights: what the Qwen3.5-35B-A3B
+# shape takes (34.7 B, ~66 GiB), so the A3B grid's KV budgets fit beside it on one H200. A request's GDN and
+# attention state is half the A3B's (15 GDN and 5 attention layers against 30 and 10).
+QWEN3_NEXT_80B_A3B_20L = dict(QWEN3_NEXT_80B_A3B, num_hidden_layers=20)
 SHAPES = {"qwen35-27b": QWEN35_27B, "qwen35-27b-vocab-small": QWEN35_27B_VOCAB_SMALL, "qwen35-35b-a3b": QWEN35_35B_A3B,
-          "qwen35-122b-a10b-16l": QWEN35_122B_A10B_16L, "qwen35-a3b-vocab-small": QWEN35_A3B_VOCAB_SMALL}
+          "qwen35-122b-a10b-16l": QWEN35_122B_A10B_16L, "qwen35-a3b-vocab-small": QWEN35_A3B_VOCAB_SMALL,
+          "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B, "qwen3-next-80b-a3b-20l": QWEN3_NEXT_80B_A3B_20L}
+QWEN3_NEXT_SHAPES = frozenset({"qwen3-next-80b-a3b", "qwen3-next-80b-a3b-20l"})  # Qwen3NextForCausalLM's
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 FIXTURE_STREAM_PROMPTS = 64
 
@@ -148,20 +191,29 @@ def is_moe(dims: dict) -> bool:
     return "num_experts" in dims
 
 
-def write_shape_config(out_dir: Path, shape: str, num_layers: int | None = None) -> Path:
-    """config.json (and shape.json, the dims as written) of a Qwen3.5 shape: the dense text model
-    (`Qwen3_5ForCausalLM`) or, for a shape with experts, the MoE one (`Qwen3_5MoeForCausalLM`). `num_layers`: the
-    shape cut to that many layers (a multiple of 4: the 3 GDN : 1 attention pattern kept), every layer's size kept."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+def config_class(shape: str) -> tuple[type, str]:
+    """(transformers config class, vLLM architecture) of a shape: Qwen3-Next's (`QWEN3_NEXT_SHAPES`), else Qwen3.5's
+    MoE text model for a shape with experts, its dense one without."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
+    if shape in QWEN3_NEXT_SHAPES:
+        return Qwen3NextConfig, "Qwen3NextForCausalLM"
+    if is_moe(SHAPES[shape]):
+        return Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM"
+    return Qwen3_5TextConfig, "Qwen3_5ForCausalLM"
+
+
+def write_shape_config(out_dir: Path, shape: str, num_layers: int | None = None) -> Path:
+    """config.json (and shape.json, the dims as written) of a shape, as `config_class` names its model. `num_layers`:
+    the shape cut to that many layers (a multiple of 4: the 3 GDN : 1 attention pattern kept), every layer's size
+    kept."""
     dims = SHAPES[shape]
     if num_layers is not None:
         if num_layers <= 0 or num_layers % 4:
             raise ValueError(f"num_layers={num_layers}: a multiple of 4 (3 GDN : 1 full attention), e.g. 16")
         dims = dict(dims, num_hidden_layers=num_layers)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config_cls, architecture = ((Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM") if is_moe(dims)
-                                else (Qwen3_5TextConfig, "Qwen3_5ForCausalLM"))  # fmt: skip
+    config_cls, architecture = config_class(shape)
     layer_types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
     config = config_cls(
         **dims,
@@ -177,10 +229,10 @@ def write_shape_config(out_dir: Path, shape: str, num_layers: int | None = None)
 
 
 def prepare_qwen35_shape(out_dir: Path, shape: str, num_layers: int | None = None) -> PreparedModel:
-    """config.json of a Qwen3.5 shape (weights come from `--load-format dummy`) and a matching tokenizer, in a
-    directory of its own (`out_dir/tokenizer`, no config.json): transformers 5 loads the tokenizer of a directory
-    whose config says qwen3_5* as its Qwen3.5 BPE class whatever tokenizer_config.json names, which would not be
-    the word-level one (its text would decode without spaces). `num_layers`: as `write_shape_config`."""
+    """config.json of a shape (Qwen3.5's or Qwen3-Next's; weights come from `--load-format dummy`) and a matching
+    tokenizer, in a directory of its own (`out_dir/tokenizer`, no config.json): transformers 5 loads the tokenizer of
+    a directory whose config says qwen3_5* as its Qwen3.5 BPE class whatever tokenizer_config.json names, which would
+    not be the word-level one (its text would decode without spaces). `num_layers`: as `write_shape_config`."""
     dims = SHAPES[shape]
     write_shape_config(out_dir, shape, num_layers)
     tokenizer = out_dir / "tokenizer"

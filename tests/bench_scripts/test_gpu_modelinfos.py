@@ -10,7 +10,8 @@ from vllm.model_executor.models.registry import ModelRegistry, _ModelInfo
 
 from bench.e2e.gpu_site import MODEL_INFOS, seed_model_info_cache
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MTP", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeMTP")
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MTP", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeMTP", "Qwen3NextForCausalLM",
+                 "Qwen3NextMTP")
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -59,6 +59,16 @@ def test_a3b_budgets_bind_store_all_where_the_grid_says():
     assert round(binding["reconstruct"].max_concurrency, 1) == 523.2
 
 
+def test_qwen3_next_budgets_bind_store_all_as_the_a3b_grids_do():
+    by_budget = grid_capacities(GRIDS["h200-next-a3b-20l"])
+    binding, tight = by_budget["kv26GiB"], by_budget["kv8GiB"]
+    assert binding["store_all"].max_concurrency < 256 and 256 < binding["reconstruct"].max_concurrency < 512
+    assert tight["store_all"].max_concurrency < 64 and 128 < tight["reconstruct"].max_concurrency < 256
+    # what grids.py states
+    assert [round(binding[s].max_concurrency, 1) for s in STRATEGIES] == [645.2, 163.0, 479.5]
+    assert [round(tight[s].max_concurrency, 1) for s in STRATEGIES] == [198.5, 50.2, 147.5]
+
+
 def test_a10b_budgets_bind_store_all_where_the_grid_says():
     by_budget = grid_capacities(GRIDS["h200-a10b-16l"])
     binding, tight = by_budget["kv32GiB"], by_budget["kv16GiB"]
@@ -69,8 +79,9 @@ def test_a10b_budgets_bind_store_all_where_the_grid_says():
     assert [round(tight[s].max_concurrency, 1) for s in STRATEGIES] == [250.0, 60.6, 182.0]
 
 
-@pytest.mark.parametrize("grid_name", ["h200-a3b", "h200-a10b-16l"])
-def test_every_moe_grid_server_builds_its_vllm_config(tmp_path, monkeypatch, grid_name):
+@pytest.mark.parametrize(("grid_name", "architecture"), [
+    ("h200-a3b", "Qwen3_5Moe"), ("h200-a10b-16l", "Qwen3_5Moe"), ("h200-next-a3b-20l", "Qwen3Next")])
+def test_every_moe_grid_server_builds_its_vllm_config(tmp_path, monkeypatch, grid_name, architecture):
     """Each server's `vllm serve` flags (the grid's, then its record's, as vLLM's sweep applies them) parse with
     vLLM's serve parser and build the engine config with the plugin: the budget, the speculative strategy, the cap.
     vLLM's CPU platform would replace the budget by VLLM_CPU_KVCACHE_SPACE, which the e2e harness sets when
@@ -91,7 +102,7 @@ def test_every_moe_grid_server_builds_its_vllm_config(tmp_path, monkeypatch, gri
             ["--model", str(model), *grid.serve_flags, "--load-format", "dummy", "--skip-tokenizer-init"])
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd)
         config = EngineArgs.from_cli_args(args).create_engine_config()
-        assert config.model_config.architecture == "Qwen3_5MoeForCausalLM"
+        assert config.model_config.architecture == f"{architecture}ForCausalLM"
         assert config.cache_config.kv_cache_memory_bytes == record["kv_cache_memory_bytes"]
         assert config.scheduler_config.max_num_seqs == 512 and config.model_config.max_model_len == 1024
         spec = config.speculative_config
@@ -99,7 +110,7 @@ def test_every_moe_grid_server_builds_its_vllm_config(tmp_path, monkeypatch, gri
         if strategy == "no_spec":
             assert spec is None
         else:
-            assert spec.num_speculative_tokens == 3 and spec.draft_model_config.architecture == "Qwen3_5MoeMTP"
+            assert spec.num_speculative_tokens == 3 and spec.draft_model_config.architecture == f"{architecture}MTP"
             assert spec.mamba_state_commit == strategy and spec.rejection_sample_method == "synthetic"
         assert max(args.compilation_config.cudagraph_capture_sizes) == 4 * 512
         seen.add(strategy)
@@ -113,6 +124,29 @@ def test_a3b_shapes_are_the_published_layers():
     assert (a3b["linear_num_key_heads"], a3b["linear_num_value_heads"], a3b["linear_key_head_dim"]) == (16, 32, 128)
     # the 122B shape keeps the 3 : 1 pattern (whole groups of four layers) and its own per-layer sizes
     assert a10b["num_hidden_layers"] % 4 == 0 and a10b["linear_num_value_heads"] == 64 and a10b["hidden_size"] == 3072
+
+
+def test_the_qwen3_next_shape_is_its_published_layer_cut_to_20(tmp_path):
+    """Qwen3-Next-80B-A3B's dims, cut to 20 layers: written as Qwen3NextForCausalLM with the 3 : 1 pattern, the fp32
+    state left to the grid's flag (its checkpoints name none); its layers weigh what the A3B shape's do."""
+    from transformers import AutoConfig
+
+    full, cut = SHAPES["qwen3-next-80b-a3b"], SHAPES["qwen3-next-80b-a3b-20l"]
+    assert (full["num_hidden_layers"], full["hidden_size"], full["num_experts"], full["num_experts_per_tok"]) == \
+        (48, 2048, 512, 10)
+    assert (full["linear_num_key_heads"], full["linear_num_value_heads"], full["linear_key_head_dim"]) == (16, 32, 128)
+    assert {k: v for k, v in cut.items() if k != "num_hidden_layers"} == \
+        {k: v for k, v in full.items() if k != "num_hidden_layers"} and cut["num_hidden_layers"] == 20
+    config = AutoConfig.from_pretrained(write_shape_config(tmp_path, "qwen3-next-80b-a3b-20l"))
+    assert config.architectures == ["Qwen3NextForCausalLM"] and not hasattr(config, "mamba_ssm_dtype")
+    assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 5
+    assert config.rope_parameters["rope_theta"] == 5e6 and config.partial_rotary_factor == 0.25
+
+    def expert_bytes(dims):  # bf16 routed experts, the bulk of an MoE layer
+        return 2 * dims["num_experts"] * 3 * dims["hidden_size"] * dims["moe_intermediate_size"]
+
+    a3b = SHAPES["qwen35-35b-a3b"]
+    assert expert_bytes(cut) * 20 == expert_bytes(a3b) * a3b["num_hidden_layers"]
 
 
 def test_only_orders_servers_and_points_filter(tmp_path):
