@@ -3,8 +3,8 @@ PYTHON ?= python3
 # vLLM's CUDA wheel where an NVIDIA driver is present, its CPU wheel elsewhere.
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST = $(PYTHON) -m pytest -q -rs
-# The suite runs on TEST_WORKERS pytest-xdist processes (CI's machine has 2 cores; the interpreted Triton kernels and
-# vLLM's CPU engines are each mostly one core's work).
+# The unit tests run on TEST_WORKERS pytest-xdist processes (CI's machine has 2 cores; an interpreted Triton kernel is
+# one core's work).
 TEST_WORKERS ?= 2
 # `$(call timed,NAME,COMMAND)`: runs COMMAND and prints its wall time (CI's log says how long each stage takes).
 timed = t0=$$(date +%s); $(2) || exit $$?; echo "stage '$(1)': $$(( $$(date +%s) - t0 )) s"
@@ -29,12 +29,12 @@ endif
 	$(PYTHON) -c 'from vllm_treewy.cpu_compat import install; print(install())'
 	$(PYTHON) -c 'from vllm_treewy.vllm_patches import apply; print(apply())'
 
-# Kernels and adapter first, then the vLLM end-to-end tests in their own processes (vLLM binds the process's
-# CPU threads when an engine starts). Unit tests go to whichever worker is free (`worksteal`); the e2e tests by the
-# groups tests/e2e/conftest.py gives them (a module's engine runs happen once, on one worker).
+# Kernels and adapter first, on TEST_WORKERS workers (each test to whichever is free), then the vLLM end-to-end tests
+# in one process of their own (vLLM binds the process's CPU threads when an engine starts; two engines at once on the
+# 2-core CI machine were not faster than one after the other).
 test: install
 	@$(call timed,unit tests,$(PYTEST) -n $(TEST_WORKERS) --dist worksteal tests --ignore=tests/e2e)
-	@$(call timed,e2e tests,$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests/e2e)
+	@$(call timed,e2e tests,$(PYTEST) tests/e2e)
 
 # Resolves the extras afresh in a new virtual environment and pins what it got.
 lock:

@@ -114,15 +114,6 @@ def verify_inputs_overwritten(counter: dict):
         ReconstructGatedDeltaNetAttention.speculative_step = original
 
 
-def pytest_collection_modifyitems(items):
-    """Each test's pytest-xdist group (the Makefile runs this folder with `--dist loadgroup`): its module, so that a
-    module's engine runs (module- and session-scoped fixtures) happen once, on one worker; the tests that read the
-    session's `e2e` runs share one group across their modules."""
-    for item in items:
-        group = "e2e-runs" if "e2e" in item.fixturenames else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(scope="session")
 def fixture_model(tmp_path_factory) -> str:
     return str(build_fixture(tmp_path_factory.mktemp("qwen35-tiny")))
