@@ -10,6 +10,7 @@ which is always torn down.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -17,13 +18,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.soak import server as soak_server
 from bench.soak.server import running_server
 
 pytestmark = pytest.mark.e2e
@@ -89,14 +89,7 @@ def vllm_server(cmd: list[str], log_path: Path):
         yield server.process
 
 
-def http(method: str, url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
+http = functools.partial(soak_server.http, timeout=REQUEST_TIMEOUT_S)  # (status, body) of one request
 
 
 def wait_until_healthy(proc: subprocess.Popen, base_url: str, log_path: Path) -> None:
