@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.e2e import tree_real_shapes as bench
+from tests.stand_ins import logging_python3_path
 from vllm_treewy.spec_decode.synthetic_acceptance import expected_accepted_nodes
 from vllm_treewy.tree import DraftTree
 
@@ -67,12 +68,9 @@ def test_break_even_ends():
 
 
 def test_wrapper_runs_the_chosen_engines_and_skips_by_time(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text('#!/bin/sh\necho "python3 $*"\n')
-    (bin_dir / "python3").chmod(0o755)
+    path = logging_python3_path(tmp_path)
     out = tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", ENGINES="tree3221 k4-prose",
+    env = dict(os.environ, PATH=path, ENGINES="tree3221 k4-prose",
                SHAPE="qwen35-35b-a3b", LAYERS="8", BATCHES="1 8", CALL_LIMIT_S="600", MIN_ENGINE_S="240")
     subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(out)], cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=60)

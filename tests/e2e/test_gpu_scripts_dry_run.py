@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.stand_ins import logging_python3_path
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--batch-sizes", "1", "2", "--max-tokens", "4", "--timing-repeats", "1"]
 
@@ -43,13 +45,10 @@ def test_chain_script_writes_every_run_and_verdict(tmp_path):
 
 def test_chain_script_skips_runs_that_would_leave_the_reference_no_time(tmp_path):
     # a stand-in python3 that only logs its arguments: the script's own scheduling, without engines
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text('#!/bin/sh\necho "python3 $*"\n')
-    (bin_dir / "python3").chmod(0o755)
+    path = logging_python3_path(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CALL_LIMIT_S="200", RUN_S="150",
+    env = dict(os.environ, PATH=path, CALL_LIMIT_S="200", RUN_S="150",
                REFERENCE_S="170")
     subprocess.run(["bash", "bench/e2e/run_gpu_vllm_e2e.sh", str(out), "3 1"], cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=60)
