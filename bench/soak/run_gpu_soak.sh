@@ -14,6 +14,7 @@ out=$1; shift
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0
+python3 -m vllm_treewy.vllm_patches  # as `make install` does: the plugin's vLLM patches (the tree fallbacks counter)
 concurrency=${CONCURRENCY:-128}
 timeout "${CALL_LIMIT_S:-590}" python3 -m bench.soak --out "$out" --gpu --parallel \
   --duration-s "${DURATION_S:-300}" --deadline-s "${DEADLINE_S:-540}" --concurrency "$concurrency" \

@@ -217,14 +217,16 @@ def test_paged_cache_groups_follow_the_kv_cache_groups():
     assert [[id(c) for c in g] for g in groups] == [[id(caches[0]), id(caches[1])], [id(caches[2]), id(caches[3])]]
 
 
-def test_graphs_are_captured_after_v2s_capture_phase_at_the_levels_sizes(monkeypatch):
-    """The capture's host side (CPU cannot capture): after V2's capture_model (the levels' graphs captured in it),
-    one graph of the body per padded size of the levels' graphs, recorded as V2 records its own (its pool, the
+def test_graphs_are_captured_after_v2s_capture_phase_at_its_full_graph_sizes(monkeypatch):
+    """The capture's host side (CPU cannot capture): after V2's capture_model, one graph of the body per padded
+    request count of V2's FULL first-pass graphs, recorded as V2 records its own (its pool, the
     capture stream), each after a warm-up that records no count; the buffers inert (nothing accepted, so every K/V
     copy puts a root onto itself): caches and counts unchanged. Nothing inside V2's graph-memory profiling, none
-    when the levels have no graphs."""
+    without FULL decode graphs."""
     import vllm.compilation.cudagraph_pool as cudagraph_pool
     import vllm.distributed.parallel_state as parallel_state
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
     recording, pools = [], []
 
@@ -259,16 +261,15 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_the_levels_sizes(monkeyp
     monkeypatch.setattr(accept_graphs, "paged_cache_groups_of", lambda runner: world.caches)
     monkeypatch.setattr("vllm_treewy.vllm_plugin.v2.accepted_counts.gdn_groups_of", lambda runner: world.gdn_groups)
     state = TreeRunStateV2(tree)
-    level_graphs = {}
-    speculator = SimpleNamespace(tree_state=state, _level_graphs=level_graphs, max_model_len=MAX_MODEL_LEN,
-                                 device=torch.device("cpu"), vllm_config=None,
-                                 prefill_cudagraph_manager=SimpleNamespace(pool="v2's pool"),
+    full = [BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=(1 + tree.num_nodes) * n, num_reqs=n) for n in (1, 8)]
+    manager = SimpleNamespace(pool="v2's pool", cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                              _capture_descs={CUDAGraphMode.FULL: full})
+    speculator = SimpleNamespace(tree_state=state, max_model_len=MAX_MODEL_LEN, device=torch.device("cpu"),
+                                 vllm_config=None, prefill_cudagraph_manager=manager,
                                  tree_constants=lambda t: TreeConstants.of(t, torch.device("cpu")))
 
     def capture_model(self, *, profile_only=False):
-        level_graphs.clear()
-        if not state.profiling_capture:
-            level_graphs.update({1: "levels", 8: "levels"})
+        pass
 
     capture = v2_runner._binding_tree_state(v2_runner._capturing_tree_acceptance(capture_model))
     runner = SimpleNamespace(speculator=speculator, num_speculative_steps=tree.num_nodes,
@@ -284,9 +285,8 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_the_levels_sizes(monkeyp
     assert (graphs.buffers.draws == -1).all()
     for got, want in zip(world.caches, before.caches):  # nothing accepted: every copy a root onto itself
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    level_graphs.clear()
-    capture_model_without_levels = v2_runner._capturing_tree_acceptance(lambda self: None)
-    capture_model_without_levels(runner)
+    manager.cudagraph_mode = CUDAGraphMode.PIECEWISE  # no FULL decode graphs: no acceptance graphs
+    capture(runner)
     assert state.accept_graphs is None
 
 

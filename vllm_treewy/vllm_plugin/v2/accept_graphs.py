@@ -15,10 +15,9 @@ Padding: rows R .. P repeat row 0's inputs (draws, tokens, root, request state, 
 padded row makes is one that row 0 makes, with the same value (its K/V moves, its count into row 0's slot): the
 caches and counts end exactly as the R real rows leave them, and the padded output rows are never read.
 
-Captured in V2's capture phase (`GPUModelRunner.capture_model`, right after V2's own graphs and the drafting levels'
-ones: `v2.runner`), at the levels' padded sizes, into the same pool, as those are; nothing inside V2's
-graph-memory profiling. What the graph bakes in: the KV caches of the TRITON_ATTN layers grouped by KV-cache group
-(`paged_cache_groups_of`; a step whose recorded layers group differently runs eagerly) and the GDN groups' count
+Captured in V2's capture phase (`GPUModelRunner.capture_model`, right after V2's own graphs: `v2.runner`), at the
+padded request counts of V2's FULL first-pass graphs, into V2's pool; nothing inside V2's graph-memory profiling.
+What the graph bakes in: the KV caches of the TRITON_ATTN layers grouped by KV-cache group (`paged_cache_groups_of`; a step whose recorded layers group differently runs eagerly) and the GDN groups' count
 states and V2 block tables (persistent).
 """
 
@@ -201,21 +200,33 @@ def _copy_rows(buffer: torch.Tensor, rows: torch.Tensor) -> None:
         buffer[num_rows:].copy_(buffer[:1].expand_as(buffer[num_rows:]))
 
 
+def full_graph_sizes(manager) -> list[int]:
+    """The request counts of V2's FULL first-pass graphs (the speculator's prefill graph manager; none without FULL
+    decode graphs): the uniform decode batches V2 replays FULL graphs for, padded."""
+    # vLLM's graph mode enum looked up at call time, where V2 runs (CUDA; tests stand it in)
+    from vllm.config.compilation import CUDAGraphMode
+
+    if manager is None or manager.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL:
+        return []
+    return sorted({desc.num_reqs for desc in manager._capture_descs.get(CUDAGraphMode.FULL, ()) if desc.num_reqs})
+
+
 def capture_accept_graphs(runner, state) -> None:
-    """After V2's capture phase (`capture_model`, the drafting levels' graphs included): the post-sampler graphs at
-    the levels' padded sizes, into the same pool; none when the levels have none (no FULL graphs). Nothing inside
-    V2's graph-memory profiling (its captures are thrown away)."""
+    """After V2's capture phase (`capture_model`): the post-sampler graphs at the padded request counts of V2's FULL
+    first-pass graphs (`full_graph_sizes`), into V2's pool; none without FULL graphs. Nothing inside V2's
+    graph-memory profiling (its captures are thrown away)."""
     if state.profiling_capture:
         return
     speculator = runner.speculator
-    sizes = sorted(speculator._level_graphs)
+    manager = getattr(speculator, "prefill_cudagraph_manager", None)
+    sizes = full_graph_sizes(manager)
     state.accept_graphs = None
     if not sizes:
         return
     graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, paged_cache_groups_of(runner),
                               leaf_count_groups(runner), max(sizes), speculator.max_model_len,
                               speculator.tree_constants(state.tree), state.synthetic)
-    graphs.capture(sizes, speculator.prefill_cudagraph_manager.pool, speculator.vllm_config, speculator.device)
+    graphs.capture(sizes, manager.pool, speculator.vllm_config, speculator.device)
     state.accept_graphs = graphs
     logger.info("vllm-treewy: captured the draft tree's acceptance as CUDA graphs for %d batch sizes (up to %d "
                 "requests)", len(sizes), max(sizes))
