@@ -261,7 +261,8 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_its_full_graph_sizes(mon
     monkeypatch.setattr(accept_graphs, "paged_cache_groups_of", lambda runner: world.caches)
     monkeypatch.setattr("vllm_treewy.vllm_plugin.v2.accepted_counts.gdn_groups_of", lambda runner: world.gdn_groups)
     state = TreeRunStateV2(tree)
-    full = [BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=(1 + tree.num_nodes) * n, num_reqs=n) for n in (1, 8)]
+    full = [BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=(1 + tree.num_nodes) * n, num_reqs=n)
+            for n in (1, 8)]
     manager = SimpleNamespace(pool="v2's pool", cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
                               _capture_descs={CUDAGraphMode.FULL: full})
     speculator = SimpleNamespace(tree_state=state, max_model_len=MAX_MODEL_LEN, device=torch.device("cpu"),

@@ -17,7 +17,8 @@ caches and counts end exactly as the R real rows leave them, and the padded outp
 
 Captured in V2's capture phase (`GPUModelRunner.capture_model`, right after V2's own graphs: `v2.runner`), at the
 padded request counts of V2's FULL first-pass graphs, into V2's pool; nothing inside V2's graph-memory profiling.
-What the graph bakes in: the KV caches of the TRITON_ATTN layers grouped by KV-cache group (`paged_cache_groups_of`; a step whose recorded layers group differently runs eagerly) and the GDN groups' count
+What the graph bakes in: the KV caches of the TRITON_ATTN and FLASH_ATTN layers grouped by KV-cache group
+(`paged_cache_groups_of`; a step whose recorded layers group differently runs eagerly) and the GDN groups' count
 states and V2 block tables (persistent).
 """
 
