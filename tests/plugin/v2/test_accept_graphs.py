@@ -1,14 +1,14 @@
 """The post-sampler graphs of V2 tree steps (`vllm_plugin/v2/accept_graphs.py`) on CPU.
 
 CPU cannot capture, so the graph is a stand-in whose replay runs the captured body (`TreeAcceptGraphs.run_body`
-over the persistent buffers), as `v2/test_runner` does for the drafting levels: the copy-in, the padding and the
+over the persistent buffers): the copy-in, the padding and the
 read-back are the production code. Each world (eager, graphed) has its own TRITON_ATTN caches (two groups: two layers
 sharing one block table, one layer of another block size) and GDN count states; a step of every request a tree row
 runs `accept_and_commit_tree_rows` eagerly in one and through the graph in the other, and everything must come out
 equal: the emitted rows, counts, acceptance, logits rows, every cache and count. Consecutive steps shrink the batch
 under one padded size, so stale rows of the buffers hold an earlier step's real requests: padded rows must not act on
 them. The capture wrapper's host side (sizes, warm-up, inert buffers, profiling) is held with vLLM's capture
-context faked, as for the levels.
+context faked; what the captured body reads must outlive the graph (a graph keeps addresses, not tensors).
 """
 
 from __future__ import annotations
@@ -329,3 +329,56 @@ def test_sample_tree_step_reads_the_graphs_result(monkeypatch):
     assert torch.equal(eager_sampled, graph_sampled) and torch.equal(eager_num, graph_num)
     assert all(torch.equal(a, b) for a, b in zip(eager_acceptance, graph_acceptance))
     assert all(torch.equal(a, b) for a, b in zip(eager.state(), graphed.state()))
+
+
+def _storages(obj, found: set, seen: set) -> set:
+    """The storages of every tensor reachable from `obj` through attributes, fields and containers."""
+    if id(obj) in seen or callable(obj) and not hasattr(obj, "__dict__"):
+        return found
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found.add(obj.untyped_storage().data_ptr())
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _storages(value, found, seen)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            _storages(value, found, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, functools.partial)):
+        for value in vars(obj).values():
+            _storages(value, found, seen)
+    return found
+
+
+@pytest.mark.parametrize("widths", [[2, 2, 1], [3, 2]])
+def test_the_captured_body_reads_only_what_outlives_the_graph(widths):
+    """A CUDA graph keeps the addresses of the tensors its body reads, not the tensors: every tensor the body reads
+    and did not make must be held by the graphs' object (buffers, caches, counts, constants) or by a cache that never
+    evicts (the walk tables). A read of a cached tensor that a bounded cache may free later (an LRU of aranges)
+    would make a replay read freed memory."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_treewy.vllm_plugin.trees.sampling import walk_tables
+
+    tree = DraftTree.from_widths(widths)
+    world = World(seed=5)
+    graphs = graphs_of(world, tree, [4])
+    made, read_before_made = set(), set()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for arg in torch.utils._pytree.tree_leaves((args, kwargs or {})):
+                if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() not in made:
+                    read_before_made.add(arg.untyped_storage().data_ptr())
+            out = func(*args, **(kwargs or {}))
+            for result in torch.utils._pytree.tree_leaves(out):
+                if isinstance(result, torch.Tensor):
+                    made.add(result.untyped_storage().data_ptr())
+            return out
+
+    graphs.run_body(4, gdn_groups=())  # the warm-up builds what the capture then reads
+    with Reads():
+        graphs.run_body(4)
+    held = _storages(graphs, set(), set())
+    held |= _storages(walk_tables(tree.parents, torch.device("cpu")), set(), set())
+    assert read_before_made - held == set()

@@ -32,15 +32,17 @@ def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, acceptance: Tre
     return rows
 
 
-@functools.lru_cache(maxsize=16)
+# The two tables below are built once per tree shape and device and kept for the process (a cache that never evicts:
+# the acceptance's CUDA graphs read them by address, and a graph holds no reference to what it reads).
+@functools.cache
 def walk_tables(parents: tuple[int, ...], device: torch.device) -> UniformWalkTables:
-    """A tree's walk tables on the device, built once (read only)."""
+    """A tree's walk tables on the device (read only)."""
     return UniformWalkTables.of(parents, device)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache
 def rate_index(parents: tuple[int, ...], device: torch.device) -> NodeRateIndex:
-    """A tree's node rate index for synthetic acceptance on the device, built once (read only)."""
+    """A tree's node rate index for synthetic acceptance on the device (read only)."""
     return NodeRateIndex.of(parents, device)
 
 

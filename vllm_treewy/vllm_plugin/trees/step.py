@@ -182,7 +182,3 @@ def _uniform_template(tree: DraftTree, num_requests: int, constants: TreeConstan
     )
 
 
-@functools.lru_cache(maxsize=64)
-def device_arange(n: int, device: torch.device) -> torch.Tensor:
-    """`arange(n)` int64 on the device, built once (read only)."""
-    return torch.arange(n, device=device)

@@ -45,7 +45,7 @@ from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, accepted_paths_
 from vllm_treewy.vllm_plugin.trees.attention import uniform_tree_marking
 from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, with_tree
 from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState
-from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep, device_arange, uniform_tree_step
+from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep, uniform_tree_step
 
 
 class TreeMtpProposer(EagleProposer):
@@ -157,7 +157,8 @@ class TreeMtpProposer(EagleProposer):
         block_len = 1 + self.nodes_below[-2]
         depths = self._constants(self.levels[-1]).depths
         positions = (root_positions[:, None] + depths).clamp_(max=self.max_model_len - 1)
-        slots = kv_slots(cad.block_table_tensor, root_positions[:, None] + device_arange(block_len, self.device),
+        offsets = torch.arange(block_len, device=self.device)
+        slots = kv_slots(cad.block_table_tensor, root_positions[:, None] + offsets,
                          self.block_size, self.max_model_len)
         return _LevelBlocks(positions, slots, root_positions.to(cad.seq_lens.dtype))
 

@@ -69,7 +69,7 @@ from vllm_treewy.vllm_plugin.trees.sampling import (
     tree_output_rows,
     walk_tables,
 )
-from vllm_treewy.vllm_plugin.trees.step import TreeStep, block_depths, device_arange
+from vllm_treewy.vllm_plugin.trees.step import TreeStep, block_depths
 
 LOGPROBS_FIELDS = ("logprob_token_ids", "logprobs", "selected_token_ranks")  # vLLM's LogprobsTensors, per row
 
@@ -187,7 +187,7 @@ def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sample
     num_reqs, num_rows, block_len = sampled_end.numel(), logits.shape[0], step.block_len
     last_rows = sampled_end - 1  # every request's last logits row: a non-tree request's only one
     block_starts = sampled_end[step.request_indices] - block_len
-    block_rows = block_starts[:, None] + device_arange(block_len, device)  # [R, 1 + N]
+    block_rows = block_starts[:, None] + torch.arange(block_len, device=device)  # [R, 1 + N]
     metadata = _node_rows_metadata(sampling_metadata, lambda: _row_requests(sampled_end, num_rows),
                                    lambda: _block_columns(last_rows, block_rows, step.request_indices,
                                                           block_depths(step.tree).tolist()))
@@ -212,7 +212,7 @@ def _sample_every_node(logits, sampled_end, draft_tokens, step: TreeStep, sample
 
 def _row_requests(sampled_end: torch.Tensor, num_rows: int) -> torch.Tensor:
     """`[num_rows]` int64: the request of every logits row (`sampled_end [num_reqs]`: each request's rows end)."""
-    return torch.searchsorted(sampled_end, device_arange(num_rows, sampled_end.device), right=True)
+    return torch.searchsorted(sampled_end, torch.arange(num_rows, device=sampled_end.device), right=True)
 
 
 def _node_rows_metadata(sampling_metadata, row_requests, columns):

@@ -21,7 +21,7 @@ from vllm_treewy.vllm_plugin.trees.sampling import (
     tree_output_rows,
     walk_tables,
 )
-from vllm_treewy.vllm_plugin.trees.step import TreeStep, device_arange
+from vllm_treewy.vllm_plugin.trees.step import TreeStep
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 
 
@@ -45,7 +45,7 @@ def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: tor
     device = row_draws.device
     cu = cu_num_logits.long()
     num_reqs, num_logits = cu.numel() - 1, row_draws.numel()
-    block_rows = cu[step.request_indices][:, None] + device_arange(block_len, device)  # [R, 1 + N]
+    block_rows = cu[step.request_indices][:, None] + torch.arange(block_len, device=device)  # [R, 1 + N]
     drafts = input_ids[step.token_indices.view(num_requests, block_len)[:, 1:]].long()  # [R, N]
     # the walk over every node's draw at once (uniform_tree_acceptance: a fixed number of ops, whatever the depth)
     tables, block_draws = walk_tables(step.tree.parents, device), row_draws[block_rows].long()
@@ -62,7 +62,7 @@ def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: tor
     sampled[step.request_indices, : step.depth + 1] = tree_output_rows(step, drafts, acceptance)
     num_sampled = torch.ones(num_reqs, dtype=torch.int32, device=device)
     num_sampled[step.request_indices] = (acceptance.num_accepted + 1).to(torch.int32)
-    chain_rows = device_arange(num_logits, device).clone()
+    chain_rows = torch.arange(num_logits, device=device)
     chain_rows[block_rows.reshape(-1)] = block_rows.gather(
         1, accepted_path_sources(acceptance.accepted_nodes, block_len)).reshape(-1)
     return TreeSampling(sampled, num_sampled, acceptance, chain_rows)

@@ -41,7 +41,7 @@ from vllm_treewy.vllm_plugin.trees.metadata import (
     tree_step_of,
     with_tree,
 )
-from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep, device_arange
+from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 
@@ -215,13 +215,13 @@ def make_tree_speculator_class(base):
             if not self.levels:  # a depth-1 tree: the first pass's top-w1 is the whole tree
                 return
             # The deepest level's block: every level's block is a prefix of it (positions, KV slots once per step).
-            offsets = device_arange(widest, self.device)
+            offsets = torch.arange(widest, device=self.device)
             positions = (root_positions[:, None] + self.tree_constants(self.levels[-1]).depths).clamp_(
                 max=self.max_model_len - 1)
             block_positions = root_positions[:, None] + offsets
             slots = [kv_slots(table[:num_reqs], block_positions, size, self.max_model_len)
                      for table, size in zip(self.block_tables.input_block_tables, self.block_tables.block_sizes)]
-            query_offsets = device_arange(self.max_num_reqs + 1, self.device)
+            query_offsets = torch.arange(self.max_num_reqs + 1, device=self.device)
             for level, (tree, (attn_metadata, slot_mappings)) in enumerate(zip(self.levels, level_inputs), start=1):
                 first, last = self.nodes_below[level - 1], self.nodes_below[level]  # this level's nodes [first, last)
                 block_len = 1 + tree.num_nodes
