@@ -1,8 +1,7 @@
 """The post-sampler graphs of V2 tree steps (`vllm_plugin/v2/accept_graphs.py`) on CPU.
 
 CPU cannot capture, so the graph is a stand-in whose replay runs the captured body (`TreeAcceptGraphs.run_body`
-over the persistent buffers): the copy-in, the padding and the
-read-back are the production code. Each world (eager, graphed) has its own TRITON_ATTN caches (two groups: two layers
+over the persistent buffers): the copy-in, the padding and the read-back are the production code. Each world (eager, graphed) has its own TRITON_ATTN caches (two groups: two layers
 sharing one block table, one layer of another block size) and GDN count states; a step of every request a tree row
 runs `accept_and_commit_tree_rows` eagerly in one and through the graph in the other, and everything must come out
 equal: the emitted rows, counts, acceptance, logits rows, every cache and count. Consecutive steps shrink the batch
