@@ -31,10 +31,11 @@ endif
 
 # Kernels and adapter first, on TEST_WORKERS workers (each test to whichever is free), then the vLLM end-to-end tests
 # in one process of their own (vLLM binds the process's CPU threads when an engine starts; two engines at once on the
-# 2-core CI machine were not faster than one after the other).
+# 2-core CI machine were not faster than one after the other). The e2e stage lists its slowest tests (the suite's time
+# is their engine starts): what to cut next.
 test: install
 	@$(call timed,unit tests,$(PYTEST) -n $(TEST_WORKERS) --dist worksteal tests --ignore=tests/e2e)
-	@$(call timed,e2e tests,$(PYTEST) tests/e2e)
+	@$(call timed,e2e tests,$(PYTEST) --durations=30 tests/e2e)
 
 # Resolves the extras afresh in a new virtual environment and pins what it got.
 lock:
