@@ -180,5 +180,3 @@ def _uniform_template(tree: DraftTree, num_requests: int, constants: TreeConstan
         position_shifts=(torch.arange(block_len, device=device) - constants.depths).repeat(num_requests),
         covers_batch=True,
     )
-
-

@@ -9,9 +9,9 @@ forward per level over every request's level block, with the level tree on the a
 bias or FLASH_ATTN's ancestor table, `trees.attention.uniform_tree_marking`), depth positions and KV slots
 P0 + block index. The levels are one function, `_draft_levels`, over persistent buffers (`TreeLevelBuffers`):
 static shapes, no host sync, run eagerly after V2's first pass (whose FULL graphs V2 replays as for chains), with
-attention metadata built for the step (`_level_inputs`). Every request drafts at
-once (no request chunks on V2): a max_num_seqs x (1 + nodes above the leaves) over max_num_batched_tokens is
-refused at start-up (`check_level_budget`).
+attention metadata built for the step (`_level_inputs`). Every request drafts at once (no request chunks on V2): a
+max_num_seqs x (1 + nodes above the leaves) over max_num_batched_tokens is refused at start-up
+(`check_level_budget`).
 
 With `draft_tree_max_batch_size`, V2's dynamic speculative decoding asks for the tree's depth D drafts at larger
 batches (`num_speculative_tokens`): then the speculator is V2's own chain speculator for D steps (after a tree step
@@ -62,9 +62,9 @@ def _strip_tree(attn_metadata):
 
 def check_level_budget(widths, max_num_seqs: int, max_num_batched_tokens: int) -> None:
     """Start-up refusal: on V2 the drafting levels run every request of a batch at once (no request chunks: one
-    forward per level), and the deepest level forwards 1 + (nodes above the leaves) tokens per request
-    for every request, including requests that verified one token this step. So max_num_seqs such blocks must fit
-    the token budget that sizes the head's buffers."""
+    forward per level), and the deepest level forwards 1 + (nodes above the leaves) tokens per request for every
+    request, including requests that verified one token this step. So max_num_seqs such blocks must fit the token
+    budget that sizes the head's buffers."""
     widest = 1 + nodes_below_depth(list(widths))[-2]
     if max_num_seqs * widest > max_num_batched_tokens:
         raise ValueError(
