@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.plugin.v2.graph_reads import held_storages, reads_from_outside
 from tests.plugin.v2.test_runner import v2_batch
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.v2 import accepted_counts as v2_accepted_counts
@@ -330,54 +331,16 @@ def test_sample_tree_step_reads_the_graphs_result(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(eager.state(), graphed.state()))
 
 
-def _storages(obj, found: set, seen: set) -> set:
-    """The storages of every tensor reachable from `obj` through attributes, fields and containers."""
-    if id(obj) in seen or callable(obj) and not hasattr(obj, "__dict__"):
-        return found
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        found.add(obj.untyped_storage().data_ptr())
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            _storages(value, found, seen)
-    elif isinstance(obj, (list, tuple, set)):
-        for value in obj:
-            _storages(value, found, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, functools.partial)):
-        for value in vars(obj).values():
-            _storages(value, found, seen)
-    return found
-
 
 @pytest.mark.parametrize("widths", [[2, 2, 1], [3, 2]])
 def test_the_captured_body_reads_only_what_outlives_the_graph(widths):
-    """A CUDA graph keeps the addresses of the tensors its body reads, not the tensors: every tensor the body reads
-    and did not make must be held by the graphs' object (buffers, caches, counts, constants) or by a cache that never
-    evicts (the walk tables). A read of a cached tensor that a bounded cache may free later (an LRU of aranges)
-    would make a replay read freed memory."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    """Every tensor the body reads and did not make is held by the graphs' object (buffers, caches, counts,
+    constants) or by a cache that never evicts (the walk tables): a graph keeps addresses, not tensors, so a read of
+    a tensor that a bounded cache may free later (an LRU of aranges) makes a replay read freed memory."""
     from vllm_treewy.vllm_plugin.trees.sampling import walk_tables
 
     tree = DraftTree.from_widths(widths)
-    world = World(seed=5)
-    graphs = graphs_of(world, tree, [4])
-    made, read_before_made = set(), set()
-
-    class Reads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            for arg in torch.utils._pytree.tree_leaves((args, kwargs or {})):
-                if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() not in made:
-                    read_before_made.add(arg.untyped_storage().data_ptr())
-            out = func(*args, **(kwargs or {}))
-            for result in torch.utils._pytree.tree_leaves(out):
-                if isinstance(result, torch.Tensor):
-                    made.add(result.untyped_storage().data_ptr())
-            return out
-
+    graphs = graphs_of(World(seed=5), tree, [4])
     graphs.run_body(4, gdn_groups=())  # the warm-up builds what the capture then reads
-    with Reads():
-        graphs.run_body(4)
-    held = _storages(graphs, set(), set())
-    held |= _storages(walk_tables(tree.parents, torch.device("cpu")), set(), set())
-    assert read_before_made - held == set()
+    outside = reads_from_outside(lambda: graphs.run_body(4))
+    assert outside - held_storages(graphs, walk_tables(tree.parents, torch.device("cpu"))) == set()
