@@ -5,12 +5,12 @@ Also proves the yardstick can fail: state-commit bugs planted into store_all mus
 
 import pytest
 
-from tests.e2e.conftest import PLANTED_BUGS
+from tests.e2e.conftest import PLANTED_BUGS, SPEC_KS
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("k", (1, 2, 3))
+@pytest.mark.parametrize("k", SPEC_KS)
 def test_store_all_is_equivalent_to_no_speculation(e2e, k):
     name = f"store_all-k{k}"
     assert e2e.verdict(name).passed, e2e.verdict(name).summary()
