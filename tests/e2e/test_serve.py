@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.soak import server as soak_server
+from bench.soak.server import http as soak_http
 from bench.soak.server import running_server
 
 pytestmark = pytest.mark.e2e
@@ -89,7 +89,7 @@ def vllm_server(cmd: list[str], log_path: Path):
         yield server.process
 
 
-http = functools.partial(soak_server.http, timeout=REQUEST_TIMEOUT_S)  # (status, body) of one request
+http = functools.partial(soak_http, timeout=REQUEST_TIMEOUT_S)  # (status, body) of one request
 
 
 def wait_until_healthy(proc: subprocess.Popen, base_url: str, log_path: Path) -> None:
