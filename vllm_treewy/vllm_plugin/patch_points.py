@@ -427,13 +427,14 @@ INPUT_PROCESSOR_VALIDATE_PARAMS = PatchPoint(
 )
 V2_CAPTURE_POOL = PatchPoint(
     "vllm.compilation.cudagraph_pool", "capture_pool", "calls",
-    "draft trees on V2: the post-sampler graphs recorded into V2's graph pool as its CudaGraphManager records "
-    "its own",
+    "draft trees on V2: the level graphs and the post-sampler graphs recorded into V2's graph pool as its "
+    "CudaGraphManager records its own",
     ("pool", "vllm_config"), only_on="cuda",
 )
 V2_GRAPH_CAPTURE = PatchPoint(
     "vllm.distributed.parallel_state", "graph_capture", "calls",
-    "draft trees on V2: the post-sampler graphs captured inside vLLM's graph-capture context, as V2's own",
+    "draft trees on V2: the level graphs and the post-sampler graphs captured inside vLLM's graph-capture "
+    "context, as V2's own",
     ("device",), only_on="cuda",
 )
 V2_MTP_SPECULATOR = PatchPoint(
@@ -451,7 +452,8 @@ V2_SPECULATOR_PROPOSE = PatchPoint(
 )
 V2_SPECULATOR_RUN_MODEL = PatchPoint(
     "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "TargetDependentARSpeculator._run_model",
-    "calls", "draft trees on V2: one head forward per tree level, on the drafter's input buffers",
+    "calls", "draft trees on V2: one head forward per tree level, on the drafter's input buffers (eagerly or inside "
+    "the level graphs)",
     ("self", "num_tokens", "attn_metadata", "slot_mappings", "num_tokens_across_dp"), only_on="cuda",
 )
 V2_SPECULATOR_BUILD_ATTN_METADATA = PatchPoint(
@@ -728,13 +730,13 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
          "prefill_cudagraph_manager", "vllm_config"),
         "reads; sets draft_tokens, draft_max_seq_len and the input buffers",
         "draft trees on V2: the first pass's root outputs, positions and tokens; the levels' inputs; the first pass's "
-        "graph manager, whose FULL sizes and pool the post-sampler graphs take",
+        "graph manager, whose FULL sizes and pool the level graphs take",
         assigned_in="vllm.v1.worker.gpu.spec_decode.speculator",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", ("_capture_descs", "pool", "cudagraph_mode"),
-        "reads", "draft trees on V2: the post-sampler graphs are captured per padded request count of the first "
-        "pass's FULL graphs, into the same pool",
+        "reads", "draft trees on V2: the level graphs are captured per padded request count of the first pass's FULL "
+        "graphs, into the same pool",
     ),
     InternalAttributes(
         "vllm.v1.worker.gpu.sample.sampler", "Sampler", ("req_states", "sampling_states", "logprobs_mode"), "reads",

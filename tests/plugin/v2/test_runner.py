@@ -10,18 +10,20 @@ node-by-node reference. What needs a GPU (V2's runner end to end, FULL graphs, T
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from tests.plugin.v2.graph_reads import held_storages, reads_from_outside
 from vllm_treewy.spec_decode.acceptance import greedy_tree_acceptance_reference
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
 from vllm_treewy.vllm_plugin.v2 import sampler as v2_sampler
 from vllm_treewy.vllm_plugin.v2 import speculator as v2_speculator
-from vllm_treewy.vllm_plugin.trees.drafting import kv_slots
+from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, kv_slots
 from vllm_treewy.vllm_plugin.trees.metadata import tree_qq_bias_of, tree_step_of, with_tree
 from vllm_treewy.vllm_plugin.trees.step import block_depths, override_positions
 from vllm_treewy.vllm_plugin.v2 import acceptance as v2_acceptance
@@ -263,10 +265,11 @@ def reference_tree(head, root_token, root_hidden, widths):
     return tokens
 
 
+@pytest.mark.parametrize("graph_size", [None, 5])
 @pytest.mark.parametrize("widths", [[2, 2, 1], [2, 1, 1], [3, 2], [4]])
-def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths):
-    """The levels of 3 requests (one forward per level over every request's level block) draft each request's
-    reference tree, with the level tree on the metadata and KV slots P0 + block index."""
+def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_size):
+    """graph_size 5: the levels as a captured graph of 5 padded requests replays them (the same body, `_draft_levels`,
+    over the persistent buffers; padding rows write no K/V); None: eagerly for the 3 requests."""
     import vllm.v1.attention.backends.triton_attn as triton_attn
 
     monkeypatch.setattr(triton_attn, "TritonAttentionMetadata", FakeMetadata)
@@ -288,6 +291,11 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths):
     accepted_nodes[0, : len(path)] = torch.tensor(path)
     acceptance = SimpleNamespace(accepted_nodes=accepted_nodes)
     speculator.tree_state.accepted = (step, acceptance)
+    if graph_size is not None:  # a stand-in of the captured graph: its replay runs the captured body
+        inputs = speculator._level_inputs(graph_size, torch.full((graph_size,), 1024, dtype=torch.int32))
+        speculator._tree_buffers().root_positions[:graph_size] = 500  # stale rows: replays must reset the padding
+        replay = functools.partial(speculator._draft_levels, graph_size, inputs)
+        speculator._level_graphs[graph_size] = (SimpleNamespace(replay=replay), inputs)
     num_tokens = batch.positions.numel()
     batch.input_ids = torch.arange(num_tokens, dtype=torch.int32) % VOCAB
     batch.seq_lens_cpu_upper_bound = torch.tensor([20 + block, 10, 60 + block], dtype=torch.int32)
@@ -319,7 +327,8 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths):
         rows = torch.arange(3).repeat_interleave(level_block)
         assert slots[0, : 3 * level_block].tolist() == (table[rows, expected // 16].long() * 16
                                                          + expected % 16).tolist()
-        assert slots.shape[1] == 3 * level_block
+        assert slots.shape[1] == (graph_size or 3) * level_block
+        assert (slots[0, 3 * level_block :] == PADDING_SLOT).all()  # graph padding writes no K/V
 
 
 def test_tree_speculator_runs_chains_as_vllm():
@@ -370,6 +379,76 @@ def _tree_speculator(widths, batch_sharded_sampling=False):
 def test_batch_sharded_sampling_is_refused_at_start_up():
     with pytest.raises(NotImplementedError, match="batch-sharded sampling"):
         _tree_speculator([2, 1], batch_sharded_sampling=True)
+
+
+def test_level_graphs_are_captured_per_padded_size_of_v2s_first_pass_graphs(monkeypatch):
+    """The capture wrapper's host side (CPU cannot capture): one graph of the levels' body per padded request count
+    of V2's FULL first-pass graphs, recorded as V2 records its own (its pool, the capture stream), after a warm-up;
+    padding rows write no K/V; the host bound restored; nothing captured inside V2's graph-memory profiling."""
+    import contextlib
+
+    import vllm.compilation.cudagraph_pool as cudagraph_pool
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    import vllm.v1.attention.backends.triton_attn as triton_attn
+
+    monkeypatch.setattr(triton_attn, "TritonAttentionMetadata", FakeMetadata)
+    monkeypatch.setattr("vllm.v1.worker.gpu.attn_utils.build_slot_mappings_by_layer", lambda slots, config: slots)
+    recording = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool, stream=None):
+        recording.append(graph)
+        yield
+        recording.pop()
+
+    bodies = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(cudagraph_pool, "capture_pool", lambda pool, config: contextlib.nullcontext(pool))
+    monkeypatch.setattr(parallel_state, "graph_capture", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr("vllm.utils.torch_utils.current_stream", lambda: None)
+    speculator = _tree_speculator([2, 2, 1])
+    speculator.vllm_config = None
+    original = speculator._draft_levels
+    monkeypatch.setattr(speculator, "_draft_levels",
+                        lambda n, inputs: (bodies.append((n, bool(recording))), original(n, inputs))[1])
+    full = [BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=11 * n, num_reqs=n) for n in (1, 8)]
+    speculator.prefill_cudagraph_manager = SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, pool="v2's pool", _capture_descs={CUDAGraphMode.FULL: full})
+    speculator.draft_max_seq_len = 77
+    speculator.tree_state.profiling_capture = True
+    speculator._capture_levels()
+    assert speculator._level_graphs == {} and bodies == []
+    speculator.tree_state.profiling_capture = False
+    speculator._capture_levels()
+    assert sorted(speculator._level_graphs) == [1, 8]
+    assert bodies == [(8, False), (8, True), (1, False), (1, True)]  # warm-up, then the captured body
+    assert speculator.draft_max_seq_len == 77
+    # captured with PAD slots
+    assert (speculator._tree_buffers().slots[0, : 8 * 7] == PADDING_SLOT).all()
+    assert speculator._level_graph_size(1) == 1 and speculator._level_graph_size(3) == 8
+    assert speculator._level_graph_size(9) is None  # eager above the captured sizes
+
+
+@pytest.mark.parametrize("widths", [[2, 2, 1], [3, 2]])
+def test_the_level_graphs_body_reads_only_what_outlives_the_graph(monkeypatch, widths):
+    """Every tensor the levels' body reads and did not make is held by the speculator (its buffers, block tables,
+    input buffers, constants, the tree state's biases) or by the level inputs the graph is stored with: a graph keeps
+    addresses, not tensors, so a read of a tensor that a bounded cache may free later (an LRU of aranges: the soak's
+    fault, bench/results/soak) makes a replay read freed memory."""
+    import vllm.v1.attention.backends.triton_attn as triton_attn
+
+    monkeypatch.setattr(triton_attn, "TritonAttentionMetadata", FakeMetadata)
+    monkeypatch.setattr("vllm.v1.worker.gpu.attn_utils.build_slot_mappings_by_layer", lambda slots, config: slots)
+    speculator = _tree_speculator(widths)
+    size = 4
+    inputs = speculator._level_inputs(size, torch.full((size,), 1024, dtype=torch.int32))
+    speculator._draft_levels(size, inputs)  # the warm-up builds what the capture then reads
+    outside = reads_from_outside(lambda: speculator._draft_levels(size, inputs))
+    assert outside - held_storages(speculator, inputs) == set()
 
 
 def test_profiling_flag_follows_vllms_profiling_calls():

@@ -8,15 +8,16 @@ accepted path laid out as a chain, on attention metadata without the tree; then 
 forward per level over every request's level block, with the level tree on the attention metadata (TRITON_ATTN's
 bias or FLASH_ATTN's ancestor table, `trees.attention.uniform_tree_marking`), depth positions and KV slots
 P0 + block index. The levels are one function, `_draft_levels`, over persistent buffers (`TreeLevelBuffers`):
-static shapes, no host sync, run eagerly after V2's first pass (whose FULL graphs V2 replays as for chains), with
-attention metadata built for the step (`_level_inputs`). Every request drafts at once (no request chunks on V2): a
-max_num_seqs x (1 + nodes above the leaves) over max_num_batched_tokens is refused at start-up
-(`check_level_budget`).
+static shapes, no host sync, so the same body runs eagerly or as a CUDA graph captured per padded request count of
+V2's FULL first-pass graphs, in V2's capture phase (`_capture_levels`; `propose` fills the root buffers and
+replays). Batches above the captured sizes (or without FULL graphs) run the body eagerly. Every request drafts at
+once (no request chunks on V2): a max_num_seqs x (1 + nodes above the leaves) over max_num_batched_tokens is
+refused at start-up (`check_level_budget`).
 
 With `draft_tree_max_batch_size`, V2's dynamic speculative decoding asks for the tree's depth D drafts at larger
 batches (`num_speculative_tokens`): then the speculator is V2's own chain speculator for D steps (after a tree step
 over the accepted paths laid out as chains; V2 captures its decode graphs per draft count under dynamic speculative
-decoding), and the runner pads the drafts past D with -1.
+decoding), and the runner pads the drafts past D with -1. The level graphs serve the tree steps.
 
 Its `TreeRunStateV2` (`tree_state`) is the state the runner's hooks carry across calls (`v2.runner`).
 """
@@ -43,6 +44,7 @@ from vllm_treewy.vllm_plugin.trees.metadata import (
 )
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
+from vllm_treewy.vllm_plugin.v2.accept_graphs import full_graph_sizes
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 
 
@@ -61,10 +63,10 @@ def _strip_tree(attn_metadata):
 
 
 def check_level_budget(widths, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-    """Start-up refusal: on V2 the drafting levels run every request of a batch at once (no request chunks: one
-    forward per level), and the deepest level forwards 1 + (nodes above the leaves) tokens per request for every
-    request, including requests that verified one token this step. So max_num_seqs such blocks must fit the token
-    budget that sizes the head's buffers."""
+    """Start-up refusal: on V2 the drafting levels run every request of a batch at once (no request chunks, so that
+    their graphs have static shapes), and the deepest level forwards 1 + (nodes above the leaves) tokens per request
+    for every request, including requests that verified one token this step. So max_num_seqs such blocks must fit
+    the token budget that sizes the head's buffers."""
     widest = 1 + nodes_below_depth(list(widths))[-2]
     if max_num_seqs * widest > max_num_batched_tokens:
         raise ValueError(
@@ -76,14 +78,14 @@ def check_level_budget(widths, max_num_seqs: int, max_num_batched_tokens: int) -
 
 @dataclass
 class TreeLevelBuffers:
-    """The drafting levels' inputs and outputs on the device, allocated once per tree speculator: the root of every
-    request, the drafted tree, the head outputs the next level reads, and the KV slots the head's slot mappings
-    view."""
+    """The drafting levels' persistent inputs and outputs on the device (one set per tree speculator): what a level
+    graph reads and writes, so that eager runs and replays see the same addresses."""
 
     root_positions: torch.Tensor  # [max_reqs] int64 each root's position (its last accepted token's)
     root_tokens: torch.Tensor  # [max_reqs] the root's input token (the bonus), in the input ids' dtype
     root_hidden: torch.Tensor  # [max_reqs, H] the target's hidden state at the root
     root_output: torch.Tensor  # [max_reqs, H] the first pass's head output at the root
+    valid: torch.Tensor  # [max_reqs] bool: a real request (padding rows write no K/V)
     tokens: torch.Tensor  # [max_reqs, N] int64 the drafted tree, node order
     outputs: torch.Tensor  # [max_reqs, 1 + nodes above the leaves, H] head outputs per verified-block index
     slots: torch.Tensor  # [groups, max_tokens] int64 the level's KV slots (the head's slot mappings are views)
@@ -94,8 +96,8 @@ class TreeLevelBuffers:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         return cls(zeros(max_reqs, dtype=torch.long), zeros(max_reqs, dtype=id_dtype), zeros(max_reqs, hidden_size),
-                   zeros(max_reqs, hidden_size), zeros(max_reqs, num_nodes, dtype=torch.long),
-                   zeros(max_reqs, widest, hidden_size),
+                   zeros(max_reqs, hidden_size), zeros(max_reqs, dtype=torch.bool),
+                   zeros(max_reqs, num_nodes, dtype=torch.long), zeros(max_reqs, widest, hidden_size),
                    torch.full((num_groups, max_tokens), PADDING_SLOT, dtype=torch.long, device=device))
 
 
@@ -128,6 +130,7 @@ def make_tree_speculator_class(base):
             self.nodes_below = nodes_below_depth(self.widths)
             check_level_budget(self.widths, self.max_num_reqs, self.max_num_tokens)
             self._bufs: TreeLevelBuffers | None = None  # allocated at first use (the block tables come with set_attn)
+            self._level_graphs: dict[int, tuple] = {}  # padded request count -> (CUDA graph, its level inputs)
             self._level_constants: dict[int, TreeConstants] = {}
 
         def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -152,6 +155,8 @@ def make_tree_speculator_class(base):
             call(input_batch, _strip_tree(attn_metadata), slot_mappings, hidden, aux_hidden_states, num_sampled,
                  num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_speculative_tokens=1)
             num_reqs = input_batch.num_reqs
+            graph_size = self._level_graph_size(num_reqs)
+            padded = num_reqs if graph_size is None else graph_size
             bufs = self._tree_buffers()
             last_rows = self.last_token_indices[:num_reqs]
             # The root's inputs as the first pass had them (its K/V is rewritten with the same values): the bonus
@@ -161,13 +166,20 @@ def make_tree_speculator_class(base):
             bufs.root_tokens[:num_reqs] = self.input_buffers.input_ids[last_rows]
             bufs.root_hidden[:num_reqs] = hidden[last_rows]
             bufs.root_output[:num_reqs] = self.hidden_states[:num_reqs]
-            upper = input_batch.seq_lens_cpu_upper_bound[:num_reqs]
-            self.draft_max_seq_len = min(int(upper.max()) + self.tree.num_nodes, self.max_model_len)
-            self._draft_levels(num_reqs, self._level_inputs(num_reqs, upper))
+            bufs.valid[:num_reqs] = True
+            if padded > num_reqs:  # graph padding: rows that write no K/V (PAD slots) and read position 0
+                bufs.root_positions[num_reqs:padded] = 0
+                bufs.valid[num_reqs:padded] = False
+            if graph_size is None:
+                upper = input_batch.seq_lens_cpu_upper_bound[:num_reqs]
+                self.draft_max_seq_len = min(int(upper.max()) + self.tree.num_nodes, self.max_model_len)
+                self._draft_levels(num_reqs, self._level_inputs(num_reqs, upper))
+            else:
+                self._level_graphs[graph_size][0].replay()
             self.draft_tokens[:num_reqs] = bufs.tokens[:num_reqs]
             return self.draft_tokens[:num_reqs]
 
-        # -- the drafting levels ----------------------------------------------------------------------------------
+        # -- the drafting levels: one body, run eagerly or captured per padded request count ----------------------
         def _tree_buffers(self) -> TreeLevelBuffers:
             if self._bufs is None:
                 self._bufs = TreeLevelBuffers.allocate(
@@ -177,9 +189,9 @@ def make_tree_speculator_class(base):
             return self._bufs
 
         def _level_inputs(self, num_reqs: int, upper_bound) -> list:
-            """Host side of every level for `num_reqs` requests: V2's attention metadata over the input buffers (query
-            layout and lengths the body writes), with the level tree's bias, and the level's KV slot mappings per
-            layer (views of the persistent slot buffer). Built per step."""
+            """Host side of every level for `num_reqs` (padded) requests: V2's attention metadata over the input
+            buffers (query layout and lengths the body writes), with the level tree's bias, and the level's KV slot
+            mappings per layer (views of the persistent slot buffer). Built per step eagerly, once per graph."""
             # V2's modules looked up at call time, where V2 runs (CUDA; tests stand them in)
             from vllm.config.compilation import CUDAGraphMode
             from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
@@ -202,8 +214,8 @@ def make_tree_speculator_class(base):
 
         def _draft_levels(self, num_reqs: int, level_inputs: list) -> None:
             """Every request's tree into `tree buffers.tokens[:num_reqs]`, from the root buffers: device ops of
-            static shapes only (no host sync, no allocation that depends on data). `level_inputs`:
-            `_level_inputs(num_reqs, ...)`."""
+            static shapes only (no host sync, no allocation that depends on data), so that the same function runs
+            eagerly and inside a CUDA graph. `level_inputs`: `_level_inputs(num_reqs, ...)`."""
             bufs = self._tree_buffers()
             buffers = self.input_buffers
             widest = 1 + self.nodes_below[-2]
@@ -219,7 +231,9 @@ def make_tree_speculator_class(base):
             positions = (root_positions[:, None] + self.tree_constants(self.levels[-1]).depths).clamp_(
                 max=self.max_model_len - 1)
             block_positions = root_positions[:, None] + offsets
-            slots = [kv_slots(table[:num_reqs], block_positions, size, self.max_model_len)
+            valid = bufs.valid[:num_reqs, None]
+            slots = [torch.where(valid, kv_slots(table[:num_reqs], block_positions, size, self.max_model_len),
+                                 PADDING_SLOT)
                      for table, size in zip(self.block_tables.input_block_tables, self.block_tables.block_sizes)]
             query_offsets = torch.arange(self.max_num_reqs + 1, device=self.device)
             for level, (tree, (attn_metadata, slot_mappings)) in enumerate(zip(self.levels, level_inputs), start=1):
@@ -245,14 +259,58 @@ def make_tree_speculator_class(base):
                 tokens[:, last : self.nodes_below[level + 1]] = top_children(logits, self.widths[level]).view(
                     num_reqs, -1)
 
+        def _level_graph_size(self, num_reqs: int) -> int | None:
+            """The smallest captured padded request count that holds `num_reqs` (None: run the levels eagerly)."""
+            fits = [size for size in self._level_graphs if size >= num_reqs]
+            return min(fits) if fits else None
+
         def capture(self):
             if self.tree_state is None:
                 return super().capture()
-            self.tree_state.capturing_drafter = True  # V2's first-pass graphs: causal attention, no tree
+            self.tree_state.capturing_drafter = True
             try:
                 super().capture()
             finally:
                 self.tree_state.capturing_drafter = False
+            self._capture_levels()
+
+        @torch.inference_mode()
+        def _capture_levels(self) -> None:
+            """One CUDA graph of `_draft_levels` per padded request count of V2's FULL first-pass graphs (the same
+            batch sizes; captured in V2's capture phase, into V2's graph pool). Captured with PAD slots (no K/V
+            written) and the lengths' host bound at max_model_len, which every replay stays within. The body reads only
+            what outlives its graph (a graph keeps addresses, not tensors): the buffers, the speculator's constants and
+            block tables, and the level inputs kept with the graph; its aranges are made inside it."""
+            # vLLM's graph-capture helpers looked up at capture time, where V2 runs (CUDA; tests stand them in)
+            from vllm.compilation.cudagraph_pool import capture_pool
+            from vllm.distributed.parallel_state import graph_capture
+            from vllm.utils.torch_utils import current_stream
+
+            self._level_graphs.clear()  # a capture replaces every earlier one
+            manager = getattr(self, "prefill_cudagraph_manager", None)
+            sizes = full_graph_sizes(manager)
+            if not sizes or self.tree_state.profiling_capture:
+                # V2's graph-memory profiling throws its captures (and their pool) away before the real capture; the
+                # level graphs (the head over <= max_num_seqs x 1 + nodes above the leaves tokens) stay out of it.
+                return
+            bufs = self._tree_buffers()
+            saved, self.draft_max_seq_len = self.draft_max_seq_len, self.max_model_len
+            try:
+                with graph_capture(device=self.device):
+                    for size in sorted(sizes, reverse=True):
+                        bufs.root_positions[:size] = 0
+                        bufs.valid[:size] = False
+                        upper = torch.full((size,), self.max_model_len, dtype=torch.int32)
+                        inputs = self._level_inputs(size, upper)
+                        self._draft_levels(size, inputs)  # warm-up
+                        graph = torch.cuda.CUDAGraph()
+                        # as V2's CudaGraphManager.capture records its graphs: its pool, the capture stream
+                        with (capture_pool(manager.pool, self.vllm_config) as pool,
+                              torch.cuda.graph(graph, pool, stream=current_stream())):
+                            self._draft_levels(size, inputs)
+                        self._level_graphs[size] = (graph, inputs)
+            finally:
+                self.draft_max_seq_len = saved
 
         def tree_constants(self, tree) -> TreeConstants:
             """`tree`'s constants on the device (the verified tree's, or a drafting level's), built once."""
