@@ -31,8 +31,8 @@ from pathlib import Path
 
 from bench.e2e import gpu_site
 from bench.e2e.gpu_vllm_e2e import (add_common_args, batch_shape_control, beside_store_all, device_facts, engine_kwargs,
-                                fixture_dir, judged, print_runs, prompts_and_model, timed_batches, tree_model,
-                                verdict_record)
+                                fixture_dir, judged, maybe_profile, print_runs, prompts_and_model, timed_batches,
+                                tree_model, verdict_record)
 from vllm_treewy.fixture.exact import ExactModel
 
 # Longest waits (s) for the other engines' starts, the previous engine's timing (a turn takes well under a minute),
@@ -202,6 +202,7 @@ def run_spec(args, turns: Turns) -> int:
             before = read_acceptance(llm)
             outputs, tokens_per_s, acceptance_length = timed_batches(llm, prompts, args)
             after = read_acceptance(llm)
+            profile = maybe_profile(llm, prompts, args, name)  # --profile-batch, in this engine's turn
         kv = kv_cache_report(llm)
         turns.hold_until_the_last_timing()
     result = {
@@ -214,6 +215,7 @@ def run_spec(args, turns: Turns) -> int:
         "acceptance_rate": ((after.num_accepted_tokens - before.num_accepted_tokens)
                             / max(after.num_draft_tokens - before.num_draft_tokens, 1)),
         "acceptance_length": {str(b): n for b, n in acceptance_length.items()}, "kv_cache": asdict(kv),
+        "profile": profile,
     }
     Path(args.runs).mkdir(parents=True, exist_ok=True)
     (Path(args.runs) / f"{name}.json").write_text(json.dumps(result))
@@ -252,8 +254,9 @@ def run_reference(args, turns: Turns) -> int:
         facts = engine_facts(reference)
         with turns.timing() as timing, counting_steps(reference) as steps:
             outputs, tokens_per_s, _ = timed_batches(reference, prompts, args)
+            profile = maybe_profile(reference, prompts, args, "no-spec")  # --profile-batch, in its turn
         report["runs"]["no-spec"] = {"tokens_per_s": tokens_per_s, "kv_cache": asdict(kv_cache_report(reference)),
-                                     **facts, "timing": timing, "steps": steps}
+                                     **facts, "timing": timing, "steps": steps, "profile": profile}
         report["no_spec_in_smaller_batches"] = {} if args.no_shape_control else {
             b: verdict_record(compare_tie_aware(reference, prompts[:b], outputs[b], out, exact_logits))
             for b, out in batch_shape_control(reference, prompts, args).items()}

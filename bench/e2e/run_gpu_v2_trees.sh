@@ -9,7 +9,8 @@
 # The no-speculation reference times one pass and skips its control in smaller batches (the Qwen3.5 fixture's fp16
 # floor, PASS in the first call) unless SHAPE_CONTROL=1 (a fixture whose floor no call has shown yet). Each run records the runner vLLM picked ("model_runner"): V2 expected for every engine.
 # Usage, from the checkout root on the H200 after `source .gpu-vllm/device-setup.sh`:
-#   bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96, --staggered]
+#   bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR [args for every engine, e.g. --max-tokens 96, --staggered,
+#     --profile-batch 1 8: after its timed passes, each engine profiles one generate per batch size in its turn]
 #   DRY_RUN=1 bash bench/e2e/run_gpu_v2_trees.sh OUT_DIR   # prints the engine commands and checks their arguments only
 # OUT_DIR gets log.txt (summary), gpu_v2_trees.json (the reference's report) and engines.tar.gz (every engine's log
 # and run JSON). ENGINES (names from the catalog below) and BATCHES choose what runs; KV_BYTES (default 8 GiB) per
