@@ -34,7 +34,8 @@ Threshold: every p-value > P_MIN = 1e-4. The module computes 4 (engines) x 2 (se
 function of the code. A real bug is far below: each planted one's smallest p-value is below 1e-100 (first-child
 3e-265 / 0, root-row 2e-242 / 0, vLLM's unfixed CPU expansion 2e-299 / 0, parents-draw 2e-189 / 2e-117 at T 1.0 /
 T 0.7 top-p 0.9; the expansion reads uninitialized memory, so its figures vary between runs), while the exact
-samplers' smallest is 0.02 (the tree's pit1 at T 1.0; every other above 0.1). `-s` prints every p-value.
+samplers' smallest are 0.02 (the tree's pit1 at T 1.0) and 0.04 (no speculation's pit3 at T 1.0), every other above
+0.1. `-s` prints every p-value.
 
 Planted bugs (the same judges must fail them; `parents-draw` on the every-node path, the others seeded):
 `parents-draw` gives the walk, at each node, the draw made at the node's parent instead of its own,
