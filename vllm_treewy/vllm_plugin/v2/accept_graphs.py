@@ -149,9 +149,8 @@ class TreeAcceptGraphs:
 
     # -- a step ------------------------------------------------------------------------------------------------------
     def graph_size(self, num_reqs: int) -> int | None:
-        """The smallest captured padded request count that holds `num_reqs` (None: run the body eagerly)."""
-        fits = [size for size in self.graphs if size >= num_reqs]
-        return min(fits) if fits else None
+        """The captured padded request count that serves `num_reqs` (None: run the body eagerly)."""
+        return smallest_graph_size(self.graphs, num_reqs)
 
     def _group_tables(self, step: TreeStep) -> list[torch.Tensor] | None:
         """The step's tree-row block table of each captured cache group, in capture order (None: the step's layers
@@ -199,6 +198,13 @@ def _copy_rows(buffer: torch.Tensor, rows: torch.Tensor) -> None:
     buffer[:num_rows].copy_(rows)
     if buffer.shape[0] > num_rows:
         buffer[num_rows:].copy_(buffer[:1].expand_as(buffer[num_rows:]))
+
+
+def smallest_graph_size(sizes, num_reqs: int) -> int | None:
+    """The smallest of the captured padded request counts `sizes` that holds `num_reqs` (None: none does, run eagerly):
+    how every graph family here (the acceptance graphs, the drafting levels' graphs) picks its replay."""
+    fits = [size for size in sizes if size >= num_reqs]
+    return min(fits) if fits else None
 
 
 def full_graph_sizes(manager) -> list[int]:

@@ -44,7 +44,7 @@ from vllm_treewy.vllm_plugin.trees.metadata import (
 )
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
-from vllm_treewy.vllm_plugin.v2.accept_graphs import full_graph_sizes
+from vllm_treewy.vllm_plugin.v2.accept_graphs import full_graph_sizes, smallest_graph_size
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 
 
@@ -260,9 +260,8 @@ def make_tree_speculator_class(base):
                     num_reqs, -1)
 
         def _level_graph_size(self, num_reqs: int) -> int | None:
-            """The smallest captured padded request count that holds `num_reqs` (None: run the levels eagerly)."""
-            fits = [size for size in self._level_graphs if size >= num_reqs]
-            return min(fits) if fits else None
+            """The captured padded request count that serves `num_reqs` (None: run the levels eagerly)."""
+            return smallest_graph_size(self._level_graphs, num_reqs)
 
         def capture(self):
             if self.tree_state is None:
