@@ -88,21 +88,27 @@ def summarize(events: list[KernelEvent], wall_s: float, output_tokens: int) -> d
 
 
 def profile_generate(llm, prompts, max_tokens: int) -> dict:
+    """One greedy `generate` of `max_tokens` tokens per prompt under the profiler (`profile_call`)."""
+    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy
+
+    return profile_call(lambda: sum(len(o) for o in generate_greedy(llm, prompts, [max_tokens] * len(prompts))))
+
+
+def profile_call(generate) -> dict:
+    """`summarize` of one call of `generate` (returns the number of output tokens) under `torch.profiler`."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from vllm_treewy.vllm_plugin.testing.equivalence import generate_greedy
-
     # CUDA activity only: recording every CPU op would inflate the host time being measured
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        outputs = generate_greedy(llm, prompts, [max_tokens] * len(prompts))
+        output_tokens = generate()
         torch.cuda.synchronize()
         wall_s = time.perf_counter() - start
     events = [KernelEvent(e.name, e.time_range.start, e.time_range.elapsed_us())
               for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return summarize(events, wall_s, sum(len(o) for o in outputs))
+    return summarize(events, wall_s, output_tokens)
 
 
 def print_summary(name: str, summary: dict) -> None:

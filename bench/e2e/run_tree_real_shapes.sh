@@ -10,6 +10,8 @@
 # empty: all); BATCHES (default 1 2 4 8 16 32 64); ATTN_BACKEND (default TRITON_ATTN, for trees and chains alike:
 # trees need it until tree attention runs on FLASH_ATTN); MAX_TOKENS (128), PROMPT_LEN (256), GPU_UTIL (0.9);
 # CALL_LIMIT_S (570): an engine that would start with less than MIN_ENGINE_S (240) left is skipped and logged.
+# Arguments after OUT_DIR go to every engine, e.g. `--profiles code --sibling-rates 0.4 --profile-batch 1 8`: one
+# class, then a profiled generate per batch size (GPU kernel time by kind per engine step, in ENGINE.json).
 # OUT_DIR gets ENGINE.json per engine (points, command, device facts, the runner and graphs vLLM used), log.txt,
 # logs-HHMMSS.tar.gz and report.{json,csv,md} (tree / chain tokens/s, step-time ratio, break-even sibling rate per B).
 set -u
@@ -39,7 +41,7 @@ for engine in ${ENGINES:-tree221 k3-code}; do
     --prompt-len "${PROMPT_LEN:-256}" --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$out" "$@" \
     >"$out/logs/$engine.log" 2>&1
   rc=$?; echo "=== $engine rc=$rc at $(( $(date +%s) - start )) s" >>"$log"
-  grep -hE "tokens/s, step|^[A-Za-z]*(Error|Exception)|^Traceback" "$out/logs/$engine.log" | cut -c1-300 >>"$log"
+  grep -hE "tokens/s, step| per step: |^[A-Za-z]*(Error|Exception)|^Traceback" "$out/logs/$engine.log" | cut -c1-300 >>"$log"
 done
 python3 -m bench.e2e.tree_real_shapes report --out "$out" >"$out/logs/report.log" 2>&1
 echo "=== report rc=$? at $(( $(date +%s) - start )) s" >>"$log"

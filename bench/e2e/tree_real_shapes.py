@@ -189,11 +189,39 @@ def run_engine(args) -> int:
                     save()
                     print(f"{name} {profile_name} sibling {sibling} B={batch}: {point['tokens_per_s']:,.0f} tokens/s, "
                           f"step {point['step_ms']:.2f} ms, acceptance {point['acceptance_length']:.2f}", flush=True)
+            result["profiles"] = [profile_point(llm, prompts[:batch], args.max_tokens, name)
+                                  for batch in args.profile_batch]  # the engine's own class (code, sibling 0.4)
+            save()
     except Exception as error:  # a failed start-up or point is a result too
         result["error"] = f"{type(error).__name__}: {error}"[:2000]
         print(result["error"], flush=True)
     save()
     return 0 if "error" not in result else 1
+
+
+def profile_point(llm, prompts, max_tokens: int, name: str) -> dict:
+    """One generate of `prompts` (the engine's default synthetic class) under the profiler: GPU kernel time by kind
+    (`e2e_profile.summarize`) per output token and, with the runner's step count, per engine step."""
+    from vllm import SamplingParams
+
+    from bench.e2e.e2e_profile import print_summary, profile_call
+    from bench.e2e.gpu_v2_chains import counting_steps
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    with counting_steps(llm) as counts:
+        summary = profile_call(lambda: sum(len(o.outputs[0].token_ids)
+                                           for o in llm.generate(prompts, params, use_tqdm=False)))
+    steps = max(counts["steps"], 1)
+    per_step = summary["output_tokens"] / steps  # us per token -> us per step
+    summary.update(batch=len(prompts), steps=counts["steps"],
+                   wall_us_per_step=summary["wall_us_per_token"] * per_step,
+                   gpu_busy_us_per_step=summary["gpu_busy_us_per_token"] * per_step,
+                   us_per_step_by_kind={k: v["us_per_token"] * per_step for k, v in summary["kinds"].items()})
+    print_summary(f"{name} B={len(prompts)}", summary)
+    print(f"{name} B={len(prompts)} per step: {summary['wall_us_per_step']:.0f} us wall, "
+          f"{summary['gpu_busy_us_per_step']:.0f} GPU busy; "
+          + ", ".join(f"{k} {v:.0f}" for k, v in summary["us_per_step_by_kind"].items()), flush=True)
+    return summary
 
 
 # -- report ------------------------------------------------------------------------------------------------------
@@ -291,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tokens", type=int, default=128)
     run.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     run.add_argument("--attention-backend", default="TRITON_ATTN")
+    run.add_argument("--profile-batch", nargs="*", type=int, default=[],
+                     help="after the timed points, one profiled generate per batch size (kernel time by kind)")
     run.add_argument("--work", default="/tmp/tree-real-shapes", help="where the model directories are written")
     run.add_argument("--out", required=True)
     rep = sub.add_parser("report", help="ratios and break-even sibling rates from an output folder")
