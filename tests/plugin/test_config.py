@@ -254,6 +254,16 @@ def test_a_store_all_tree_is_refused_off_cpu(fixture_model, monkeypatch):
     assert_one_clear_error(excinfo)
 
 
+@pytest.mark.parametrize("setting", [{"draft_sample_method": "probabilistic"}, {"use_local_argmax_reduction": True}])
+def test_a_tree_refuses_draft_settings_that_never_form_the_logits(fixture_model, setting):
+    """A tree's children are each node's most likely tokens from the head's logits (V2's first pass gives the
+    root's): sampled drafts and the local argmax reduction do not give them."""
+    spec = {**TREE_DRAFTER, "draft_tree_widths": [2, 1, 1], "mamba_state_commit": "reconstruct", **setting}
+    with pytest.raises(ValueError, match="most likely tokens from the head's logits") as excinfo:
+        engine_config(fixture_model, spec)
+    assert_one_clear_error(excinfo)
+
+
 def test_no_speculation_is_untouched(fixture_model):
     assert engine_config(fixture_model, None).speculative_config is None
 

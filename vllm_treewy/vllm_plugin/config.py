@@ -205,6 +205,11 @@ class TreewySpeculativeConfig(SpeculativeConfig):
             raise ValueError(f"draft_tree_widths={widths}: draft trees run on vLLM's CPU backend or on CUDA with "
                              "attention_backend 'FLASH_ATTN' or 'TRITON_ATTN' (tree attention reads those paged KV "
                              "layouts)")
+        if self.draft_sample_method != "greedy" or self.use_local_argmax_reduction:
+            raise ValueError(f"draft_tree_widths={widths}: a tree drafts each node's most likely tokens from the "
+                             "head's logits; draft_sample_method must be 'greedy' (got "
+                             f"{self.draft_sample_method!r}) and use_local_argmax_reduction off (got "
+                             f"{self.use_local_argmax_reduction})")
         if self.mamba_state_commit == "store_all" and not current_platform.is_cpu():
             raise ValueError(f"draft_tree_widths={widths}: the store_all tree (a GDN state per node, the baseline "
                              "reconstruct is compared with) runs on vLLM's CPU backend only; use 'reconstruct'")

@@ -232,10 +232,23 @@ class FakeV2Speculator:
         last = qsl[1 : num_reqs + 1].long() - 1 - num_rejected.long()
         self.last_token_indices[:num_reqs] = last
         self.input_buffers.input_ids[last] = last_sampled[:num_reqs].int()
-        self.hidden_states[:num_reqs] = self.head.forward(last_sampled[:num_reqs].long(), last_hidden_states[last])
         self.input_buffers.positions[:num_reqs] = input_batch.positions[last]
         self.first_pass_roots = (last.tolist(), input_batch.positions[last].tolist())
+        self._prefill(num_reqs, last_sampled[:num_reqs].long(), last_hidden_states[last])
         return self.draft_tokens[:num_reqs]
+
+    def _prefill(self, num_reqs, tokens, hidden):
+        """V2's `_prefill`: the head at each request's last token, its draft from `sample_draft` (the logits)."""
+        self.hidden_states[:num_reqs] = self.head.forward(tokens, hidden)
+        self.draft_tokens[:num_reqs, 0] = self.sample_draft(self.hidden_states[:num_reqs], None, None, None, None,
+                                                            None, None)
+
+    def compute_draft_logits(self, hidden_states, spec_step_idx):
+        return self.model.compute_logits(hidden_states)
+
+    def sample_draft(self, hidden_states, sample_src_positions, idx_mapping, temperature, seeds, draft_step,
+                     draft_logits, spec_step_idx=0):
+        return self.compute_draft_logits(hidden_states, spec_step_idx).argmax(-1)
 
     def _build_attn_metadata(self, num_reqs, batch_desc, query_start_loc_np, seq_lens_cpu_upper_bound, step,
                              slot_mappings=None):

@@ -4,7 +4,8 @@ are in `v2.runner`, the acceptance in `v2.sampler`).
 V2 builds it in `init_speculator` from `spec_decode.mtp.speculator.MTPSpeculator`
 (V2_MTP_SPECULATOR, rebound to `TreeMtpSpeculatorV2`, vLLM's class unchanged for chains). Per step: V2's own
 first pass (`propose` with one draft, FULL graphs included) over the verified tokens with each tree row's
-accepted path laid out as a chain, on attention metadata without the tree; then the drafting levels: one head
+accepted path laid out as a chain, on attention metadata without the tree, whose logits give the root's children
+(`sample_draft`: one output-layer read per level, as a chain reads one per draft); then the drafting levels: one head
 forward per level over every request's level block, with the level tree on the attention metadata (TRITON_ATTN's
 bias or FLASH_ATTN's ancestor table, `trees.attention.uniform_tree_marking`), depth positions and KV slots
 P0 + block index. The levels are one function, `_draft_levels`, over persistent buffers (`TreeLevelBuffers`):
@@ -111,6 +112,7 @@ def make_tree_speculator_class(base):
             tree = shape.tree
             self.tree = tree
             self.tree_state = TreeRunStateV2(tree) if tree is not None else None
+            self._first_pass = False  # inside `_prefill` of a tree engine: `sample_draft` gives the root's children
             if tree is None:
                 return
             spec = vllm_config.speculative_config
@@ -179,6 +181,36 @@ def make_tree_speculator_class(base):
             self.draft_tokens[:num_reqs] = bufs.tokens[:num_reqs]
             return self.draft_tokens[:num_reqs]
 
+        # -- the first pass: the root's children from its logits ---------------------------------------------------
+        def _prefill(self, num_reqs, *args, **kwargs):
+            """V2's first pass (head forward over the verified tokens, logits and draft at each request's last
+            token; eager or inside V2's FULL prefill graphs, which record this method), with `sample_draft` giving
+            the root's children: the pass's one output-layer read serves the tree's first level."""
+            if self.tree is None:
+                return super()._prefill(num_reqs, *args, **kwargs)
+            self._tree_buffers()  # allocated outside any graph capture: the graphs keep its addresses
+            self._first_pass = True
+            try:
+                return super()._prefill(num_reqs, *args, **kwargs)
+            finally:
+                self._first_pass = False
+
+        def sample_draft(self, hidden_states, sample_src_positions, idx_mapping, temperature, seeds, draft_step,
+                         draft_logits, spec_step_idx=0):
+            """In a tree's first pass: the top-w1 tokens of the head's logits at each request's last token into
+            the tree buffers (the root's children, `_draft_levels`' first level, most likely first), and the most
+            likely as V2's first draft (greedy drafts: `config` refuses probabilistic draft sampling and the local
+            argmax reduction, which never form the logits, for trees). Elsewhere (chain steps' later drafts,
+            chain engines) V2's own. Static shapes: V2's prefill graphs capture it."""
+            if self.tree is None or not self._first_pass:
+                return super().sample_draft(hidden_states, sample_src_positions, idx_mapping, temperature, seeds,
+                                            draft_step, draft_logits, spec_step_idx)
+            num_reqs = hidden_states.shape[0]
+            logits = self.compute_draft_logits(hidden_states, spec_step_idx)
+            children = top_children(logits, self.widths[0]).view(num_reqs, -1)
+            self._tree_buffers().tokens[:num_reqs, : self.widths[0]] = children
+            return children[:, 0]
+
         # -- the drafting levels: one body, run eagerly or captured per padded request count ----------------------
         def _tree_buffers(self) -> TreeLevelBuffers:
             if self._bufs is None:
@@ -222,8 +254,7 @@ def make_tree_speculator_class(base):
             root_positions = bufs.root_positions[:num_reqs]
             tokens, outputs = bufs.tokens[:num_reqs], bufs.outputs[:num_reqs]
             outputs[:, 0] = bufs.root_output[:num_reqs]
-            root_logits = self.model.compute_logits(bufs.root_output[:num_reqs])
-            tokens[:, : self.widths[0]] = top_children(root_logits, self.widths[0]).view(num_reqs, -1)
+            # tokens[:, :w1], the root's children, are the first pass's (`sample_draft`)
             if not self.levels:  # a depth-1 tree: the first pass's top-w1 is the whole tree
                 return
             # The deepest level's block: every level's block is a prefix of it (positions, KV slots once per step).
