@@ -31,11 +31,15 @@ first speculative step (the drafts verified at depth 1 and 2). Two judges:
 Threshold: every p-value > P_MIN = 1e-4. The module computes 4 (engines) x 2 (settings) x 6 exactness p-values and
 3 x 2 x 3 homogeneity ones (66); with 1e-4 each, the chance that an exact sampler fails somewhere is below 0.7 %
 (Bonferroni), and since every request is seeded or draws from the engine's seeded stream the verdict is a fixed
-function of the code. A real bug is far below: each planted one's smallest p-value is below 1e-100 (first-child
-3e-265 / 0, root-row 2e-242 / 0, vLLM's unfixed CPU expansion 2e-299 / 0, parents-draw 2e-189 / 2e-117 at T 1.0 /
-T 0.7 top-p 0.9; the expansion reads uninitialized memory, so its figures vary between runs), while the exact
-samplers' smallest are 0.02 (the tree's pit1 at T 1.0) and 0.04 (no speculation's pit3 at T 1.0), every other above
-0.1. `-s` prints every p-value.
+function of the code. A real bug is far below: with NUM_SAMPLES = 400 each planted one's smallest exactness p-value
+is below 1e-80 (first-child 2e-126 / 0, root-row 5e-98 / 2e-126, vLLM's unfixed CPU expansion 1e-116 / 0,
+parents-draw 3e-82 / 8e-158 at T 1.0 / T 0.7 top-p 0.9; the expansion reads uninitialized memory, so its figures
+vary between runs) and its smallest homogeneity p-value below 1e-12 (first-child 4e-61 / 6e-119, root-row 9e-13 /
+1e-37, expansion 2e-47 / 2e-119, parents-draw 1e-18 / 4e-37), while the exact samplers' smallest are 0.05 (no
+speculation's token1 at T 0.7 top-p 0.9) and 0.02 (homogeneity of the tree's every-node path at T 0.7 top-p 0.9),
+every other above 0.2. (At NUM_SAMPLES = 1000 the bugs' exactness p-values were below 1e-100 and the module took 14
+min: 400 keeps every planted bug below P_MIN by more than 8 orders of magnitude in both judges at 40 % of the time.)
+`-s` prints every p-value.
 
 Planted bugs (the same judges must fail them; `parents-draw` on the every-node path, the others seeded):
 `parents-draw` gives the walk, at each node, the draw made at the node's parent instead of its own,
@@ -47,8 +51,9 @@ plugin's fix of vLLM's CPU rejection sampler left out (`cpu_rejection_expand`: v
 override leaves the per-token temperature / top-p of the draft rows uninitialized,
 `bench/diagnostics/cpu_rejection_sampling.py`), i.e. vLLM's own chain sampling on CPU.
 
-Wall time: 14 min on the 2-core CI machine (8 engines, 2 x 1000 requests each, about 20k one-token judge requests),
-most of it the CPU prefills (vLLM's CPU causal convolution, bf16 GEMMs): 35 min with the whole 77-token prompt.
+Wall time: 5.5 min on a 2-core machine (8 engines, 2 x 400 requests each, then a one-token judge request per
+distinct context), most of it the speculative engines' CPU prefills and steps (vLLM's CPU causal convolution, bf16
+GEMMs, about 50 ms a request): 14 min with 1000 requests, 35 min with 1000 and the whole 77-token prompt.
 """
 
 from __future__ import annotations
@@ -67,12 +72,12 @@ from vllm_treewy.fixture import blurred_mtp_variant, fixture_prompts
 pytestmark = pytest.mark.e2e
 
 SETTINGS = {"t1.0": (1.0, 1.0), "t0.7-p0.9": (0.7, 0.9)}
-NUM_SAMPLES = 1000
+NUM_SAMPLES = 400
 MAX_TOKENS = 3
 # The prompt: the last PROMPT_TOKENS tokens of fixture_prompts' third prompt, next-token entropy 3.7 nats at T = 1 and
 # 1.6 at T = 0.7 (the whole 77-token prompt's: 3.8 / 1.6; many short cuts of the corpus are near-deterministic on the
-# fixture). The test's time is its prefills (16,000 sampled and about 20,000 judge requests, bf16 GEMMs on the
-# CPU): a short prompt makes them cheap.
+# fixture). The test's time is its prefills (16 x NUM_SAMPLES sampled requests and a judge request per distinct
+# context, bf16 GEMMs on the CPU): a short prompt makes them cheap.
 PROMPT_INDEX, PROMPT_TOKENS = 2, 10
 MAX_NUM_SEQS = 64
 # Room for MAX_NUM_SEQS whole prompts in one step: vLLM 0.32 on CPU raises "CPU Generator does not use offset" when
