@@ -24,6 +24,8 @@ states and V2 block tables (persistent).
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from dataclasses import dataclass
 
@@ -129,10 +131,8 @@ class TreeAcceptGraphs:
         capturing: draws no draft carries (nothing accepted: every move copies a root onto itself), and the warm-up
         records no count. (Synthetic acceptance accepts whatever the tokens: its warm-up may move K/V within the
         zeroed table rows' block 0, vLLM's null block, which holds no request's K/V.)"""
-        # vLLM's graph-capture helpers looked up at capture time, where V2 runs (CUDA; tests stand them in)
-        from vllm.compilation.cudagraph_pool import capture_pool
+        # vLLM's graph-capture context looked up at capture time, where V2 runs (CUDA; tests stand it in)
         from vllm.distributed.parallel_state import graph_capture
-        from vllm.utils.torch_utils import current_stream
 
         self.graphs.clear()
         self.outputs.clear()
@@ -141,11 +141,7 @@ class TreeAcceptGraphs:
         with graph_capture(device=device):
             for size in sorted(sizes, reverse=True):
                 self.run_body(size, gdn_groups=())  # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with (capture_pool(pool, vllm_config) as graph_pool,
-                      torch.cuda.graph(graph, graph_pool, stream=current_stream())):
-                    self.run_body(size)
-                self.graphs[size] = graph
+                self.graphs[size] = capture_graph(functools.partial(self.run_body, size), pool, vllm_config)
 
     # -- a step ------------------------------------------------------------------------------------------------------
     def graph_size(self, num_reqs: int) -> int | None:
@@ -198,6 +194,19 @@ def _copy_rows(buffer: torch.Tensor, rows: torch.Tensor) -> None:
     buffer[:num_rows].copy_(rows)
     if buffer.shape[0] > num_rows:
         buffer[num_rows:].copy_(buffer[:1].expand_as(buffer[num_rows:]))
+
+
+def capture_graph(body, pool, vllm_config):
+    """A CUDA graph of `body()`, recorded as V2's CudaGraphManager records its own graphs: into V2's pool, on the
+    current stream, inside vLLM's `graph_capture` context (which the caller holds around all its captures)."""
+    # vLLM's graph-capture helpers looked up at capture time, where V2 runs (CUDA; tests stand them in)
+    from vllm.compilation.cudagraph_pool import capture_pool
+    from vllm.utils.torch_utils import current_stream
+
+    graph = torch.cuda.CUDAGraph()
+    with capture_pool(pool, vllm_config) as graph_pool, torch.cuda.graph(graph, graph_pool, stream=current_stream()):
+        body()
+    return graph
 
 
 def smallest_graph_size(sizes, num_reqs: int) -> int | None:

@@ -45,7 +45,7 @@ from vllm_treewy.vllm_plugin.trees.metadata import (
 )
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants, TreeStep
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
-from vllm_treewy.vllm_plugin.v2.accept_graphs import full_graph_sizes, smallest_graph_size
+from vllm_treewy.vllm_plugin.v2.accept_graphs import capture_graph, full_graph_sizes, smallest_graph_size
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 
 
@@ -311,10 +311,8 @@ def make_tree_speculator_class(base):
             written) and the lengths' host bound at max_model_len, which every replay stays within. The body reads only
             what outlives its graph (a graph keeps addresses, not tensors): the buffers, the speculator's constants and
             block tables, and the level inputs kept with the graph; its aranges are made inside it."""
-            # vLLM's graph-capture helpers looked up at capture time, where V2 runs (CUDA; tests stand them in)
-            from vllm.compilation.cudagraph_pool import capture_pool
+            # vLLM's graph-capture context looked up at capture time, where V2 runs (CUDA; tests stand it in)
             from vllm.distributed.parallel_state import graph_capture
-            from vllm.utils.torch_utils import current_stream
 
             self._level_graphs.clear()  # a capture replaces every earlier one
             manager = getattr(self, "prefill_cudagraph_manager", None)
@@ -333,11 +331,8 @@ def make_tree_speculator_class(base):
                         upper = torch.full((size,), self.max_model_len, dtype=torch.int32)
                         inputs = self._level_inputs(size, upper)
                         self._draft_levels(size, inputs)  # warm-up
-                        graph = torch.cuda.CUDAGraph()
-                        # as V2's CudaGraphManager.capture records its graphs: its pool, the capture stream
-                        with (capture_pool(manager.pool, self.vllm_config) as pool,
-                              torch.cuda.graph(graph, pool, stream=current_stream())):
-                            self._draft_levels(size, inputs)
+                        graph = capture_graph(functools.partial(self._draft_levels, size, inputs), manager.pool,
+                                              self.vllm_config)
                         self._level_graphs[size] = (graph, inputs)
             finally:
                 self.draft_max_seq_len = saved
