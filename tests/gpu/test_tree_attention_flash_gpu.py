@@ -16,7 +16,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from tests.plugin.paged_batches import make_batch, reference_attention  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_torch import (  # noqa: E402
     tree_attention_ancestors_torch,
-    tree_token_ancestors,
 )
 from vllm_treewy.kernels.tree_attention_ancestors_triton import tree_attention_ancestors_triton  # noqa: E402
 from vllm_treewy.vllm_plugin.trees.attention_flash import (  # noqa: E402
@@ -150,8 +149,8 @@ def test_triton_ancestor_pass_equals_its_twin_on_cuda(dtype):
     query = torch.randn(num_tokens, 16, 256, device="cuda", generator=generator).to(dtype)
     qkv = torch.randn(num_tokens, 4, 256, device="cuda", generator=generator).to(dtype)
     key, value = qkv[:, :2], qkv[:, 2:]
-    ancestors = tree_token_ancestors(cu, num_tokens, tree_block_ancestors(tree, "cuda"))
-    out, lse = tree_attention_ancestors_triton(query, key, value, ancestors, 0.0625)
-    expected_out, expected_lse = tree_attention_ancestors_torch(query, key, value, ancestors, 0.0625)
+    table = tree_block_ancestors(tree, "cuda")
+    out, lse = tree_attention_ancestors_triton(query, key, value, cu, table, 0.0625)
+    expected_out, expected_lse = tree_attention_ancestors_torch(query, key, value, cu, table, 0.0625)
     torch.testing.assert_close(out.float(), expected_out.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)

@@ -36,14 +36,17 @@ def tree_token_ancestors(query_start_loc: torch.Tensor, num_tokens: int, block_a
 
 
 def tree_attention_ancestors_torch(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ancestors: torch.Tensor, scale: float,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start_loc: torch.Tensor,
+    block_ancestors: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(output [T, H, D], lse [H, T])`: token t's attention over the key/value rows `ancestors[t]` (-1: none).
+    """`(output [T, H, D], lse [H, T])`: each token's attention over its ancestors and itself among the step's new
+    tokens, the rows `tree_token_ancestors(query_start_loc, T, block_ancestors)` names.
 
     `query [T, H, D]`, `key`/`value [T, H_kv, D]` (the step's new tokens, H a multiple of H_kv: query head h reads
-    KV head h // (H / H_kv)); `ancestors [T, A]` (`tree_token_ancestors`; column 0 is never -1). `output` in query's
-    dtype, `lse` fp32 (natural log of the sum of exp(scale * q.k)); computed in fp32."""
+    KV head h // (H / H_kv)); `query_start_loc [R + 1]`, `block_ancestors [1 + N, A]` (module docstring). `output`
+    in query's dtype, `lse` fp32 (natural log of the sum of exp(scale * q.k)); computed in fp32."""
     num_tokens, num_heads, head_size = query.shape
+    ancestors = tree_token_ancestors(query_start_loc, num_tokens, block_ancestors)
     group = num_heads // key.shape[1]
     valid = ancestors >= 0
     rows = ancestors.clamp(min=0)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_treewy.kernels.tree_attention_ancestors_torch import tree_attention_ancestors_torch, tree_token_ancestors
+from vllm_treewy.kernels.tree_attention_ancestors_torch import tree_attention_ancestors_torch
 from vllm_treewy.kernels.tree_attention_ancestors_triton import tree_attention_ancestors_triton
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees.attention_cpu import verified_block_ancestors
@@ -79,16 +79,14 @@ def two_pass_attention(
     (keywords; returns `(out, lse [H, T])`), called with `prefix_kwargs` added (version, descales, splits);
     `merge`: `merge_attn_states`'s. Rows past `query_start_loc[-1]` hold anything. No host sync.
     """
-    num_tokens = query.shape[0]
     starts = query_start_loc
     prefix_lens = (seq_lens - (starts[1:] - starts[:-1])).clamp(min=0).to(torch.int32)
     prefix_out, prefix_lse = prefix_attention(
         q=query, k=key_cache, v=value_cache, max_seqlen_q=max_query_len, cu_seqlens_q=starts,
         max_seqlen_k=max_seq_len, seqused_k=prefix_lens, softmax_scale=scale, causal=False, block_table=block_table,
         return_softmax_lse=True, **prefix_kwargs)
-    ancestors = tree_token_ancestors(starts, num_tokens, block_ancestors)
     ancestors_pass = tree_attention_ancestors_triton if query.is_cuda else tree_attention_ancestors_torch
-    suffix_out, suffix_lse = ancestors_pass(query, key, value, ancestors, scale)
+    suffix_out, suffix_lse = ancestors_pass(query, key, value, starts, block_ancestors, scale)
     merged = torch.empty_like(suffix_out)
     merge(merged, prefix_out, prefix_lse, suffix_out, suffix_lse)
     return merged
