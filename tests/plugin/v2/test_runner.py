@@ -278,6 +278,25 @@ def reference_tree(head, root_token, root_hidden, widths):
     return tokens
 
 
+def test_the_first_pass_gives_the_roots_children_before_the_block_tables_exist():
+    """V2 runs the first pass in dummy runs before `set_attn` gives the speculator its block tables (memory
+    profiling): `sample_draft` writes the root's children (top-w1 of the head's logits, most likely first) and
+    returns the most likely as V2's first draft, reading nothing the block tables bring."""
+    widths = [3, 2]
+    tree = DraftTree.from_widths(widths)
+    spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
+                           num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
+                           uses_dynamic_speculative_decoding=lambda: False)
+    speculator = v2_speculator.make_tree_speculator_class(FakeV2Speculator)(v2_config(spec), torch.device("cpu"))
+    del speculator.block_tables
+    tokens, hidden = torch.tensor([3, 17]), torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(1))
+    speculator._prefill(2, tokens, hidden)
+    logits = speculator.head.compute_logits(speculator.head.forward(tokens, hidden))
+    top = logits.topk(widths[0]).indices
+    assert speculator.tree_tokens[:2, : widths[0]].tolist() == top.tolist()
+    assert speculator.draft_tokens[:2, 0].tolist() == top[:, 0].tolist()
+
+
 @pytest.mark.parametrize("graph_size", [None, 5])
 @pytest.mark.parametrize("widths", [[2, 2, 1], [2, 1, 1], [3, 2], [4]])
 def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_size):

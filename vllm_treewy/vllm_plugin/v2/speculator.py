@@ -87,18 +87,16 @@ class TreeLevelBuffers:
     root_hidden: torch.Tensor  # [max_reqs, H] the target's hidden state at the root
     root_output: torch.Tensor  # [max_reqs, H] the first pass's head output at the root
     valid: torch.Tensor  # [max_reqs] bool: a real request (padding rows write no K/V)
-    tokens: torch.Tensor  # [max_reqs, N] int64 the drafted tree, node order
     outputs: torch.Tensor  # [max_reqs, 1 + nodes above the leaves, H] head outputs per verified-block index
     slots: torch.Tensor  # [groups, max_tokens] int64 the level's KV slots (the head's slot mappings are views)
 
     @classmethod
-    def allocate(cls, max_reqs, num_nodes, widest, hidden_size, dtype, id_dtype, num_groups, max_tokens, device):
+    def allocate(cls, max_reqs, widest, hidden_size, dtype, id_dtype, num_groups, max_tokens, device):
         def zeros(*shape, dtype=dtype):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         return cls(zeros(max_reqs, dtype=torch.long), zeros(max_reqs, dtype=id_dtype), zeros(max_reqs, hidden_size),
-                   zeros(max_reqs, hidden_size), zeros(max_reqs, dtype=torch.bool),
-                   zeros(max_reqs, num_nodes, dtype=torch.long), zeros(max_reqs, widest, hidden_size),
+                   zeros(max_reqs, hidden_size), zeros(max_reqs, dtype=torch.bool), zeros(max_reqs, widest, hidden_size),
                    torch.full((num_groups, max_tokens), PADDING_SLOT, dtype=torch.long, device=device))
 
 
@@ -132,6 +130,9 @@ def make_tree_speculator_class(base):
             self.nodes_below = nodes_below_depth(self.widths)
             check_level_budget(self.widths, self.max_num_reqs, self.max_num_tokens)
             self._bufs: TreeLevelBuffers | None = None  # allocated at first use (the block tables come with set_attn)
+            # [max_reqs, N] int64 the drafted trees in node order: the first pass writes the root's children (V2 runs
+            # it before the block tables exist, at profiling), the levels the rest; graphs keep its address
+            self.tree_tokens = torch.zeros(self.max_num_reqs, tree.num_nodes, dtype=torch.long, device=device)
             self._level_graphs: dict[int, tuple] = {}  # padded request count -> (CUDA graph, its level inputs)
             self._level_constants: dict[int, TreeConstants] = {}
 
@@ -178,7 +179,7 @@ def make_tree_speculator_class(base):
                 self._draft_levels(num_reqs, self._level_inputs(num_reqs, upper))
             else:
                 self._level_graphs[graph_size][0].replay()
-            self.draft_tokens[:num_reqs] = bufs.tokens[:num_reqs]
+            self.draft_tokens[:num_reqs] = self.tree_tokens[:num_reqs]
             return self.draft_tokens[:num_reqs]
 
         # -- the first pass: the root's children from its logits ---------------------------------------------------
@@ -188,7 +189,6 @@ def make_tree_speculator_class(base):
             the root's children: the pass's one output-layer read serves the tree's first level."""
             if self.tree is None:
                 return super()._prefill(num_reqs, *args, **kwargs)
-            self._tree_buffers()  # allocated outside any graph capture: the graphs keep its addresses
             self._first_pass = True
             try:
                 return super()._prefill(num_reqs, *args, **kwargs)
@@ -208,14 +208,14 @@ def make_tree_speculator_class(base):
             num_reqs = hidden_states.shape[0]
             logits = self.compute_draft_logits(hidden_states, spec_step_idx)
             children = top_children(logits, self.widths[0]).view(num_reqs, -1)
-            self._tree_buffers().tokens[:num_reqs, : self.widths[0]] = children
+            self.tree_tokens[:num_reqs, : self.widths[0]] = children
             return children[:, 0]
 
         # -- the drafting levels: one body, run eagerly or captured per padded request count ----------------------
         def _tree_buffers(self) -> TreeLevelBuffers:
             if self._bufs is None:
                 self._bufs = TreeLevelBuffers.allocate(
-                    self.max_num_reqs, self.tree.num_nodes, 1 + self.nodes_below[-2], self.hidden_states.shape[-1],
+                    self.max_num_reqs, 1 + self.nodes_below[-2], self.hidden_states.shape[-1],
                     self.hidden_states.dtype, self.input_buffers.input_ids.dtype,
                     len(self.block_tables.input_block_tables), self.max_num_tokens, self.hidden_states.device)
             return self._bufs
@@ -245,14 +245,14 @@ def make_tree_speculator_class(base):
             return inputs
 
         def _draft_levels(self, num_reqs: int, level_inputs: list) -> None:
-            """Every request's tree into `tree buffers.tokens[:num_reqs]`, from the root buffers: device ops of
+            """Every request's tree into `tree_tokens[:num_reqs]`, from the root buffers: device ops of
             static shapes only (no host sync, no allocation that depends on data), so that the same function runs
             eagerly and inside a CUDA graph. `level_inputs`: `_level_inputs(num_reqs, ...)`."""
             bufs = self._tree_buffers()
             buffers = self.input_buffers
             widest = 1 + self.nodes_below[-2]
             root_positions = bufs.root_positions[:num_reqs]
-            tokens, outputs = bufs.tokens[:num_reqs], bufs.outputs[:num_reqs]
+            tokens, outputs = self.tree_tokens[:num_reqs], bufs.outputs[:num_reqs]
             outputs[:, 0] = bufs.root_output[:num_reqs]
             # tokens[:, :w1], the root's children, are the first pass's (`sample_draft`)
             if not self.levels:  # a depth-1 tree: the first pass's top-w1 is the whole tree
