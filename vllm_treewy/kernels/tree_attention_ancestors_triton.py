@@ -5,8 +5,8 @@ and log-sum-exp for the merge with the prefix pass.
 One program per (token, query head). The program finds the token's request in `query_start_loc` by binary search
 (SEARCH_STEPS halvings, enough for any batch vLLM schedules) and, when that request's query is a verified block
 (1 + N tokens), its ancestors' key rows from the tree's `block_ancestors` row; any other token (a one-token decode,
-the padding past the batch) attends to itself alone: `tree_token_ancestors`' rule, without its dozen small launches
-per attention layer. Then the at most A = max_depth + 1 key rows are gathered by index, scored, soft-maxed and
+the padding past the batch) attends to itself alone: `tree_token_ancestors`' rule, computed in the program so that
+the pass is one launch per attention layer with no index ops before it. Then the at most A = max_depth + 1 key rows are gathered by index, scored, soft-maxed and
 their values summed, in fp32. Static grid from the token and head counts; topology as tensors; no host sync:
 capturable.
 """

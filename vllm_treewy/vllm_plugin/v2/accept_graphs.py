@@ -25,7 +25,6 @@ states and V2 block tables (persistent).
 from __future__ import annotations
 
 import functools
-
 import logging
 from dataclasses import dataclass
 
