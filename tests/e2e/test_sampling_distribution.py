@@ -51,7 +51,7 @@ plugin's fix of vLLM's CPU rejection sampler left out (`cpu_rejection_expand`: v
 override leaves the per-token temperature / top-p of the draft rows uninitialized,
 `bench/diagnostics/cpu_rejection_sampling.py`), i.e. vLLM's own chain sampling on CPU.
 
-Wall time: 5.5 min on a 2-core machine (8 engines, 2 x 400 requests each, then a one-token judge request per
+Wall time: 6 min on the 2-core CI machine (8 engines, 2 x 400 requests each, then a one-token judge request per
 distinct context), most of it the speculative engines' CPU prefills and steps (vLLM's CPU causal convolution, bf16
 GEMMs, about 50 ms a request): 14 min with 1000 requests, 35 min with 1000 and the whole 77-token prompt.
 """
