@@ -146,6 +146,12 @@ CPU_BUDGETS = (
     Budget("kv1GiB", {"kv_cache_memory_bytes": 1 * GiB}, "memory does not bind (= VLLM_CPU_KVCACHE_SPACE=1)"),
 )
 
+def without_flag(flags: tuple[str, ...], name: str) -> tuple[str, ...]:
+    """`flags` without the option `name` and its value."""
+    index = flags.index(name)
+    return flags[:index] + flags[index + 2 :]
+
+
 GRIDS = {
     "cpu-ci": Grid(
         name="cpu-ci",
@@ -360,6 +366,28 @@ GRIDS["h200-a3b-core"] = replace(
     GRIDS["h200-a3b"], name="h200-a3b-core",
     description="h200-a3b's store_all and reconstruct at kv52GiB (store_all binds, reconstruct does not)",
     strategies=("store_all", "reconstruct"), budgets=A3B_BUDGETS[:1],
+)
+# The A3B shape's memory-bound point in one device call (issue 51), on the attention backend vLLM picks (FLASH_ATTN on
+# Hopper, as users run: no --attention-backend, and the drafter's left to vLLM too) and, for issue 52's comparison,
+# on TRITON_ATTN for both strategies: at kv16GiB both strategies bind (store_all 54.7 requests, reconstruct 161.0), and
+# concurrency 256 holds every request either can admit waiting behind it. Both workloads (decode-heavy, chat) against
+# each strategy's server: 2 servers x 2 points a call, the starts warm when an earlier call of the session on the same
+# machine compiled them (`--model-dir` shared: the model's path is part of vLLM's torch.compile cache key).
+GRIDS["h200-a3b-16g-triton"] = replace(
+    GRIDS["h200-a3b"], name="h200-a3b-16g-triton",
+    description="h200-a3b's memory-bound point: kv16GiB, store_all and reconstruct, decode-heavy and chat at "
+                "concurrency 256, TRITON_ATTN",
+    strategies=("store_all", "reconstruct"), budgets=A3B_BUDGETS[1:], concurrencies=(256,),
+)
+GRIDS["h200-a3b-16g"] = replace(
+    GRIDS["h200-a3b-16g-triton"], name="h200-a3b-16g",
+    description="h200-a3b's memory-bound point: kv16GiB, store_all and reconstruct, decode-heavy and chat at "
+                "concurrency 256, the attention backend vLLM picks",
+    serve_flags=without_flag(GRIDS["h200-a3b"].serve_flags, "--attention-backend"),
+    speculative_extra={k: v for k, v in GRIDS["h200-a3b"].speculative_extra.items() if k != "attention_backend"},
+    labels=("H200 through ../shared/tools/gpu-vllm: vLLM 0.32 default compilation with its compiled ops, the "
+            "attention backend vLLM picks (FLASH_ATTN with FlashAttention 3 on Hopper), the runner vLLM picks (V2), "
+            "prefix caching on (vLLM's default), dummy weights, synthetic acceptance",),
 )
 # Qwen3-Next-80B-A3B's layer on 20 of its 48 layers (bench.sweep.models.QWEN3_NEXT_80B_A3B_20L, 66-67 GiB of bf16
 # weights with its MTP layer, as the A3B shape): the A3B grid's workloads, lengths and flags, the fp32 GDN state

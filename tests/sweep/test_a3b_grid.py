@@ -80,7 +80,8 @@ def test_a10b_budgets_bind_store_all_where_the_grid_says():
 
 
 @pytest.mark.parametrize(("grid_name", "architecture"), [
-    ("h200-a3b", "Qwen3_5Moe"), ("h200-a10b-16l", "Qwen3_5Moe"), ("h200-next-a3b-20l", "Qwen3Next")])
+    ("h200-a3b", "Qwen3_5Moe"), ("h200-a10b-16l", "Qwen3_5Moe"), ("h200-next-a3b-20l", "Qwen3Next"),
+    ("h200-a3b-16g", "Qwen3_5Moe"), ("h200-a3b-16g-triton", "Qwen3_5Moe")])
 def test_every_moe_grid_server_builds_its_vllm_config(tmp_path, monkeypatch, grid_name, architecture):
     """Each server's `vllm serve` flags (the grid's, then its record's, as vLLM's sweep applies them) parse with
     vLLM's serve parser and build the engine config with the plugin: the budget, the speculative strategy, the cap.
@@ -113,8 +114,13 @@ def test_every_moe_grid_server_builds_its_vllm_config(tmp_path, monkeypatch, gri
             assert spec.num_speculative_tokens == 3 and spec.draft_model_config.architecture == f"{architecture}MTP"
             assert spec.mamba_state_commit == strategy and spec.rejection_sample_method == "synthetic"
         assert max(args.compilation_config.cudagraph_capture_sizes) == 4 * 512
+        # TRITON_ATTN where the grid names it (for both strategies and the drafter), else vLLM's pick
+        backend = "TRITON_ATTN" if "--attention-backend" in grid.serve_flags else None
+        assert getattr(config.attention_config.backend, "name", None) == backend
+        if spec is not None:
+            assert getattr(spec.attention_backend, "name", None) == backend
         seen.add(strategy)
-    assert seen == {"no_spec", "store_all", "reconstruct"}
+    assert seen == set(grid.strategies)
 
 
 def test_a3b_shapes_are_the_published_layers():
