@@ -146,6 +146,7 @@ CPU_BUDGETS = (
     Budget("kv1GiB", {"kv_cache_memory_bytes": 1 * GiB}, "memory does not bind (= VLLM_CPU_KVCACHE_SPACE=1)"),
 )
 
+
 def without_flag(flags: tuple[str, ...], name: str) -> tuple[str, ...]:
     """`flags` without the option `name` and its value."""
     index = flags.index(name)

@@ -110,7 +110,7 @@ def make_tree_speculator_class(base):
             tree = shape.tree
             self.tree = tree
             self.tree_state = TreeRunStateV2(tree) if tree is not None else None
-            self._first_pass = False  # inside `_prefill` of a tree engine: `sample_draft` gives the root's children
+            self._first_pass = False  # inside `_prefill`: a tree engine's `sample_draft` gives the root's children
             if tree is None:
                 return
             spec = vllm_config.speculative_config
@@ -187,8 +187,6 @@ def make_tree_speculator_class(base):
             """V2's first pass (head forward over the verified tokens, logits and draft at each request's last
             token; eager or inside V2's FULL prefill graphs, which record this method), with `sample_draft` giving
             the root's children: the pass's one output-layer read serves the tree's first level."""
-            if self.tree is None:
-                return super()._prefill(num_reqs, *args, **kwargs)
             self._first_pass = True
             try:
                 return super()._prefill(num_reqs, *args, **kwargs)
