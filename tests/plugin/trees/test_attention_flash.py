@@ -22,7 +22,8 @@ from vllm_treewy.kernels.paged_prefix_attention_torch import paged_prefix_attent
 from vllm_treewy.spec_decode.acceptance import accepted_kv_moves_reference
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees import attention as tree_attention_hooks
-from vllm_treewy.vllm_plugin.trees.attention_triton import compact_accepted_kv_paged, split_kv_cache
+from vllm_treewy.kernels.paged_kv_compaction_triton import compact_paged_kv_triton
+from vllm_treewy.vllm_plugin.trees.attention_triton import split_kv_cache
 from vllm_treewy.vllm_plugin.trees.metadata import tree_block_ancestors_of, tree_step_of
 from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, find_tree_step
@@ -184,7 +185,7 @@ def test_mixed_batch_overwrites_the_tree_rows_after_vllms_launch(tree, heads, dt
 
 def test_flash_forward_views_the_cache_as_the_compaction_moves_it():
     """vLLM 0.32's FlashAttentionImpl attends over `kv_cache.transpose(1, 2).split(head_size, -1)`, TRITON_ATTN's
-    view: `compact_accepted_kv_paged` is the compaction of both (`trees.attention_flash`)."""
+    view: `kernels.paged_kv_compaction_*` is the compaction of both (`trees.attention_flash`)."""
     source = inspect.getsource(flash_attn.FlashAttentionImpl.forward)
     assert "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in source
 
@@ -192,7 +193,7 @@ def test_flash_forward_views_the_cache_as_the_compaction_moves_it():
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_compaction_in_flash_attentions_view(layout):
     """After the compaction, FlashAttention's key and value views hold each request's root and accepted path at
-    positions root .. root + n (the reference moves); every other slot unchanged."""
+    positions root .. root + n (the reference moves); every other slot unchanged. The kernel CUDA runs (interpreted)."""
     tree, block_size, head_size = TREES[1], 8, 16
     generator = torch.Generator().manual_seed(3)
     roots = torch.tensor([5, 13, 0])
@@ -201,7 +202,7 @@ def test_compaction_in_flash_attentions_view(layout):
     cache.copy_(torch.randn(cache.shape, generator=generator).to(torch.bfloat16))
     paths = torch.tensor([[0, 3, 9], [2, -1, -1], [1, 5, -1]])  # local nodes of the [3, 2, 2] tree, -1 padded
     before = [view.clone() for view in split_kv_cache(cache, head_size)]
-    compact_accepted_kv_paged(cache, table, paths, roots)
+    compact_paged_kv_triton(cache, table, paths, roots)
     for got, original in zip(split_kv_cache(cache, head_size), before):
         expected = original.clone()
         for r, path in enumerate(paths.tolist()):

@@ -9,6 +9,7 @@ its block token and itself; causal for a prefill chunk; everything for a one-tok
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,9 +19,10 @@ from tests.plugin.paged_batches import PagedBatch, empty_cache, make_batch, refe
 from tests.plugin.vllm_interpreted import interpreted_unified_attention
 from vllm_treewy.spec_decode.acceptance import accepted_kv_moves_reference
 from vllm_treewy.tree import DraftTree
+from vllm_treewy.kernels.paged_kv_compaction_torch import compact_paged_kv_torch
+from vllm_treewy.kernels.paged_kv_compaction_triton import compact_paged_kv_triton
 from vllm_treewy.vllm_plugin.trees.attention_triton import (
     QQ_BIAS_PAD_ROWS,
-    compact_accepted_kv_paged,
     split_kv_cache,
     tree_qq_bias,
     tree_rows_attention,
@@ -159,7 +161,20 @@ def test_post_pass_writes_a_flat_output_and_leaves_other_rows_alone():
                                **tolerance(torch.float32))
 
 
-# --- compaction ----------------------------------------------------------------------------------------------------
+# --- compaction (`kernels.paged_kv_compaction_*`: the torch twin, and the Triton kernel under the interpreter) ------
+
+COMPACTIONS = ("torch", "triton")
+
+
+def compact(implementation: str, caches, table, paths, roots) -> None:
+    """The accepted paths' compaction of every cache (sharing `table`) by the twin (one call) or the kernel (one
+    launch per cache, as `trees.sampling.commit_accepted_path` runs it on CUDA)."""
+    caches = [caches] if isinstance(caches, torch.Tensor) else caches
+    if implementation == "torch":
+        compact_paged_kv_torch(caches, table, paths, roots)
+    else:
+        for cache in caches:
+            compact_paged_kv_triton(cache, table, paths, roots)
 
 
 def random_path(tree: DraftTree, generator: torch.Generator, depth: int) -> list[int]:
@@ -175,9 +190,9 @@ def random_path(tree: DraftTree, generator: torch.Generator, depth: int) -> list
 @fast(40)
 @given(tree=any_tree(16), num_requests=st.integers(1, 4), block_size=st.sampled_from([16, 32]),
        layout=st.sampled_from(LAYOUTS), dtype=st.sampled_from(DTYPES), num_layers=st.integers(1, 2),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), implementation=st.sampled_from(COMPACTIONS))
 def test_compaction_puts_the_accepted_path_behind_the_root(tree, num_requests, block_size, layout, dtype, num_layers,
-                                                          seed):
+                                                          seed, implementation):
     generator = torch.Generator().manual_seed(seed)
     block_len = 1 + tree.num_nodes
     roots = torch.randint(0, 3 * block_size, (num_requests,), generator=generator)
@@ -189,7 +204,7 @@ def test_compaction_puts_the_accepted_path_behind_the_root(tree, num_requests, b
         caches.append(cache)
     before = [c.clone() for c in caches]
     paths = [random_path(tree, generator, max(tree.depth)) for _ in range(num_requests)]
-    compact_accepted_kv_paged(caches, table, torch.tensor(paths), roots)
+    compact(implementation, caches, table, torch.tensor(paths), roots)
     for cache, original in zip(caches, before):
         expected = original.transpose(1, 2).clone()  # [blocks, tokens, heads, C]
         for r, path in enumerate(paths):
@@ -200,15 +215,18 @@ def test_compaction_puts_the_accepted_path_behind_the_root(tree, num_requests, b
         assert torch.equal(cache.transpose(1, 2), expected)
 
 
-def test_compaction_of_a_chain_moves_nothing():
+@pytest.mark.parametrize("implementation", COMPACTIONS)
+def test_compaction_of_a_chain_moves_nothing(implementation):
     cache = empty_cache(4, 2, 16, 64, torch.float32, "NHD", fill=0.0).normal_()
     before = cache.clone()
-    moves = compact_accepted_kv_paged(cache, torch.tensor([[2, 0, 1]]), torch.tensor([[0, 1, -1]]),
-                                      torch.tensor([14]))
-    assert bool((moves.sources < 0).all()) and torch.equal(cache, before)
+    table, paths, roots = torch.tensor([[2, 0, 1]]), torch.tensor([[0, 1, -1]]), torch.tensor([14])
+    compact(implementation, cache, table, paths, roots)
+    assert bool((compact_paged_kv_torch(cache, table, paths, roots).sources < 0).all())
+    assert torch.equal(cache, before)
 
 
-def test_compaction_across_a_block_boundary():
+@pytest.mark.parametrize("implementation", COMPACTIONS)
+def test_compaction_across_a_block_boundary(implementation):
     """Root at position 14 of 16-token blocks: the path's nodes sit in the next block, and move into both."""
     tree = DraftTree.from_widths([2, 2])  # nodes 0, 1; 2, 3 below 0; 4, 5 below 1
     cache = empty_cache(4, 1, 16, 8, torch.float32, "HND", fill=0.0)
@@ -216,7 +234,7 @@ def test_compaction_across_a_block_boundary():
     table = torch.tensor([[3, 1, 0]])
     for position in range(14, 14 + 1 + tree.num_nodes):
         tokens[table[0, position // 16], position % 16] = position
-    compact_accepted_kv_paged(cache, table, torch.tensor([[1, 5]]), torch.tensor([14]))
+    compact(implementation, cache, table, torch.tensor([[1, 5]]), torch.tensor([14]))
     # root 14 stays; node 1 (position 16 = block 1 offset 0) -> 15 (block 3 offset 15); node 5 (position 20) -> 16
     assert tokens[3, 15, 0, 0] == 16 and tokens[1, 0, 0, 0] == 20 and tokens[3, 14, 0, 0] == 14
     assert tokens[1, 4, 0, 0] == 20  # sources keep their (now stale) values

@@ -205,7 +205,7 @@ def test_commit_accepted_path_compacts_recorded_triton_layers():
 
 def test_commit_accepted_path_compacts_layers_sharing_a_block_table_in_one_call(monkeypatch):
     """Layers that share their tree rows' block table (one KV-cache group, as `hand_tree_to_attention_layers` records them)
-    are compacted by ONE `compact_accepted_kv_paged` call with all their caches (the moves computed once per table);
+    are compacted by ONE `compact_paged_kv_torch` call with all their caches (the moves computed once per table);
     each cache ends as compacting it alone leaves it; a CPU-layout layer is still compacted on its own."""
     from vllm_treewy.vllm_plugin.trees import sampling as tree_sampling
     from vllm_treewy.vllm_plugin.trees.step import AttentionLayerCaches
@@ -222,12 +222,12 @@ def test_commit_accepted_path_compacts_layers_sharing_a_block_table_in_one_call(
     expected = [c.clone() for c in caches]
     originals = [c.clone() for c in caches]
     for cache, layer in zip(expected, layers):
-        tree_sampling.compact_accepted_kv_paged(cache, layer.block_table, accepted, roots)
+        tree_sampling.compact_paged_kv_torch(cache, layer.block_table, accepted, roots)
     expected_cpu = (key_cache.clone(), value_cache.clone())
     tree_sampling.compact_accepted_kv(*expected_cpu, cpu_layer.block_table, accepted, roots, isa="vec")
     calls = []
-    compact = tree_sampling.compact_accepted_kv_paged
-    monkeypatch.setattr(tree_sampling, "compact_accepted_kv_paged",
+    compact = tree_sampling.compact_paged_kv_torch
+    monkeypatch.setattr(tree_sampling, "compact_paged_kv_torch",
                         lambda kv_caches, table, *args: (calls.append((list(kv_caches), table)),
                                                          compact(kv_caches, table, *args))[1])
     step = SimpleNamespace(attention_layers=[layers[0], cpu_layer, *layers[1:]], root_positions=roots)

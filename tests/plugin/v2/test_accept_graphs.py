@@ -27,7 +27,7 @@ from vllm_treewy.vllm_plugin.v2 import accepted_counts as v2_accepted_counts
 from vllm_treewy.vllm_plugin.v2 import accept_graphs
 from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
 from vllm_treewy.vllm_plugin.v2.accept_graphs import TreeAcceptGraphs
-from vllm_treewy.vllm_plugin.v2.acceptance import accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts, accept_and_commit_tree_rows
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 from vllm_treewy.vllm_plugin.trees.step import AttentionLayerCaches, PagedLayerCaches, TreeConstants
 
@@ -50,9 +50,11 @@ class World:
         # which hold one column past max_model_len) or just wide enough (the second's)
         for size, num_layers, extra in zip(BLOCK_SIZES, (2, 1), (2, 0)):
             width = -(-MAX_MODEL_LEN // size) + extra
-            blocks = torch.randperm(NUM_STATES * width, generator=gen).view(NUM_STATES, width).int()
+            # block 0 is vLLM's null block, which no request holds (the graphs' padded rows move K/V inside it)
+            blocks = 1 + torch.randperm(NUM_STATES * width, generator=gen).view(NUM_STATES, width).int()
             self.tables.append(blocks)
-            self.caches.append([torch.randn(NUM_STATES * width, 1, size, 4, generator=gen) for _ in range(num_layers)])
+            self.caches.append([torch.randn(1 + NUM_STATES * width, 1, size, 4, generator=gen)
+                                for _ in range(num_layers)])
         slots = torch.randperm(NUM_SLOTS, generator=gen)[: 2 * NUM_STATES].view(2, NUM_STATES)
         self.gdn_groups = [(torch.randint(1, 9, (NUM_SLOTS,), dtype=torch.int32, generator=gen),
                             torch.stack([slots[g], torch.zeros_like(slots[g])], dim=1).int()) for g in range(2)]
@@ -73,7 +75,8 @@ class World:
         return layers
 
     def state(self) -> list[torch.Tensor]:
-        return [c for caches in self.caches for c in caches] + [counts for counts, _ in self.gdn_groups]
+        """Every cache's requests' blocks (not the null block) and every count state."""
+        return [c[1:] for caches in self.caches for c in caches] + [counts for counts, _ in self.gdn_groups]
 
 
 def uniform_step(tree: DraftTree, num_reqs: int, gen: torch.Generator):
@@ -101,7 +104,7 @@ def uniform_step(tree: DraftTree, num_reqs: int, gen: torch.Generator):
 
 def graphs_of(world: World, tree: DraftTree, sizes) -> TreeAcceptGraphs:
     """The world's graphs with a stand-in per size whose replay runs the captured body."""
-    graphs = TreeAcceptGraphs(tree, tree.num_nodes, world.caches, world.gdn_groups, max(sizes), MAX_MODEL_LEN,
+    graphs = TreeAcceptGraphs(tree, tree.num_nodes, world.caches, LeafCounts(world.gdn_groups), max(sizes), MAX_MODEL_LEN,
                               TreeConstants.of(tree, torch.device("cpu")))
     graphs.replays = []
     for size in sizes:
@@ -129,7 +132,7 @@ def test_graphed_body_equals_the_eager_body_and_padded_rows_act_on_nothing(width
         before = graphed.clone()
         step.attention_layers = eager.recorded_layers(batch.idx_mapping)
         want = accept_and_commit_tree_rows(step, draws, batch.cu_num_logits, batch.input_ids, tree.num_nodes,
-                                           batch.idx_mapping, eager.gdn_groups)
+                                           batch.idx_mapping, LeafCounts(eager.gdn_groups))
         step.attention_layers = graphed.recorded_layers(batch.idx_mapping)
         got = graphs.replay(step, draws, batch)
         expected_size = graph_size if num_reqs > 1 else 1
@@ -141,11 +144,13 @@ def test_graphed_body_equals_the_eager_body_and_padded_rows_act_on_nothing(width
             assert torch.equal(got_field, want_field), name
         for got_state, want_state in zip(graphed.state(), eager.state()):
             assert torch.equal(got_state, want_state)
-        # nothing outside the real rows' blocks and slots changed (the padded rows repeat row 0)
+        # nothing outside the real rows' blocks and slots changed (the padded rows repeat row 0's count and move
+        # K/V only inside the null block)
         states = batch.idx_mapping.long()
         for table, caches, old in zip(graphed.tables, graphed.caches, before.caches):
             others = torch.ones(caches[0].shape[0], dtype=torch.bool)
             others[table[states].long().flatten()] = False
+            others[0] = False
             for cache, old_cache in zip(caches, old):
                 assert torch.equal(cache[others], old_cache[others])
                 moved |= not torch.equal(cache, old_cache)
@@ -160,8 +165,8 @@ def test_the_captured_body_compacts_each_cache_group_in_one_call(monkeypatch):
     from vllm_treewy.vllm_plugin.trees import sampling as tree_sampling
 
     calls = []
-    compact = tree_sampling.compact_accepted_kv_paged
-    monkeypatch.setattr(tree_sampling, "compact_accepted_kv_paged",
+    compact = tree_sampling.compact_paged_kv_torch
+    monkeypatch.setattr(tree_sampling, "compact_paged_kv_torch",
                         lambda caches, *args: (calls.append(len(caches)), compact(caches, *args))[1])
     graphs = graphs_of(World(seed=5), DraftTree.from_widths([2, 1]), [4])
     graphs.run_body(4)
@@ -245,12 +250,12 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_its_full_graph_sizes(mon
     bodies = []
     run_body = TreeAcceptGraphs.run_body
 
-    def recorded_body(self, size, gdn_groups=None):
-        bodies.append((size, bool(recording), gdn_groups))
+    def recorded_body(self, size, record_counts=True):
+        bodies.append((size, bool(recording), record_counts))
         if recording:  # a real capture records the body without running it; the fake runs it: not judged
-            return run_body(self, size, gdn_groups)
+            return run_body(self, size, record_counts)
         before = world.clone()
-        result = run_body(self, size, gdn_groups)
+        result = run_body(self, size, record_counts)
         assert all(torch.equal(a, b) for a, b in zip(world.state(), before.state()))  # the warm-up is inert
         return result
 
@@ -280,9 +285,8 @@ def test_graphs_are_captured_after_v2s_capture_phase_at_its_full_graph_sizes(mon
     capture(runner)
     graphs = state.accept_graphs
     assert sorted(graphs.graphs) == [1, 8] and pools == ["v2's pool"] * 2
-    assert [(size, captured, gdn is None) for size, captured, gdn in bodies] == [
-        (8, False, False), (8, True, True), (1, False, False), (1, True, True)]  # warm-up without counts, capture
-    assert all(gdn == () for _, captured, gdn in bodies if not captured)
+    assert bodies == [(8, False, False), (8, True, True), (1, False, False), (1, True, True)]  # warm-up without
+    # counts, then the capture
     assert (graphs.buffers.draws == -1).all()
     for got, want in zip(world.caches, before.caches):  # nothing accepted: every copy a root onto itself
         assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -341,6 +345,6 @@ def test_the_captured_body_reads_only_what_outlives_the_graph(widths):
 
     tree = DraftTree.from_widths(widths)
     graphs = graphs_of(World(seed=5), tree, [4])
-    graphs.run_body(4, gdn_groups=())  # the warm-up builds what the capture then reads
+    graphs.run_body(4, record_counts=False)  # the warm-up builds what the capture then reads
     outside = reads_from_outside(lambda: graphs.run_body(4))
     assert outside - held_storages(graphs, walk_tables(tree.parents, torch.device("cpu"))) == set()

@@ -381,7 +381,7 @@ def test_v2_tree_steps_write_what_v1_writes_along_the_accepted_path(path, chain_
         accepted = (step, SimpleNamespace(last_accepted_node=torch.tensor(leaves) - 1))
     runner.speculator = SimpleNamespace(tree_state=SimpleNamespace(accepted=accepted))
     # the counts are recorded after sampling, with the boundaries
-    assert v2_accepted_counts.leaf_count_groups(runner) == []
+    assert v2_accepted_counts.leaf_counts_of(runner).groups == []
     _set_step_counts(runner, idx_mapping, seq_lens, drafts)
     before = _snapshot(runner)
 

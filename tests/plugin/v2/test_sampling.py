@@ -67,6 +67,7 @@ from tests.spec_decode.test_tree_sampling import (
     roots_for,
     sampling_distribution,
 )
+from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.v2 import runner as v2_tree_runner
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants
@@ -175,7 +176,7 @@ def num_sampled_and_rejected_twin(num_sampled, seq_lens, cu_num_logits, idx_mapp
 
 @contextlib.contextmanager
 def v2_kernels(monkeypatch, interpreted: bool):
-    """V2's sampler kernels: the interpreted Triton kernels, or their numpy twins."""
+    """V2's sampler kernels and ours (`kernels.bookkeeping.dispatch`): the interpreted Triton kernels, or their twins."""
     import vllm.v1.worker.gpu.input_batch as input_batch
     import vllm.v1.worker.gpu.sample.sampler as sampler
     import vllm.v1.worker.gpu.sample.states as states
@@ -190,6 +191,7 @@ def v2_kernels(monkeypatch, interpreted: bool):
             m.setattr(states, "apply_temperature", gumbel.apply_temperature)
             m.setattr(input_batch, "_get_num_sampled_and_rejected_kernel",
                       batch_kernels._get_num_sampled_and_rejected_kernel)
+            m.setattr(dispatch, "launches_triton", lambda tensor: True)
         else:
             m.setattr(sampler, "gumbel_sample", gumbel_sample_twin)
             m.setattr(states, "apply_temperature", apply_temperature_twin)
@@ -389,9 +391,15 @@ def test_v2_tree_sampling_emits_the_models_distribution(monkeypatch, tree_name, 
 
 # Planted bugs, each in the adapter's path on V2's sampler.
 def _parents_draw(monkeypatch, tree: DraftTree):
-    walk = v2_acceptance.sampled_tree_acceptance_of_draws
-    monkeypatch.setattr(v2_acceptance, "sampled_tree_acceptance_of_draws",
-                        lambda tables, drafts, node_draws: walk(tables, drafts, parents_draw(tree.parents, node_draws)))
+    accept = v2_acceptance.accept_tree_rows
+
+    def planted(step, row_draws, cu_num_logits, *args):
+        rows = cu_num_logits.long()[step.request_indices][:, None] + torch.arange(step.block_len)
+        draws = row_draws.clone()
+        draws[rows] = parents_draw(tree.parents, row_draws[rows])
+        return accept(step, draws, cu_num_logits, *args)
+
+    monkeypatch.setattr(v2_acceptance, "accept_tree_rows", planted)
 
 
 def _root_position(monkeypatch, tree: DraftTree):

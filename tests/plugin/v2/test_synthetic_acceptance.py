@@ -20,7 +20,7 @@ from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees.admission import synthetic_rates_refusal
 from vllm_treewy.vllm_plugin.trees.synthetic import FIRST_CHILD_KEY, SIBLING_KEY, SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
-from vllm_treewy.vllm_plugin.v2.acceptance import accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts, accept_and_commit_tree_rows
 
 TREE = DraftTree.from_widths([2, 2, 1])
 CODE = [[0.917, 0.913, 0.774], [0.4] * 3]
@@ -38,7 +38,7 @@ def test_slots_take_the_requests_rates_over_the_engines():
     rates.add_request(3, {FIRST_CHILD_KEY: PROSE[0], SIBLING_KEY: PROSE[1]})
     rates.add_request(5, {SIBLING_KEY: [0.3, 0.3, 0.3]})  # only siblings: rank 0 stays the engine's
     rates.add_request(7, None)
-    got = rates.of_slots(torch.tensor([3, 5, 7]))
+    got = rates.by_slot[torch.tensor([3, 5, 7])]
     assert torch.allclose(got, torch.tensor([PROSE, [CODE[0], [0.3] * 3], CODE]))
     assert SyntheticTreeRates.of(engine_spec(rejection_sample_method="standard"), 4, "cpu") is None
 
@@ -54,8 +54,8 @@ def test_add_requests_hook_reads_each_new_request_once():
            SimpleNamespace(req_id="b", sampling_params=SamplingParams())]
     hook(runner, SimpleNamespace(scheduled_new_reqs=new))
     assert len(added) == 1
-    assert state.synthetic.of_slots(torch.tensor([2]))[0, 0].tolist() == pytest.approx(PROSE[0])
-    assert torch.allclose(state.synthetic.of_slots(torch.tensor([9]))[0], torch.tensor(CODE))
+    assert state.synthetic.by_slot[torch.tensor([2])][0, 0].tolist() == pytest.approx(PROSE[0])
+    assert torch.allclose(state.synthetic.by_slot[torch.tensor([9])][0], torch.tensor(CODE))
 
 
 @pytest.mark.parametrize("extra_args,spec,match", [
@@ -89,7 +89,7 @@ def test_the_body_accepts_each_request_at_its_rates_and_graphs_equal_eager():
         step.attention_layers = eager.recorded_layers(batch.idx_mapping)
         torch.manual_seed(index)
         want = accept_and_commit_tree_rows(step, draws, batch.cu_num_logits, batch.input_ids, TREE.num_nodes,
-                                           batch.idx_mapping, eager.gdn_groups, rates)
+                                           batch.idx_mapping, LeafCounts(eager.gdn_groups), rates)
         step.attention_layers = graphed.recorded_layers(batch.idx_mapping)
         torch.manual_seed(index)
         got = graphs.replay(step, draws, batch)

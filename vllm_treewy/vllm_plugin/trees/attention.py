@@ -16,8 +16,9 @@ settings, and the hand-over of a step's tree (bias, ancestor table or step) to t
   capture them); a mixed batch runs vLLM's causal launch, then the two passes over the tree rows alone overwrite
   their output.
 
-Both CUDA backends keep the same paged KV layout, so the accepted path's compaction is one function for both
-(`attention_triton.compact_accepted_kv_paged`), its layers recorded when the metadata is built.
+Both CUDA backends keep the same paged KV layout, so the accepted path's compaction is one kernel for both
+(`trees.sampling.commit_accepted_path`: `kernels.paged_kv_compaction_*`), its layers recorded when the metadata is
+built.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ outside the graph).
 
 The KV cache of a FLASH_ATTN layer in vLLM 0.32 is TRITON_ATTN's: logical `[num_blocks, num_kv_heads, block_size,
 2 * head_size]`, attended as `kv_cache.transpose(1, 2).split(head_size, -1)` (`attention_triton.split_kv_cache`),
-so the accepted path's compaction is `attention_triton.compact_accepted_kv_paged` for both backends.
+so the accepted path's compaction is `kernels.paged_kv_compaction_*` for both backends.
 """
 
 from __future__ import annotations

@@ -32,16 +32,15 @@ The KV cache of a TRITON_ATTN layer is vLLM's logical `[num_blocks, num_kv_heads
 (keys then values in the last axis; the physical stride order is the KV layout's, e.g. token-major for NHD), and
 `TritonAttentionImpl.forward` attends over `kv_cache.transpose(1, 2).split(head_size, -1)`, two
 `[num_blocks, block_size, num_kv_heads, head_size]` views (`split_kv_cache`). The compaction
-(`compact_accepted_kv_paged`) moves whole token rows of `kv_cache.transpose(1, 2)` (keys and values at once).
+(`kernels.paged_kv_compaction_*`) moves whole token rows of `kv_cache.transpose(1, 2)` (keys and values at once).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from vllm_treewy.spec_decode.acceptance import KVMoves, accepted_kv_moves
 from vllm_treewy.tree import DraftTree
 
 # Zero rows below the bias: the kernel reads bias rows for the padding rows of a request's last query block, at
@@ -119,36 +118,3 @@ def tree_rows_attention(
     output.view(num_tokens, num_heads * head_size).index_copy_(
         0, token_indices, tree_out.view(-1, num_heads * head_size).to(output.dtype))
     return output
-
-
-def compact_accepted_kv_paged(
-    kv_caches: torch.Tensor | Sequence[torch.Tensor],
-    block_table: torch.Tensor,
-    accepted_nodes: torch.Tensor,
-    root_positions: torch.Tensor,
-) -> KVMoves:
-    """Moves each request's accepted path's K/V behind its root, in every given layer's TRITON_ATTN cache.
-
-    `kv_caches`: one layer's cache or a sequence of them, each in vLLM's logical order `[num_blocks, num_kv_heads,
-    block_size, C]` (C = 2 * head_size, any physical stride order); all share `block_table [B, max_blocks]`
-    (request b's logical positions to blocks of that cache, vLLM's metadata rows of the tree requests).
-    `accepted_nodes [B, D]` (`TreeAcceptance.accepted_nodes`) and `root_positions [B]` (committed length
-    before the root) give `accepted_kv_moves`, applied here: afterwards positions root .. root + num_accepted of
-    request b hold the root and its accepted path in order; no other slot changes. Returns the moves. Device ops
-    of fixed shapes only (no host sync): capturable.
-    """
-    caches = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
-    moves = accepted_kv_moves(accepted_nodes, root_positions)
-    # Padding moves copy the root onto itself (the root is never a real source or destination): static shapes.
-    root = root_positions.long()[:, None].expand_as(moves.sources)
-    sources = torch.where(moves.sources >= 0, moves.sources, root).flatten()
-    destinations = torch.where(moves.destinations >= 0, moves.destinations, root).flatten()
-    table = block_table.long()
-    request = torch.arange(table.shape[0], device=table.device)[:, None].expand_as(moves.sources).flatten()
-    for cache in caches:
-        block_size = cache.shape[2]
-        tokens = cache.transpose(1, 2)  # [num_blocks, block_size, num_kv_heads, C], a view
-        # All sources are read before any write: an earlier move's source may be a later move's destination.
-        moved = tokens[table[request, sources // block_size], sources % block_size]
-        tokens[table[request, destinations // block_size], destinations % block_size] = moved
-    return moves

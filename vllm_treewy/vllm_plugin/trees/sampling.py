@@ -12,8 +12,10 @@ import torch
 
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance, UniformWalkTables
 from vllm_treewy.spec_decode.synthetic_acceptance import NodeRateIndex
+from vllm_treewy.kernels.bookkeeping import dispatch
+from vllm_treewy.kernels.paged_kv_compaction_torch import compact_paged_kv_torch
+from vllm_treewy.kernels.paged_kv_compaction_triton import compact_paged_kv_triton
 from vllm_treewy.vllm_plugin.trees.attention_cpu import compact_accepted_kv
-from vllm_treewy.vllm_plugin.trees.attention_triton import compact_accepted_kv_paged
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeStep
 
 
@@ -57,11 +59,15 @@ def paged_cache_groups(layers) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
 
 
 def commit_accepted_path(step: TreeStep, acceptance: TreeAcceptance) -> None:
-    """Compacts the recorded full-attention layers' K/V along each accepted path: TRITON_ATTN layers in one
-    `compact_accepted_kv_paged` call per shared block table (the moves are computed once for all its layers), the CPU
-    layout per layer."""
+    """Compacts the recorded full-attention layers' K/V along each accepted path: the paged layers (TRITON_ATTN,
+    FLASH_ATTN) on CUDA in one `compact_paged_kv_triton` launch per layer, elsewhere in one `compact_paged_kv_torch`
+    call per shared block table (the moves computed once for all its layers); the CPU layout per layer."""
     for block_table, kv_caches in paged_cache_groups(step.attention_layers):
-        compact_accepted_kv_paged(kv_caches, block_table, acceptance.accepted_nodes, step.root_positions)
+        if dispatch.launches_triton(block_table):
+            for kv_cache in kv_caches:
+                compact_paged_kv_triton(kv_cache, block_table, acceptance.accepted_nodes, step.root_positions)
+        else:
+            compact_paged_kv_torch(kv_caches, block_table, acceptance.accepted_nodes, step.root_positions)
     for layer in step.attention_layers:
         if not isinstance(layer, PagedLayerCaches):
             compact_accepted_kv(layer.key_cache, layer.value_cache, layer.block_table, acceptance.accepted_nodes,

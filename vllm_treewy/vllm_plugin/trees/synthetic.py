@@ -3,7 +3,7 @@ outputs): the engine's rates from the speculative config (`rejection_sample_meth
 `draft_tree_widths`, keys `synthetic_tree_acceptance_rates` and `synthetic_tree_sibling_rates`), a request's own
 through `SamplingParams.extra_args` under the same keys (either or both; what it leaves out is the engine's), read
 once when the request is added into a per-slot device tensor, so one batch mixes acceptance classes and the step
-reads its rows' rates by their request slots with one gather (graph-capturable).
+reads its rows' rates by their request slots (graph-capturable).
 """
 
 from __future__ import annotations
@@ -74,7 +74,3 @@ class SyntheticTreeRates:
         if self.by_slot.is_cuda:
             row = row.pin_memory()
         self.by_slot[slot].copy_(row, non_blocking=True)
-
-    def of_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """`[R, 2, D]` the rates of these request slots."""
-        return self.by_slot[slots.long()]

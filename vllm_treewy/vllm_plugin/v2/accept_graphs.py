@@ -11,9 +11,11 @@ block-table rows are copied in, the outputs read from the captured body's result
 one-token decode in the batch, more requests than the largest graph, no FULL graphs, CPU) runs the same body
 eagerly (`sample_tree_step`).
 
-Padding: rows R .. P repeat row 0's inputs (draws, tokens, root, request state, block-table rows), so every write a
-padded row makes is one that row 0 makes, with the same value (its K/V moves, its count into row 0's slot): the
-caches and counts end exactly as the R real rows leave them, and the padded output rows are never read.
+Padding: rows R .. P repeat row 0's inputs (draws, tokens, root, request state), so the count a padded row writes is
+row 0's, into row 0's slot, with the same value; their block-table rows are vLLM's null block (block 0, which holds
+no request's K/V), so their K/V moves stay inside it and never race row 0's (`kernels.paged_kv_compaction_triton`:
+requests own disjoint blocks). The caches and counts end exactly as the R real rows leave them, and the padded output
+rows are never read.
 
 Captured in V2's capture phase (`GPUModelRunner.capture_model`, right after V2's own graphs: `v2.runner`), at the
 padded request counts of V2's FULL first-pass graphs, into V2's pool; nothing inside V2's graph-memory profiling.
@@ -30,13 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_treewy.kernels.tree_acceptance_torch import TreeRows
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees.sampling import PLACEHOLDER_TOKEN, paged_cache_groups
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeConstants, TreeStep, uniform_tree_step
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
-from vllm_treewy.vllm_plugin.v2.acceptance import TreeSampling, accept_and_commit_tree_rows
-from vllm_treewy.vllm_plugin.v2.accepted_counts import leaf_count_groups
+from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts, accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.accepted_counts import leaf_counts_of
 
 PAGED_TREE_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN")  # one paged KV layout: `trees.attention_flash`
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines, as it configures them
@@ -88,28 +91,28 @@ def _cache_key(caches) -> frozenset:
 class TreeAcceptGraphs:
     """The captured graphs of `accept_and_commit_tree_rows` by padded request count, with their buffers.
 
-    `cache_groups`: `paged_cache_groups_of`; `gdn_groups`: `v2.accepted_counts.gdn_groups_of`; `max_model_len` bounds
+    `cache_groups`: `paged_cache_groups_of`; `leaf_counts`: `v2.accepted_counts.leaf_counts_of`; `max_model_len` bounds
     the positions a move touches, so a group's table buffer holds cdiv(max_model_len, block size) + 1 columns (a step's
     table rows are copied up to that width: no position past it is ever read). `constants`: the tree's on the device
     (the speculator's `tree_constants`, whose uniform steps the runner's all-tree steps share)."""
 
     def __init__(self, tree: DraftTree, num_speculative_steps: int, cache_groups: list[list[torch.Tensor]],
-                 gdn_groups: list[tuple[torch.Tensor, torch.Tensor]], max_reqs: int, max_model_len: int,
+                 leaf_counts: LeafCounts, max_reqs: int, max_model_len: int,
                  constants: TreeConstants, synthetic: SyntheticTreeRates | None = None):
         self.tree, self.num_speculative_steps = tree, num_speculative_steps
-        self.cache_groups, self.gdn_groups, self.max_reqs = cache_groups, gdn_groups, max_reqs
+        self.cache_groups, self.leaf_counts, self.max_reqs = cache_groups, leaf_counts, max_reqs
         self.group_keys = [_cache_key(caches) for caches in cache_groups]
         widths = [-(-max_model_len // caches[0].shape[2]) + 1 for caches in cache_groups]
         self.buffers = AcceptGraphBuffers.allocate(max_reqs, 1 + tree.num_nodes, widths, constants.parents.device)
         self.constants = constants
         self.synthetic = synthetic  # its rate tensor read in place by request state (persistent)
         self.graphs: dict[int, object] = {}  # padded request count -> its graph (anything with `replay()`)
-        self.outputs: dict[int, TreeSampling] = {}  # padded request count -> the body's result, read after replay
+        self.outputs: dict[int, TreeRows] = {}  # padded request count -> the body's result, read after replay
 
     # -- the body over the buffers -------------------------------------------------------------------------------
-    def run_body(self, size: int, gdn_groups=None) -> TreeSampling:
+    def run_body(self, size: int, record_counts: bool = True) -> TreeRows:
         """`accept_and_commit_tree_rows` over the buffers' first `size` requests (every request a tree row); the
-        result kept as `outputs[size]`. What a graph of `size` captures (`gdn_groups=()`: the capture's warm-up,
+        result kept as `outputs[size]`. What a graph of `size` captures (`record_counts=False`: the capture's warm-up,
         which records no count)."""
         bufs, block_len = self.buffers, 1 + self.tree.num_nodes
         step = uniform_tree_step(self.tree, bufs.root_positions[:size], self.constants)  # covers the batch
@@ -118,7 +121,7 @@ class TreeAcceptGraphs:
                                  for caches, table in zip(self.cache_groups, tables) for cache in caches]
         result = accept_and_commit_tree_rows(
             step, bufs.draws[: size * block_len], step.query_start_loc, bufs.input_ids[: size * block_len],
-            self.num_speculative_steps, bufs.idx_mapping[:size], self.gdn_groups if gdn_groups is None else gdn_groups,
+            self.num_speculative_steps, bufs.idx_mapping[:size], self.leaf_counts if record_counts else None,
             self.synthetic)
         self.outputs[size] = result
         return result
@@ -139,7 +142,7 @@ class TreeAcceptGraphs:
         bufs.draws.fill_(PLACEHOLDER_TOKEN)
         with graph_capture(device=device):
             for size in sorted(sizes, reverse=True):
-                self.run_body(size, gdn_groups=())  # warm-up
+                self.run_body(size, record_counts=False)  # warm-up
                 self.graphs[size] = capture_graph(functools.partial(self.run_body, size), pool, vllm_config)
 
     # -- a step ------------------------------------------------------------------------------------------------------
@@ -157,7 +160,7 @@ class TreeAcceptGraphs:
             return None
         return [tables[key] for key in self.group_keys]
 
-    def replay(self, step: TreeStep, draws: torch.Tensor, input_batch) -> TreeSampling | None:
+    def replay(self, step: TreeStep, draws: torch.Tensor, input_batch) -> TreeRows | None:
         """The step's `accept_and_commit_tree_rows` by a graph replay: inputs copied into the buffers (rows past the
         batch repeat row 0), the result's real rows read back; None when the step has another request than tree rows
         or no graph holds it (the caller runs the body eagerly). The emitted rows and counts are copies (V2 keeps them
@@ -179,12 +182,13 @@ class TreeAcceptGraphs:
         _copy_rows(bufs.idx_mapping[:size, None], input_batch.idx_mapping[:num_reqs, None])
         for buffer, table in zip(bufs.block_tables, tables):
             width = min(buffer.shape[1], table.shape[1])
-            _copy_rows(buffer[:size, :width], table[:, :width])
+            buffer[:num_reqs, :width].copy_(table[:, :width])
+            buffer[num_reqs:size].zero_()  # padding: vLLM's null block (the module docstring)
         self.graphs[size].replay()
         out = self.outputs[size]
         acceptance = TreeAcceptance(*(field[:num_reqs] for field in out.acceptance))
-        return TreeSampling(out.sampled[:num_reqs].clone(), out.num_sampled[:num_reqs].clone(), acceptance,
-                            out.chain_rows[:num_logits])
+        return TreeRows(out.sampled[:num_reqs].clone(), out.num_sampled[:num_reqs].clone(),
+                        out.leaf_counts[:num_reqs], out.chain_rows[:num_logits], acceptance)
 
 
 def _copy_rows(buffer: torch.Tensor, rows: torch.Tensor) -> None:
@@ -239,7 +243,7 @@ def capture_accept_graphs(runner, state) -> None:
     if not sizes:
         return
     graphs = TreeAcceptGraphs(state.tree, runner.num_speculative_steps, paged_cache_groups_of(runner),
-                              leaf_count_groups(runner), max(sizes), speculator.max_model_len,
+                              leaf_counts_of(runner), max(sizes), speculator.max_model_len,
                               speculator.tree_constants(state.tree), state.synthetic)
     graphs.capture(sizes, manager.pool, speculator.vllm_config, speculator.device)
     state.accept_graphs = graphs

@@ -18,7 +18,7 @@ derives (`gdn.step_metadata`: V2 calls the same builder's `build`, at FULL-graph
   (align mode) the slot is the request's running block, which moves: there `v2.prefix_caching.record_after_sampling_v2`
   writes the counts and the block-boundary states instead (V2's own align post-processing is skipped there); for
   draft trees too, with the commit table and the tree sampler's accepted leaves, outside the acceptance graphs
-  (`leaf_count_groups`: the graphs then record no counts).
+  (`leaf_counts_of`: the graphs then record no counts).
 - FULL decode graphs: V2 replays a FULL decode graph only for a batch whose rows all decode (a prefill keeps the
   batch out, `decode_graph_eligible`; a one-token prompt tail that runs as a decode is a speculative row of the GDN
   builder too), i.e. the batches the builder stages into its graph buffers, and the commit nodes with them. V1's
@@ -40,6 +40,7 @@ from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
 from vllm_treewy.vllm_plugin.gdn.step_metadata import with_commit_nodes
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_UPDATE_BLOCK_TABLE, V2_RUNNER_POSTPROCESS_SAMPLED
+from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts
 from vllm_treewy.vllm_plugin.v2.prefix_caching import record_after_sampling_v2
 
 
@@ -49,12 +50,14 @@ def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(counts, runner.block_tables.block_tables[group_id].gpu) for group_id, counts in counted_gdn_groups(runner)]
 
 
-def leaf_count_groups(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def leaf_counts_of(runner) -> LeafCounts:
     """The GDN groups (`gdn_groups_of`) whose slots the tree sampler and its acceptance graphs write the accepted
-    leaves' counts into (column 0 is the slot); none with prefix caching of GDN states (align mode), where the slot
-    is the request's running column and the counts and boundary states are
-    `v2.prefix_caching.record_after_sampling_v2`'s, after sampling."""
-    return [] if caches_gdn_prefixes(runner.cache_config) else gdn_groups_of(runner)
+    leaves' counts into (column 0 is the slot), with their count table on CUDA (one launch for every group); none with
+    prefix caching of GDN states (align mode), where the slot is the request's running column and the counts and
+    boundary states are `v2.prefix_caching.record_after_sampling_v2`'s, after sampling."""
+    groups = [] if caches_gdn_prefixes(runner.cache_config) else gdn_groups_of(runner)
+    launches = bool(groups) and dispatch.launches_triton(groups[0][0])
+    return LeafCounts(groups, count_table_of(runner, groups) if launches else None)
 
 
 def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, offset: int = 0) -> None:

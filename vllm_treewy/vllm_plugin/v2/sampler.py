@@ -12,7 +12,7 @@ from vllm.config.model import PROCESSED_LOGPROBS_MODES
 
 from vllm_treewy.vllm_plugin.trees.step import TreeStep
 from vllm_treewy.vllm_plugin.v2.acceptance import accept_and_commit_tree_rows
-from vllm_treewy.vllm_plugin.v2.accepted_counts import leaf_count_groups
+from vllm_treewy.vllm_plugin.v2.accepted_counts import leaf_counts_of
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 
 
@@ -38,7 +38,7 @@ def sample_tree_step(runner, hidden_states: torch.Tensor, input_batch, step: Tre
     if result is None:
         result = accept_and_commit_tree_rows(step, draws, input_batch.cu_num_logits, input_batch.input_ids,
                                              runner.num_speculative_steps, input_batch.idx_mapping,
-                                             leaf_count_groups(runner), state.synthetic)
+                                             leaf_counts_of(runner), state.synthetic)
     num_sampled, num_rejected = get_num_sampled_and_rejected(
         result.num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
         sampler.req_states.prefill_len.gpu)
