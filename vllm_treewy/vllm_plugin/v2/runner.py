@@ -11,9 +11,8 @@ What V2 shares with the V1 tree path (`v1.runner`), through `trees` and `gdn`:
   layers' caches; the attention forward hooks, `trees.attention`, serve either runner);
 - the GDN side: V2 calls the same GDN metadata builder, so `gdn.step_metadata` gives the tree's commit nodes and
   counts, and the reconstruct layer verifies along the tree (nothing V2-specific);
-- acceptance (the one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws`), the output rows
-  (`trees.sampling.tree_output_rows`), the accepted path's K/V compaction (`trees.sampling.commit_accepted_path`),
-  the accepted leaf into each GDN slot's count (`trees.sampling.record_accepted_leaves`);
+- the accepted path's K/V compaction (`trees.sampling.commit_accepted_path`); V2's acceptance itself (the one-call
+  walk and V2's output rows, `kernels.tree_acceptance_*`, and the accepted leaves' counts) is `v2.acceptance`;
 - the MTP drafting levels' topology (`spec_decode.tree_drafting`) and the first pass's accepted-path-as-chain inputs
   (`trees.drafting.accepted_paths_as_chains`, `kv_slots`).
 
@@ -33,8 +32,8 @@ What V2 does its own way, and the hook for each (all in `patch_points.py`):
 3. `GPUModelRunner.sample` (V2_RUNNER_SAMPLE): tree acceptance instead of V2's rejection sampler. V2's sampler draws
    every verified token's row in ONE call (`Sampler.sample`), its Gumbel noise keyed by (request seed, position):
    with depth positions, a node at depth d draws with the noise plain decoding uses at that position, so walking the
-   tree over these draws (the one-call walk, `tree_sampling.sampled_tree_acceptance_of_draws` over
-   `acceptance.uniform_tree_acceptance`: move to the child carrying the draw, a fixed number of ops) emits exactly
+   tree over these draws (the one-call walk of `spec_decode.tree_sampling`, one Triton launch on V2's logits layout,
+   `kernels.tree_acceptance_triton`: move to the child carrying the draw) emits exactly
    what the request's sampling would (the proof in `spec_decode.tree_sampling` needs one fresh draw per walked level;
    nodes off the walk use noise of positions the walk either emits at or never reaches this step, and a step's
    stopping depth depends only on the noise up to it). Greedy rows take the argmax there. One sampler call, no host
