@@ -77,13 +77,9 @@ def tree_acceptance_torch(draws: torch.Tensor, cu_num_logits: torch.Tensor, requ
         acceptance = walk_of_matches(tables, carries, block_draws)
 
     depth = acceptance.accepted_nodes.shape[1]
-    path = acceptance.accepted_nodes
-    path_tokens = torch.where(path >= 0, drafts.gather(1, path.clamp(min=0)), PLACEHOLDER_TOKEN)
-    tree_rows = torch.cat([path_tokens, torch.full_like(path_tokens[:, :1], PLACEHOLDER_TOKEN)], dim=1)
-    tree_rows.scatter_(1, acceptance.num_accepted[:, None], acceptance.bonus_tokens[:, None])
     sampled = torch.full((num_reqs, 1 + num_speculative_steps), PLACEHOLDER_TOKEN, dtype=torch.long, device=device)
     sampled[:, 0] = draws[cu[1:] - 1].long()  # every other row's one draw (its last logits row)
-    sampled[rows, : depth + 1] = tree_rows
+    sampled[rows, : depth + 1] = output_rows(drafts, acceptance)
     num_sampled = torch.ones(num_reqs, dtype=torch.int32, device=device)
     num_sampled[rows] = (acceptance.num_accepted + 1).to(torch.int32)
     leaf_counts = torch.zeros(num_reqs, dtype=torch.int32, device=device)
@@ -92,3 +88,13 @@ def tree_acceptance_torch(draws: torch.Tensor, cu_num_logits: torch.Tensor, requ
     chain_rows[block_rows.reshape(-1)] = block_rows.gather(
         1, accepted_path_sources(acceptance.accepted_nodes, block_len)).reshape(-1)
     return TreeRows(sampled, num_sampled, leaf_counts, chain_rows, acceptance)
+
+
+def output_rows(drafts: torch.Tensor, acceptance: TreeAcceptance) -> torch.Tensor:
+    """`[R, D + 1]` int64 rows `[path tokens..., bonus, -1...]` of the tree rows (`drafts [R, N]` int64, node order;
+    `acceptance` theirs, D its depth)."""
+    path = acceptance.accepted_nodes
+    path_tokens = torch.where(path >= 0, drafts.gather(1, path.clamp(min=0)), PLACEHOLDER_TOKEN)
+    rows = torch.cat([path_tokens, torch.full_like(path_tokens[:, :1], PLACEHOLDER_TOKEN)], dim=1)
+    rows.scatter_(1, acceptance.num_accepted[:, None], acceptance.bonus_tokens[:, None])
+    return rows

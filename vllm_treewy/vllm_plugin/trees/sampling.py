@@ -10,28 +10,20 @@ import functools
 
 import torch
 
-from vllm_treewy.spec_decode.acceptance import TreeAcceptance, UniformWalkTables
-from vllm_treewy.spec_decode.synthetic_acceptance import NodeRateIndex
 from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.kernels.paged_kv_compaction_torch import compact_paged_kv_torch
 from vllm_treewy.kernels.paged_kv_compaction_triton import compact_paged_kv_triton
+from vllm_treewy.kernels.tree_acceptance_torch import output_rows
+from vllm_treewy.spec_decode.acceptance import TreeAcceptance, UniformWalkTables
+from vllm_treewy.spec_decode.synthetic_acceptance import NodeRateIndex
 from vllm_treewy.vllm_plugin.trees.attention_cpu import compact_accepted_kv
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeStep
-
-
-PLACEHOLDER_TOKEN = -1  # vLLM's padding of sampled_token_ids
 
 
 def tree_output_rows(step: TreeStep, draft_tokens: torch.Tensor, acceptance: TreeAcceptance) -> torch.Tensor:
     """`[R, depth + 1]` rows `[path tokens..., bonus, -1...]` of the tree rows; `draft_tokens [R * N]` in node
     order."""
-    num_requests, num_nodes = step.num_requests, step.tree.num_nodes
-    drafts = draft_tokens.long().view(num_requests, num_nodes)
-    path = acceptance.accepted_nodes
-    path_tokens = torch.where(path >= 0, drafts.gather(1, path.clamp(min=0)), PLACEHOLDER_TOKEN)
-    rows = torch.cat([path_tokens, torch.full_like(path_tokens[:, :1], PLACEHOLDER_TOKEN)], dim=1)
-    rows.scatter_(1, acceptance.num_accepted[:, None], acceptance.bonus_tokens[:, None])
-    return rows
+    return output_rows(draft_tokens.long().view(step.num_requests, step.tree.num_nodes), acceptance)
 
 
 # The two tables below are built once per tree shape and device and kept for the process (a cache that never evicts:

@@ -60,11 +60,11 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 
+from vllm_treewy.kernels.tree_acceptance_torch import PLACEHOLDER_TOKEN
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.spec_decode.tree_sampling import sampled_tree_acceptance, sampled_tree_acceptance_of_draws
 from vllm_treewy.vllm_plugin.trees.min_tokens_at_depth import at_depth, per_column, processors_at_depth
 from vllm_treewy.vllm_plugin.trees.sampling import (
-    PLACEHOLDER_TOKEN,
     commit_accepted_path,
     tree_output_rows,
     walk_tables,

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_treewy.kernels.tree_acceptance_torch import TreeRows
+from vllm_treewy.kernels.tree_acceptance_torch import PLACEHOLDER_TOKEN, TreeRows
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.trees.sampling import PLACEHOLDER_TOKEN, paged_cache_groups
+from vllm_treewy.vllm_plugin.trees.sampling import paged_cache_groups
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeConstants, TreeStep, uniform_tree_step
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts, accept_and_commit_tree_rows
