@@ -5,7 +5,8 @@
 #   SHAPE=qwen35-27b LAYERS=16 ENGINES="tree221 k3-code" BATCHES="1 2 4 8" \
 #     bash bench/e2e/run_tree_real_shapes.sh OUT_DIR
 # ENGINES: tree221 tree322 tree2221 tree3221 (each serves every profile and sibling rate through its requests' extra
-# arguments) and k3-code k3-prose k4-code k4-prose (vLLM's synthetic chain: one profile an engine). SHAPE: a shape of
+# arguments) and k1-code k1-prose k3-code k3-prose k4-code k4-prose (vLLM's synthetic chain: one profile an engine;
+# reconstruct, or store_all with -store_all appended, e.g. "k1-code k1-code-store_all"). SHAPE: a shape of
 # bench/sweep/models.py or "fixture" (the CPU dry run); LAYERS: the shape cut to that many layers (a multiple of 4;
 # empty: all); BATCHES (default 1 2 4 8 16 32 64); ATTN_BACKEND (default TRITON_ATTN, for trees and chains alike:
 # trees need it until tree attention runs on FLASH_ATTN); MAX_TOKENS (128), PROMPT_LEN (256), GPU_UTIL (0.9);
@@ -24,18 +25,25 @@ echo "=== $(date -u +%FT%TZ) SHAPE=${SHAPE:-qwen35-27b} LAYERS=${LAYERS:-} ENGIN
   "BATCHES='${BATCHES:-}' ATTN_BACKEND=${ATTN_BACKEND:-TRITON_ATTN} $*" >>"$log"
 layers=(); [ -n "${LAYERS:-}" ] && layers=(--layers "$LAYERS")
 for engine in ${ENGINES:-tree221 k3-code}; do
-  case $engine in
-    tree221|tree322|tree2221|tree3221) name=$engine profiles=(--profiles code prose) ;;
-    k3-code|k3-prose|k4-code|k4-prose) name=${engine%-*} profiles=(--profiles "${engine#*-}") ;;
-    *) echo "unknown engine $engine (tree221 tree322 tree2221 tree3221 k3-code k3-prose k4-code k4-prose)" >&2
-       exit 2 ;;
+  strategy=reconstruct chain=$engine
+  [[ $engine == *-store_all ]] && strategy=store_all chain=${engine%-store_all}
+  case $chain in
+    tree221|tree322|tree2221|tree3221) [ "$strategy" = reconstruct ] || chain=invalid
+                                       name=$chain profiles=(--profiles code prose) ;;
+    k1-code|k1-prose|k3-code|k3-prose|k4-code|k4-prose) name=${chain%-*} profiles=(--profiles "${chain#*-}") ;;
+    *) chain=invalid ;;
   esac
+  if [ "$chain" = invalid ]; then
+    echo "unknown engine $engine (tree221 tree322 tree2221 tree3221 k1-code k1-prose k3-code k3-prose k4-code" \
+      "k4-prose; a chain with -store_all appended runs store_all)" >&2
+    exit 2
+  fi
   left=$(( limit - ($(date +%s) - start) ))
   if [ "$left" -lt "${MIN_ENGINE_S:-240}" ]; then
     echo "=== skipped $engine (time: ${left} s left) at $(( $(date +%s) - start )) s" >>"$log"; continue
   fi
   echo "=== $engine started at $(( $(date +%s) - start )) s" >>"$log"
-  timeout "$left" python3 -m bench.e2e.tree_real_shapes engine --name "$name" "${profiles[@]}" \
+  timeout "$left" python3 -m bench.e2e.tree_real_shapes engine --name "$name" --strategy "$strategy" "${profiles[@]}" \
     --shape "${SHAPE:-qwen35-27b}" "${layers[@]}" --batches ${BATCHES:-1 2 4 8 16 32 64} \
     --attention-backend "${ATTN_BACKEND:-TRITON_ATTN}" --max-tokens "${MAX_TOKENS:-128}" \
     --prompt-len "${PROMPT_LEN:-256}" --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$out" "$@" \

@@ -2,7 +2,8 @@
 per batch size, and from them the tree / chain ratios and the break-even sibling rate.
 
 One engine per process (a second `LLM` in one process fails on the GPU); `run_tree_real_shapes.sh` loops over engines
-in one device call. An engine is a tree or a chain of the catalog (`ENGINES`), all reconstruct, Model Runner V2 (what
+in one device call. An engine is a tree or a chain of the catalog (`ENGINES`), reconstruct (a chain may run store_all,
+`--strategy`: reconstruct / store_all at the same shape, issue 51's k = 1 comparison), Model Runner V2 (what
 vLLM picks on CUDA), vLLM's default compilation (FULL and piecewise graphs; decode batches padded to the measured batch
 sizes' token counts), fp32 GDN state, the shape's layers cut with `--layers` (every layer's size kept: the step's cost
 per layer is the real one). Acceptance is synthetic (dummy weights accept nothing): a tree engine takes its classes per
@@ -22,7 +23,8 @@ runner's steps (`gpu_v2_chains.counting_steps`, which also counts V2's FULL-grap
 length from vLLM's spec-decode counters. `report` computes per B the tree / chain tokens/s, the step-time ratio, and
 the break-even sibling rate (the sibling rate at which the tree's expected acceptance length,
 `spec_decode.synthetic_acceptance.expected_accepted_nodes`, times the chain's step time over the tree's, equals the
-chain's measured length).
+chain's measured length); and per chain engine with a store_all twin of the same catalog name and profile, the
+reconstruct / store_all tokens/s and step-time ratios (`report.md`'s second table).
 
 On CPU (`--shape fixture`, the dry run): vLLM's CPU backend runs the V1 runner, which has no synthetic tree path and
 whose sampler refuses synthetic chains, so acceptance is the fixture's real one and no class is sent; the flow, files
@@ -54,8 +56,9 @@ PROFILES = {
 # name -> tree widths (a chain: all 1); the chain a tree is judged against has the tree's depth
 CATALOG = {
     "tree221": [2, 2, 1], "tree322": [3, 2, 2], "tree2221": [2, 2, 2, 1], "tree3221": [3, 2, 2, 1],
-    "k3": [1, 1, 1], "k4": [1, 1, 1, 1],
+    "k1": [1], "k3": [1, 1, 1], "k4": [1, 1, 1, 1],
 }
+STRATEGIES = ("reconstruct", "store_all")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -63,14 +66,19 @@ def is_tree(widths) -> bool:
     return any(w > 1 for w in widths)
 
 
-def engine_name(name: str, profile: str | None) -> str:
-    """A chain engine serves one profile: `k3-code`; a tree engine serves all: `tree221`."""
-    return name if profile is None else f"{name}-{profile}"
+def engine_name(name: str, profile: str | None, strategy: str = "reconstruct") -> str:
+    """A chain engine serves one profile: `k3-code`; a tree engine serves all: `tree221`; store_all adds its name:
+    `k1-code-store_all`."""
+    base = name if profile is None else f"{name}-{profile}"
+    return base if strategy == "reconstruct" else f"{base}-{strategy}"
 
 
-def speculative_config(widths: list[int], profile: str, synthetic: bool, backend: str | None) -> dict:
+def speculative_config(widths: list[int], profile: str, synthetic: bool, backend: str | None,
+                       strategy: str = "reconstruct") -> dict:
     depth = len(widths)
-    spec = {"method": "mtp", "num_speculative_tokens": depth, "mamba_state_commit": "reconstruct"}
+    if is_tree(widths) and strategy != "reconstruct":
+        raise ValueError(f"draft trees run under reconstruct only, not {strategy}")
+    spec = {"method": "mtp", "num_speculative_tokens": depth, "mamba_state_commit": strategy}
     if is_tree(widths):
         spec["draft_tree_widths"] = widths
     if backend is not None:
@@ -117,7 +125,7 @@ def run_engine(args) -> int:
     on_cuda = current_platform.is_cuda()
     synthetic = on_cuda  # CPU: the V1 runner (module docstring)
     profile = None if is_tree(widths) or not synthetic else args.profiles[0]
-    name = engine_name(args.name, profile)
+    name = engine_name(args.name, profile, args.strategy)
     tree = DraftTree.from_widths(widths)
     block_len = 1 + (tree.num_nodes if is_tree(widths) else len(widths))
     batches = sorted(args.batches)
@@ -146,13 +154,13 @@ def run_engine(args) -> int:
                                      args.layers).path
         vocab = SHAPES[args.shape]["vocab_size"]
         load = {"load_format": "dummy"}
-    spec = speculative_config(widths, profile or args.profiles[0], synthetic, backend)
+    spec = speculative_config(widths, profile or args.profiles[0], synthetic, backend, args.strategy)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]}
                for _ in range(max(batches))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"engine": name, "widths": widths, "shape": args.shape, "layers": args.layers, "synthetic": synthetic,
+    result = {"engine": name, "widths": widths, "strategy": args.strategy, "shape": args.shape, "layers": args.layers, "synthetic": synthetic,
               "speculative_config": spec, "command": " ".join([sys.executable, *sys.argv]), "args": vars(args),
               "device": device_facts(), "points": []}
 
@@ -276,7 +284,8 @@ def report(args) -> int:
                            break_even_sibling_rate=(break_even_sibling(widths, profile, c["acceptance_length"],
                                                                        step_ratio) if profile in PROFILES else None))
             rows.append(row)
-    (out / "report.json").write_text(json.dumps({"rows": rows, "engines": sorted(runs),
+    (out / "report.json").write_text(json.dumps({"rows": rows, "strategy_rows": strategy_ratios(runs),
+                                                 "engines": sorted(runs),
                                                  "errors": {n: r["error"] for n, r in runs.items() if "error" in r}},
                                                 indent=1) + "\n")
     columns = ["tree", "chain", "profile", "sibling_rate", "batch", "tree_tokens_per_s", "chain_tokens_per_s",
@@ -299,9 +308,38 @@ def report(args) -> int:
                      f"{cell(r.get('chain_step_ms'))} | {cell(r.get('step_time_ratio'))} | "
                      f"{cell(r['tree_acceptance_length'])} / {cell(r.get('chain_acceptance_length'))} | "
                      f"{cell(r.get('break_even_sibling_rate'))} |")
+    strategy_rows = strategy_ratios(runs)
+    if strategy_rows:
+        lines += ["", "| chain | profile | B | tokens/s reconstruct / store_all | ratio | step ms reconstruct / store_all "
+                  "| step ratio |", "|" + "---|" * 7]
+        lines += [f"| {r['chain']} | {r['profile']} | {r['batch']} | {cell(r['reconstruct_tokens_per_s'], 0)} / "
+                  f"{cell(r['store_all_tokens_per_s'], 0)} | {cell(r['tokens_per_s_ratio'])} | "
+                  f"{cell(r['reconstruct_step_ms'])} / {cell(r['store_all_step_ms'])} | {cell(r['step_time_ratio'])} |"
+                  for r in strategy_rows]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def strategy_ratios(runs: dict) -> list[dict]:
+    """Per chain engine that has a store_all twin (`engine_name(..., "store_all")`), per batch both measured: the
+    reconstruct / store_all tokens/s and step-time ratios."""
+    rows = []
+    for name, run in runs.items():
+        twin = runs.get(f"{name}-store_all")
+        if is_tree(run["widths"]) or run.get("strategy", "reconstruct") != "reconstruct" or twin is None:
+            continue
+        for point in run["points"]:
+            match = [p for p in twin["points"] if p["batch"] == point["batch"] and p["profile"] == point["profile"]]
+            if match:
+                other = match[0]
+                rows.append({"chain": name, "profile": point["profile"], "batch": point["batch"],
+                             "reconstruct_tokens_per_s": point["tokens_per_s"],
+                             "store_all_tokens_per_s": other["tokens_per_s"],
+                             "tokens_per_s_ratio": point["tokens_per_s"] / other["tokens_per_s"],
+                             "reconstruct_step_ms": point["step_ms"], "store_all_step_ms": other["step_ms"],
+                             "step_time_ratio": point["step_ms"] / other["step_ms"]})
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="role", required=True)
     run = sub.add_parser("engine", help="one engine's points")
     run.add_argument("--name", required=True, choices=sorted(CATALOG))
+    run.add_argument("--strategy", default="reconstruct", choices=STRATEGIES, help="chains only: store_all too")
     run.add_argument("--shape", default="qwen35-27b", help="a shape of bench.sweep.models.SHAPES, or 'fixture'")
     run.add_argument("--layers", type=int, default=None, help="cut the shape to this many layers (a multiple of 4)")
     run.add_argument("--profiles", nargs="+", default=["code", "prose"], choices=sorted(PROFILES),

@@ -32,6 +32,11 @@ def test_configs_and_classes():
     assert [(p, s) for p, s, _ in classes] == [("code", 0.2), ("code", 0.4), ("prose", 0.2), ("prose", 0.4)]
     assert classes[3][2] == {"synthetic_tree_acceptance_rates": [0.55] * 4, "synthetic_tree_sibling_rates": [0.4] * 4}
     assert bench.classes([1, 1, 1], ["prose"], [0.2], synthetic=True) == [("prose", None, None)]
+    store_all = bench.speculative_config([1], "code", synthetic=True, backend=None, strategy="store_all")
+    assert store_all["mamba_state_commit"] == "store_all" and store_all["synthetic_acceptance_rates"] == [0.917]
+    assert bench.engine_name("k1", "code", "store_all") == "k1-code-store_all"
+    with pytest.raises(ValueError, match="reconstruct only"):
+        bench.speculative_config([2, 2, 1], "code", synthetic=True, backend=None, strategy="store_all")
 
 
 def write_engine(out: Path, name: str, widths, points):
@@ -62,6 +67,21 @@ def test_report_ratios_and_break_even(tmp_path):
     assert "| tree221 | k3-code | code |" in (tmp_path / "report.md").read_text()
 
 
+def test_report_gives_reconstruct_over_store_all_per_chain(tmp_path):
+    write_engine(tmp_path, "k1-code", [1], [point("code", None, 1, 90.0, 10.0, 1.9), point("code", None, 8, 700.0,
+                                                                                              11.0, 1.9)])
+    (tmp_path / "k1-code-store_all.json").write_text(json.dumps(
+        {"engine": "k1-code-store_all", "widths": [1], "strategy": "store_all",
+         "points": [point("code", None, 1, 100.0, 9.0, 1.9)]}))
+    assert bench.main(["report", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["rows"] == [] and len(report["strategy_rows"]) == 1  # B = 8 has no store_all point
+    (row,) = report["strategy_rows"]
+    assert row["chain"] == "k1-code" and row["tokens_per_s_ratio"] == pytest.approx(0.9)
+    assert row["step_time_ratio"] == pytest.approx(10 / 9)
+    assert "| k1-code | code | 1 | 90 / 100 | 0.90 |" in (tmp_path / "report.md").read_text()
+
+
 def test_break_even_ends():
     assert bench.break_even_sibling([2, 2, 1], "code", 1.0, 1.0) == 0.0  # the tree pays at any sibling rate
     assert bench.break_even_sibling([2, 2, 1], "code", 3.6, 3.0) is None  # a step three times slower never pays
@@ -79,8 +99,19 @@ def test_wrapper_runs_the_chosen_engines_and_skips_by_time(tmp_path):
     (archive,) = out.glob("logs-*.tar.gz")
     subprocess.run(["tar", "xzf", str(archive), "-C", str(tmp_path)], check=True)
     command = (tmp_path / "logs" / "k4-prose.log").read_text()
-    assert "engine --name k4 --profiles prose --shape qwen35-35b-a3b --layers 8 --batches 1 8" in command
+    assert "engine --name k4 --strategy reconstruct --profiles prose --shape qwen35-35b-a3b --layers 8 --batches 1 8" in command
     assert "--attention-backend TRITON_ATTN" in command
+    env.update(ENGINES="k1-code-store_all")
+    subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "store_all")], cwd=ROOT, env=env,
+                   check=True, capture_output=True, timeout=60)
+    (archive,) = (tmp_path / "store_all").glob("logs-*.tar.gz")
+    subprocess.run(["tar", "xzf", str(archive), "-C", str(tmp_path / "store_all")], check=True)
+    command = (tmp_path / "store_all" / "logs" / "k1-code-store_all.log").read_text()
+    assert "engine --name k1 --strategy store_all --profiles code" in command
+    env.update(ENGINES="tree221-store_all")
+    refused = subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "refused")], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "unknown engine tree221-store_all" in refused.stderr
     env.update(CALL_LIMIT_S="200", ENGINES="tree221")
     subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "short")], cwd=ROOT, env=env,
                    check=True, capture_output=True, timeout=60)
