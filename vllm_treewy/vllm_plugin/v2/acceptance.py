@@ -62,8 +62,9 @@ def accept_and_commit_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_
                                 ) -> TreeRows:
     """Everything of a tree step after V2's draws that has static shapes: the walk and output rows
     (`accept_tree_rows`), the accepted paths' K/V compaction (`commit_accepted_path`, the layers recorded in `step`) and
-    each tree row's accepted leaf into its GDN slots (`leaf_counts`; None: recorded elsewhere, e.g. by the prefix-caching
-    hook after sampling). `idx_mapping [num_reqs]`: V2's batch row -> request state. `synthetic`: the engine's
+    each tree row's accepted leaf into its GDN slots (`leaf_counts`: no group with prefix caching, whose hook records
+    them after sampling; None: nothing recorded, the graphs' warm-up). `idx_mapping [num_reqs]`: V2's batch row ->
+    request state. `synthetic`: the engine's
     synthetic tree acceptance rates by request state (benchmarks only; None: real acceptance), read for the tree rows
     by their states; only the accept decision changes, everything after it is the same."""
     draw = None
