@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_treewy.kernels.bookkeeping import dispatch
+from vllm_treewy.kernels.level_inputs_torch import level_inputs_torch
+from vllm_treewy.kernels.level_inputs_triton import level_inputs_triton
 from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
 from vllm_treewy.vllm_plugin.config import draft_shape_of
 from vllm_treewy.vllm_plugin.trees.attention import uniform_tree_marking
@@ -255,30 +258,25 @@ def make_tree_speculator_class(base):
             # tokens[:, :w1], the root's children, are the first pass's (`sample_draft`)
             if not self.levels:  # a depth-1 tree: the first pass's top-w1 is the whole tree
                 return
-            # The deepest level's block: every level's block is a prefix of it (positions, KV slots once per step).
+            # The deepest level's block: every level's block is a prefix of it (KV slots once per step).
             offsets = torch.arange(widest, device=self.device)
-            positions = (root_positions[:, None] + self.tree_constants(self.levels[-1]).depths).clamp_(
-                max=self.max_model_len - 1)
             block_positions = root_positions[:, None] + offsets
             valid = bufs.valid[:num_reqs, None]
             slots = [torch.where(valid, kv_slots(table[:num_reqs], block_positions, size, self.max_model_len),
                                  PADDING_SLOT)
                      for table, size in zip(self.block_tables.input_block_tables, self.block_tables.block_sizes)]
-            query_offsets = torch.arange(self.max_num_reqs + 1, device=self.device)
+            write_inputs = level_inputs_triton if dispatch.launches_triton(root_positions) else level_inputs_torch
             for level, (tree, (attn_metadata, slot_mappings)) in enumerate(zip(self.levels, level_inputs), start=1):
                 first, last = self.nodes_below[level - 1], self.nodes_below[level]  # this level's nodes [first, last)
                 block_len = 1 + tree.num_nodes
                 num_tokens = num_reqs * block_len
                 constants = self.tree_constants(tree)
-                input_ids = buffers.input_ids[:num_tokens].view(num_reqs, block_len)
-                input_ids[:, 0] = bufs.root_tokens[:num_reqs]
-                input_ids[:, 1:] = tokens[:, :last]
-                hidden_states = self.hidden_states[:num_tokens].view(num_reqs, block_len, -1)
-                hidden_states[:, 0] = bufs.root_hidden[:num_reqs]
-                hidden_states[:, 1:] = outputs[:, constants.parent_blocks]
-                buffers.positions[:num_tokens].view(num_reqs, block_len).copy_(positions[:, :block_len])
-                buffers.query_start_loc[: num_reqs + 1].copy_(query_offsets[: num_reqs + 1] * block_len)
-                buffers.seq_lens[:num_reqs].copy_(root_positions + block_len)
+                # the level block's ids, hidden inputs, depth positions, query starts and lengths (one launch on CUDA)
+                write_inputs(bufs.root_tokens[:num_reqs], bufs.root_hidden[:num_reqs], tokens[:, :last], outputs,
+                             constants.parent_blocks, constants.depths, root_positions, self.max_model_len - 1,
+                             buffers.input_ids[:num_tokens], self.hidden_states[:num_tokens],
+                             buffers.positions[:num_tokens], buffers.query_start_loc[: num_reqs + 1],
+                             buffers.seq_lens[:num_reqs])
                 for group, group_slots in enumerate(slots):
                     bufs.slots[group, :num_tokens].view(num_reqs, block_len).copy_(group_slots[:, :block_len])
                 hidden, _ = self._run_model(num_tokens, attn_metadata, slot_mappings, None)
