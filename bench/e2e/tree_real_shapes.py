@@ -160,9 +160,9 @@ def run_engine(args) -> int:
                for _ in range(max(batches))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"engine": name, "widths": widths, "strategy": args.strategy, "shape": args.shape, "layers": args.layers, "synthetic": synthetic,
-              "speculative_config": spec, "command": " ".join([sys.executable, *sys.argv]), "args": vars(args),
-              "device": device_facts(), "points": []}
+    result = {"engine": name, "widths": widths, "strategy": args.strategy, "shape": args.shape, "layers": args.layers,
+              "synthetic": synthetic, "speculative_config": spec, "command": " ".join([sys.executable, *sys.argv]),
+              "args": vars(args), "device": device_facts(), "points": []}
 
     def save():  # after the start-up and every point: a run cut by its time limit keeps what it measured
         (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -284,7 +284,8 @@ def report(args) -> int:
                            break_even_sibling_rate=(break_even_sibling(widths, profile, c["acceptance_length"],
                                                                        step_ratio) if profile in PROFILES else None))
             rows.append(row)
-    (out / "report.json").write_text(json.dumps({"rows": rows, "strategy_rows": strategy_ratios(runs),
+    strategy_rows = strategy_ratios(runs)
+    (out / "report.json").write_text(json.dumps({"rows": rows, "strategy_rows": strategy_rows,
                                                  "engines": sorted(runs),
                                                  "errors": {n: r["error"] for n, r in runs.items() if "error" in r}},
                                                 indent=1) + "\n")
@@ -308,7 +309,6 @@ def report(args) -> int:
                      f"{cell(r.get('chain_step_ms'))} | {cell(r.get('step_time_ratio'))} | "
                      f"{cell(r['tree_acceptance_length'])} / {cell(r.get('chain_acceptance_length'))} | "
                      f"{cell(r.get('break_even_sibling_rate'))} |")
-    strategy_rows = strategy_ratios(runs)
     if strategy_rows:
         lines += ["", "| chain | profile | B | tokens/s reconstruct / store_all | ratio | step ms reconstruct / store_all "
                   "| step ratio |", "|" + "---|" * 7]

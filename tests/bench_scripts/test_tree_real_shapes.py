@@ -99,7 +99,8 @@ def test_wrapper_runs_the_chosen_engines_and_skips_by_time(tmp_path):
     (archive,) = out.glob("logs-*.tar.gz")
     subprocess.run(["tar", "xzf", str(archive), "-C", str(tmp_path)], check=True)
     command = (tmp_path / "logs" / "k4-prose.log").read_text()
-    assert "engine --name k4 --strategy reconstruct --profiles prose --shape qwen35-35b-a3b --layers 8 --batches 1 8" in command
+    assert ("engine --name k4 --strategy reconstruct --profiles prose --shape qwen35-35b-a3b --layers 8 --batches 1 8"
+            in command)
     assert "--attention-backend TRITON_ATTN" in command
     env.update(ENGINES="k1-code-store_all")
     subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "store_all")], cwd=ROOT, env=env,

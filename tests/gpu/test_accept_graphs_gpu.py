@@ -16,7 +16,8 @@ from vllm_treewy.kernels.bookkeeping.slot_counts_triton import count_table  # no
 from vllm_treewy.tree import DraftTree  # noqa: E402
 from vllm_treewy.vllm_plugin.trees.step import TreeConstants, uniform_tree_step  # noqa: E402
 from vllm_treewy.vllm_plugin.v2.accept_graphs import TreeAcceptGraphs  # noqa: E402
-from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts, accept_and_commit_tree_rows  # noqa: E402
+from vllm_treewy.vllm_plugin.v2.acceptance import accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.accepted_counts import CountedGroups  # noqa: E402
 
 
 def on_cuda(world: World) -> World:
@@ -26,8 +27,8 @@ def on_cuda(world: World) -> World:
     return world
 
 
-def leaf_counts(world: World) -> LeafCounts:
-    return LeafCounts(world.gdn_groups, count_table(world.gdn_groups))
+def leaf_counts(world: World) -> CountedGroups:
+    return CountedGroups(world.gdn_groups, count_table(world.gdn_groups))
 
 
 @pytest.mark.parametrize("widths", [[2, 2, 1], [3, 2, 2, 1]])

@@ -32,7 +32,8 @@ def case(parents, num_requests, hidden_size, dtype, seed):
 
     def buffers():  # stale values past the level's rows must survive
         g = torch.Generator().manual_seed(seed + 1)
-        return (torch.full((rows + 5,), -7, dtype=torch.int32), torch.randn(rows + 5, hidden_size, generator=g).to(dtype),
+        return (torch.full((rows + 5,), -7, dtype=torch.int32),
+                torch.randn(rows + 5, hidden_size, generator=g).to(dtype),
                 torch.full((rows + 5,), -7, dtype=torch.int64), torch.full((num_requests + 4,), -7, dtype=torch.int32),
                 torch.full((num_requests + 4,), -7, dtype=torch.int32))
 

@@ -27,7 +27,8 @@ from vllm_treewy.vllm_plugin.v2 import accepted_counts as v2_accepted_counts
 from vllm_treewy.vllm_plugin.v2 import accept_graphs
 from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
 from vllm_treewy.vllm_plugin.v2.accept_graphs import TreeAcceptGraphs
-from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts, accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.acceptance import accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.accepted_counts import CountedGroups
 from vllm_treewy.vllm_plugin.v2.run_state import TreeRunStateV2
 from vllm_treewy.vllm_plugin.trees.step import AttentionLayerCaches, PagedLayerCaches, TreeConstants
 
@@ -104,8 +105,8 @@ def uniform_step(tree: DraftTree, num_reqs: int, gen: torch.Generator):
 
 def graphs_of(world: World, tree: DraftTree, sizes) -> TreeAcceptGraphs:
     """The world's graphs with a stand-in per size whose replay runs the captured body."""
-    graphs = TreeAcceptGraphs(tree, tree.num_nodes, world.caches, LeafCounts(world.gdn_groups), max(sizes), MAX_MODEL_LEN,
-                              TreeConstants.of(tree, torch.device("cpu")))
+    graphs = TreeAcceptGraphs(tree, tree.num_nodes, world.caches, CountedGroups(world.gdn_groups), max(sizes),
+                              MAX_MODEL_LEN, TreeConstants.of(tree, torch.device("cpu")))
     graphs.replays = []
     for size in sizes:
         graphs.graphs[size] = SimpleNamespace(
@@ -132,7 +133,7 @@ def test_graphed_body_equals_the_eager_body_and_padded_rows_act_on_nothing(width
         before = graphed.clone()
         step.attention_layers = eager.recorded_layers(batch.idx_mapping)
         want = accept_and_commit_tree_rows(step, draws, batch.cu_num_logits, batch.input_ids, tree.num_nodes,
-                                           batch.idx_mapping, LeafCounts(eager.gdn_groups))
+                                           batch.idx_mapping, CountedGroups(eager.gdn_groups))
         step.attention_layers = graphed.recorded_layers(batch.idx_mapping)
         got = graphs.replay(step, draws, batch)
         expected_size = graph_size if num_reqs > 1 else 1

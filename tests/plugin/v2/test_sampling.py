@@ -176,7 +176,8 @@ def num_sampled_and_rejected_twin(num_sampled, seq_lens, cu_num_logits, idx_mapp
 
 @contextlib.contextmanager
 def v2_kernels(monkeypatch, interpreted: bool):
-    """V2's sampler kernels and ours (`kernels.bookkeeping.dispatch`): the interpreted Triton kernels, or their twins."""
+    """V2's sampler kernels and ours (`kernels.bookkeeping.dispatch`): the interpreted Triton kernels, or their
+    twins."""
     import vllm.v1.worker.gpu.input_batch as input_batch
     import vllm.v1.worker.gpu.sample.sampler as sampler
     import vllm.v1.worker.gpu.sample.states as states

@@ -20,7 +20,8 @@ from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees.admission import synthetic_rates_refusal
 from vllm_treewy.vllm_plugin.trees.synthetic import FIRST_CHILD_KEY, SIBLING_KEY, SyntheticTreeRates
 from vllm_treewy.vllm_plugin.v2 import runner as v2_runner
-from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts, accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.acceptance import accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.accepted_counts import CountedGroups
 
 TREE = DraftTree.from_widths([2, 2, 1])
 CODE = [[0.917, 0.913, 0.774], [0.4] * 3]
@@ -89,7 +90,7 @@ def test_the_body_accepts_each_request_at_its_rates_and_graphs_equal_eager():
         step.attention_layers = eager.recorded_layers(batch.idx_mapping)
         torch.manual_seed(index)
         want = accept_and_commit_tree_rows(step, draws, batch.cu_num_logits, batch.input_ids, TREE.num_nodes,
-                                           batch.idx_mapping, LeafCounts(eager.gdn_groups), rates)
+                                           batch.idx_mapping, CountedGroups(eager.gdn_groups), rates)
         step.attention_layers = graphed.recorded_layers(batch.idx_mapping)
         torch.manual_seed(index)
         got = graphs.replay(step, draws, batch)

@@ -38,8 +38,8 @@ from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees.sampling import paged_cache_groups
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, TreeConstants, TreeStep, uniform_tree_step
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
-from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts, accept_and_commit_tree_rows
-from vllm_treewy.vllm_plugin.v2.accepted_counts import leaf_counts_of
+from vllm_treewy.vllm_plugin.v2.acceptance import accept_and_commit_tree_rows
+from vllm_treewy.vllm_plugin.v2.accepted_counts import CountedGroups, leaf_counts_of
 
 PAGED_TREE_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN")  # one paged KV layout: `trees.attention_flash`
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines, as it configures them
@@ -97,7 +97,7 @@ class TreeAcceptGraphs:
     (the speculator's `tree_constants`, whose uniform steps the runner's all-tree steps share)."""
 
     def __init__(self, tree: DraftTree, num_speculative_steps: int, cache_groups: list[list[torch.Tensor]],
-                 leaf_counts: LeafCounts, max_reqs: int, max_model_len: int,
+                 leaf_counts: CountedGroups, max_reqs: int, max_model_len: int,
                  constants: TreeConstants, synthetic: SyntheticTreeRates | None = None):
         self.tree, self.num_speculative_steps = tree, num_speculative_steps
         self.cache_groups, self.leaf_counts, self.max_reqs = cache_groups, leaf_counts, max_reqs

@@ -1,43 +1,25 @@
 """Tree acceptance on Model Runner V2's logits layout, after V2's draws: the walk and V2's output rows
 (`kernels.tree_acceptance_*`), the accepted paths' K/V compaction (`trees.sampling.commit_accepted_path`) and each tree
-row's accepted leaf into its GDN slots (`kernels.bookkeeping.slot_counts_*`). On CUDA one launch each, plus one per
+row's accepted leaf into its GDN slots (`v2.accepted_counts.CountedGroups`). On CUDA one launch each, plus one per
 paged attention layer for the compaction; device ops of host-known shapes, no host sync: the one body that runs
 eagerly (`v2.sampler`) or inside a CUDA graph over padded buffers (`v2.accept_graphs`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_treewy.kernels.bookkeeping import dispatch, slot_counts_torch, slot_counts_triton
+from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.kernels.tree_acceptance_torch import SyntheticDraw, TreeRows, tree_acceptance_torch
 from vllm_treewy.kernels.tree_acceptance_triton import tree_acceptance_triton
 from vllm_treewy.vllm_plugin.trees.sampling import commit_accepted_path, rate_index, walk_tables
 from vllm_treewy.vllm_plugin.trees.step import TreeStep
 from vllm_treewy.vllm_plugin.trees.synthetic import SyntheticTreeRates
 
-
-@dataclass
-class LeafCounts:
-    """Where a tree step's accepted leaves go: `(count state, V2's block table [max_num_reqs, max_blocks] by request
-    state)` per counted GDN group (column 0 of a request's row is its slot), and on CUDA their `count_table` (built
-    once by the caller: the groups live as long as the KV cache), with which one launch writes every group."""
-
-    groups: list[tuple[torch.Tensor, torch.Tensor]]
-    table: torch.Tensor | None = None
-
-    def record(self, idx_mapping: torch.Tensor, leaf_counts: torch.Tensor) -> None:
-        """Each tree row's leaf count into its slot in every group (`record_sampled_counts_*`: slots that hold a count,
-        i.e. rows that verified this step; a one-token row's `leaf_counts` of 0 writes its own count, 1)."""
-        if not self.groups:
-            return
-        num_rows = idx_mapping.shape[0]
-        if self.table is not None:
-            slot_counts_triton.record_sampled_counts_triton(self.table, idx_mapping, leaf_counts, num_rows)
-        else:
-            slot_counts_torch.record_sampled_counts_torch(self.groups, idx_mapping, leaf_counts, num_rows)
+if TYPE_CHECKING:
+    from vllm_treewy.vllm_plugin.v2.accepted_counts import CountedGroups
 
 
 def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: torch.Tensor, input_ids: torch.Tensor,
@@ -58,15 +40,15 @@ def accept_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: tor
 
 def accept_and_commit_tree_rows(step: TreeStep, row_draws: torch.Tensor, cu_num_logits: torch.Tensor,
                                 input_ids: torch.Tensor, num_speculative_steps: int, idx_mapping: torch.Tensor,
-                                leaf_counts: LeafCounts | None, synthetic: SyntheticTreeRates | None = None
+                                leaf_counts: CountedGroups | None, synthetic: SyntheticTreeRates | None = None
                                 ) -> TreeRows:
     """Everything of a tree step after V2's draws that has static shapes: the walk and output rows
     (`accept_tree_rows`), the accepted paths' K/V compaction (`commit_accepted_path`, the layers recorded in `step`) and
-    each tree row's accepted leaf into its GDN slots (`leaf_counts`: no group with prefix caching, whose hook records
-    them after sampling; None: nothing recorded, the graphs' warm-up). `idx_mapping [num_reqs]`: V2's batch row ->
-    request state. `synthetic`: the engine's
-    synthetic tree acceptance rates by request state (benchmarks only; None: real acceptance), read for the tree rows
-    by their states; only the accept decision changes, everything after it is the same."""
+    each tree row's accepted leaf into its GDN slots (`leaf_counts`, `v2.accepted_counts.leaf_counts_of`: no group
+    with prefix caching, whose hook records them after sampling; None: nothing recorded, the graphs' warm-up).
+    `idx_mapping [num_reqs]`: V2's batch row -> request state. `synthetic`: the engine's synthetic tree acceptance
+    rates by request state (benchmarks only; None: real acceptance), read for the tree rows by their states; only the
+    accept decision changes, everything after it is the same."""
     draw = None
     if synthetic is not None:
         index = rate_index(step.tree.parents, row_draws.device)

@@ -30,6 +30,7 @@ derives (`gdn.step_metadata`: V2 calls the same builder's `build`, at FULL-graph
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +41,6 @@ from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
 from vllm_treewy.vllm_plugin.gdn.step_metadata import with_commit_nodes
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_UPDATE_BLOCK_TABLE, V2_RUNNER_POSTPROCESS_SAMPLED
-from vllm_treewy.vllm_plugin.v2.acceptance import LeafCounts
 from vllm_treewy.vllm_plugin.v2.prefix_caching import record_after_sampling_v2
 
 
@@ -50,14 +50,39 @@ def gdn_groups_of(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(counts, runner.block_tables.block_tables[group_id].gpu) for group_id, counts in counted_gdn_groups(runner)]
 
 
-def leaf_counts_of(runner) -> LeafCounts:
+@dataclass
+class CountedGroups:
+    """GDN groups that keep slot counts: `(count state, V2's block table [max_num_reqs, max_blocks] by request state)`
+    each (column 0 of a request's row is its slot), and on CUDA their `count_table` (`gdn.sampling_tables`: built
+    again only where an address moved), with which one launch writes every group. What the after-sampling hook and the
+    tree acceptance (eager or in its graphs, which keep the object) write counts through."""
+
+    groups: list[tuple[torch.Tensor, torch.Tensor]]
+    table: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, runner, groups: list[tuple[torch.Tensor, torch.Tensor]]) -> CountedGroups:
+        launches = bool(groups) and dispatch.launches_triton(groups[0][0])
+        return cls(groups, count_table_of(runner, groups) if launches else None)
+
+    def record(self, idx_mapping: torch.Tensor, counts: torch.Tensor) -> None:
+        """`counts [rows]` (at least 1 is written) into the slot of every batch row whose request state
+        (`idx_mapping [rows]`, -1 to skip) holds a count in every group (`record_sampled_counts_*`). Device tensors
+        only; CUDA: one launch."""
+        if not self.groups:
+            return
+        num_rows = idx_mapping.shape[0]
+        if self.table is not None:
+            slot_counts_triton.record_sampled_counts_triton(self.table, idx_mapping, counts, num_rows)
+        else:
+            slot_counts_torch.record_sampled_counts_torch(self.groups, idx_mapping, counts, num_rows)
+
+
+def leaf_counts_of(runner) -> CountedGroups:
     """The GDN groups (`gdn_groups_of`) whose slots the tree sampler and its acceptance graphs write the accepted
-    leaves' counts into (column 0 is the slot), with their count table on CUDA (one launch for every group); none with
-    prefix caching of GDN states (align mode), where the slot is the request's running column and the counts and
-    boundary states are `v2.prefix_caching.record_after_sampling_v2`'s, after sampling."""
-    groups = [] if caches_gdn_prefixes(runner.cache_config) else gdn_groups_of(runner)
-    launches = bool(groups) and dispatch.launches_triton(groups[0][0])
-    return LeafCounts(groups, count_table_of(runner, groups) if launches else None)
+    leaves' counts into; none with prefix caching of GDN states (align mode), where the slot is the request's running
+    column and the counts and boundary states are `v2.prefix_caching.record_after_sampling_v2`'s, after sampling."""
+    return CountedGroups.of(runner, [] if caches_gdn_prefixes(runner.cache_config) else gdn_groups_of(runner))
 
 
 def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, offset: int = 0) -> None:
@@ -66,18 +91,11 @@ def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.
     into their slots in every GDN group that keeps slot counts. A row speculated this step iff its slot holds a count
     (the step's count update gave it its node count, every other row's slot 0), so no per-row flag is needed. Device
     tensors only; CUDA: one launch for every group."""
-    groups = gdn_groups_of(runner)
-    if not groups:
-        return
-    num_rows = idx_mapping.shape[0]
-    if offset:
+    groups = CountedGroups.of(runner, gdn_groups_of(runner))
+    if offset and groups.groups:
         # a row that sampled nothing verified its root (the kernels' max(num_sampled, 1)), then the offset
-        num_sampled = num_sampled[:num_rows].clamp(min=1) + offset
-    if dispatch.launches_triton(groups[0][0]):
-        slot_counts_triton.record_sampled_counts_triton(count_table_of(runner, groups), idx_mapping, num_sampled,
-                                                        num_rows)
-    else:
-        slot_counts_torch.record_sampled_counts_torch(groups, idx_mapping, num_sampled, num_rows)
+        num_sampled = num_sampled[: idx_mapping.shape[0]].clamp(min=1) + offset
+    groups.record(idx_mapping, num_sampled)
 
 
 def _recording_sampled_counts(original):
