@@ -233,6 +233,11 @@ class FakeV2Speculator:
         self.last_token_indices[:num_reqs] = last
         self.input_buffers.input_ids[last] = last_sampled[:num_reqs].int()
         self.input_buffers.positions[:num_reqs] = input_batch.positions[last]
+        # V2's first-pass inputs: the target's lengths (> 0), padded with 0 (and the last-token indices with 0)
+        # past the batch's requests for its graphs
+        self.input_buffers.seq_lens[:num_reqs] = (input_batch.positions[last] + 1).int()
+        self.input_buffers.seq_lens[num_reqs:] = 0
+        self.last_token_indices[num_reqs:] = 0
         self.first_pass_roots = (last.tolist(), input_batch.positions[last].tolist())
         self._prefill(num_reqs, last_sampled[:num_reqs].long(), last_hidden_states[last])
         return self.draft_tokens[:num_reqs]
@@ -297,11 +302,9 @@ def test_the_first_pass_gives_the_roots_children_before_the_block_tables_exist()
     assert speculator.draft_tokens[:2, 0].tolist() == top[:, 0].tolist()
 
 
-@pytest.mark.parametrize("graph_size", [None, 5])
-@pytest.mark.parametrize("widths", [[2, 2, 1], [2, 1, 1], [3, 2], [4]])
-def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_size):
-    """graph_size 5: the levels as a captured graph of 5 padded requests replays them (the same body, `_draft_levels`,
-    over the persistent buffers; padding rows write no K/V); None: eagerly for the 3 requests."""
+def _drafting_speculator(monkeypatch, widths, graph_size):
+    """A tree speculator on the stand-in; with `graph_size`, a stand-in of the levels' graph captured for that many
+    padded requests (its replay runs the captured body), whose buffers hold stale rows that replays must reset."""
     import vllm.v1.attention.backends.triton_attn as triton_attn
 
     monkeypatch.setattr(triton_attn, "TritonAttentionMetadata", FakeMetadata)
@@ -310,8 +313,24 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
     spec = SimpleNamespace(is_draft_tree=True, draft_tree=tree, draft_tree_widths=widths,
                            num_speculative_tokens=tree.num_nodes, enable_adaptive_verification=False,
                            uses_dynamic_speculative_decoding=lambda: False)
-    speculator = v2_speculator.make_tree_speculator_class(FakeV2Speculator)(
-        v2_config(spec), torch.device("cpu"))
+    speculator = v2_speculator.make_tree_speculator_class(FakeV2Speculator)(v2_config(spec), torch.device("cpu"))
+    speculator._chains.hidden_states.normal_(generator=torch.Generator().manual_seed(7))  # stale rows
+    if graph_size is not None:
+        inputs = speculator._level_inputs(graph_size, torch.full((graph_size,), 1024, dtype=torch.int32))
+        speculator._tree_buffers().root_positions[:graph_size] = 500
+        speculator._tree_buffers().valid[:graph_size] = True
+        replay = functools.partial(speculator._draft_levels, graph_size, inputs)
+        speculator._level_graphs[graph_size] = (SimpleNamespace(replay=replay), inputs)
+    return speculator
+
+
+@pytest.mark.parametrize("graph_size", [None, 5])
+@pytest.mark.parametrize("widths", [[2, 2, 1], [2, 1, 1], [3, 2], [4]])
+def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_size):
+    """graph_size 5: the levels as a captured graph of 5 padded requests replays them (the same body, `_draft_levels`,
+    over the persistent buffers; padding rows write no K/V); None: eagerly for the 3 requests."""
+    speculator = _drafting_speculator(monkeypatch, widths, graph_size)
+    tree = speculator.tree
     # a tree row (1 + N tokens, 2 accepted: nodes 0 then its first child; a depth-1 tree: node 0), a one-token
     # decode, a tree row (none)
     block = 1 + tree.num_nodes
@@ -323,11 +342,6 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
     accepted_nodes[0, : len(path)] = torch.tensor(path)
     acceptance = SimpleNamespace(accepted_nodes=accepted_nodes)
     speculator.tree_state.accepted = (step, acceptance)
-    if graph_size is not None:  # a stand-in of the captured graph: its replay runs the captured body
-        inputs = speculator._level_inputs(graph_size, torch.full((graph_size,), 1024, dtype=torch.int32))
-        speculator._tree_buffers().root_positions[:graph_size] = 500  # stale rows: replays must reset the padding
-        replay = functools.partial(speculator._draft_levels, graph_size, inputs)
-        speculator._level_graphs[graph_size] = (SimpleNamespace(replay=replay), inputs)
     num_tokens = batch.positions.numel()
     batch.input_ids = torch.arange(num_tokens, dtype=torch.int32) % VOCAB
     batch.seq_lens_cpu_upper_bound = torch.tensor([20 + block, 10, 60 + block], dtype=torch.int32)
@@ -348,6 +362,9 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
     assert root_positions == [chain_positions[r] for r in range(3)]
     for r in range(3):
         assert drafts[r].tolist() == reference_tree(speculator.head, int(last_sampled[r]), chain_hidden[r], widths)
+    if len(widths) > 1:  # a depth-1 tree has no levels: the first pass's top-w1 is the tree
+        assert_roots(speculator, last_sampled, torch.stack([chain_hidden[r] for r in range(3)]),
+                     [chain_positions[r] for r in range(3)], graph_size)
     # one eager forward per level below the leaves, each with the level tree's bias and KV slots P0 + block index
     assert len(speculator.level_metadata) == len(widths) - 1
     for (metadata, _), slots, level in zip(speculator.level_metadata, speculator.level_slots,
@@ -361,6 +378,41 @@ def test_tree_speculator_drafts_the_reference_tree(monkeypatch, widths, graph_si
                                                          + expected % 16).tolist()
         assert slots.shape[1] == (graph_size or 3) * level_block
         assert (slots[0, 3 * level_block :] == PADDING_SLOT).all()  # graph padding writes no K/V
+
+
+@pytest.mark.parametrize("graph_size", [None, 5])
+def test_a_step_without_tree_acceptance_drafts_from_v2s_hidden_states(monkeypatch, graph_size):
+    """The first step after prefills (no tree acceptance): the first pass reads V2's own inputs and hidden states,
+    and the levels the roots' hidden states, which `propose` copies into the chain buffer (whose other rows are
+    stale) for the levels' body to read."""
+    widths = [2, 2, 1]
+    speculator = _drafting_speculator(monkeypatch, widths, graph_size)
+    query_lens = [4, 1, 3]
+    batch = v2_batch(query_lens, [0, 0, 0], [False] * 3, [20, 9, 60])
+    num_tokens = batch.positions.numel()
+    batch.input_ids = torch.arange(num_tokens, dtype=torch.int32) % VOCAB
+    batch.seq_lens_cpu_upper_bound = torch.tensor([24, 10, 63], dtype=torch.int32)
+    batch = dataclasses.make_dataclass("FakeInputBatch", list(vars(batch)))(**vars(batch))
+    hidden = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
+    last_sampled = torch.tensor([11, 12, 13])
+    drafts = speculator.propose(batch, {}, None, hidden, None, None, torch.zeros(3, dtype=torch.long), last_sampled,
+                                None, None, None, num_speculative_tokens=TREE.num_nodes)
+    last_rows = (np.cumsum(query_lens) - 1).tolist()
+    assert speculator.first_pass_roots == (last_rows, [23, 9, 62])
+    for r, row in enumerate(last_rows):
+        assert drafts[r].tolist() == reference_tree(speculator.head, int(last_sampled[r]), hidden[row], widths)
+    # the roots' inputs the levels rewrite the roots' K/V with (the stand-in's head has no attention to show them)
+    assert_roots(speculator, last_sampled, hidden[last_rows], [23, 9, 62], graph_size)
+
+
+def assert_roots(speculator, tokens, hidden, positions, graph_size):
+    bufs = speculator._tree_buffers()
+    num_reqs = len(positions)
+    assert bufs.root_tokens[:num_reqs].tolist() == tokens.tolist()
+    assert torch.equal(bufs.root_hidden[:num_reqs], hidden)
+    assert bufs.root_positions[:num_reqs].tolist() == positions and bufs.valid[:num_reqs].all()
+    if graph_size is not None:  # padding rows
+        assert (bufs.root_positions[num_reqs:graph_size] == 0).all() and not bufs.valid[num_reqs:graph_size].any()
 
 
 def test_tree_speculator_runs_chains_as_vllm():

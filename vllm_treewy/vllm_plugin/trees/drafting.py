@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_treewy.kernels.accepted_chains_torch import accepted_chains_torch
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance
-from vllm_treewy.spec_decode.tree_drafting import accepted_path_sources
 from vllm_treewy.vllm_plugin.trees.step import TreeStep
 
 
@@ -25,13 +25,9 @@ def kv_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int
 
 def accepted_paths_as_chains(step: TreeStep, acceptance: TreeAcceptance, token_ids, positions, hidden_states):
     """The first pass's inputs with every tree row's verified block laid out as its accepted path's chain
-    (`accepted_path_sources`): token ids and hidden states gathered, positions root + row. New tensors."""
-    num_requests, block_len = step.num_requests, step.block_len
-    block_rows = step.token_indices.view(num_requests, block_len)
-    index = torch.arange(token_ids.shape[0], device=token_ids.device)
-    sources = block_rows.gather(1, accepted_path_sources(acceptance.accepted_nodes, block_len))
-    index[block_rows.reshape(-1)] = sources.reshape(-1)
-    chain_positions = positions.clone()
-    chain_positions[block_rows.reshape(-1)] = (
-        step.root_positions[:, None] + torch.arange(block_len, device=positions.device)).reshape(-1).to(positions.dtype)
-    return token_ids[index], chain_positions, hidden_states[index]
+    (`kernels.accepted_chains_torch`): token ids and hidden states gathered, positions root + row. New tensors (Model
+    Runner V2's drafter writes them into persistent buffers instead, with the one-launch kernel on CUDA)."""
+    chains = torch.empty_like(token_ids), torch.empty_like(positions), torch.empty_like(hidden_states)
+    accepted_chains_torch(step.token_indices.view(step.num_requests, step.block_len), acceptance.accepted_nodes,
+                          step.root_positions, token_ids, positions, hidden_states, *chains)
+    return chains

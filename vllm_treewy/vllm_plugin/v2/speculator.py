@@ -2,18 +2,19 @@
 are in `v2.runner`, the acceptance in `v2.sampler`).
 
 V2 builds it in `init_speculator` from `spec_decode.mtp.speculator.MTPSpeculator`
-(V2_MTP_SPECULATOR, rebound to `TreeMtpSpeculatorV2`, vLLM's class unchanged for chains). Per step: V2's own
-first pass (`propose` with one draft, FULL graphs included) over the verified tokens with each tree row's
-accepted path laid out as a chain, on attention metadata without the tree, whose logits give the root's children
-(`sample_draft`: one output-layer read per level, as a chain reads one per draft); then the drafting levels: one head
-forward per level over every request's level block, with the level tree on the attention metadata (TRITON_ATTN's
-bias or FLASH_ATTN's ancestor table, `trees.attention.uniform_tree_marking`), depth positions and KV slots
-P0 + block index. The levels are one function, `_draft_levels`, over persistent buffers (`TreeLevelBuffers`):
-static shapes, no host sync, so the same body runs eagerly or as a CUDA graph captured per padded request count of
-V2's FULL first-pass graphs, in V2's capture phase (`_capture_levels`; `propose` fills the root buffers and
-replays). Batches above the captured sizes (or without FULL graphs) run the body eagerly. Every request drafts at
-once (no request chunks on V2): a max_num_seqs x (1 + nodes above the leaves) over max_num_batched_tokens is
-refused at start-up (`check_level_budget`).
+(V2_MTP_SPECULATOR, rebound to `TreeMtpSpeculatorV2`, vLLM's class unchanged for chains). Per step: V2's own first
+pass (`propose` with one draft, FULL graphs included) over the verified tokens with each tree row's accepted path
+laid out as a chain (`kernels.accepted_chains_*`, into persistent buffers: `ChainInputBuffers`), on attention
+metadata without the tree, whose logits give the root's children (`sample_draft`: one output-layer read per level,
+as a chain reads one per draft); then the drafting levels: one head forward per level over every request's level
+block, with the level tree on the attention metadata (TRITON_ATTN's bias or FLASH_ATTN's ancestor table,
+`trees.attention.uniform_tree_marking`), depth positions and KV slots P0 + block index. The levels are one function,
+`_draft_levels`, over persistent buffers (`TreeLevelBuffers`): static shapes, no host sync, so the same body runs
+eagerly or as a CUDA graph captured per padded request count of V2's FULL first-pass graphs, in V2's capture phase
+(`_capture_levels`; the body itself fills the root buffers from what the first pass left in persistent buffers, so
+`propose` only replays). Batches above the captured sizes (or without FULL graphs) run the body eagerly. Every
+request drafts at once (no request chunks on V2): a max_num_seqs x (1 + nodes above the leaves) over
+max_num_batched_tokens is refused at start-up (`check_level_budget`).
 
 With `draft_tree_max_batch_size`, V2's dynamic speculative decoding asks for the tree's depth D drafts at larger
 batches (`num_speculative_tokens`): then the speculator is V2's own chain speculator for D steps (after a tree step
@@ -32,13 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_treewy.kernels.accepted_chains_torch import accepted_chains_torch
+from vllm_treewy.kernels.accepted_chains_triton import accepted_chains_triton
 from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.kernels.level_inputs_torch import level_inputs_torch
 from vllm_treewy.kernels.level_inputs_triton import level_inputs_triton
 from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
 from vllm_treewy.vllm_plugin.config import draft_shape_of
 from vllm_treewy.vllm_plugin.trees.attention import uniform_tree_marking
-from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, accepted_paths_as_chains, kv_slots
+from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, kv_slots
 from vllm_treewy.vllm_plugin.trees.metadata import (
     replace_metadata,
     tree_block_ancestors_of,
@@ -81,14 +84,31 @@ def check_level_budget(widths, max_num_seqs: int, max_num_batched_tokens: int) -
 
 
 @dataclass
+class ChainInputBuffers:
+    """The first pass's inputs with each tree row's accepted path laid out as a chain (`kernels.accepted_chains_*`
+    writes them; the first pass reads views): persistent, so that the level graphs read the roots' hidden states
+    from them by address. Sized like V2's own buffers (max_num_batched_tokens rows) and allocated with them, before
+    V2 measures the memory the KV cache may take."""
+
+    input_ids: torch.Tensor  # [max_tokens] in V2's input ids' dtype
+    positions: torch.Tensor  # [max_tokens] in V2's positions' dtype
+    hidden_states: torch.Tensor  # [max_tokens, H] the target's hidden states as the first pass reads them
+
+    @classmethod
+    def like(cls, input_buffers, hidden_states: torch.Tensor) -> ChainInputBuffers:
+        return cls(torch.zeros_like(input_buffers.input_ids), torch.zeros_like(input_buffers.positions),
+                   torch.zeros_like(hidden_states))
+
+
+@dataclass
 class TreeLevelBuffers:
     """The drafting levels' persistent inputs and outputs on the device (one set per tree speculator): what a level
-    graph reads and writes, so that eager runs and replays see the same addresses."""
+    graph reads and writes, so that eager runs and replays see the same addresses. The root rows are written by the
+    levels' body itself (`_draft_levels`), from buffers that persist too."""
 
     root_positions: torch.Tensor  # [max_reqs] int64 each root's position (its last accepted token's)
     root_tokens: torch.Tensor  # [max_reqs] the root's input token (the bonus), in the input ids' dtype
     root_hidden: torch.Tensor  # [max_reqs, H] the target's hidden state at the root
-    root_output: torch.Tensor  # [max_reqs, H] the first pass's head output at the root
     valid: torch.Tensor  # [max_reqs] bool: a real request (padding rows write no K/V)
     outputs: torch.Tensor  # [max_reqs, 1 + nodes above the leaves, H] head outputs per verified-block index
     slots: torch.Tensor  # [groups, max_tokens] int64 the level's KV slots (the head's slot mappings are views)
@@ -99,7 +119,7 @@ class TreeLevelBuffers:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         return cls(zeros(max_reqs, dtype=torch.long), zeros(max_reqs, dtype=id_dtype), zeros(max_reqs, hidden_size),
-                   zeros(max_reqs, hidden_size), zeros(max_reqs, dtype=torch.bool), zeros(max_reqs, widest, hidden_size),
+                   zeros(max_reqs, dtype=torch.bool), zeros(max_reqs, widest, hidden_size),
                    torch.full((num_groups, max_tokens), PADDING_SLOT, dtype=torch.long, device=device))
 
 
@@ -133,6 +153,7 @@ def make_tree_speculator_class(base):
             self.nodes_below = nodes_below_depth(self.widths)
             check_level_budget(self.widths, self.max_num_reqs, self.max_num_tokens)
             self._bufs: TreeLevelBuffers | None = None  # allocated at first use (the block tables come with set_attn)
+            self._chains = ChainInputBuffers.like(self.input_buffers, self.hidden_states)
             # [max_reqs, N] int64 the drafted trees in node order: the first pass writes the root's children (V2 runs
             # it before the block tables exist, at profiling), the levels the rest; graphs keep its address
             self.tree_tokens = torch.zeros(self.max_num_reqs, tree.num_nodes, dtype=torch.long, device=device)
@@ -150,9 +171,7 @@ def make_tree_speculator_class(base):
             accepted, self.tree_state.accepted = self.tree_state.accepted, None
             hidden = last_hidden_states
             if accepted is not None:
-                ids, positions, hidden = accepted_paths_as_chains(*accepted, input_batch.input_ids,
-                                                                   input_batch.positions, last_hidden_states)
-                input_batch = dataclasses.replace(input_batch, input_ids=ids, positions=positions)
+                input_batch, hidden = self._accepted_chains(input_batch, last_hidden_states, *accepted)
             if num_speculative_tokens is not None and num_speculative_tokens < self.tree.num_nodes:
                 # a larger batch's chain (draft_tree_max_batch_size): V2's own speculator for that many steps
                 return call(input_batch, _strip_tree(attn_metadata), slot_mappings, hidden, aux_hidden_states,
@@ -161,21 +180,14 @@ def make_tree_speculator_class(base):
             call(input_batch, _strip_tree(attn_metadata), slot_mappings, hidden, aux_hidden_states, num_sampled,
                  num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_speculative_tokens=1)
             num_reqs = input_batch.num_reqs
+            if accepted is None and self.levels:
+                # No tree acceptance this step (the first step after a prefill, say): the first pass read V2's hidden
+                # states, whose address need not outlive the step, so the levels (which read the roots' hidden states
+                # from the chain buffer, `_draft_levels`) get the roots' rows copied there; the rest of the batch's
+                # rows are never read, and copying every row would move num_tokens x H instead of num_reqs x H.
+                last_rows = self.last_token_indices[:num_reqs]
+                self._chains.hidden_states.index_copy_(0, last_rows, hidden.index_select(0, last_rows))
             graph_size = self._level_graph_size(num_reqs)
-            padded = num_reqs if graph_size is None else graph_size
-            bufs = self._tree_buffers()
-            last_rows = self.last_token_indices[:num_reqs]
-            # The root's inputs as the first pass had them (its K/V is rewritten with the same values): the bonus
-            # token and the target's hidden state at the last accepted token; its output: the first pass's head
-            # output there (V2's _prefill leaves it at hidden_states[:num_reqs], its position at positions[:num_reqs]).
-            bufs.root_positions[:num_reqs] = self.input_buffers.positions[:num_reqs]
-            bufs.root_tokens[:num_reqs] = self.input_buffers.input_ids[last_rows]
-            bufs.root_hidden[:num_reqs] = hidden[last_rows]
-            bufs.root_output[:num_reqs] = self.hidden_states[:num_reqs]
-            bufs.valid[:num_reqs] = True
-            if padded > num_reqs:  # graph padding: rows that write no K/V (PAD slots) and read position 0
-                bufs.root_positions[num_reqs:padded] = 0
-                bufs.valid[num_reqs:padded] = False
             if graph_size is None:
                 upper = input_batch.seq_lens_cpu_upper_bound[:num_reqs]
                 self.draft_max_seq_len = min(int(upper.max()) + self.tree.num_nodes, self.max_model_len)
@@ -184,6 +196,19 @@ def make_tree_speculator_class(base):
                 self._level_graphs[graph_size][0].replay()
             self.draft_tokens[:num_reqs] = self.tree_tokens[:num_reqs]
             return self.draft_tokens[:num_reqs]
+
+        def _accepted_chains(self, input_batch, last_hidden_states, step: TreeStep, acceptance):
+            """The batch with each tree row's accepted path laid out as a chain (one launch on CUDA) in the chain
+            buffers, and its hidden states there: what the first pass reads."""
+            num_tokens = input_batch.input_ids.shape[0]
+            chains = self._chains
+            ids, positions = chains.input_ids[:num_tokens], chains.positions[:num_tokens]
+            hidden = chains.hidden_states[:num_tokens]
+            write = accepted_chains_triton if dispatch.launches_triton(hidden) else accepted_chains_torch
+            write(step.token_indices.view(step.num_requests, step.block_len), acceptance.accepted_nodes,
+                  step.root_positions, input_batch.input_ids, input_batch.positions, last_hidden_states, ids,
+                  positions, hidden)
+            return dataclasses.replace(input_batch, input_ids=ids, positions=positions), hidden
 
         # -- the first pass: the root's children from its logits ---------------------------------------------------
         def _prefill(self, num_reqs, *args, **kwargs):
@@ -246,23 +271,35 @@ def make_tree_speculator_class(base):
             return inputs
 
         def _draft_levels(self, num_reqs: int, level_inputs: list) -> None:
-            """Every request's tree into `tree_tokens[:num_reqs]`, from the root buffers: device ops of
+            """Every request's tree into `tree_tokens[:num_reqs]`, from what the first pass left: device ops of
             static shapes only (no host sync, no allocation that depends on data), so that the same function runs
-            eagerly and inside a CUDA graph. `level_inputs`: `_level_inputs(num_reqs, ...)`."""
+            eagerly and inside a CUDA graph. `level_inputs`: `_level_inputs(num_reqs, ...)`. `num_reqs` may exceed
+            the batch's requests (a graph's padded count): the rows past them are padding."""
+            # tokens[:, :w1], the root's children, are the first pass's (`sample_draft`)
+            if not self.levels:  # a depth-1 tree: the first pass's top-w1 is the whole tree
+                return
             bufs = self._tree_buffers()
             buffers = self.input_buffers
             widest = 1 + self.nodes_below[-2]
             root_positions = bufs.root_positions[:num_reqs]
             tokens, outputs = self.tree_tokens[:num_reqs], bufs.outputs[:num_reqs]
-            outputs[:, 0] = bufs.root_output[:num_reqs]
-            # tokens[:, :w1], the root's children, are the first pass's (`sample_draft`)
-            if not self.levels:  # a depth-1 tree: the first pass's top-w1 is the whole tree
-                return
+            # The roots' inputs as the first pass had them (their K/V is rewritten with the same values), read from
+            # buffers whose addresses persist: the bonus token and the target's hidden state at each request's last
+            # accepted token (V2's last_token_indices; the hidden state from the chain buffer, `propose`); the root's
+            # output, the first pass's head output there, and its position (V2's _prefill leaves them at
+            # hidden_states[:num_reqs] and positions[:num_reqs]). V2's first-pass inputs pad seq_lens with 0 past the
+            # batch's requests (for its graphs): those rows are padding, which write no K/V (PAD slots) and read
+            # position 0. Read before the first level rewrites seq_lens and the input buffers.
+            last_rows = self.last_token_indices[:num_reqs]
+            valid = torch.gt(buffers.seq_lens[:num_reqs], 0, out=bufs.valid[:num_reqs])
+            torch.mul(buffers.positions[:num_reqs], valid, out=root_positions)
+            torch.index_select(buffers.input_ids, 0, last_rows, out=bufs.root_tokens[:num_reqs])
+            torch.index_select(self._chains.hidden_states, 0, last_rows, out=bufs.root_hidden[:num_reqs])
+            outputs[:, 0] = self.hidden_states[:num_reqs]
             # The deepest level's block: every level's block is a prefix of it (KV slots once per step).
             offsets = torch.arange(widest, device=self.device)
             block_positions = root_positions[:, None] + offsets
-            valid = bufs.valid[:num_reqs, None]
-            slots = [torch.where(valid, kv_slots(table[:num_reqs], block_positions, size, self.max_model_len),
+            slots = [torch.where(valid[:, None], kv_slots(table[:num_reqs], block_positions, size, self.max_model_len),
                                  PADDING_SLOT)
                      for table, size in zip(self.block_tables.input_block_tables, self.block_tables.block_sizes)]
             write_inputs = level_inputs_triton if dispatch.launches_triton(root_positions) else level_inputs_torch
@@ -305,8 +342,9 @@ def make_tree_speculator_class(base):
             """One CUDA graph of `_draft_levels` per padded request count of V2's FULL first-pass graphs (the same
             batch sizes; captured in V2's capture phase, into V2's graph pool). Captured with PAD slots (no K/V
             written) and the lengths' host bound at max_model_len, which every replay stays within. The body reads only
-            what outlives its graph (a graph keeps addresses, not tensors): the buffers, the speculator's constants and
-            block tables, and the level inputs kept with the graph; its aranges are made inside it."""
+            what outlives its graph (a graph keeps addresses, not tensors): the buffers (the speculator's, V2's input
+            buffers, hidden states and last-token indices), the speculator's constants and block tables, and the
+            level inputs kept with the graph; its aranges are made inside it."""
             # vLLM's graph-capture context looked up at capture time, where V2 runs (CUDA; tests stand it in)
             from vllm.distributed.parallel_state import graph_capture
 
@@ -317,16 +355,16 @@ def make_tree_speculator_class(base):
                 # V2's graph-memory profiling throws its captures (and their pool) away before the real capture; the
                 # level graphs (the head over <= max_num_seqs x 1 + nodes above the leaves tokens) stay out of it.
                 return
-            bufs = self._tree_buffers()
+            buffers = self.input_buffers
             saved, self.draft_max_seq_len = self.draft_max_seq_len, self.max_model_len
             try:
                 with graph_capture(device=self.device):
                     for size in sorted(sizes, reverse=True):
-                        bufs.root_positions[:size] = 0
-                        bufs.valid[:size] = False
                         upper = torch.full((size,), self.max_model_len, dtype=torch.int32)
                         inputs = self._level_inputs(size, upper)
-                        self._draft_levels(size, inputs)  # warm-up
+                        buffers.seq_lens[:size] = 0  # every row padding (`_draft_levels`): no K/V written
+                        self._draft_levels(size, inputs)  # warm-up (its levels rewrite seq_lens)
+                        buffers.seq_lens[:size] = 0
                         graph = capture_graph(functools.partial(self._draft_levels, size, inputs), manager.pool,
                                               self.vllm_config)
                         self._level_graphs[size] = (graph, inputs)
