@@ -31,7 +31,7 @@ rm -rf "$work"; mkdir -p "$out" "$work/runs" "$work/turns" "$work/logs"
 log=$out/log.txt; : >"$log"
 start=$(date +%s)
 limit=${CALL_LIMIT_S:-480}
-# The engine catalog: name -> engine arguments (the strategy is reconstruct for all). ENGINES picks the call's
+# The engine catalog: name -> engine arguments (the strategy is reconstruct unless the name says store_all). ENGINES picks the call's
 # engines by name (default: the fp16 trees [2,2,1] and [2,1,1] and the bf16 tree [2,2,1]); BATCHES the batch sizes.
 # fp16 engines are judged (one timed pass: their outputs are what is judged); bf16 ones report tokens/s (median of
 # 3 passes) and acceptance beside the bf16 chains of the same depth (k3: depth 3, k2: depth 2 for [4,2], k4: depth 4
@@ -63,6 +63,12 @@ done
 # (bench/results/mtp_tree_acceptance_cpu: on the fixture the trees gain less over the chain than under greedy).
 for name in tree221-bf16 tree322-bf16 tree42-bf16 tree3221-bf16 k4-bf16 k3-bf16 k2-bf16; do
   catalog[$name-t1]="${catalog[$name]} --temperature 1.0 --name-suffix bf16-t1"
+done
+# A chain with "-store_all" appended runs vLLM's store_all on the same head, judged beside reconstruct (e.g. a GDN
+# state dtype whose rounding the no-speculation reference does not share: ENGINES="k3-fp16 k3-fp16-store_all" with
+# --ssm-cache-dtype bfloat16). The engine's later --strategy wins over the script's.
+for name in k4-bf16 k3-bf16 k2-bf16 k1-bf16 k3-fp16; do
+  catalog[$name-store_all]="${catalog[$name]} --strategy store_all"
 done
 for name in "${!catalog[@]}"; do
   catalog[$name-triton]="${catalog[$name]} --attention-backend TRITON_ATTN"

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_catalog_entries_parse_into_their_configs(tmp_path):
     engines = ("tree221t8-fp16 tree221t8-bf16 tree221-bf16 k3-bf16 tree3221-bf16-t1 k4-bf16 tree4-fp16 k1-bf16 "
-               "tree221-bf16-triton")
+               "tree221-bf16-triton k3-fp16-store_all")
     env = dict(os.environ, DRY_RUN="1", ENGINES=engines,
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", WORK=str(tmp_path / "work"))
@@ -38,6 +38,9 @@ def test_catalog_entries_parse_into_their_configs(tmp_path):
     assert "attention_backend" not in lines["tree221-bf16"]
     assert "reconstruct-tree221-bf16-triton_attn" in lines["tree221-bf16-triton"]
     assert "'attention_backend': 'TRITON_ATTN'" in lines["tree221-bf16-triton"]
+    # a chain's store_all beside reconstruct on the same head: the engine's --strategy wins over the script's
+    assert "store_all-k3-fp16" in lines["k3-fp16-store_all"]
+    assert "'mamba_state_commit': 'store_all'" in lines["k3-fp16-store_all"]
 
 
 def test_the_gpu_site_names_an_attention_backend_only_when_the_call_does():
