@@ -154,8 +154,8 @@ def test_triton_ancestor_pass_at_the_27b_attention_shape():
 
 
 @pytest.mark.parametrize("num_requests", [1, 2, 3, 4, 7, 8, 9, 16, 17])
-def test_triton_ancestor_pass_request_search_at_bit_length_edges(num_requests):
-    """The request search takes R.bit_length() halvings: request counts at and past powers of two, every request
+def test_triton_ancestor_pass_request_search_at_power_of_two_edges(num_requests):
+    """The request search over R requests: request counts at and past powers of two, every request
     found (blocks, decodes and empty requests interleaved, the last token of the last request included)."""
     kinds = ["block", 1, "block", 0]
     query_lens = [kinds[r % len(kinds)] for r in range(num_requests)]

@@ -5,9 +5,9 @@ and log-sum-exp for the merge with the prefix pass.
 One program per (token, KV head), for the GQA group's GROUP = H / H_kv query heads of that KV head at once, as one
 `[GROUP_PAD, BLOCK_D]` tile (GROUP_PAD: GROUP rounded up to a power of two, the padding rows masked). The program:
 
-1. finds the token's request in `query_start_loc` by binary search: `STEPS = R.bit_length()` halvings for R
-   requests (ceil(log2(R + 1)), exactly what R + 1 candidate positions need; each halving is a dependent load, so the
-   search is the program's latency floor at small batches and is kept as short as R allows);
+1. finds the token's request in `query_start_loc` by binary search (SEARCH_STEPS halvings, enough for any batch
+   vLLM schedules; once the interval is empty a halving's load is masked off, so the search costs about log2(R)
+   dependent loads whatever the bound, and one compiled variant serves every batch);
 2. when that request's query is a verified block (BLOCK_LEN = 1 + N tokens), takes its ancestors' key rows from the
    tree's `block_ancestors` row; any other token (a one-token decode, the padding past the batch) attends to itself
    alone: `tree_token_ancestors`' rule, computed in the program so that the pass is one launch per attention layer
@@ -29,11 +29,9 @@ NUM_WARPS = 4: at GROUP_PAD x D = 8 x 256 that is 16 fp32 elements a thread per 
 over D inside a warp); fewer warps lengthen each program (the small batches' latency), more replicate the scalar
 search and table work per warp (the large batches' instruction count).
 
-Compiled variants: STEPS is a constexpr from the launch's request count (`num_requests` itself is not specialised),
-so one variant per bit length of R: a handful up to vLLM's max_num_seqs. A CUDA graph is captured at a fixed R (the
-`query_start_loc` shape), so each captured graph uses one variant and replays it; the grid is static per graph
-(token and KV head counts). An eager launch (mixed batches' tree rows) compiles a variant on the first R of a new
-bit length, once per process (Triton's cache keeps it). Topology as tensors; no host sync: capturable.
+Compiled variants: one per head layout, tree and dtype signature (`num_requests` is not specialised, and the search's
+bound is fixed), so no batch compiles a new one in the middle of serving. Static grid from the token and KV head
+counts; topology as tensors; no host sync: capturable.
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ import triton
 import triton.language as tl
 
 NUM_WARPS = 4  # module docstring
+SEARCH_STEPS = 24  # binary-search halvings over the requests: batches of up to 2^24 - 1 requests
 
 
 @triton.jit(do_not_specialize=["num_requests"])
@@ -123,8 +122,8 @@ def tree_attention_ancestors_triton(
     if num_heads % num_kv_heads:
         raise ValueError(f"tree_attention_ancestors_triton: {num_heads} query heads over {num_kv_heads} KV heads")
     num_requests = query_start_loc.shape[0] - 1
-    if num_requests < 1:
-        raise ValueError("tree_attention_ancestors_triton: no requests")
+    if num_requests < 1 or num_requests >= 2**SEARCH_STEPS:
+        raise ValueError(f"tree_attention_ancestors_triton: {num_requests} requests (1 to {2**SEARCH_STEPS - 1})")
     block_len, width = block_ancestors.shape
     group = num_heads // num_kv_heads
     _tree_attention_ancestors_kernel[(num_tokens, num_kv_heads)](
@@ -132,6 +131,6 @@ def tree_attention_ancestors_triton(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         output.stride(0), output.stride(1), block_ancestors.stride(0), lse.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size, BLOCK_LEN=block_len, A=width,
-        BLOCK_D=triton.next_power_of_2(head_size), STEPS=num_requests.bit_length(), num_warps=NUM_WARPS,
+        BLOCK_D=triton.next_power_of_2(head_size), STEPS=SEARCH_STEPS, num_warps=NUM_WARPS,
     )
     return output, lse
