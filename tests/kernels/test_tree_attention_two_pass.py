@@ -1,7 +1,8 @@
 """Two-pass tree attention (prefix pass over the paged cache + ancestor pass over the verified block, merged by
 log-sum-exp) against one dense masked softmax over the union in fp64, on random trees, prefix lengths (0 included:
 graph-padding rows), GQA head counts and fp32 / fp16 / bf16; the Triton ancestor kernel (interpreted on CPU) against
-its torch twin; the merge against one softmax over the union of two disjoint key sets. Seconds in all."""
+its torch twin (GQA groups of 1 to 6, head sizes up to 256, request counts at the search's bit-length edges); the
+merge against one softmax over the union of two disjoint key sets. Seconds in all."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from vllm_treewy.kernels.paged_prefix_attention_torch import paged_prefix_attent
 from vllm_treewy.kernels.tree_attention_ancestors_torch import tree_attention_ancestors_torch, tree_token_ancestors
 from vllm_treewy.kernels.tree_attention_ancestors_triton import tree_attention_ancestors_triton
 from vllm_treewy.kernels.tree_attention_reference import tree_attention_reference
+from vllm_treewy.tree import DraftTree
 
 # Output tolerance per dtype: the inputs are already in the dtype, so what is left is the output's rounding and the
 # fp32 accumulation (half an ulp of values of magnitude ~1, times a small factor).
@@ -112,25 +114,53 @@ def test_two_pass_with_the_triton_ancestor_pass():
     torch.testing.assert_close(got.double().view_as(expected), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
-@settings(max_examples=10, deadline=None)
-@given(parents=trees(max_nodes=5), query_lens=st.lists(st.sampled_from([0, 1, "block"]), min_size=1, max_size=6),
-       padding=st.integers(0, 2), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]), dtype=DTYPES,
-       seed=st.integers(0, 2**16))
-def test_triton_ancestor_pass_equals_its_twin(parents, query_lens, padding, kv_heads, group, dtype, seed):
-    """Batches mixing verified blocks, one-token decodes, empty (padded) requests and padding tokens past the batch,
-    as a FULL graph's replay of a covering batch has them; the key / value rows strided as a fused QKV output."""
+def assert_triton_equals_twin(parents, query_lens, padding, kv_heads, group, head_size, dtype, seed, scale=0.3):
+    """The Triton ancestor pass against its torch twin on one batch: `query_lens` entries 0, 1 or "block"; `padding`
+    tokens past the batch; the key / value rows strided as a fused QKV output."""
     generator = torch.Generator().manual_seed(seed)
     table = block_ancestor_table(parents)
     lengths = [table.shape[0] if length == "block" else length for length in query_lens]
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    num_tokens, head_size = int(cu[-1]) + padding, 12
+    num_tokens = int(cu[-1]) + padding
+    if num_tokens == 0:
+        return
     query = torch.randn(num_tokens, kv_heads * group, head_size, generator=generator).to(dtype)
     qkv = torch.randn(num_tokens, 3 * kv_heads, head_size, generator=generator).to(dtype)
     key, value = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
-    expected_out, expected_lse = tree_attention_ancestors_torch(query, key, value, cu, table, 0.3)
-    out, lse = tree_attention_ancestors_triton(query, key, value, cu, table, 0.3)
+    expected_out, expected_lse = tree_attention_ancestors_torch(query, key, value, cu, table, scale)
+    out, lse = tree_attention_ancestors_triton(query, key, value, cu, table, scale)
+    assert out.dtype == dtype and out.shape == query.shape and lse.shape == (kv_heads * group, num_tokens)
     torch.testing.assert_close(out.float(), expected_out.float(), atol=TOLERANCE[dtype], rtol=0)
     torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(parents=trees(max_nodes=5), query_lens=st.lists(st.sampled_from([0, 1, "block"]), min_size=1, max_size=6),
+       padding=st.integers(0, 2), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 3, 6]),
+       head_size=st.sampled_from([12, 64, 256]), dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_triton_ancestor_pass_equals_its_twin(parents, query_lens, padding, kv_heads, group, head_size, dtype, seed):
+    """Batches mixing verified blocks, one-token decodes, empty (padded) requests and padding tokens past the batch,
+    as a FULL graph's replay of a covering batch has them; GQA groups of power-of-two and other sizes (one program
+    holds a KV head's whole group, padded to a power of two), head sizes of one and other sizes."""
+    assert_triton_equals_twin(parents, query_lens, padding, kv_heads, group, head_size, dtype, seed)
+
+
+def test_triton_ancestor_pass_at_the_27b_attention_shape():
+    """Qwen3.5-27B's full attention (24 query heads over 4 KV heads: groups of 6; head size 256) in bf16, the
+    [2, 2, 1] tree, a batch of blocks, a decode, an empty request and graph padding."""
+    parents = DraftTree.from_widths([2, 2, 1]).parents
+    assert_triton_equals_twin(parents, ["block", "block", 1, "block", 0, "block"], 3, 4, 6, 256, torch.bfloat16,
+                              seed=3, scale=256**-0.5)
+
+
+@pytest.mark.parametrize("num_requests", [1, 2, 3, 4, 7, 8, 9, 16, 17])
+def test_triton_ancestor_pass_request_search_at_power_of_two_edges(num_requests):
+    """The request search over R requests: request counts at and past powers of two, every request
+    found (blocks, decodes and empty requests interleaved, the last token of the last request included)."""
+    kinds = ["block", 1, "block", 0]
+    query_lens = [kinds[r % len(kinds)] for r in range(num_requests)]
+    query_lens[-1] = "block"
+    assert_triton_equals_twin([-1, 0, -1], query_lens, 1, 1, 3, 12, torch.float32, seed=num_requests)
 
 
 def test_token_ancestors_of_blocks_one_token_rows_and_padding():

@@ -1,0 +1,181 @@
+"""Time per launch of two-pass tree attention's ancestor pass (`tree_attention_ancestors_triton`) at Qwen3.5-27B's
+full-attention shape (24 query heads over 4 KV heads, head size 256, bf16), for draft trees at batches of verified
+blocks, beside an earlier version of the kernel (the package keeps one production path, so the earlier one comes
+from git or from a file holding its source).
+
+On the GPU machine, where git does not travel, write the earlier version here first (`.scratch/` is git-ignored: name
+the file in the device call's carry):
+
+    mkdir -p .scratch && git show 4188436:vllm_treewy/kernels/tree_attention_ancestors_triton.py \\
+        > .scratch/ancestors_before.py
+    PYTHONPATH=$PWD python3 -m bench.kernels.tree_attention_ancestors_bench --out $OUT \\
+        --baseline .scratch/ancestors_before.py
+
+With git at hand `--baseline REF` reads the kernel at that commit (the default, `BASELINE`, is the version with one
+program per (token, query head) and 24 search halvings). `--dry-run` (CPU: the Triton interpreter; nothing timed)
+checks every version on every row and writes the JSON: the plumbing check.
+
+Method: every row first checks each version's output and log-sum-exp against the torch twin
+(`tree_attention_ancestors_torch`), then times it as the median over CUDA-graph replays of back-to-back launches
+(`timing.graph_time_us`). Inputs as the FLASH_ATTN hook sees them: query, key and value are views of one fused QKV
+row per token; every request of the batch a verified block of the tree. Written: `OUT/NAME.json` (command, device
+facts, rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+if not torch.cuda.is_available():  # the dry run interprets the kernels; set before any Triton kernel is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from vllm_treewy.kernels.tree_attention_ancestors_torch import tree_attention_ancestors_torch  # noqa: E402
+from vllm_treewy.kernels.tree_attention_ancestors_triton import tree_attention_ancestors_triton  # noqa: E402
+from vllm_treewy.tree import DraftTree  # noqa: E402
+from vllm_treewy.vllm_plugin.trees.attention_flash import tree_block_ancestors  # noqa: E402
+
+KERNEL_PATH = "vllm_treewy/kernels/tree_attention_ancestors_triton.py"
+# the last commit with one program per (token, query head) and 24 search halvings (the same file as 9b93189's)
+BASELINE = "4188436"
+HEADS, KV_HEADS, HEAD_SIZE = 24, 4, 256  # Qwen3.5-27B's full attention
+TOLERANCE = {"output": 1.6e-2, "lse": 1e-4}  # bf16 output rounding (absolute and relative); fp32 log-sum-exp
+
+
+def load_baseline(source: str):
+    """The earlier kernel's `tree_attention_ancestors_triton`: from the file `source` if it exists, else from git at
+    the commit `source`. Loaded as its own module from a real file (Triton's JIT reads the kernel's source)."""
+    path = pathlib.Path(source)
+    if path.is_file():
+        text = path.read_text()
+    else:
+        done = subprocess.run(["git", "-C", str(ROOT), "show", f"{source}:{KERNEL_PATH}"], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"--baseline {source}: neither a file nor a commit git can show ({done.stderr.strip()}); "
+                             f"without git, write `git show {source}:{KERNEL_PATH}` to a file and pass that")
+        text = done.stdout
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="ancestors_baseline_"))
+    module_path = folder / "tree_attention_ancestors_baseline.py"
+    module_path.write_text(text)
+    spec = importlib.util.spec_from_file_location("tree_attention_ancestors_baseline", module_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.tree_attention_ancestors_triton
+
+
+def case(widths, batch, heads, kv_heads, head_size, device, seed=0):
+    """The ancestor pass's arguments for `batch` verified blocks of the tree `widths` (root + N tokens each)."""
+    tree = DraftTree.from_widths(widths)
+    table = tree_block_ancestors(tree, device)
+    block_len = table.shape[0]
+    tokens = batch * block_len
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_size, generator=generator).to(torch.bfloat16).to(device)
+    query, key, value = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    starts = (torch.arange(batch + 1, dtype=torch.int32) * block_len).to(device)
+    return (query, key, value, starts, table, head_size**-0.5), tokens, table.shape[1]
+
+
+def check(version, args, expected):
+    out, lse = version(*args)
+    ok = torch.allclose(out.float(), expected[0].float(), atol=TOLERANCE["output"], rtol=TOLERANCE["output"]) and (
+        torch.allclose(lse, expected[1], atol=TOLERANCE["lse"], rtol=TOLERANCE["lse"]))
+    return dict(output_error=float((out.float() - expected[0].float()).abs().max()),
+                lse_error=float((lse - expected[1]).abs().max()), ok=ok)
+
+
+def row(widths, batch, versions, shape, dry_run):
+    from bench.kernels.timing import graph_time_us
+
+    device = "cpu" if dry_run else "cuda"
+    args, tokens, width = case(widths, batch, *shape, device)
+    expected = tree_attention_ancestors_torch(*args)
+    record = dict(tree=widths, batch=batch, tokens=tokens, ancestors_width=width, heads=shape[0], kv_heads=shape[1],
+                  head_size=shape[2], dtype="bf16", versions={})
+    for name, version in versions.items():
+        result = check(version, args, expected)
+        if not dry_run:
+            result["time_us"] = round(graph_time_us([lambda version=version: version(*args)]), 3)
+        record["versions"][name] = result
+    times = {name: result.get("time_us") for name, result in record["versions"].items()}
+    if times.get("current") and times.get("baseline"):
+        record["baseline_over_current"] = round(times["baseline"] / times["current"], 3)
+    return record
+
+
+def facts(dry_run):
+    if not dry_run:
+        from bench.kernels.timing import device_facts
+
+        return device_facts()
+    return dict(name="cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels"))
+    parser.add_argument("--name", default="tree_attention_ancestors")
+    parser.add_argument("--trees", nargs="*", default=["2,2,1", "3,2,2,1"], help="draft trees as widths")
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64], help="verified blocks a launch")
+    parser.add_argument("--shape", type=int, nargs=3, default=[HEADS, KV_HEADS, HEAD_SIZE],
+                        metavar=("HEADS", "KV_HEADS", "HEAD_SIZE"))
+    parser.add_argument("--baseline", default=BASELINE, help="the earlier kernel: a file, or a commit git can show")
+    parser.add_argument("--no-baseline", action="store_true", help="time the current kernel alone")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, interpreted: check every row, time nothing")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: pass --dry-run for the CPU check")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    versions = {"current": tree_attention_ancestors_triton}
+    if not args.no_baseline:
+        versions["baseline"] = load_baseline(args.baseline)
+    started = time.time()
+    device = facts(args.dry_run)
+    print(json.dumps(device), flush=True)
+    records, failed = [], False
+
+    def save():
+        result = dict(command="python3 -m bench.kernels.tree_attention_ancestors_bench " + " ".join(
+            sys.argv[1:] if argv is None else argv), device=device, baseline=None if args.no_baseline else
+            args.baseline, dry_run=args.dry_run, seconds=round(time.time() - started, 1), rows=records)
+        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+
+    with torch.inference_mode():
+        for widths in args.trees:
+            for batch in args.batches:
+                try:
+                    record = row([int(w) for w in widths.split(",")], batch, versions, args.shape, args.dry_run)
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+                    failed = True
+                    continue
+                failed |= not all(result["ok"] for result in record["versions"].values())
+                records.append(record)
+                print(json.dumps(record), flush=True)
+                save()
+    save()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
