@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_treewy.kernels.accepted_chains_torch import accepted_chains_torch
-from vllm_treewy.kernels.accepted_chains_triton import BLOCK_H, accepted_chains_triton
+from vllm_treewy.kernels.accepted_chains_triton import accepted_chains_triton
+from vllm_treewy.kernels.row_copy_triton import ROW_BLOCK
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees.drafting import accepted_paths_as_chains
 
@@ -94,7 +95,7 @@ request_kinds = st.lists(st.one_of(st.just("tree"), st.integers(1, 5)), min_size
 
 @settings(max_examples=30, deadline=None)
 @given(parents=trees(max_nodes=9, max_depth=4), kinds=request_kinds, padding=st.integers(0, 3),
-       hidden_size=st.sampled_from([1, 7, 64, BLOCK_H + 24]),
+       hidden_size=st.sampled_from([1, 7, 64, ROW_BLOCK + 24]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
 def test_the_kernel_writes_what_the_twin_writes_and_the_twin_the_chains(parents, kinds, padding, hidden_size, dtype,
                                                                          seed):

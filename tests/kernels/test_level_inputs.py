@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_treewy.kernels.level_inputs_torch import level_inputs_torch
-from vllm_treewy.kernels.level_inputs_triton import BLOCK_H, level_inputs_triton
+from vllm_treewy.kernels.level_inputs_triton import level_inputs_triton
+from vllm_treewy.kernels.row_copy_triton import ROW_BLOCK
 from vllm_treewy.tree import DraftTree
 
 from .tree_cases import trees
@@ -51,7 +52,7 @@ def write(function, inputs, buffers, rows, num_requests):
 
 @settings(max_examples=30, deadline=None)
 @given(parents=trees(max_nodes=9, max_depth=4), num_requests=st.integers(1, 4),
-       hidden_size=st.sampled_from([1, 7, 64, BLOCK_H + 24]),
+       hidden_size=st.sampled_from([1, 7, 64, ROW_BLOCK + 24]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
 def test_the_kernel_writes_what_the_twin_writes_and_the_twin_the_level(parents, num_requests, hidden_size, dtype,
                                                                       seed):

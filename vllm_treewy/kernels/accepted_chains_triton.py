@@ -3,8 +3,8 @@
 
 One program per step token: it finds the tree row whose verified block holds it (a binary search over the blocks' first
 rows: the blocks are runs of consecutive token rows in ascending order, as `trees.step.find_tree_step` lays them out),
-then writes the token's id, position and hidden row (copied in chunks of BLOCK_H) from its source row: its path token's
-for block rows 1 .. accepted, itself for every other token. Every output element is written by exactly one program, and
+then writes the token's id, position and hidden row (`row_copy_triton`) from its source row: its path token's for
+block rows 1 .. accepted, itself for every other token. Every output element is written by exactly one program, and
 no program reads an output. Static grid from the host's token count; no host sync: capturable.
 """
 
@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_H = 1024  # hidden elements a program copies per iteration
+from .row_copy_triton import copy_row, row_block
+
 
 
 # One compiled variant per dtype signature: strides, counts and the buffers' alignment (views of the runners'
@@ -54,10 +55,7 @@ def _accepted_chains_kernel(
     tl.store(out_positions + token, position.to(out_positions.dtype.element_ty))
     origin = hidden_states + source * stride_in
     destination = out_hidden + token * stride_out
-    columns = tl.arange(0, BLOCK)
-    for start in range(0, hidden_size, BLOCK):
-        live = start + columns < hidden_size
-        tl.store(destination + start + columns, tl.load(origin + start + columns, mask=live), mask=live)
+    copy_row(origin, destination, hidden_size, BLOCK)
 
 
 def accepted_chains_triton(block_rows: torch.Tensor, accepted_nodes: torch.Tensor, root_positions: torch.Tensor,
@@ -77,5 +75,5 @@ def accepted_chains_triton(block_rows: torch.Tensor, accepted_nodes: torch.Tenso
         block_rows, accepted_nodes, accepted_nodes.stride(0), accepted_nodes.shape[1], root_positions, token_ids,
         positions, hidden_states, hidden_states.stride(0), out_ids, out_positions, out_hidden, out_hidden.stride(0),
         hidden_states.shape[-1], num_requests, block_len, num_requests.bit_length(),
-        BLOCK=min(BLOCK_H, triton.next_power_of_2(hidden_states.shape[-1])),
+        BLOCK=row_block(hidden_states.shape[-1]),
     )

@@ -1,7 +1,7 @@
 """The inputs of one MTP drafting level in one Triton launch: `level_inputs_torch` is its twin and states the layout.
 
 One program per (request, block token): it writes the token's id, position and hidden row (the root's hidden state,
-or the head's output at the token's parent, copied in chunks of BLOCK_H); the request's first program also writes its
+or the head's output at the token's parent; `row_copy_triton`); the request's first program also writes its
 query start and sequence length (the last request's the final query start). Every output element is written by
 exactly one program. Static grid from the host's request count and the level's block length; no host sync:
 capturable.
@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_H = 1024  # hidden elements a program copies per iteration
+from .row_copy_triton import copy_row, row_block
+
 
 
 # One compiled variant per level and dtype signature: strides and the buffers' alignment (views of the runner's
@@ -44,10 +45,7 @@ def _level_inputs_kernel(
     source = tl.where(is_root, root_hidden + request * stride_root,
                       outputs + request * stride_out_r + parent * stride_out_b)
     destination = hidden_states + row * stride_hidden
-    columns = tl.arange(0, BLOCK)
-    for start in range(0, hidden_size, BLOCK):
-        live = start + columns < hidden_size
-        tl.store(destination + start + columns, tl.load(source + start + columns, mask=live), mask=live)
+    copy_row(source, destination, hidden_size, BLOCK)
     if token == 0:
         tl.store(query_start_loc + request, (request * BLOCK_LEN).to(query_start_loc.dtype.element_ty))
         tl.store(seq_lens + request, (root + BLOCK_LEN).to(seq_lens.dtype.element_ty))
@@ -74,5 +72,5 @@ def level_inputs_triton(root_tokens: torch.Tensor, root_hidden: torch.Tensor, no
         root_tokens, root_hidden, root_hidden.stride(0), node_tokens, node_tokens.stride(0), outputs,
         outputs.stride(0), outputs.stride(1), parent_blocks, depths, root_positions, max_position, input_ids,
         hidden_states, hidden_states.stride(0), positions, query_start_loc, seq_lens, hidden_size, num_requests,
-        BLOCK_LEN=block_len, BLOCK=min(BLOCK_H, triton.next_power_of_2(hidden_size)),
+        BLOCK_LEN=block_len, BLOCK=row_block(hidden_size),
     )
