@@ -8,8 +8,8 @@
 # arguments) and k1-code k1-prose k3-code k3-prose k4-code k4-prose (vLLM's synthetic chain: one profile an engine;
 # reconstruct, or store_all with -store_all appended, e.g. "k1-code k1-code-store_all"). SHAPE: a shape of
 # bench/sweep/models.py or "fixture" (the CPU dry run); LAYERS: the shape cut to that many layers (a multiple of 4;
-# empty: all); BATCHES (default 1 2 4 8 16 32 64); ATTN_BACKEND (default TRITON_ATTN, for trees and chains alike:
-# trees need it until tree attention runs on FLASH_ATTN); MAX_TOKENS (128), PROMPT_LEN (256), GPU_UTIL (0.9);
+# empty: all); BATCHES (default 1 2 4 8 16 32 64); ATTN_BACKEND (default: vLLM's pick, FLASH_ATTN on Hopper, for
+# trees and chains alike; TRITON_ATTN names Triton's); MAX_TOKENS (128), PROMPT_LEN (256), GPU_UTIL (0.9);
 # CALL_LIMIT_S (570): an engine that would start with less than MIN_ENGINE_S (240) left is skipped and logged.
 # Arguments after OUT_DIR go to every engine, e.g. `--profiles code --sibling-rates 0.4 --profile-batch 1 8`: one
 # class, then a profiled generate per batch size (GPU kernel time by kind per engine step, in ENGINE.json).
@@ -22,8 +22,9 @@ log=$out/log.txt
 start=$(date +%s)
 limit=${CALL_LIMIT_S:-570}
 echo "=== $(date -u +%FT%TZ) SHAPE=${SHAPE:-qwen35-27b} LAYERS=${LAYERS:-} ENGINES='${ENGINES:-}'" \
-  "BATCHES='${BATCHES:-}' ATTN_BACKEND=${ATTN_BACKEND:-TRITON_ATTN} $*" >>"$log"
+  "BATCHES='${BATCHES:-}' ATTN_BACKEND=${ATTN_BACKEND:-vllm-default} $*" >>"$log"
 layers=(); [ -n "${LAYERS:-}" ] && layers=(--layers "$LAYERS")
+backend=(); [ -n "${ATTN_BACKEND:-}" ] && backend=(--attention-backend "$ATTN_BACKEND")
 for engine in ${ENGINES:-tree221 k3-code}; do
   strategy=reconstruct chain=$engine
   [[ $engine == *-store_all ]] && strategy=store_all chain=${engine%-store_all}
@@ -45,7 +46,7 @@ for engine in ${ENGINES:-tree221 k3-code}; do
   echo "=== $engine started at $(( $(date +%s) - start )) s" >>"$log"
   timeout "$left" python3 -m bench.e2e.tree_real_shapes engine --name "$name" --strategy "$strategy" "${profiles[@]}" \
     --shape "${SHAPE:-qwen35-27b}" "${layers[@]}" --batches ${BATCHES:-1 2 4 8 16 32 64} \
-    --attention-backend "${ATTN_BACKEND:-TRITON_ATTN}" --max-tokens "${MAX_TOKENS:-128}" \
+    "${backend[@]}" --max-tokens "${MAX_TOKENS:-128}" \
     --prompt-len "${PROMPT_LEN:-256}" --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$out" "$@" \
     >"$out/logs/$engine.log" 2>&1
   rc=$?; echo "=== $engine rc=$rc at $(( $(date +%s) - start )) s" >>"$log"

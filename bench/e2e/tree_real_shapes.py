@@ -135,11 +135,12 @@ def run_engine(args) -> int:
     backend = None
     if on_cuda:
         # vLLM's default compilation (FULL and piecewise graphs), decode batches padded to the measured ones; the
-        # site's GDN prefill backend (`gpu_site`). The attention backend is the script's argument: TRITON_ATTN by
-        # default for trees and chains alike (trees need it until tree attention runs on FLASH_ATTN, the backend vLLM
-        # picks on Hopper; both strategies on one backend compare like with like).
+        # site's GDN prefill backend (`gpu_site`). The attention backend is vLLM's pick (FLASH_ATTN on Hopper) for
+        # trees and chains alike unless the script's argument names one (both strategies on one backend compare
+        # like with like).
         backend = args.attention_backend
-        engine_kwargs.update(dict(gpu_site.ENGINE, attention_backend=backend), enforce_eager=False,
+        engine_kwargs.update(dict(gpu_site.ENGINE, **({"attention_backend": backend} if backend else {})),
+                             enforce_eager=False,
                              compilation_config={"cudagraph_capture_sizes": [block_len * b for b in batches]})
     if args.shape == "fixture":
         from vllm_treewy.fixture import build_fixture
@@ -357,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-len", type=int, default=256)
     run.add_argument("--max-tokens", type=int, default=128)
     run.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    run.add_argument("--attention-backend", default="TRITON_ATTN")
+    run.add_argument("--attention-backend", default=None, help="default: vLLM's pick, for the target and the drafter")
     run.add_argument("--profile-batch", nargs="*", type=int, default=[],
                      help="after the timed points, one profiled generate per batch size (kernel time by kind)")
     run.add_argument("--work", default="/tmp/tree-real-shapes", help="where the model directories are written")

@@ -101,14 +101,15 @@ def test_wrapper_runs_the_chosen_engines_and_skips_by_time(tmp_path):
     command = (tmp_path / "logs" / "k4-prose.log").read_text()
     assert ("engine --name k4 --strategy reconstruct --profiles prose --shape qwen35-35b-a3b --layers 8 --batches 1 8"
             in command)
-    assert "--attention-backend TRITON_ATTN" in command
-    env.update(ENGINES="k1-code-store_all")
+    assert "--attention-backend" not in command  # vLLM picks (FLASH_ATTN on Hopper)
+    env.update(ENGINES="k1-code-store_all", ATTN_BACKEND="TRITON_ATTN")
     subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "store_all")], cwd=ROOT, env=env,
                    check=True, capture_output=True, timeout=60)
     (archive,) = (tmp_path / "store_all").glob("logs-*.tar.gz")
     subprocess.run(["tar", "xzf", str(archive), "-C", str(tmp_path / "store_all")], check=True)
     command = (tmp_path / "store_all" / "logs" / "k1-code-store_all.log").read_text()
     assert "engine --name k1 --strategy store_all --profiles code" in command
+    assert "--attention-backend TRITON_ATTN" in command
     env.update(ENGINES="tree221-store_all")
     refused = subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "refused")], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=60)
