@@ -99,10 +99,12 @@ def step_launches_of(state_dtype, tokens, widths=None, mode="fused"):
     return [(kernel, args, kwargs) for kernel, _, args, kwargs in step_case(state_dtype, tokens, ROWS, widths, mode)]
 
 
-def top_children_launches(dtype, width):
-    """A drafting level's top children at Qwen3.5's vocab (248,320: chunks past one, the last one partial)."""
+def top_children_launches():
+    """A drafting level's top children at Qwen3.5's vocab (248,320: chunks past one, the last one partial), bf16
+    logits (the MTP head's) at width 2 and fp32 at width 3."""
     with recorded_launches() as launches:
-        top_children_triton(torch.zeros(ROWS, 248320, dtype=dtype), width)
+        top_children_triton(torch.zeros(ROWS, 248320, dtype=torch.bfloat16), 2)
+        top_children_triton(torch.zeros(ROWS, 248320, dtype=torch.float32), 3)
     return launches
 
 
@@ -117,8 +119,7 @@ CASES = {
     "step chain fused fp32": lambda: step_launches_of(torch.float32, T),
     "step tree 2,2,1 fused bf16": lambda: step_launches_of(torch.bfloat16, None, [2, 2, 1]),
     "step chain commit alone fp32": lambda: step_launches_of(torch.float32, T, mode="commit"),
-    "top children bf16 width 2": lambda: top_children_launches(torch.bfloat16, 2),
-    "top children fp32 width 3": lambda: top_children_launches(torch.float32, 3),
+    "top children": top_children_launches,
 }
 
 
