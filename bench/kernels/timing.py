@@ -1,5 +1,6 @@
 """How the kernel benchmarks time and describe the GPU: the median over CUDA-graph replays of many back-to-back calls
-(vLLM decodes under CUDA graphs), the device's copy bandwidth, and the device facts a result records."""
+(vLLM decodes under CUDA graphs), the device's copy bandwidth, and the device facts a result records (a dry run's:
+`run_facts`)."""
 
 import math
 import platform
@@ -64,3 +65,12 @@ def device_facts():
         memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}", nvidia_smi=smi,
         torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
     )
+
+
+def run_facts(dry_run):
+    """The machine facts a kernel benchmark's result records: `device_facts()`, or for a dry run (CPU, the Triton
+    interpreter, nothing timed) the versions alone."""
+    if not dry_run:
+        return device_facts()
+    return dict(name="cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version())

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import sys
 import time
 import traceback
@@ -33,11 +32,10 @@ import torch
 if not torch.cuda.is_available():  # the dry run interprets the kernels; set before any Triton kernel is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels.timing import graph_time_us, run_facts  # noqa: E402
 from vllm_treewy.kernels.top_children_torch import top_children_torch  # noqa: E402
 from vllm_treewy.kernels.top_children_triton import CHUNK, top_children_triton  # noqa: E402
 from vllm_treewy.spec_decode.tree_drafting import nodes_below_depth  # noqa: E402
@@ -57,8 +55,6 @@ def level_rows(widths: list[int], batch: int) -> list[tuple[str, int, int]]:
 
 
 def row(widths, batch, stage, num_rows, width, vocab, dtype, dry_run, seed=0):
-    from bench.kernels.timing import graph_time_us
-
     device = "cpu" if dry_run else "cuda"
     generator = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(num_rows, vocab, generator=generator, device=device).to(DTYPES[dtype])
@@ -85,15 +81,6 @@ def step_totals(records):
     return list(totals.values())
 
 
-def facts(dry_run):
-    if not dry_run:
-        from bench.kernels.timing import device_facts
-
-        return device_facts()
-    return dict(name="cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version())
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels"))
@@ -110,7 +97,7 @@ def main(argv=None):
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    device = facts(args.dry_run)
+    device = run_facts(args.dry_run)
     print(json.dumps(device), flush=True)
     records, failed = [], False
 

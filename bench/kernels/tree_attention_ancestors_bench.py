@@ -29,7 +29,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import tempfile
@@ -41,11 +40,10 @@ import torch
 if not torch.cuda.is_available():  # the dry run interprets the kernels; set before any Triton kernel is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels.timing import graph_time_us, run_facts  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_torch import tree_attention_ancestors_torch  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_triton import tree_attention_ancestors_triton  # noqa: E402
 from vllm_treewy.tree import DraftTree  # noqa: E402
@@ -103,8 +101,6 @@ def check(version, args, expected):
 
 
 def row(widths, batch, versions, shape, dry_run):
-    from bench.kernels.timing import graph_time_us
-
     device = "cpu" if dry_run else "cuda"
     args, tokens, width = case(widths, batch, *shape, device)
     expected = tree_attention_ancestors_torch(*args)
@@ -119,15 +115,6 @@ def row(widths, batch, versions, shape, dry_run):
     if times.get("current") and times.get("baseline"):
         record["baseline_over_current"] = round(times["baseline"] / times["current"], 3)
     return record
-
-
-def facts(dry_run):
-    if not dry_run:
-        from bench.kernels.timing import device_facts
-
-        return device_facts()
-    return dict(name="cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version())
 
 
 def main(argv=None):
@@ -150,7 +137,7 @@ def main(argv=None):
     if not args.no_baseline:
         versions["baseline"] = load_baseline(args.baseline)
     started = time.time()
-    device = facts(args.dry_run)
+    device = run_facts(args.dry_run)
     print(json.dumps(device), flush=True)
     records, failed = [], False
 
