@@ -1,11 +1,13 @@
 """How the kernel benchmarks time and describe the GPU: the median over CUDA-graph replays of many back-to-back calls
-(vLLM decodes under CUDA graphs), the device's copy bandwidth, and the device facts a result records (a dry run's:
-`run_facts`)."""
+(vLLM decodes under CUDA graphs), the device's copy bandwidth, the device facts a result records (a dry run's:
+`run_facts`), and a benchmark's loop over its checked rows (`collect_rows`)."""
 
+import json
 import math
 import platform
 import statistics
 import subprocess
+import traceback
 
 import torch
 import triton
@@ -74,3 +76,23 @@ def run_facts(dry_run):
         return device_facts()
     return dict(name="cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version())
+
+
+def collect_rows(rows, ok, records, save):
+    """Each of `rows` (callables, each returning one result row) run in turn: its row appended to `records` and
+    printed, then `save()` (a long run keeps what it has). A row that raises (printed) or that `ok(row)` refuses
+    counts as failed. Returns whether any failed."""
+    failed = False
+    for row in rows:
+        try:
+            record = row()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed = True
+            continue
+        failed |= not ok(record)
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        save()
+    save()
+    return failed

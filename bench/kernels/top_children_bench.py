@@ -20,12 +20,12 @@ device facts, rows, and per tree and batch the sum over a step's levels).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
 import sys
 import time
-import traceback
 
 import torch
 
@@ -35,7 +35,7 @@ if not torch.cuda.is_available():  # the dry run interprets the kernels; set bef
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels.timing import graph_time_us, run_facts  # noqa: E402
+from bench.kernels.timing import collect_rows, graph_time_us, run_facts  # noqa: E402
 from vllm_treewy.kernels.top_children_torch import top_children_torch  # noqa: E402
 from vllm_treewy.kernels.top_children_triton import CHUNK, top_children_triton  # noqa: E402
 from vllm_treewy.spec_decode.tree_drafting import nodes_below_depth  # noqa: E402
@@ -99,7 +99,7 @@ def main(argv=None):
     started = time.time()
     device = run_facts(args.dry_run)
     print(json.dumps(device), flush=True)
-    records, failed = [], False
+    records = []
 
     def save():
         result = dict(command="python3 -m bench.kernels.top_children_bench " + " ".join(
@@ -107,22 +107,11 @@ def main(argv=None):
             dry_run=args.dry_run, seconds=round(time.time() - started, 1), rows=records, steps=step_totals(records))
         (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
 
+    rows = (functools.partial(row, widths, batch, stage, num_rows, width, vocab, args.dtype, args.dry_run)
+            for widths in ([int(w) for w in text.split(",")] for text in args.trees) for batch in args.batches
+            for stage, num_rows, width in level_rows(widths, batch))
     with torch.inference_mode():
-        for text in args.trees:
-            widths = [int(w) for w in text.split(",")]
-            for batch in args.batches:
-                for stage, num_rows, width in level_rows(widths, batch):
-                    try:
-                        record = row(widths, batch, stage, num_rows, width, vocab, args.dtype, args.dry_run)
-                    except Exception:  # noqa: BLE001
-                        traceback.print_exc()
-                        failed = True
-                        continue
-                    failed |= not record["ok"]
-                    records.append(record)
-                    print(json.dumps(record), flush=True)
-                    save()
-    save()
+        failed = collect_rows(rows, lambda record: record["ok"], records, save)
     return 1 if failed else 0
 
 

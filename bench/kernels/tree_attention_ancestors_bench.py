@@ -25,6 +25,7 @@ facts, rows).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -33,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 
@@ -43,7 +43,7 @@ if not torch.cuda.is_available():  # the dry run interprets the kernels; set bef
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels.timing import graph_time_us, run_facts  # noqa: E402
+from bench.kernels.timing import collect_rows, graph_time_us, run_facts  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_torch import tree_attention_ancestors_torch  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_triton import tree_attention_ancestors_triton  # noqa: E402
 from vllm_treewy.tree import DraftTree  # noqa: E402
@@ -139,7 +139,7 @@ def main(argv=None):
     started = time.time()
     device = run_facts(args.dry_run)
     print(json.dumps(device), flush=True)
-    records, failed = [], False
+    records = []
 
     def save():
         result = dict(command="python3 -m bench.kernels.tree_attention_ancestors_bench " + " ".join(
@@ -147,20 +147,11 @@ def main(argv=None):
             args.baseline, dry_run=args.dry_run, seconds=round(time.time() - started, 1), rows=records)
         (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
 
+    rows = (functools.partial(row, [int(w) for w in widths.split(",")], batch, versions, args.shape, args.dry_run)
+            for widths in args.trees for batch in args.batches)
     with torch.inference_mode():
-        for widths in args.trees:
-            for batch in args.batches:
-                try:
-                    record = row([int(w) for w in widths.split(",")], batch, versions, args.shape, args.dry_run)
-                except Exception:  # noqa: BLE001
-                    traceback.print_exc()
-                    failed = True
-                    continue
-                failed |= not all(result["ok"] for result in record["versions"].values())
-                records.append(record)
-                print(json.dumps(record), flush=True)
-                save()
-    save()
+        failed = collect_rows(rows, lambda record: all(result["ok"] for result in record["versions"].values()),
+                              records, save)
     return 1 if failed else 0
 
 
