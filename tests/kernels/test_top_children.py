@@ -70,9 +70,9 @@ def test_the_twin_ranks_as_the_reference(num_rows, vocab, width, dtype, distinct
                                (CHUNK + 1, None), (2 * CHUNK + 17, None), (9, 8), (70, 8), (200, 32)]),
        **case_arguments)
 def test_the_kernel_returns_what_the_twin_returns(num_rows, shape, width, dtype, distinct, specials, strided, seed):
-    """`shape`: the vocab and the chunk (None: the module's CHUNK); a small chunk has a row span many stage-1 programs
-    (the interpreter's cost a program keeps their vocab small) and stage 2 merge candidates short of its
-    power-of-two block."""
+    """`shape`: the vocab and the chunk (None: the module's CHUNK). A small chunk has a row span many stage-1 programs
+    and stage 2 merge a candidate count short of its power-of-two block; its vocabs stay small, as the interpreter
+    runs every program in Python."""
     vocab, chunk = shape
     width = min(width, vocab)
     logits = logits_case(num_rows, vocab, dtype, distinct, specials, strided, seed)
