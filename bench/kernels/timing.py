@@ -1,10 +1,13 @@
 """How the kernel benchmarks time and describe the GPU: the median over CUDA-graph replays of many back-to-back calls
-(vLLM decodes under CUDA graphs), the device's copy bandwidth, and the device facts a result records."""
+(vLLM decodes under CUDA graphs), the device's copy bandwidth, the device facts a result records (a dry run's:
+`run_facts`), and a benchmark's loop over its checked rows (`collect_rows`)."""
 
+import json
 import math
 import platform
 import statistics
 import subprocess
+import traceback
 
 import torch
 import triton
@@ -64,3 +67,32 @@ def device_facts():
         memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}", nvidia_smi=smi,
         torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
     )
+
+
+def run_facts(dry_run):
+    """The machine facts a kernel benchmark's result records: `device_facts()`, or for a dry run (CPU, the Triton
+    interpreter, nothing timed) the versions alone."""
+    if not dry_run:
+        return device_facts()
+    return dict(name="cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version())
+
+
+def collect_rows(rows, ok, records, save):
+    """Each of `rows` (callables, each returning one result row) run in turn: its row appended to `records` and
+    printed, then `save()` (a long run keeps what it has). A row that raises (printed) or that `ok(row)` refuses
+    counts as failed. Returns whether any failed."""
+    failed = False
+    for row in rows:
+        try:
+            record = row()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed = True
+            continue
+        failed |= not ok(record)
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        save()
+    save()
+    return failed

@@ -25,27 +25,25 @@ facts, rows).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 
 if not torch.cuda.is_available():  # the dry run interprets the kernels; set before any Triton kernel is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels.timing import collect_rows, graph_time_us, run_facts  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_torch import tree_attention_ancestors_torch  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_triton import tree_attention_ancestors_triton  # noqa: E402
 from vllm_treewy.tree import DraftTree  # noqa: E402
@@ -103,8 +101,6 @@ def check(version, args, expected):
 
 
 def row(widths, batch, versions, shape, dry_run):
-    from bench.kernels.timing import graph_time_us
-
     device = "cpu" if dry_run else "cuda"
     args, tokens, width = case(widths, batch, *shape, device)
     expected = tree_attention_ancestors_torch(*args)
@@ -119,15 +115,6 @@ def row(widths, batch, versions, shape, dry_run):
     if times.get("current") and times.get("baseline"):
         record["baseline_over_current"] = round(times["baseline"] / times["current"], 3)
     return record
-
-
-def facts(dry_run):
-    if not dry_run:
-        from bench.kernels.timing import device_facts
-
-        return device_facts()
-    return dict(name="cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version())
 
 
 def main(argv=None):
@@ -150,9 +137,9 @@ def main(argv=None):
     if not args.no_baseline:
         versions["baseline"] = load_baseline(args.baseline)
     started = time.time()
-    device = facts(args.dry_run)
+    device = run_facts(args.dry_run)
     print(json.dumps(device), flush=True)
-    records, failed = [], False
+    records = []
 
     def save():
         result = dict(command="python3 -m bench.kernels.tree_attention_ancestors_bench " + " ".join(
@@ -160,20 +147,11 @@ def main(argv=None):
             args.baseline, dry_run=args.dry_run, seconds=round(time.time() - started, 1), rows=records)
         (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
 
+    rows = (functools.partial(row, [int(w) for w in widths.split(",")], batch, versions, args.shape, args.dry_run)
+            for widths in args.trees for batch in args.batches)
     with torch.inference_mode():
-        for widths in args.trees:
-            for batch in args.batches:
-                try:
-                    record = row([int(w) for w in widths.split(",")], batch, versions, args.shape, args.dry_run)
-                except Exception:  # noqa: BLE001
-                    traceback.print_exc()
-                    failed = True
-                    continue
-                failed |= not all(result["ok"] for result in record["versions"].values())
-                records.append(record)
-                print(json.dumps(record), flush=True)
-                save()
-    save()
+        failed = collect_rows(rows, lambda record: all(result["ok"] for result in record["versions"].values()),
+                              records, save)
     return 1 if failed else 0
 
 

@@ -27,6 +27,7 @@ from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
 from vllm_treewy.kernels.bookkeeping import slot_counts_triton
 from vllm_treewy.kernels.conv_step_triton import conv_step_triton
 from vllm_treewy.kernels.bookkeeping.boundary_states_triton import boundary_table, record_accepted_and_boundaries_triton
+from vllm_treewy.kernels.top_children_triton import top_children_triton
 from vllm_treewy.tree import DraftTree, pack_trees
 
 H, HV, K, V, W1, T = 16, 32, 128, 128, 3, 4
@@ -98,6 +99,15 @@ def step_launches_of(state_dtype, tokens, widths=None, mode="fused"):
     return [(kernel, args, kwargs) for kernel, _, args, kwargs in step_case(state_dtype, tokens, ROWS, widths, mode)]
 
 
+def top_children_launches():
+    """A drafting level's top children at Qwen3.5's vocab (248,320: chunks past one, the last one partial), bf16
+    logits (the MTP head's) at width 2 and fp32 at width 3."""
+    with recorded_launches() as launches:
+        top_children_triton(torch.zeros(ROWS, 248320, dtype=torch.bfloat16), 2)
+        top_children_triton(torch.zeros(ROWS, 248320, dtype=torch.float32), 3)
+    return launches
+
+
 CASES = {
     "boundary fp32": lambda: boundary_launches(torch.float32),
     "boundary bf16": lambda: boundary_launches(torch.bfloat16),
@@ -109,6 +119,7 @@ CASES = {
     "step chain fused fp32": lambda: step_launches_of(torch.float32, T),
     "step tree 2,2,1 fused bf16": lambda: step_launches_of(torch.bfloat16, None, [2, 2, 1]),
     "step chain commit alone fp32": lambda: step_launches_of(torch.float32, T, mode="commit"),
+    "top children": top_children_launches,
 }
 
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels.top_children_torch import top_children_torch
 from ..tree import DraftTree
 
 
@@ -59,6 +60,14 @@ def accepted_path_sources(accepted_nodes: torch.Tensor, block_len: int) -> torch
 
 
 def top_children(logits: torch.Tensor, width: int) -> torch.Tensor:
-    """`[M * width]` the `width` most likely tokens after each of M nodes (`logits [M, vocab]`), most likely first:
-    the children of the nodes in breadth-first order. Distinct per node, so sampled acceptance can tell them apart."""
-    return logits.topk(width, dim=-1).indices.reshape(-1)
+    """`[M * width]` int64: the `width` most likely tokens after each of M nodes (`logits [M, vocab]`, fp32, bf16 or
+    fp16), most likely first: the children of the nodes in breadth-first order. Distinct per node, so sampled
+    acceptance can tell them apart; among equal logits the lowest token id first, NaN above every number
+    (`kernels.top_children_torch` states the order). The split-vocab Triton kernel on CUDA (`top_children_triton`:
+    two launches, capturable, inside the V2 drafting levels' graphs), the torch twin elsewhere (CPU engines)."""
+    if logits.is_cuda:
+        # imported where used: the torch twins that import this module (`kernels.*_torch`) import no Triton module
+        from ..kernels.top_children_triton import top_children_triton
+
+        return top_children_triton(logits, width)
+    return top_children_torch(logits, width)
