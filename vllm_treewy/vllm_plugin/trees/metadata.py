@@ -3,8 +3,8 @@ vLLM's objects): `with_tree(metadata, tree_step=..., tree_qq_bias=...)` returns 
 subclass that has the tree fields (`tree_step`, `tree_qq_bias` for TRITON_ATTN, `tree_block_ancestors` and
 `tree_prefix_lens` for FLASH_ATTN: the prefix pass's committed lengths, computed once per step for all the layers
 that share the metadata); `tree_step_of` / `tree_qq_bias_of` / `tree_block_ancestors_of` / `tree_prefix_lens_of`
-read them from any metadata (None on vLLM's own). Used for the step's `SpecDecodeMetadata` (to `_sample`) and the attention metadata (to the forwards);
-`replace_metadata` puts such copies into vLLM's per-layer metadata dicts."""
+read them from any metadata (None on vLLM's own). Used for the step's `SpecDecodeMetadata` (to `_sample`) and the
+attention metadata (to the forwards); `replace_metadata` puts such copies into vLLM's per-layer metadata dicts."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def with_tree(metadata, **tree_fields):
     base = getattr(type(metadata), "vllm_class", type(metadata))
     fields = dataclasses.fields(base)
     values = {"tree_step": tree_step_of(metadata), "tree_qq_bias": tree_qq_bias_of(metadata),
-              "tree_block_ancestors": tree_block_ancestors_of(metadata), "tree_prefix_lens": tree_prefix_lens_of(metadata),
-              **tree_fields}
+              "tree_block_ancestors": tree_block_ancestors_of(metadata),
+              "tree_prefix_lens": tree_prefix_lens_of(metadata), **tree_fields}
     copy = _with_tree_fields(base)(**{f.name: getattr(metadata, f.name) for f in fields if f.init}, **values)
     for f in fields:
         if not f.init:
