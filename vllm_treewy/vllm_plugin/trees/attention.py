@@ -9,7 +9,7 @@ settings, and the hand-over of a step's tree (bias, ancestor table or step) to t
   `unified_attention` through vLLM's forward context for the launch's duration (FULL CUDA graphs capture it); a
   mixed batch (attention runs eagerly) runs vLLM's causal launch, then the tree rows alone with the bias overwrite
   their output. TRITON_ATTN keeps this one-launch path rather than the two passes: the bias is vLLM's own kernel
-  argument, and a covering step costs one launch instead of three.
+  argument, and a covering step costs one launch instead of two.
 - FLASH_ATTN (`trees.attention_flash`, FlashAttention 2 or 3): with the tree's ancestor table on the metadata (the
   same covering steps and captures), the two passes (prefix over the paged cache with vLLM's FlashAttention call,
   then ancestors among the new tokens with the merge by log-sum-exp folded in, written into the layer's output)
