@@ -33,12 +33,13 @@ the slots' rows (``factor_rows``): ``gdn_step_torch.gdn_step_packed`` / ``gdn_co
 Modules: a kernel with a Triton implementation is a pair, ``X_torch`` (the torch twin: the CPU path and the
 specification; imports no Triton module) beside ``X_triton`` (CUDA; CPU through TRITON_INTERPRET=1; imported only
 where used): ``gdn_step`` (its Triton side a package: ``step`` and the kernels of its launches), ``conv_step``,
-``ancestor_table``, ``tree_attention_ancestors`` (two-pass tree attention's ancestor pass), ``tree_acceptance`` (a
-tree step's walk and output rows on the runner's logits layout), ``paged_kv_compaction`` (the accepted path's K/V in
-a paged cache), ``level_inputs`` (an MTP drafting level's inputs), ``accepted_chains`` (the MTP drafter's first-pass
-inputs with accepted paths laid out as chains; both copy rows with ``row_copy_triton``), ``top_children`` (a
-drafting level's top-width token ids a logits row, split over the vocab), and the runner's
-bookkeeping in ``bookkeeping`` (``slot_counts``, ``boundary_states``; its ``dispatch`` picks the path). Torch only:
+``ancestor_table``, ``tree_attention_ancestors`` (two-pass tree attention's ancestor pass, the merge with the prefix
+pass folded in), ``tree_acceptance`` (a tree step's walk and output rows on the runner's logits layout),
+``paged_kv_compaction`` (the accepted path's K/V in a paged cache), ``level_inputs`` (an MTP drafting level's
+inputs), ``accepted_chains`` (the MTP drafter's first-pass inputs with accepted paths laid out as chains; both copy
+rows with ``row_copy_triton``), ``top_children`` (a drafting level's top-width token ids a logits row, split over the
+vocab), and the runner's bookkeeping in ``bookkeeping`` (``slot_counts``, ``boundary_states``; its ``dispatch`` picks
+the path). Torch only:
 ``closed_form``, ``reference``, ``serial_tree``. ``factor_rows`` owns the slots' factor-row layout for both sides.
 Chains versus trees: every kernel takes a draft's topology as tensors, and an ancestor table argument that is None
 (``ancestors``, ``commit_ancestors``) means chains.

@@ -4,8 +4,9 @@ With o_p = softmax over keys P, o_s over keys S (P and S disjoint) and l_p, l_s 
 softmax over P u S gives o = (e^{l_p} o_p + e^{l_s} o_s) / (e^{l_p} + e^{l_s}): each partial softmax is the union's
 restricted to its keys and rescaled by its share of the union's normaliser. Computed as weights
 e^{l - max(l_p, l_s)} (no overflow). A log-sum-exp of +inf or -inf means "no keys" (FlashAttention 3 writes +inf for
-an empty row), weight 0. Same contract as vLLM's `merge_attn_states` (`vllm/v1/attention/ops/merge_attn_states.py`),
-which the CUDA path calls; this is its twin for CPU and tests.
+an empty row), weight 0, and that side's output row is not read (it may hold anything, NaN included). The same
+contract as vLLM's `merge_attn_states` (`vllm/v1/attention/ops/merge_attn_states.py`) on rows with keys; it is the
+merge step of `tree_attention_ancestors_torch`, whose Triton twin folds the merge into its online softmax.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def merge_attention_states_torch(
     top = torch.where(torch.isinf(top), 0.0, top)
     prefix_weight, suffix_weight = torch.exp(prefix - top), torch.exp(suffix - top)
     total = (prefix_weight + suffix_weight).clamp(min=torch.finfo(torch.float32).tiny)
-    merged = (prefix_output.float() * (prefix_weight / total)[..., None]
-              + suffix_output.float() * (suffix_weight / total)[..., None])
+
+    def share(side_output, weight):  # a side without keys (weight 0) adds 0, not 0 * its row (NaN * 0 = NaN)
+        return torch.where(weight[..., None] > 0, side_output.float() * (weight / total)[..., None], 0.0)
+
+    merged = share(prefix_output, prefix_weight) + share(suffix_output, suffix_weight)
     output.copy_(merged.to(output.dtype))
     return output

@@ -343,11 +343,6 @@ FLASH_ATTN_VARLEN_FUNC = PatchPoint(
     ("q", "k", "v", "max_seqlen_q", "cu_seqlens_q", "max_seqlen_k", "cu_seqlens_k", "seqused_k"), only_on="cuda",
     bound_on_cuda_only=True,
 )
-MERGE_ATTN_STATES = PatchPoint(
-    "vllm.v1.attention.ops.merge_attn_states", "merge_attn_states", "calls",
-    "draft trees on FLASH_ATTN: the prefix and ancestor passes merged by their log-sum-exps",
-    ("output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse"), only_on="cuda",
-)
 
 _RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 V2_RUNNER_POSTPROCESS_SAMPLED = PatchPoint(
@@ -598,7 +593,6 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     TRITON_UNIFIED_ATTENTION,
     FLASH_ATTENTION_FORWARD,
     FLASH_ATTN_VARLEN_FUNC,
-    MERGE_ATTN_STATES,
     V2_RUNNER_POSTPROCESS_SAMPLED,
     V2_RUNNER_PREPARE_ATTN,
     V2_MAMBA_PREPARE_ATTN,

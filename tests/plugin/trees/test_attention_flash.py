@@ -1,13 +1,16 @@
 """Draft trees on FLASH_ATTN (`trees.attention_flash` through the `trees.attention` forward hook), on CPU: the real
-hook and hand-over code end to end, vLLM's `merge_attn_states` (its CPU path), and a torch stand-in for
-FlashAttention's varlen function in the prefix pass (`paged_prefix_attention_torch`, writing +inf as the log-sum-exp
-of a request without committed keys, as FlashAttention 3 does). Tree rows' outputs against the fp64 masked
-reference, in the three shapes of call: a covering step (tree rows and one-token decodes, with graph-padding
-requests and tokens), a capture's dummy run (uniform 1 + N decode batch, no step), and a mixed batch (vLLM's launch,
-then the tree rows). Also the accepted path's compaction in FlashAttention's view of the cache. Seconds."""
+hook and hand-over code end to end, the fused ancestor pass's torch twin (ancestors + merge into the output), and a
+torch stand-in for FlashAttention's varlen function in the prefix pass (`paged_prefix_attention_torch`, writing +inf
+as the log-sum-exp of a request without committed keys, as FlashAttention 3 does, and NaN in its output rows, which
+nothing may read). Tree rows' outputs against the fp64 masked reference, in the three shapes of call: a covering step
+(tree rows and one-token decodes, with graph-padding requests and tokens), a capture's dummy run (uniform 1 + N
+decode batch, no step), and a mixed batch (vLLM's launch, then the tree rows); the prefix lengths the hand-over
+computes once per step (a persistent buffer for covering steps) or a drafting level's layer computes itself. Also the
+accepted path's compaction in FlashAttention's view of the cache. Seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -24,7 +27,12 @@ from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.trees import attention as tree_attention_hooks
 from vllm_treewy.kernels.paged_kv_compaction_triton import compact_paged_kv_triton
 from vllm_treewy.vllm_plugin.trees.attention_triton import split_kv_cache
-from vllm_treewy.vllm_plugin.trees.metadata import tree_block_ancestors_of, tree_step_of
+from vllm_treewy.vllm_plugin.trees.metadata import (
+    replace_metadata,
+    tree_block_ancestors_of,
+    tree_prefix_lens_of,
+    tree_step_of,
+)
 from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState
 from vllm_treewy.vllm_plugin.trees.step import PagedLayerCaches, find_tree_step
 
@@ -36,18 +44,21 @@ TREES = [DraftTree.from_widths([2, 2, 1]), DraftTree.from_widths([3, 2, 2]), Dra
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def flash_varlen_stand_in(calls: list):
-    """FlashAttention's `flash_attn_varlen_func` as the prefix pass calls it (keywords), in torch."""
+def flash_varlen_stand_in(calls: list, seqused: list):
+    """FlashAttention's `flash_attn_varlen_func` as the prefix pass calls it (keywords), in torch; records each
+    call's `max_seqlen_q` in `calls` and `seqused_k` in `seqused`."""
 
     def flash_attn_varlen_func(*, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, softmax_scale, causal,
                                block_table, return_softmax_lse, fa_version, k_descale, v_descale, num_splits):
         assert not causal and return_softmax_lse and fa_version == 3
         assert k_descale.shape == (cu_seqlens_q.numel() - 1, k.shape[2]) and v_descale.shape == k_descale.shape
         calls.append(max_seqlen_q)
+        seqused.append(seqused_k.clone())
         out, lse = paged_prefix_attention_torch(q, k, v, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                                                 block_table=block_table, max_seqlen_k=max_seqlen_k,
                                                 scale=softmax_scale)
-        return out, torch.where(torch.isinf(lse), float("inf"), lse)  # FlashAttention 3's empty rows
+        empty = torch.isinf(lse)  # FlashAttention 3's empty rows: +inf; their output rows may hold anything
+        return torch.where(empty.transpose(0, 1)[..., None], float("nan"), out), torch.where(empty, float("inf"), lse)
 
     return flash_attn_varlen_func
 
@@ -87,17 +98,24 @@ def tree_step_of_batch(batch: PagedBatch):
     return step
 
 
-def run_hook(batch: PagedBatch, monkeypatch, *, step, prepared=True, padded_requests=0, padded_tokens=0):
-    """The step's tree handed to the layer's metadata (`hand_tree_to_attention_layers`), then the wrapped forward.
-    vLLM's own launch (`original`) writes the reference with the tree rows NaN: any tree row the hook leaves is
-    caught; a covering step or a capture must not call it."""
-    calls, launches = [], []
-    monkeypatch.setattr(flash_attn, "flash_attn_varlen_func", flash_varlen_stand_in(calls), raising=False)
+def run_hook(batch: PagedBatch, monkeypatch, *, step, prepared=True, padded_requests=0, padded_tokens=0,
+             marking=None):
+    """The step's tree handed to the layer's metadata (`hand_tree_to_attention_layers`; `marking(state, per_layer)`
+    instead: another hand-over, such as a drafting level's), then the wrapped forward. vLLM's own launch
+    (`original`) writes the reference with the tree rows NaN: any tree row the hook leaves is caught; a covering step
+    or a capture must not call it. Returns (output, metadata, prefix calls' max_seqlen_q, vLLM launches, prefix
+    calls' seqused_k)."""
+    calls, launches, seqused = [], [], []
+    monkeypatch.setattr(flash_attn, "flash_attn_varlen_func", flash_varlen_stand_in(calls, seqused), raising=False)
     layers = {"attn": SimpleNamespace(kv_cache=batch.kv_cache, _k_scale=torch.tensor(1.0),
                                       _v_scale=torch.tensor(1.0))}
     per_layer = {"attn": flash_metadata(batch, padded_requests, padded_tokens)}
-    tree_attention_hooks.hand_tree_to_attention_layers(TreeRunState(batch.tree), layers, per_layer, step, prepared,
-                                                       torch.device("cpu"))
+    state = TreeRunState(batch.tree)
+    if marking is None:
+        tree_attention_hooks.hand_tree_to_attention_layers(state, layers, per_layer, step, prepared,
+                                                           torch.device("cpu"))
+    else:
+        marking(state, per_layer)
     metadata = per_layer["attn"]
     expected = reference_attention(batch).to(batch.query.dtype)
     tree_rows = torch.tensor([kind == "tree" for kind, n in zip(batch.kinds, batch.query_lens) for _ in range(n)])
@@ -112,7 +130,7 @@ def run_hook(batch: PagedBatch, monkeypatch, *, step, prepared=True, padded_requ
     output = torch.full_like(query, -7.0)
     forward = tree_attention_hooks._attending_tree_rows_flash(original)
     forward(flash_impl(batch), layers["attn"], query, key, value, batch.kv_cache, metadata, output)
-    return output, metadata, calls, launches
+    return output, metadata, calls, launches, seqused
 
 
 def assert_rows(batch, output, padded_tokens, dtype):
@@ -134,16 +152,20 @@ def fast(max_examples: int) -> settings:
            ["HND", "NHD"]), seed=st.integers(0, 999))
 def test_covering_step_runs_the_two_passes_for_the_whole_batch(tree, kinds, context, padded_requests, padded_tokens,
                                                               heads, dtype, layout, seed):
-    """Tree rows and one-token decodes (a FULL graph's replay): the ancestor table on the metadata, no tree step,
-    vLLM's launch replaced; graph-padding requests (no keys: +inf log-sum-exp) and tokens change nothing."""
+    """Tree rows and one-token decodes (a FULL graph's replay): the ancestor table and the prefix lengths on the
+    metadata, no tree step, vLLM's launch replaced; graph-padding requests (no keys: +inf log-sum-exp, NaN prefix
+    rows) and tokens change nothing."""
     kinds = kinds if "tree" in kinds else ["tree", *kinds]
     batch = make_batch(tree, kinds, [context + 3 * r for r in range(len(kinds))], None, num_heads=heads[0],
                        num_kv_heads=heads[1], head_size=16, block_size=8, dtype=dtype, layout=layout, seed=seed)
     with pytest.MonkeyPatch.context() as monkeypatch:
-        output, metadata, calls, launches = run_hook(batch, monkeypatch, step=tree_step_of_batch(batch),
-                                                     padded_requests=padded_requests, padded_tokens=padded_tokens)
+        output, metadata, calls, launches, seqused = run_hook(batch, monkeypatch, step=tree_step_of_batch(batch),
+                                                              padded_requests=padded_requests,
+                                                              padded_tokens=padded_tokens)
     assert tree_step_of(metadata) is None and tree_block_ancestors_of(metadata) is not None
     assert not launches and calls == [max(batch.query_lens)]
+    prefix_lens = [*batch.context_lens, *[0] * padded_requests]
+    assert tree_prefix_lens_of(metadata).tolist() == prefix_lens and [s.tolist() for s in seqused] == [prefix_lens]
     assert_rows(batch, output, padded_tokens, dtype)
 
 
@@ -153,15 +175,75 @@ def test_capture_dummy_run_of_a_uniform_tree_batch_takes_the_same_path(monkeypat
     tree = TREES[0]
     batch = make_batch(tree, ["tree", "tree"], [0, 5], None, num_heads=4, num_kv_heads=2, head_size=16,
                        block_size=8, dtype=torch.float32, layout="NHD")
-    output, metadata, calls, launches = run_hook(batch, monkeypatch, step=None, prepared=False, padded_requests=1)
+    output, metadata, calls, launches, seqused = run_hook(batch, monkeypatch, step=None, prepared=False,
+                                                          padded_requests=1)
     assert tree_block_ancestors_of(metadata) is not None and not launches
+    assert tree_prefix_lens_of(metadata).tolist() == [0, 5, 0]
     assert_rows(batch, output, 0, torch.float32)
+
+
+def test_a_drafting_levels_layer_computes_its_own_prefix_lengths(monkeypatch):
+    """A drafting level's hand-over (`uniform_tree_marking` without lengths: V2's level graphs write the lengths
+    inside the graph, after the metadata is built): no prefix lengths on the metadata; the layer computes them from
+    the metadata's own lengths and runs the same two passes."""
+    tree = TREES[1]
+    batch = make_batch(tree, ["tree", "tree", "tree"], [7, 0, 12], None, num_heads=4, num_kv_heads=2, head_size=16,
+                       block_size=8, dtype=torch.float32, layout="NHD")
+
+    def level_marking(state, per_layer):
+        replace_metadata(per_layer, tree_attention_hooks.uniform_tree_marking(state, tree, torch.device("cpu")))
+
+    output, metadata, calls, launches, seqused = run_hook(batch, monkeypatch, step=None, padded_requests=1,
+                                                          marking=level_marking)
+    assert tree_block_ancestors_of(metadata) is not None and tree_prefix_lens_of(metadata) is None and not launches
+    assert [s.tolist() for s in seqused] == [[7, 0, 12, 0]]
+    assert_rows(batch, output, 0, torch.float32)
+
+
+def test_prefix_lengths_go_into_a_mirror_of_vllms_length_buffer():
+    """`TreeRunState.prefix_lens`: the lengths of a view of vLLM's persistent `seq_lens` buffer land at the same offset
+    of one buffer of the same size, every step (a FULL graph reads them at the address it was captured with); a
+    micro-batch's slice lands beside the first's; another vLLM buffer gets its own."""
+    state = TreeRunState(TREES[0])
+    seq_lens = torch.zeros(8, dtype=torch.int32)  # vLLM's persistent buffer (max_num_reqs)
+    query_start_loc = torch.zeros(9, dtype=torch.int32)
+
+    def step(lengths, query_lens, rows):
+        seq_lens[rows] = torch.tensor(lengths, dtype=torch.int32)
+        query_start_loc[rows.start : rows.stop + 1] = torch.tensor([0, *query_lens]).cumsum(0)
+        return state.prefix_lens(seq_lens[rows], query_start_loc[rows.start : rows.stop + 1])
+
+    first = step([10, 6, 0], [6, 1, 0], slice(0, 3))  # a tree row, a decode, a graph's padding request
+    assert first.tolist() == [4, 5, 0] and first.dtype == torch.int32
+    second = step([30, 7, 9, 1], [6, 6, 1, 1], slice(0, 4))
+    assert second.tolist() == [24, 1, 8, 0] and second.data_ptr() == first.data_ptr()
+    micro = step([20, 8], [6, 1], slice(4, 6))
+    assert micro.tolist() == [14, 7] and micro.data_ptr() == first.data_ptr() + 4 * 4
+    assert second.tolist() == [24, 1, 8, 0]  # the first micro-batch's lengths kept
+    other = state.prefix_lens(torch.tensor([9], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+    assert other.tolist() == [8] and len(state.prefix_lens_buffers) == 2
+
+
+def test_metadata_objects_sharing_their_lengths_share_one_computation():
+    """Two KV-cache groups' FLASH_ATTN metadata over one step (vLLM's shared `seq_lens` and `query_start_loc`): the
+    hand-over computes the prefix lengths once, both carry the same tensor."""
+    batch = make_batch(TREES[0], ["tree", "decode"], [4, 3], None, num_heads=2, num_kv_heads=1, head_size=16,
+                       block_size=8, dtype=torch.float32, layout="NHD")
+    shared = flash_metadata(batch)
+    per_layer = {"a": shared, "b": dataclasses.replace(shared)}
+    layers = {name: SimpleNamespace(kv_cache=batch.kv_cache) for name in per_layer}
+    step = tree_step_of_batch(batch)
+    tree_attention_hooks.hand_tree_to_attention_layers(TreeRunState(batch.tree), layers, per_layer, step, True,
+                                                       torch.device("cpu"))
+    assert per_layer["a"] is not per_layer["b"]
+    assert tree_prefix_lens_of(per_layer["a"]) is tree_prefix_lens_of(per_layer["b"])
+    assert tree_prefix_lens_of(per_layer["a"]).tolist() == [4, 3]
 
 
 def test_a_real_step_without_tree_rows_keeps_vllms_launch(monkeypatch):
     batch = make_batch(TREES[0], ["decode", "prefill"], [4, 0], [None, 6], num_heads=2, num_kv_heads=1,
                        head_size=16, block_size=8, dtype=torch.float32, layout="NHD")
-    output, metadata, calls, launches = run_hook(batch, monkeypatch, step=None, prepared=True)
+    output, metadata, calls, launches, seqused = run_hook(batch, monkeypatch, step=None, prepared=True)
     assert tree_block_ancestors_of(metadata) is None and launches and not calls
     assert_rows(batch, output, 0, torch.float32)
 
@@ -177,8 +259,9 @@ def test_mixed_batch_overwrites_the_tree_rows_after_vllms_launch(tree, heads, dt
                        layout="HND", seed=seed)
     step = tree_step_of_batch(batch)
     with pytest.MonkeyPatch.context() as monkeypatch:
-        output, metadata, calls, launches = run_hook(batch, monkeypatch, step=step)
+        output, metadata, calls, launches, seqused = run_hook(batch, monkeypatch, step=step)
     assert tree_step_of(metadata) is step and launches and calls == [1 + tree.num_nodes]
+    assert tree_prefix_lens_of(metadata).tolist() == [9, 1] and [s.tolist() for s in seqused] == [[9, 1]]
     assert [type(layer) for layer in step.attention_layers] == [PagedLayerCaches]  # recorded for the compaction
     assert_rows(batch, output, 0, dtype)
 

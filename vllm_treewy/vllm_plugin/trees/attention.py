@@ -9,12 +9,16 @@ settings, and the hand-over of a step's tree (bias, ancestor table or step) to t
   `unified_attention` through vLLM's forward context for the launch's duration (FULL CUDA graphs capture it); a
   mixed batch (attention runs eagerly) runs vLLM's causal launch, then the tree rows alone with the bias overwrite
   their output. TRITON_ATTN keeps this one-launch path rather than the two passes: the bias is vLLM's own kernel
-  argument, and a covering step costs one launch instead of three.
+  argument, and a covering step costs one launch instead of two.
 - FLASH_ATTN (`trees.attention_flash`, FlashAttention 2 or 3): with the tree's ancestor table on the metadata (the
   same covering steps and captures), the two passes (prefix over the paged cache with vLLM's FlashAttention call,
-  ancestors among the new tokens) merged by log-sum-exp replace vLLM's launch for the whole batch (FULL CUDA graphs
-  capture them); a mixed batch runs vLLM's causal launch, then the two passes over the tree rows alone overwrite
-  their output.
+  then ancestors among the new tokens with the merge by log-sum-exp folded in, written into the layer's output)
+  replace vLLM's launch for the whole batch (FULL CUDA graphs capture them); a mixed batch runs vLLM's causal launch,
+  then the two passes over the tree rows alone overwrite their output. The prefix pass's committed lengths are
+  computed once per step at the hand-over (`tree_prefix_lens` on the metadata; for covering steps in a persistent
+  buffer, `TreeRunState.prefix_lens`), not per layer; the drafting levels' metadata has none (V2's level graphs
+  write their lengths inside the graph, after the metadata is built; V1's levels' lengths are fresh tensors), so
+  their layer (the MTP head's one) computes its own.
 
 Both CUDA backends keep the same paged KV layout, so the accepted path's compaction is one kernel for both
 (`trees.sampling.commit_accepted_path`: `kernels.paged_kv_compaction_*`), its layers recorded when the metadata is
@@ -36,7 +40,6 @@ from vllm_treewy.vllm_plugin.patch_points import (
     CPU_ATTENTION_FORWARD,
     FLASH_ATTENTION_FORWARD,
     FLASH_ATTN_VARLEN_FUNC,
-    MERGE_ATTN_STATES,
     TRITON_ATTENTION_FORWARD,
     TRITON_UNIFIED_ATTENTION,
 )
@@ -45,6 +48,7 @@ from vllm_treewy.vllm_plugin.trees.attention_cpu import split_kv_cache, tree_att
 from vllm_treewy.vllm_plugin.trees.metadata import (
     replace_metadata,
     tree_block_ancestors_of,
+    tree_prefix_lens_of,
     tree_qq_bias_of,
     tree_step_of,
     with_tree,
@@ -87,10 +91,12 @@ def check_tree_backends(compilation_config, per_layer: dict) -> None:
                          "default), FULL_DECODE_ONLY, PIECEWISE or NONE")
 
 
-def uniform_tree_marking(state: TreeRunState, tree, device):
+def uniform_tree_marking(state: TreeRunState, tree, device, prefix_lens=None):
     """`replace_metadata`'s replacement for a batch whose requests are all rows of `tree` or one-token decodes: the
     tree's bias onto TRITON_ATTN metadata, its ancestor table onto FLASH_ATTN metadata (the whole batch's launch
-    becomes tree attention); other metadata kept."""
+    becomes tree attention); other metadata kept. `prefix_lens(metadata)`: the FLASH_ATTN metadata's committed
+    lengths for its `tree_prefix_lens`, where its `seq_lens` already hold the step's (the target's hand-over); None
+    (the drafting levels): the layer's forward computes them."""
     # CUDA only: the two backends' modules, looked up at call time (tests stand them in)
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
@@ -99,7 +105,8 @@ def uniform_tree_marking(state: TreeRunState, tree, device):
         if isinstance(metadata, TritonAttentionMetadata):
             return with_tree(metadata, tree_qq_bias=state.qq_bias(tree, device))
         if isinstance(metadata, FlashAttentionMetadata):
-            return with_tree(metadata, tree_block_ancestors=state.block_ancestors(tree, device))
+            return with_tree(metadata, tree_block_ancestors=state.block_ancestors(tree, device),
+                             tree_prefix_lens=None if prefix_lens is None else prefix_lens(metadata))
         return None
 
     return replacement
@@ -109,7 +116,9 @@ def hand_tree_to_attention_layers(state: TreeRunState, layers: dict, attn_metada
                                   prepared: bool, device) -> None:
     """The step's tree onto the TRITON_ATTN and FLASH_ATTN metadata (a covering step's bias or ancestor table for
     the whole batch's launch, else the tree step for the tree rows' own passes), and each layer's cache into the
-    step for the compaction."""
+    step for the compaction. FLASH_ATTN metadata also gets the prefix pass's committed lengths, computed here once
+    per step for all its layers: a covering step's (or a capture's) into `TreeRunState.prefix_lens`'s persistent
+    buffer, which a FULL CUDA graph reads; a mixed step's tree rows' as a plain tensor (eager)."""
     # CUDA only: the two backends' modules, looked up at call time (tests stand them in)
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
@@ -120,7 +129,15 @@ def hand_tree_to_attention_layers(state: TreeRunState, layers: dict, attn_metada
     tree_rows_of = {}  # the tree rows of each block table: layers of one KV-cache group share theirs
     if step is not None:
         step.qq_bias = state.qq_bias(tree, device)
-    whole_batch = uniform_tree_marking(state, tree, device)
+    prefix_lens_of = {}  # one computation per vLLM length view: metadata objects of several groups share theirs
+
+    def covering_prefix_lens(metadata):
+        key = (metadata.seq_lens.data_ptr(), metadata.seq_lens.numel(), metadata.query_start_loc.data_ptr())
+        if key not in prefix_lens_of:
+            prefix_lens_of[key] = state.prefix_lens(metadata.seq_lens, metadata.query_start_loc)
+        return prefix_lens_of[key]
+
+    whole_batch = uniform_tree_marking(state, tree, device, prefix_lens=covering_prefix_lens)
 
     def record(name, metadata):
         kv_cache = layers[name].kv_cache
@@ -138,7 +155,9 @@ def hand_tree_to_attention_layers(state: TreeRunState, layers: dict, attn_metada
             if step.covers_batch:
                 return whole_batch(name, metadata)
             if isinstance(metadata, FlashAttentionMetadata):
-                return with_tree(metadata, tree_step=step, tree_block_ancestors=state.block_ancestors(tree, device))
+                tree_seq_lens = metadata.seq_lens.index_select(0, step.request_indices)
+                return with_tree(metadata, tree_step=step, tree_block_ancestors=state.block_ancestors(tree, device),
+                                 tree_prefix_lens=attention_flash.prefix_lengths(tree_seq_lens, step.query_start_loc))
             return with_tree(metadata, tree_step=step)
         if not prepared and metadata.max_query_len == 1 + tree.num_nodes:
             # A dummy run (CUDA-graph capture): its uniform decode batch stands for steps of tree rows only (a batch
@@ -281,20 +300,23 @@ def _attending_tree_rows_flash(original):
         if ancestors is None:
             return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         key_cache, value_cache = attention_triton.split_kv_cache(kv_cache, self.head_size)
-        prefix_attention, merge = FLASH_ATTN_VARLEN_FUNC.resolve(), MERGE_ATTN_STATES.resolve()
+        prefix_attention = FLASH_ATTN_VARLEN_FUNC.resolve()
+        prefix_lens = tree_prefix_lens_of(attn_metadata)  # the hand-over's, once per step (`hand_tree_to_...`)
         if step is None:  # the whole batch: tree rows and one-token decodes; the two passes instead of vLLM's launch
+            if prefix_lens is None:  # a drafting level (`uniform_tree_marking`): its one layer computes them
+                prefix_lens = attention_flash.prefix_lengths(attn_metadata.seq_lens, attn_metadata.query_start_loc)
             attention_flash.tree_batch_attention(
-                prefix_attention, merge, query, key, value, key_cache, value_cache, output,
-                query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
+                prefix_attention, query, key, value, key_cache, value_cache, output,
+                query_start_loc=attn_metadata.query_start_loc, prefix_lens=prefix_lens,
                 block_table=attn_metadata.block_table, max_query_len=attn_metadata.max_query_len,
                 max_seq_len=attn_metadata.max_seq_len, block_ancestors=ancestors, scale=self.scale,
                 prefix_kwargs=_flash_prefix_kwargs(self, layer, attn_metadata, attn_metadata.seq_lens.shape[0]))
             return output
         output = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         attention_flash.tree_rows_attention(
-            prefix_attention, merge, query, key, value, key_cache, value_cache, output,
+            prefix_attention, query, key, value, key_cache, value_cache, output,
             token_indices=step.token_indices, request_indices=step.request_indices,
-            tree_query_start_loc=step.query_start_loc, seq_lens=attn_metadata.seq_lens,
+            tree_query_start_loc=step.query_start_loc, prefix_lens=prefix_lens,
             block_table=attn_metadata.block_table, block_len=step.block_len, max_seq_len=attn_metadata.max_seq_len,
             block_ancestors=ancestors, scale=self.scale,
             prefix_kwargs=_flash_prefix_kwargs(self, layer, attn_metadata, step.num_requests))

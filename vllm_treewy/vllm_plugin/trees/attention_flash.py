@@ -1,22 +1,25 @@
 """Tree attention on vLLM's FLASH_ATTN backend (FlashAttention 3 on Hopper, FlashAttention 2 elsewhere): two passes
-merged by log-sum-exp.
+merged by log-sum-exp, in two launches per attention layer.
 
 Every tree row of a step verifies the static tree: its verified block (root, then the N nodes in node order) sits at
 KV positions committed_len + block index (`trees.step`); a block token sees every committed position and, among the
 block, its ancestors and itself. FlashAttention has no per-token mask for that, so the tree rows' output is the merge
 of two attentions over disjoint key sets:
 
-1. the prefix pass: every query token over its request's committed prefix (`seqused_k` = seq_len - query_len),
+1. the prefix pass: every query token over its request's committed prefix (`seqused_k` = seq_len - query_len, the
+   `prefix_lengths`, computed once per step where the step's metadata gets the tree: `trees.attention`),
    non-causal, with vLLM's own paged kernel (`flash_attn_varlen_func(..., causal=False, return_softmax_lse=True)`,
    the call vLLM's decode-context-parallel path makes for its context pass; the AOT scheduler metadata is for the
-   causal launch's lengths and is not passed);
-2. the ancestor pass: every query token over its ancestors and itself among the step's new K/V rows, the
-   forward's `key` / `value` (`kernels.tree_attention_ancestors_triton`; its torch twin on CPU);
-3. `merge_attn_states` (vLLM's; `kernels.attention_merge_torch` is its twin): softmax over the union of the two key
-   sets is the two partial softmaxes weighted by their shares of the union's normaliser, e^{lse} each.
+   causal launch's lengths and is not passed); it returns the output `[T, H, D]` and log-sum-exp `[H, T]`;
+2. the ancestor pass with the merge folded in (`kernels.tree_attention_ancestors_triton`; its torch twin on CPU):
+   every query token over its ancestors and itself among the step's new K/V rows (the forward's `key` / `value`),
+   its online softmax started from the prefix pass's output and log-sum-exp (softmax over the union of the two key
+   sets is the two partial softmaxes weighted by their shares of the union's normaliser, e^{lse} each), the merged
+   rows written straight into the forward's `output`.
 
-A request with no committed key (a graph's padding rows) has an empty prefix: FlashAttention 3 writes +inf as its
-log-sum-exp, which the merge reads as "no keys".
+A request with no committed key (a graph's padding requests) has an empty prefix: FlashAttention 3 writes +inf as
+its log-sum-exp, which the ancestor pass reads as "no keys" (its output row is never read). Tokens at or past
+`query_start_loc[-1]` (a graph's padding tokens) keep the output they held.
 
 Two shapes of call (`trees.attention`): a batch whose requests are all tree rows or one-token decodes ("covering"
 steps, every uniform decode batch of a CUDA-graph capture, the MTP drafter's levels) runs the two passes over the
@@ -51,17 +54,30 @@ def tree_block_ancestors(tree: DraftTree, device) -> torch.Tensor:
     return verified_block_ancestors(parents, cu_nodes, tree.max_depth).to(device)
 
 
+def prefix_lengths(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """`[R]` int32: each request's committed prefix, seq_len - query_len, clamped at 0 (a graph's padding requests:
+    seq_len 0 and an empty query). `seq_lens [R]` int32 and `query_start_loc [R + 1]` int32: vLLM's metadata rows.
+    Into `out` (`[R]` int32) when given: a persistent buffer keeps the address a FULL CUDA graph reads (the hand-over
+    computes it once per step for all of a metadata object's layers, `TreeRunState.prefix_lens`). Device ops, no host
+    sync."""
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if out is None:
+        return torch.sub(seq_lens, query_lens).clamp_(min=0).to(torch.int32)
+    return torch.sub(seq_lens, query_lens, out=out).clamp_(min=0)
+
+
 def two_pass_attention(
     prefix_attention: Callable,
-    merge: Callable,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    output: torch.Tensor,
     *,
     query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
     block_table: torch.Tensor,
     max_query_len: int,
     max_seq_len: int,
@@ -69,58 +85,54 @@ def two_pass_attention(
     scale: float,
     prefix_kwargs: dict,
 ) -> torch.Tensor:
-    """`[T, H, D]` (query's dtype): the two passes over a batch of requests' queries back to back, merged.
+    """The two passes over a batch of requests' queries back to back, the merged attention written into `output`
+    (`[T, H, D]` or `[T, H * D]`, unit stride in its last axis, its own dtype) for tokens before
+    `query_start_loc[-1]`; later rows (graph padding) keep what they held. Returns `output`.
 
     `query [T, H, D]`, `key`/`value [T, H_kv, D]`: the batch's queries and new K/V rows (already in the cache at
-    positions seq_len - query_len + i); `query_start_loc [R + 1]`, `seq_lens [R]`, `block_table [R, max_blocks]`:
-    vLLM's metadata rows of those requests; `max_query_len`/`max_seq_len`: Python-int bounds. A request whose query
-    holds 1 + N tokens is a verified block of the tree `block_ancestors` (`tree_block_ancestors`); any other request
-    must have a one-token query (or none). `prefix_attention`: FlashAttention's `flash_attn_varlen_func` contract
-    (keywords; returns `(out, lse [H, T])`), called with `prefix_kwargs` added (version, descales, splits);
-    `merge`: `merge_attn_states`'s. Rows past `query_start_loc[-1]` hold anything. No host sync.
-    """
-    starts = query_start_loc
-    prefix_lens = (seq_lens - (starts[1:] - starts[:-1])).clamp(min=0).to(torch.int32)
+    positions seq_len - query_len + i); `query_start_loc [R + 1]`, `block_table [R, max_blocks]`: vLLM's metadata
+    rows of those requests, `prefix_lens [R]` int32 their committed lengths (`prefix_lengths`);
+    `max_query_len`/`max_seq_len`: Python-int bounds. A request whose query holds 1 + N tokens is a verified block of
+    the tree `block_ancestors` (`tree_block_ancestors`); any other request must have a one-token query (or none).
+    `prefix_attention`: FlashAttention's `flash_attn_varlen_func` contract (keywords; returns `(out [T, H, D],
+    lse [H, T])`), called with `prefix_kwargs` added (version, descales, splits). Two launches (FlashAttention's,
+    the ancestor pass's); the prefix pass's output and log-sum-exp are its only allocations. No host sync."""
     prefix_out, prefix_lse = prefix_attention(
-        q=query, k=key_cache, v=value_cache, max_seqlen_q=max_query_len, cu_seqlens_q=starts,
+        q=query, k=key_cache, v=value_cache, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc,
         max_seqlen_k=max_seq_len, seqused_k=prefix_lens, softmax_scale=scale, causal=False, block_table=block_table,
         return_softmax_lse=True, **prefix_kwargs)
     ancestors_pass = tree_attention_ancestors_triton if query.is_cuda else tree_attention_ancestors_torch
-    suffix_out, suffix_lse = ancestors_pass(query, key, value, starts, block_ancestors, scale)
-    merged = torch.empty_like(suffix_out)
-    merge(merged, prefix_out, prefix_lse, suffix_out, suffix_lse)
-    return merged
+    return ancestors_pass(query, key, value, query_start_loc, block_ancestors, prefix_out, prefix_lse, output, scale)
 
 
-def tree_batch_attention(prefix_attention: Callable, merge: Callable, query, key, value, key_cache, value_cache,
-                         output: torch.Tensor, *, query_start_loc, seq_lens, block_table, max_query_len: int,
+def tree_batch_attention(prefix_attention: Callable, query, key, value, key_cache, value_cache,
+                         output: torch.Tensor, *, query_start_loc, prefix_lens, block_table, max_query_len: int,
                          max_seq_len: int, block_ancestors, scale: float, prefix_kwargs: dict) -> torch.Tensor:
     """The whole batch's attention (every request a tree row or a one-token decode) into `output` (`[T, H, D]` or
-    `[T, H * D]`), rows past `query_start_loc[-1]` (graph padding) left as they were. Static shapes: capturable."""
-    merged = two_pass_attention(
-        prefix_attention, merge, query, key, value, key_cache, value_cache, query_start_loc=query_start_loc,
-        seq_lens=seq_lens, block_table=block_table, max_query_len=max_query_len, max_seq_len=max_seq_len,
+    `[T, H * D]`), rows past `query_start_loc[-1]` (graph padding) left as they were: `two_pass_attention` over the
+    metadata's rows. Static shapes: capturable."""
+    return two_pass_attention(
+        prefix_attention, query, key, value, key_cache, value_cache, output, query_start_loc=query_start_loc,
+        prefix_lens=prefix_lens, block_table=block_table, max_query_len=max_query_len, max_seq_len=max_seq_len,
         block_ancestors=block_ancestors, scale=scale, prefix_kwargs=prefix_kwargs)
-    rows = output.view(query.shape[0], -1)
-    in_batch = torch.arange(query.shape[0], device=query.device) < query_start_loc[-1]
-    rows.copy_(torch.where(in_batch[:, None], merged.view(rows.shape).to(rows.dtype), rows))
-    return output
 
 
-def tree_rows_attention(prefix_attention: Callable, merge: Callable, query, key, value, key_cache, value_cache,
+def tree_rows_attention(prefix_attention: Callable, query, key, value, key_cache, value_cache,
                         output: torch.Tensor, *, token_indices: torch.Tensor, request_indices: torch.Tensor,
-                        tree_query_start_loc: torch.Tensor, seq_lens, block_table, block_len: int, max_seq_len: int,
-                        block_ancestors, scale: float, prefix_kwargs: dict) -> torch.Tensor:
+                        tree_query_start_loc: torch.Tensor, prefix_lens: torch.Tensor, block_table, block_len: int,
+                        max_seq_len: int, block_ancestors, scale: float, prefix_kwargs: dict) -> torch.Tensor:
     """Overwrites the tree rows' output (after vLLM's causal launch over a batch with prefills) with the two passes
     over the R tree rows alone: `token_indices [R * block_len]`, `request_indices [R]`, `tree_query_start_loc
-    [R + 1]` as `TreeStep` holds them; `seq_lens`, `block_table`: the whole batch's metadata. Shapes follow the
-    host-known R: eager only (mixed batches run attention outside CUDA graphs)."""
-    rows = request_indices.long()
-    merged = two_pass_attention(
-        prefix_attention, merge, query.index_select(0, token_indices), key.index_select(0, token_indices),
-        value.index_select(0, token_indices), key_cache, value_cache, query_start_loc=tree_query_start_loc,
-        seq_lens=seq_lens.index_select(0, rows), block_table=block_table.index_select(0, rows),
+    [R + 1]` as `TreeStep` holds them; `prefix_lens [R]` int32 the tree rows' committed lengths; `block_table`: the
+    whole batch's. The passes run over the gathered rows into a temporary, then copied into the rows of `output`.
+    Shapes follow the host-known R: eager only (mixed batches run attention outside CUDA graphs)."""
+    num_tokens = token_indices.shape[0]
+    merged = torch.empty(num_tokens, *query.shape[1:], dtype=output.dtype, device=output.device)
+    two_pass_attention(
+        prefix_attention, query.index_select(0, token_indices), key.index_select(0, token_indices),
+        value.index_select(0, token_indices), key_cache, value_cache, merged, query_start_loc=tree_query_start_loc,
+        prefix_lens=prefix_lens, block_table=block_table.index_select(0, request_indices.long()),
         max_query_len=block_len, max_seq_len=max_seq_len, block_ancestors=block_ancestors, scale=scale,
         prefix_kwargs=prefix_kwargs)
-    output.view(query.shape[0], -1).index_copy_(0, token_indices, merged.view(merged.shape[0], -1).to(output.dtype))
+    output.view(query.shape[0], -1).index_copy_(0, token_indices, merged.view(num_tokens, -1))
     return output

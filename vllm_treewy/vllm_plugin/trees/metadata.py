@@ -1,9 +1,10 @@
 """vLLM's per-step metadata objects with the step's tree on them, as fields of a subclass (not attributes added to
 vLLM's objects): `with_tree(metadata, tree_step=..., tree_qq_bias=...)` returns a copy of vLLM's dataclass as a
-subclass that has the tree fields (`tree_step`, `tree_qq_bias` for TRITON_ATTN, `tree_block_ancestors` for
-FLASH_ATTN); `tree_step_of` / `tree_qq_bias_of` / `tree_block_ancestors_of` read them from any metadata (None on
-vLLM's own). Used for the step's `SpecDecodeMetadata` (to `_sample`) and the attention metadata (to the forwards);
-`replace_metadata` puts such copies into vLLM's per-layer metadata dicts."""
+subclass that has the tree fields (`tree_step`, `tree_qq_bias` for TRITON_ATTN, `tree_block_ancestors` and
+`tree_prefix_lens` for FLASH_ATTN: the prefix pass's committed lengths, computed once per step for all the layers
+that share the metadata); `tree_step_of` / `tree_qq_bias_of` / `tree_block_ancestors_of` / `tree_prefix_lens_of`
+read them from any metadata (None on vLLM's own). Used for the step's `SpecDecodeMetadata` (to `_sample`) and the
+attention metadata (to the forwards); `replace_metadata` puts such copies into vLLM's per-layer metadata dicts."""
 
 from __future__ import annotations
 
@@ -16,18 +17,20 @@ def _with_tree_fields(cls: type) -> type:
     tree_cls = dataclasses.make_dataclass(
         f"Tree{cls.__name__}", [("tree_step", object, dataclasses.field(default=None)),
                                 ("tree_qq_bias", object, dataclasses.field(default=None)),
-                                ("tree_block_ancestors", object, dataclasses.field(default=None))], bases=(cls,))
+                                ("tree_block_ancestors", object, dataclasses.field(default=None)),
+                                ("tree_prefix_lens", object, dataclasses.field(default=None))], bases=(cls,))
     tree_cls.vllm_class = cls
     return tree_cls
 
 
 def with_tree(metadata, **tree_fields):
-    """A copy of `metadata` (a vLLM dataclass, or such a copy) with `trees.step` and/or `tree_qq_bias` set, the other
-    tree field kept; vLLM's fields (tensors included) are shared, not copied."""
+    """A copy of `metadata` (a vLLM dataclass, or such a copy) with the given tree fields set, the other tree fields
+    kept; vLLM's fields (tensors included) are shared, not copied."""
     base = getattr(type(metadata), "vllm_class", type(metadata))
     fields = dataclasses.fields(base)
     values = {"tree_step": tree_step_of(metadata), "tree_qq_bias": tree_qq_bias_of(metadata),
-              "tree_block_ancestors": tree_block_ancestors_of(metadata), **tree_fields}
+              "tree_block_ancestors": tree_block_ancestors_of(metadata),
+              "tree_prefix_lens": tree_prefix_lens_of(metadata), **tree_fields}
     copy = _with_tree_fields(base)(**{f.name: getattr(metadata, f.name) for f in fields if f.init}, **values)
     for f in fields:
         if not f.init:
@@ -45,6 +48,10 @@ def tree_qq_bias_of(metadata):
 
 def tree_block_ancestors_of(metadata):
     return getattr(metadata, "tree_block_ancestors", None)
+
+
+def tree_prefix_lens_of(metadata):
+    return getattr(metadata, "tree_prefix_lens", None)
 
 
 def replace_metadata(attn_metadata, replacement) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from vllm_treewy.spec_decode.acceptance import TreeAcceptance
 from vllm_treewy.tree import DraftTree
-from vllm_treewy.vllm_plugin.trees.attention_flash import tree_block_ancestors
+from vllm_treewy.vllm_plugin.trees.attention_flash import prefix_lengths, tree_block_ancestors
 from vllm_treewy.vllm_plugin.trees.attention_triton import tree_qq_bias
 from vllm_treewy.vllm_plugin.trees.step import TreeStep
 
@@ -34,6 +34,9 @@ class TreeRunState:
     qq_biases: dict[int, torch.Tensor] = field(default_factory=dict)
     # Ancestor tables (FLASH_ATTN) by node count: built once; CUDA graphs keep their addresses.
     block_ancestor_tables: dict[int, torch.Tensor] = field(default_factory=dict)
+    # FLASH_ATTN prefix lengths, one int32 buffer per vLLM sequence-length buffer (by its storage's address and
+    # size): made at first use, never replaced while that buffer lives; CUDA graphs keep their addresses.
+    prefix_lens_buffers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     def qq_bias(self, tree: DraftTree, device) -> torch.Tensor:
         if tree.num_nodes not in self.qq_biases:
@@ -44,6 +47,22 @@ class TreeRunState:
         if tree.num_nodes not in self.block_ancestor_tables:
             self.block_ancestor_tables[tree.num_nodes] = tree_block_ancestors(tree, device)
         return self.block_ancestor_tables[tree.num_nodes]
+
+    def prefix_lens(self, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        """`[R]` int32 `prefix_lengths(seq_lens, query_start_loc)` of a step's FLASH_ATTN metadata, written into a
+        persistent buffer: a FULL CUDA graph captured over this metadata reads them at the buffer's address, and each
+        step's hand-over (outside the graph, before its replay) rewrites them. vLLM's `seq_lens` (int32) is a view
+        of its own persistent buffer (`[:num_reqs_padded]`, or a micro-batch's slice), so the buffer mirrors that
+        one: the same size, the lengths at the same offset; views of one vLLM buffer share one mirror and micro-batches
+        keep apart."""
+        storage = seq_lens.untyped_storage()
+        size = storage.nbytes() // seq_lens.element_size()
+        key = (storage.data_ptr(), size)
+        if key not in self.prefix_lens_buffers:
+            self.prefix_lens_buffers[key] = torch.zeros(size, dtype=torch.int32, device=seq_lens.device)
+        offset = seq_lens.storage_offset()
+        out = self.prefix_lens_buffers[key][offset : offset + seq_lens.numel()]
+        return prefix_lengths(seq_lens, query_start_loc, out=out)
 
 
 def tree_state_of(runner) -> TreeRunState | None:

@@ -45,6 +45,7 @@ from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, kv_slots
 from vllm_treewy.vllm_plugin.trees.metadata import (
     replace_metadata,
     tree_block_ancestors_of,
+    tree_prefix_lens_of,
     tree_qq_bias_of,
     tree_step_of,
     with_tree,
@@ -63,8 +64,9 @@ def _strip_tree(attn_metadata):
         return attn_metadata
     stripped = dict(attn_metadata)
     replace_metadata(stripped, lambda name, m: with_tree(m, tree_step=None, tree_qq_bias=None,
-                                                        tree_block_ancestors=None)
-                     if any(of(m) is not None for of in (tree_step_of, tree_qq_bias_of, tree_block_ancestors_of))
+                                                        tree_block_ancestors=None, tree_prefix_lens=None)
+                     if any(of(m) is not None for of in (tree_step_of, tree_qq_bias_of, tree_block_ancestors_of,
+                                                         tree_prefix_lens_of))
                      else None)
     return stripped  # layers that share one metadata object share its copy
 
