@@ -1,5 +1,7 @@
 """Draft-tree speculative decoding pieces that need no vllm: greedy tree acceptance and the KV moves that compact
-the accepted path (``acceptance``). Tree drafting from MTP logits and the verification budget are not written yet."""
+the accepted path (``acceptance``), the exact tree sampler (``tree_sampling``), the benchmark-only synthetic tree
+acceptance (``synthetic_acceptance``), and drafting a tree from an MTP head's logits level by level
+(``tree_drafting``)."""
 
 from .acceptance import (
     TreeAcceptance,
