@@ -113,13 +113,15 @@ class StepOps(TorchDispatchMode):
 
 class SiteOps(TorchDispatchMode):
     """Counts the aten ops that would launch device work, and interpreted Triton launches, by (call site, op name),
-    while `active`; `entered` wraps the runner's step methods, `suspended` the model forwards."""
+    while `active`; `entered` wraps the runner's step methods, `suspended` the model forwards (neither ops nor Triton
+    launches counted inside them: on the GPU they are CUDA graph replays)."""
 
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
         self.steps = 0
         self.active = False
+        self.in_forward = 0  # depth of suspended model forwards being run
 
     def entered(self, method, counts_step: bool = False):
         """`method` run under the mode while `active` (a step counted per call if `counts_step`)."""
@@ -133,13 +135,16 @@ class SiteOps(TorchDispatchMode):
 
         return counted
 
-    @staticmethod
-    def suspended(forward):
-        """`forward` with every dispatch mode off (on the GPU it is a CUDA graph replay)."""
+    def suspended(self, forward):
+        """`forward` with every dispatch mode off and Triton launches uncounted."""
         @functools.wraps(forward)
         def uncounted(*args, **kwargs):
-            with _disable_current_modes():
-                return forward(*args, **kwargs)
+            self.in_forward += 1
+            try:
+                with _disable_current_modes():
+                    return forward(*args, **kwargs)
+            finally:
+                self.in_forward -= 1
 
         uncounted.step_ops_suspended = True
         return uncounted
@@ -151,7 +156,7 @@ class SiteOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def count_triton_launch(self, kernel: str) -> bool:
-        if not self.active:
+        if not self.active or self.in_forward:
             return False
         self.ops[call_site(python_frames(sys._getframe())), "TRITON LAUNCH " + kernel] += 1
         return True
@@ -178,14 +183,14 @@ def triton_launches_counted(counter):
         GridExecutor.__call__ = launch
 
 
-def suspend_model_forwards(runner) -> None:
+def suspend_model_forwards(runner, site_ops: SiteOps) -> None:
     """Counting off inside the target model's and the drafter's forwards (instance `forward`s: vLLM's eager
     `__call__` runs `self.forward`), once per runner: the V1 runner's `drafter`, Model Runner V2's `speculator`."""
     drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
     models = [runner.model] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
     for model in models:
         if not getattr(model.forward, "step_ops_suspended", False):
-            model.forward = SiteOps.suspended(model.forward)
+            model.forward = site_ops.suspended(model.forward)
 
 
 def fixture_engine_inputs(batch: int):
@@ -248,7 +253,7 @@ def count_whole_step(args, strategy: str, model: str, prompts) -> SiteOps:
     originals = {name: getattr(GPUModelRunner, name) for name in ("execute_model", "sample_tokens")}
 
     def execute_model(runner, *a, **kw):
-        suspend_model_forwards(runner)
+        suspend_model_forwards(runner, site_ops)
         return originals["execute_model"](runner, *a, **kw)
 
     GPUModelRunner.execute_model = site_ops.entered(functools.wraps(originals["execute_model"])(execute_model),
