@@ -40,9 +40,10 @@ class FakeGDNLayer:
     verified_node_counts = ReconstructGatedDeltaNetAttention.verified_node_counts
     keeps_slot_counts = True
 
-    def __init__(self, kv_cache, shape: DraftShape = DraftShape(None)):
+    def __init__(self, kv_cache, shape: DraftShape = DraftShape(None), runner_accepted_counts: bool = False):
         self.kv_cache = kv_cache
-        self.step_buffers, self.sampling_tables = GroupStepBuffers(shape), SamplingTables()
+        self.step_buffers = GroupStepBuffers(shape, runner_accepted_counts)
+        self.sampling_tables = SamplingTables()
 
 
 class FakeBuilder(SimpleNamespace):

@@ -54,6 +54,12 @@ class GDNPage(NamedTuple):
             return cls(conv_state, ssm_state, *extra)
         return cls(conv_state, ssm_state, counts=extra[0] if extra else None)
 
+    @staticmethod
+    def counts_of(kv_cache) -> torch.Tensor | None:
+        """`of(kv_cache).counts` without building the page: the count is the last extra state of either layout (read
+        every step by each GDN group's metadata build)."""
+        return kv_cache[-1] if len(kv_cache) > 2 else None
+
 
 @dataclass(frozen=True)
 class BufferLayout:
