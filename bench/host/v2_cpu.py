@@ -6,8 +6,9 @@ CUDA devices only.
 - `force()`, before anything imports vLLM: every Triton kernel (vLLM's and the adapter's) runs in Triton's
   interpreter, a stand-in "cpu" Triton backend lets vLLM's check pass, and VLLM_USE_V2_MODEL_RUNNER=1.
 - `install_hooks()`, after the plugin's `register()`: the V2 hooks of reconstruct chains (`v2.accepted_counts`: the
-  further GDN groups' commit nodes, the counts after sampling), and the GDN builder's re-gather on as on CUDA (one
-  `build` and one `update_block_table` a step for two GDN groups).
+  further GDN groups' commit nodes, the after-sampling hook), and the GDN builder as CUDA runs it in FULL-graph decode
+  steps: its re-gather on (one `build` and one `update_block_table` a step for two GDN groups) and its decode batches
+  staged into its persistent buffers (`use_full_cuda_graph`; no graph is captured or replayed here).
 
 A measurement aid only: the interpreter makes each Triton launch take milliseconds, so wall time per step says
 nothing; the adapter's own Python time and the number of launches per step carry over to CUDA.
@@ -39,9 +40,9 @@ def force() -> None:
 
 
 def install_hooks() -> None:
-    """The V2 hooks that reconstruct chains need (the plugin installs them on CUDA only), and V2's re-gather of each
-    further GDN group's state indices from the first group's metadata (`update_block_table`), which vLLM's GDN builder
-    turns on for CUDA devices only: as on CUDA, one `build` and one `update_block_table` a step for two GDN groups."""
+    """The V2 hooks that reconstruct chains need (the plugin installs them on CUDA only); vLLM's GDN builders re-gather
+    further groups (`update_block_table`, which vLLM turns on for CUDA devices only) and stage decode batches into their
+    FULL-graph buffers, as on CUDA."""
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
     from vllm_treewy.vllm_plugin.v2 import accepted_counts
@@ -54,5 +55,6 @@ def install_hooks() -> None:
         if vllm_config.use_v2_model_runner and type(self) is GDNAttentionMetadataBuilder:
             self.supports_update_block_table = True  # vLLM's condition, less `device.type == "cuda"`
             self.mamba_aligned_state_indices = None
+            self.use_full_cuda_graph = True
 
     GDNAttentionMetadataBuilder.__init__ = __init__
