@@ -18,8 +18,8 @@ timed generates of `--max-tokens` greedy tokens for `--batch` prompts. Two measu
    absolutes.
 2. Warm replay: each hook's wrapper body alone, on the inputs of its last call in the last generate, with the vLLM
    function it wraps answered by that call's result and every Triton launch stubbed (counted, not run): microseconds
-   per call (median of `--replay-rounds` rounds of `--replay-calls` calls), and per step (x calls per step). This is
-   the adapter's own Python and eager torch ops; on CUDA each launch adds its launcher's few microseconds.
+   per call (the fastest of `--replay-rounds` rounds of `--replay-calls` calls), and per step (x calls per step). This
+   is the adapter's own Python and eager torch ops; on CUDA each launch adds its launcher's few microseconds.
 
 `--triton` makes the adapter take its CUDA path (its Triton kernels, one launch per update, instead of the torch twins
 that the CPU backend runs: a few CPU ops each, which CUDA would launch one by one).
@@ -189,7 +189,7 @@ def replay(timers: Timers, calls_per_step: dict[str, float], args) -> dict[str, 
             launches[0] = 0
             rounds = [timeit.timeit(call, number=args.replay_calls) / args.replay_calls
                       for _ in range(args.replay_rounds)]
-            per_call = 1e6 * statistics.median(rounds)
+            per_call = 1e6 * min(rounds)  # the least disturbed round (other processes share the cores)
             calls = calls_per_step[f"{label}: own time (calls)"]
             rows[label] = (per_call, per_call * calls, launches[0] / (args.replay_calls * args.replay_rounds))
     finally:
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
         cells = [f"{r['rows'][label][0]:>20.1f} ({r['rows'][label][1]:4.1f}/step)" for r in results.values()]
         print(f"{label:<52}" + "".join(f"{c:>34}" for c in cells))
     print(f"\n2. warm replay of each hook's wrapper body, Triton launches stubbed: us per call / us per step "
-          f"(launches per call), median of {args.replay_rounds} x {args.replay_calls} calls")
+          f"(launches per call), fastest of {args.replay_rounds} rounds of {args.replay_calls} calls")
     print(header)
     for label in results[args.strategies[0]]["replay"]:
         cells = [f"{c:8.2f} / {s:8.2f} ({n:3.1f})" for c, s, n in (r["replay"].get(label, (0, 0, 0))

@@ -12,9 +12,10 @@ specification (`dispatch` picks the path).
   every non-speculative row's slot.
 - `record_accepted_counts_torch`, after sampling (vLLM's V1 runner): each speculative row's accepted count into its
   slot, for every KV-cache group of GDN layers at once (each group has its own counts and block table).
-- `record_sampled_counts_torch`, after sampling (vLLM's Model Runner V2): the same for V2's batch, whose rows reach
-  request's block-table row through `idx_mapping` and whose speculative rows are the slots that hold a count (the
-  step's count update gave every speculative row its node count, >= 1, and every other row 0).
+- `record_sampled_counts_torch`, after sampling (vLLM's Model Runner V2: a tree config's chain steps; V2's chains
+  commit from V2's own accepted counts): the same for V2's batch, whose rows reach their request's block-table row
+  through `idx_mapping` and whose speculative rows are the slots that hold a count (the step's count update gave
+  every speculative row its node count, >= 1, and every other row 0).
 
 A batch's rows hold distinct slots apart from the null block (CUDA-graph capture and padding rows), as vLLM's
 requests do: rows never race on a slot other than the null block, where every row writes the same 0. No host sync;
