@@ -9,11 +9,13 @@ The hooks (each a wrapper of a vLLM function):
 
 One engine per strategy, one after another in this process (the fixture's `tiny` shape, MTP k, eager, prefix caching
 off: the GPU k = 1 runs' configuration, `testing.equivalence.ENGINE_DEFAULTS`): a warm-up generate, then `--repeats`
-timed generates of `--max-tokens` greedy tokens for `--batch` prompts. Two measurements:
+timed generates of `--max-tokens` greedy tokens for `--batch` prompts. Two measurements, both in CPU time of the
+engine's thread (`time.thread_time`: the engine runs in this process), so that other processes on the same cores do
+not count:
 
 1. In the engine, per engine step (one `execute_model`; medians over the repeats): each hook's calls, its own Triton
-   launches, and its own time (a `time.perf_counter` timer around the adapter's wrapper minus one around the vLLM
-   function inside, less the interpreted launches in either). The interpreter's kernels churn through the CPU's
+   launches, and its own time (a timer around the adapter's wrapper minus one around the vLLM function inside, less
+   the interpreted launches in either). The interpreter's kernels churn through the CPU's
    caches between the hooks, so these times run 10-20x above a warm call's: compare strategies and versions, not
    absolutes.
 2. Warm replay: each hook's wrapper body alone, on the inputs of its last call in the last generate, with the vLLM
@@ -39,6 +41,8 @@ import timeit
 from bench.host import v2_cpu
 
 STEP = "V2 execute_model"
+# the engine thread's CPU time (the engine runs in this process): other processes on the same cores leave it alone
+CLOCK = time.thread_time
 # (label, vLLM's module, attribute path, the adapter's module and wrapper maker): what the adapter wraps, timed inside
 # and outside its wrapper
 HOOKED = (
@@ -88,13 +92,13 @@ class Timers:
         @functools.wraps(method)
         def timed(*args, **kwargs):
             launches, launch_seconds = launched
-            start = time.perf_counter()
+            start = CLOCK()
             result = None
             try:
                 result = method(*args, **kwargs)
                 return result
             finally:
-                self.seconds[label] += time.perf_counter() - start
+                self.seconds[label] += CLOCK() - start
                 self.calls[label] += 1
                 self.launches[label] += launched[0] - launches
                 self.launch_seconds[label] += launched[1] - launch_seconds
@@ -109,12 +113,12 @@ class Timers:
         launch, launched = GridExecutor.__call__, self._launched
 
         def counted(executor, *args, **kwargs):
-            start = time.perf_counter()
+            start = CLOCK()
             try:
                 return launch(executor, *args, **kwargs)
             finally:
                 launched[0] += 1
-                launched[1] += time.perf_counter() - start
+                launched[1] += CLOCK() - start
 
         GridExecutor.__call__ = counted
 
@@ -187,7 +191,7 @@ def replay(timers: Timers, calls_per_step: dict[str, float], args) -> dict[str, 
 
             call()
             launches[0] = 0
-            rounds = [timeit.timeit(call, number=args.replay_calls) / args.replay_calls
+            rounds = [timeit.Timer(call, timer=CLOCK).timeit(number=args.replay_calls) / args.replay_calls
                       for _ in range(args.replay_rounds)]
             per_call = 1e6 * min(rounds)  # the least disturbed round (other processes share the cores)
             calls = calls_per_step[f"{label}: own time (calls)"]
