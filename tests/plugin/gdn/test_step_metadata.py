@@ -230,6 +230,23 @@ def test_each_builder_of_a_group_stages_into_its_own_buffers():
     assert [name for name in vars(builder) if "treewy" in name] == []
 
 
+def test_a_builders_staged_buffers_go_with_it():
+    """The buffers are found by the builder's id: a builder made after another one went (which may get its id) gets
+    buffers of its own, and nothing is kept for the one that went."""
+    import gc
+
+    builder, _ = _builder(full_graphs=True)
+    buffers = counts_layer(builder).step_buffers
+    first = buffers.staged(builder, 4)
+    assert buffers.staged(builder, 4)[0] is first[0]  # the batch size's views, kept
+    kwargs = {name: value for name, value in vars(builder).items() if name != "_stage_spec_decode"}  # (holds it)
+    del builder
+    gc.collect()
+    assert buffers._staged == {}
+    again = FakeBuilder(**kwargs)
+    assert buffers.staged(again, 4)[0].data_ptr() != first[0].data_ptr()
+
+
 def test_the_null_block_never_commits():
     """CUDA-graph capture batches put every row in the null block 0: none of them may commit there (they would all
     write the one slot at once), however often captures repeat."""

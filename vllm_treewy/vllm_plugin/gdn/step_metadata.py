@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
@@ -189,7 +189,8 @@ class GroupStepBuffers:
     - per metadata builder of the group (vLLM makes one per group, or one per microbatch), the FULL-graph buffers
       of the state indices and commit nodes (`staged`): made at the builder's first staged batch, the size of the
       builder's own persistent `num_accepted_tokens`, never replaced, since captured graphs read them at their
-      address; they go with the builder;
+      address; they go with the builder (found by its id, checked through a weak reference), and so do their views
+      of each batch size (FULL graphs replay a few padded sizes);
     - the config's draft shape (`shape`, the layer's `DraftShape`: the tree, None for chains, and its chain count
       offset);
     - the static tree's ancestor table (`tree_ancestors`, draft trees) and the commit table (`commit_ancestors`):
@@ -202,8 +203,9 @@ class GroupStepBuffers:
     def __init__(self, shape: DraftShape, runner_accepted_counts: bool = False):
         self.shape = shape
         self.runner_accepted_counts = runner_accepted_counts
-        # builder -> (state indices, commit nodes), each [builder's max rows] int32
-        self._staged = WeakIdKeyDictionary()
+        # id(builder) -> (weak reference to the builder, (state indices, commit nodes) each [builder's max rows]
+        # int32, {rows: their first rows})
+        self._staged: dict[int, tuple] = {}
         self._tree_ancestors: torch.Tensor | None = None
         self._commit_ancestors: torch.Tensor | None = None
         self.order_checked = False
@@ -211,11 +213,17 @@ class GroupStepBuffers:
     def staged(self, builder, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `rows` of `builder`'s persistent state indices and commit nodes (made at first use, filled
         with -1)."""
-        buffers = self._staged.get(builder)
-        if buffers is None:
-            buffers = tuple(torch.full_like(builder.num_accepted_tokens, -1) for _ in range(2))
-            self._staged[builder] = buffers
-        return buffers[0][:rows], buffers[1][:rows]
+        key = id(builder)
+        kept = self._staged.get(key)
+        if kept is None or kept[0]() is not builder:
+            forget = functools.partial(self._staged.pop, key, None)  # when the builder goes
+            kept = (weakref.ref(builder, lambda _: forget()),
+                    tuple(torch.full_like(builder.num_accepted_tokens, -1) for _ in range(2)), {})
+            self._staged[key] = kept
+        _, buffers, views = kept
+        if rows not in views:
+            views[rows] = buffers[0][:rows], buffers[1][:rows]
+        return views[rows]
 
     def tree_ancestors(self, device) -> torch.Tensor:
         """The static tree's verified-block ancestor table (`verified_tree_ancestors`), built once (trees only)."""
