@@ -188,6 +188,17 @@ def test_the_next_step_commits_v2s_accepted_counts_and_nothing_is_recorded_after
     assert first.commit_nodes.tolist() == [0, 1, 3] and second.commit_nodes.tolist() == [0, 1, 3]
 
 
+def test_v2_refuses_chain_layers_built_to_commit_from_recorded_counts(v2_setup, monkeypatch):
+    """Layers built for the V1 runner (their count update reads counts recorded after sampling, which V2's hook does
+    not record) would commit stale nodes: the hook says so instead."""
+    builders, runner = v2_setup
+    for name in LAYERS:
+        monkeypatch.setattr(runner.compilation_config.static_forward_context[name].step_buffers,
+                            "runner_accepted_counts", False)
+    with pytest.raises(RuntimeError, match="built for another runner"):
+        _sample(runner, [0], [2])
+
+
 def test_a_batch_without_speculation_clears_every_groups_slots_in_the_builder(v2_setup):
     """Prefills take slots that finished requests left with a pending count: each group's count update runs in
     its builder (no speculative layer forward runs it), the re-gathered group's too."""

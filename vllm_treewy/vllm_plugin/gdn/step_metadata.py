@@ -6,15 +6,15 @@ is pending, else 1 + the accepted node's index in the slot's last verified block
 sampling (`v1.accepted_counts` for chains, `v1.sampler` for draft trees). The step's count update turns it into each
 row's commit node, then records this step's counts: the speculative rows' node counts (until their sampling records
 the accepted ones), and 0 for every other row, so a slot that a finished, aborted or preempted request left behind
-with a pending commit is never committed into by its next owner.
+with a pending commit is never committed into by its next owner. A store_all draft tree keeps the same count: its
+commit node is the block the next step starts from (`gdn.store_all_tree`).
 
 Chains on Model Runner V2 without prefix caching of GDN states (`runner_accepted_counts`) record nothing after
 sampling: V2 keeps each request's accepted count itself (`num_accepted_tokens`: 1 + the accepted drafts of its last
 step, kept per request state for the request's life, written right after sampling like the count state was), and hands
 it to this builder for every speculative row. There the slot's count only says whether a verify is pending (its node
 count), and the count update commits `min(count, accepted) - 1` (`kernels.bookkeeping.slot_counts_torch`): the node
-the recorded count would have named, without a launch after sampling. A store_all draft tree keeps the same count: its
-commit node is the block the next step starts from (`gdn.store_all_tree`).
+the recorded count would have named, without a launch after sampling.
 
 The count update runs where it costs no host time: in a batch with speculative rows, the group's first GDN layer
 launches it at the start of its forward (`update_counts`), before any layer of the group reads the commit nodes, so a

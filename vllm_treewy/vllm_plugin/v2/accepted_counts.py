@@ -40,7 +40,7 @@ import torch
 
 from vllm_treewy.kernels.bookkeeping import dispatch, slot_counts_torch, slot_counts_triton
 from vllm_treewy.vllm_plugin.config import keeps_slot_counts, reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups, draft_shape_of_runner
+from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups, step_buffers_of_runner
 from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
 from vllm_treewy.vllm_plugin.gdn.step_metadata import with_commit_nodes
@@ -108,7 +108,8 @@ def _recording_sampled_counts(original):
         original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
         if not reconstructs_mamba_state(self.speculative_config):
             return
-        shape = draft_shape_of_runner(self)
+        buffers = step_buffers_of_runner(self)
+        shape = buffers.shape
         tree = shape.tree
         if caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
             if tree is None:
@@ -119,7 +120,10 @@ def _recording_sampled_counts(original):
                     self, idx_mapping, num_sampled, tree=tree, accepted_tree=accepted,
                     chain_offset=shape.chain_count_offset if accepted is None else 0)
         elif tree is None:
-            return  # the next step's count update commits from V2's own accepted counts (`gdn.step_metadata`)
+            # the next step's count update commits from V2's own accepted counts (`gdn.step_metadata`)
+            if not buffers.runner_accepted_counts:
+                raise RuntimeError("reconstruct chains on Model Runner V2 commit from V2's accepted counts, but the "
+                                   "GDN layers were built for another runner (VllmConfig.use_v2_model_runner)")
         elif shape.has_chain_steps and self.speculator.tree_state.accepted is None:
             # a chain step of draft_tree_max_batch_size: V2 samples, then postprocesses, then proposes, so the tree
             # acceptance is there for the drafter exactly after a tree step (whose counts are the tree sampler's)
