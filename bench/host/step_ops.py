@@ -17,8 +17,11 @@ touched, no launch), and each interpreted Triton launch as one (with the mode of
   drafter's input preparation are counted (eager on CUDA too); the scheduler and the front end are not (host work).
 
 `--triton` forces the adapter's one-launch count kernels (the CUDA path), run by the interpreter: TRITON_INTERPRET=1.
+`--whole-step --runner v2` counts Model Runner V2's steps instead (V2 forced on by `v2_cpu`, its Triton kernels
+interpreted and counted as launches, as the adapter's are); the GPU's k = 1 comparison is `--k 1`.
 
     TRITON_INTERPRET=1 python bench/host/step_ops.py --batch 8 --max-tokens 64 [--triton] [--whole-step]
+    python -m bench.host.step_ops --whole-step --runner v2 --triton --k 1 --batch 8 --max-tokens 16
 
 An aten op may launch more than one CUDA kernel (an index put with a tensor index, say), and on CPU the runner's
 "device" tensors are its host tensors (`CpuGpuBuffer.gpu` is `.cpu`), so an op that CUDA runs on a pinned host
@@ -110,13 +113,15 @@ class StepOps(TorchDispatchMode):
 
 class SiteOps(TorchDispatchMode):
     """Counts the aten ops that would launch device work, and interpreted Triton launches, by (call site, op name),
-    while `active`; `entered` wraps the runner's step methods, `suspended` the model forwards."""
+    while `active`; `entered` wraps the runner's step methods, `suspended` the model forwards (neither ops nor Triton
+    launches counted inside them: on the GPU they are CUDA graph replays)."""
 
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
         self.steps = 0
         self.active = False
+        self.in_forward = 0  # depth of suspended model forwards being run
 
     def entered(self, method, counts_step: bool = False):
         """`method` run under the mode while `active` (a step counted per call if `counts_step`)."""
@@ -130,13 +135,16 @@ class SiteOps(TorchDispatchMode):
 
         return counted
 
-    @staticmethod
-    def suspended(forward):
-        """`forward` with every dispatch mode off (on the GPU it is a CUDA graph replay)."""
+    def suspended(self, forward):
+        """`forward` with every dispatch mode off and Triton launches uncounted."""
         @functools.wraps(forward)
         def uncounted(*args, **kwargs):
-            with _disable_current_modes():
-                return forward(*args, **kwargs)
+            self.in_forward += 1
+            try:
+                with _disable_current_modes():
+                    return forward(*args, **kwargs)
+            finally:
+                self.in_forward -= 1
 
         uncounted.step_ops_suspended = True
         return uncounted
@@ -148,7 +156,7 @@ class SiteOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def count_triton_launch(self, kernel: str) -> bool:
-        if not self.active:
+        if not self.active or self.in_forward:
             return False
         self.ops[call_site(python_frames(sys._getframe())), "TRITON LAUNCH " + kernel] += 1
         return True
@@ -175,13 +183,14 @@ def triton_launches_counted(counter):
         GridExecutor.__call__ = launch
 
 
-def suspend_model_forwards(runner) -> None:
+def suspend_model_forwards(runner, site_ops: SiteOps) -> None:
     """Counting off inside the target model's and the drafter's forwards (instance `forward`s: vLLM's eager
-    `__call__` runs `self.forward`), once per runner."""
-    models = [runner.model] + ([runner.drafter.model] if getattr(runner, "drafter", None) is not None else [])
+    `__call__` runs `self.forward`), once per runner: the V1 runner's `drafter`, Model Runner V2's `speculator`."""
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    models = [runner.model] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
     for model in models:
         if not getattr(model.forward, "step_ops_suspended", False):
-            model.forward = SiteOps.suspended(model.forward)
+            model.forward = site_ops.suspended(model.forward)
 
 
 def fixture_engine_inputs(batch: int):
@@ -226,17 +235,25 @@ def count_updates(args) -> None:
     print(f"{'both':<24}{total / steps:6.1f} per step")
 
 
+def runner_class(runner: str):
+    """The model runner class whose steps are counted: vLLM's V1 runner, or Model Runner V2 (`v2_cpu`)."""
+    if runner == "v2":
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    else:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    return GPUModelRunner
+
+
 def count_whole_step(args, strategy: str, model: str, prompts) -> SiteOps:
     """One engine's device ops outside the model forwards, by call site, for `strategy` (after a warm-up)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
+    GPUModelRunner = runner_class(args.runner)
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, generate_greedy
 
     site_ops = SiteOps()
     originals = {name: getattr(GPUModelRunner, name) for name in ("execute_model", "sample_tokens")}
 
     def execute_model(runner, *a, **kw):
-        suspend_model_forwards(runner)
+        suspend_model_forwards(runner, site_ops)
         return originals["execute_model"](runner, *a, **kw)
 
     GPUModelRunner.execute_model = site_ops.entered(functools.wraps(originals["execute_model"])(execute_model),
@@ -293,11 +310,22 @@ def main(argv=None) -> int:
     parser.add_argument("--whole-step", action="store_true",
                         help="the whole step outside the model forwards, by call site, both strategies")
     parser.add_argument("--top", type=int, default=40, help="--whole-step: rows per table")
+    parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                        help="--whole-step: vLLM's V1 runner (the CPU backend's), or Model Runner V2 (`v2_cpu`: "
+                             "every Triton kernel interpreted)")
     args = parser.parse_args(argv)
+    if args.runner == "v2":
+        if not args.whole_step:
+            parser.error("--runner v2 counts the whole step (--whole-step)")
+        from bench.host import v2_cpu
+
+        v2_cpu.force()
 
     import vllm_treewy.vllm_plugin as plugin
 
     plugin.register()
+    if args.runner == "v2":
+        v2_cpu.install_hooks()
     if args.triton:
         from vllm_treewy.kernels.bookkeeping import dispatch
 

@@ -40,3 +40,13 @@ def test_op_names_of_views_and_allocations_are_none():
     assert op_name(torch.ops.aten.view.default) is None
     assert op_name(torch.ops.aten.empty_strided.default) is None
     assert op_name(torch.ops.aten.index_put_.default) == "index_put_"
+
+
+def test_no_triton_launch_is_counted_inside_a_suspended_model_forward():
+    """The model forwards are CUDA graph replays on the GPU: the GDN layers' count update launched there is no host
+    launch, whatever the interpreter runs."""
+    site_ops = SiteOps()
+    site_ops.active = True
+    forward = site_ops.suspended(lambda: site_ops.count_triton_launch("_commit_nodes_kernel"))
+    assert forward() is False and site_ops.count_triton_launch("_record_sampled_counts_kernel") is True
+    assert [name for _, name in site_ops.ops] == ["TRITON LAUNCH _record_sampled_counts_kernel"]

@@ -42,11 +42,15 @@ def _column(values: list[int], columns: int) -> torch.Tensor:
     return table[:, 0]
 
 
-def _expected_commit(counts: list[int], spec_slots, nodes, non_spec_slots):
-    """The semantics row by row: each speculative row's commit node from its slot's count (-1 in the null block),
-    then its node count into the slot (0 in the null block), then 0 in every non-speculative row's slot."""
+def _expected_commit(counts: list[int], spec_slots, nodes, non_spec_slots, accepted=None):
+    """The semantics row by row: each speculative row's commit node from its slot's count (-1 in the null block; with
+    the runner's `accepted` counts, the row's accepted count where the slot's is pending, bounded by it), then its
+    node count into the slot (0 in the null block), then 0 in every non-speculative row's slot."""
     counts = list(counts)
     commit_nodes = [-1 if slot == NULL_BLOCK else counts[slot] - 1 for slot in spec_slots]
+    if accepted is not None:
+        commit_nodes = [-1 if slot == NULL_BLOCK or counts[slot] == 0 else min(counts[slot], a) - 1
+                        for slot, a in zip(spec_slots, accepted)]
     for slot, n in zip(spec_slots, nodes):
         counts[slot] = 0 if slot == NULL_BLOCK else n
     for slot in non_spec_slots:
@@ -71,16 +75,20 @@ def commit_steps(draw):
     padding = draw(st.integers(0, 3))
     spec_slots, nodes = spec_slots + [NULL_BLOCK] * padding, nodes + [0] * padding
     non_spec_slots += [NULL_BLOCK] * draw(st.integers(0, 2))
-    return counts, spec_slots, nodes, non_spec_slots
+    # the runner's accepted counts per speculative row (Model Runner V2's), or none (the slots' counts alone)
+    accepted = [draw(st.integers(1, MAX_COUNT)) for _ in spec_slots] if draw(st.booleans()) else None
+    return counts, spec_slots, nodes, non_spec_slots, accepted
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(step=commit_steps(), page=st.integers(1, 3), spec_columns=st.integers(1, 4), non_spec_columns=st.integers(1, 3),
        staged=st.booleans(), block_rows=st.sampled_from([4, 128]))
 def test_commit_nodes_and_counts_kernel_equals_twin_and_semantics(step, page, spec_columns, non_spec_columns, staged,
                                                                    block_rows):
-    initial, spec_slots, nodes, non_spec_slots = step
-    expected_commit_nodes, expected_counts = _expected_commit(initial, spec_slots, nodes, non_spec_slots)
+    initial, spec_slots, nodes, non_spec_slots, accepted = step
+    if not spec_slots:
+        accepted = None  # no speculative row: nothing to commit from
+    expected_commit_nodes, expected_counts = _expected_commit(initial, spec_slots, nodes, non_spec_slots, accepted)
     rows = len(spec_slots)
     results = []
     for update in (commit_nodes_and_counts_torch, commit_nodes_and_counts_triton):
@@ -94,12 +102,14 @@ def test_commit_nodes_and_counts_kernel_equals_twin_and_semantics(step, page, sp
             cu = torch.tensor([0, *torch.tensor(nodes).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
             spec = dict(batch_slots=_column(spec_slots, spec_columns).to(DEVICE), spec_query_start_loc=cu,
                         slots=slots_buffer[:rows], commit_nodes=commit_buffer[:rows])
+            if accepted is not None:
+                spec["accepted"] = torch.tensor(accepted, dtype=torch.int32, device=DEVICE)
         else:
             slots_buffer = commit_buffer = None
         non_spec = _column(non_spec_slots, non_spec_columns).to(DEVICE) if non_spec_slots else None
         kwargs = {} if update is commit_nodes_and_counts_torch else {"block_rows": block_rows}
         update(counts, spec.get("batch_slots"), spec.get("spec_query_start_loc"), spec.get("slots"),
-               spec.get("commit_nodes"), non_spec, NULL_BLOCK, **kwargs)
+               spec.get("commit_nodes"), non_spec, NULL_BLOCK, spec.get("accepted"), **kwargs)
         results.append((counts, slots_buffer, commit_buffer))
     for counts, slots_buffer, commit_buffer in results:
         assert counts.cpu().tolist() == expected_counts
@@ -233,6 +243,8 @@ def test_one_compiled_variant_whatever_the_batch(monkeypatch):
             commit_nodes_and_counts_triton(counts, None, None, None, None, table[:, 0], NULL_BLOCK)
             commit_nodes_and_counts_triton(counts, buffer[:rows], buffer, buffer[:rows], buffer[1:], table[:, 0],
                                            NULL_BLOCK)
+            commit_nodes_and_counts_triton(counts, table[:, 0], buffer, buffer[:rows], buffer[1:], None, NULL_BLOCK,
+                                           buffer[1:])  # Model Runner V2's accepted counts
             record_accepted_counts_triton(count_table([(counts, table)] * (1 + offset)), buffer, buffer[1:], rows)
             idx_mapping = torch.zeros(rows + offset, dtype=torch.int64)[offset:]
             record_sampled_counts_triton(count_table([(counts, table)] * (1 + offset)), idx_mapping, buffer[1:], rows)

@@ -348,7 +348,8 @@ _RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 V2_RUNNER_POSTPROCESS_SAMPLED = PatchPoint(
     _RUNNER_V2, "GPUModelRunner.postprocess_sampled", "wraps",
     "where Model Runner V2 hands on each batch row's sampled-token count (a device tensor) right after sampling: "
-    "record the speculative rows' counts in their GDN slots (v2.accepted_counts)",
+    "a tree config's chain step records its rows' counts in their GDN slots, and with prefix caching every config its "
+    "counts and boundary states (v2.accepted_counts; chains without prefix caching commit from V2's own counts)",
     ("self", "idx_mapping", "sampled_tokens", "num_sampled", "num_rejected"), only_on="cuda",
 )
 
@@ -788,7 +789,20 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
          "spec_query_start_loc", "spec_state_indices_tensor", "non_spec_state_indices_tensor", "spec_sequence_masks",
          "spec_sequence_masks_cpu", "spec_token_indx", "non_spec_token_indx", "num_accepted_tokens"),
         "reads and sets (a copy without the speculative rows for a mixed batch's prefills)",
-        "the speculative rows' slots and tokens; the metadata of a mixed batch's rest (step_metadata.rest_metadata)",
+        "the speculative rows' slots and tokens and, for chains on Model Runner V2 without prefix caching, their "
+        "accepted counts (the commit nodes: step_metadata.uses_runner_accepted_counts); the metadata of a mixed "
+        "batch's rest (step_metadata.rest_metadata)",
+    ),
+    InternalAttributes(
+        _MAMBA_HYBRID_STATE, "MambaHybridModelState", ("num_accepted_tokens_gpu",),
+        "reads (as the GDN metadata's num_accepted_tokens)",
+        "reconstruct chains on V2 without prefix caching commit from V2's accepted count per request state, which its "
+        "postprocess_state keeps (max(num_sampled, 1)) and its prepare_attn hands to the GDN builder",
+    ),
+    InternalAttributes(
+        "vllm.config.vllm", "VllmConfig", ("use_v2_model_runner",), "reads",
+        "which runner vLLM picks: reconstruct chains on V2 without prefix caching commit from V2's accepted counts "
+        "(step_metadata.uses_runner_accepted_counts, read once per GDN layer), and the layer's prefix-caching check",
     ),
     InternalAttributes(
         _GDN_BUILDER, "GDNAttentionMetadataBuilder", ("num_accepted_tokens", "layer_names", "vllm_config"), "reads",

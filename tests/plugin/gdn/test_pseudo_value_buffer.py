@@ -245,7 +245,7 @@ def test_a_store_all_tree_page_holds_the_count_alone():
     conv, ssm, counts = layer.kv_cache
     assert counts.shape == (NUM_SLOTS, 1) and counts.dtype == torch.int32
     layer.verified_node_counts().fill_(7)
-    assert conv.abs().sum() == 0 and ssm.abs().sum() == 0
+    assert counts.view(-1).tolist() == [7] * NUM_SLOTS and conv.abs().sum() == 0 and ssm.abs().sum() == 0
     assert int(raw[:, 0, 0, state_bytes + 4:].abs().sum()) == 0
 
 

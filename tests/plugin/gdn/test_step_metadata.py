@@ -19,6 +19,7 @@ from vllm_treewy.vllm_plugin.gdn.step_metadata import (
     GroupStepBuffers,
     ReconstructGDNAttentionMetadata,
     counts_layer,
+    reconstruct_metadata,
     with_commit_nodes,
 )
 from vllm_treewy.vllm_plugin.trees.sampling import record_accepted_leaves
@@ -40,9 +41,10 @@ class FakeGDNLayer:
     verified_node_counts = ReconstructGatedDeltaNetAttention.verified_node_counts
     keeps_slot_counts = True
 
-    def __init__(self, kv_cache, shape: DraftShape = DraftShape(None)):
+    def __init__(self, kv_cache, shape: DraftShape = DraftShape(None), runner_accepted_counts: bool = False):
         self.kv_cache = kv_cache
-        self.step_buffers, self.sampling_tables = GroupStepBuffers(shape), SamplingTables()
+        self.step_buffers = GroupStepBuffers(shape, runner_accepted_counts)
+        self.sampling_tables = SamplingTables()
 
 
 class FakeBuilder(SimpleNamespace):
@@ -118,6 +120,27 @@ def test_commit_nodes_follow_the_accepted_counts_of_slots_with_a_pending_verify(
     second = _build(builder, _spec_step([5, 3], [4, 4], [1, 3]))
     assert second.commit_nodes.tolist() == [0, 2]  # accepted count - 1, in this step's row order
     assert counts[[3, 5]].tolist() == [4, 4]
+
+
+def test_the_metadata_subclass_is_vllms_metadata_and_ours_at_their_defaults():
+    """Built without the dataclass __init__ (vLLM's metadata defines no __post_init__ to miss): the same objects as
+    vLLM's fields, ours at their defaults, also from a copy of an instance of ours (V2's re-gathered group), whose
+    derived per-node tensors are dropped."""
+    import dataclasses
+
+    assert not hasattr(GDNAttentionMetadata, "__post_init__") and not hasattr(GDNAttentionMetadata, "__slots__")
+    vllm_metadata = _spec_step([3, 5], [4, 1], [1, 1])
+    built = reconstruct_metadata(vllm_metadata)
+    through_init = ReconstructGDNAttentionMetadata(**{f.name: getattr(vllm_metadata, f.name)
+                                                      for f in dataclasses.fields(GDNAttentionMetadata)})
+    assert type(built) is ReconstructGDNAttentionMetadata and vars(built).keys() == vars(through_init).keys()
+    assert all(getattr(built, name) is getattr(through_init, name) for name in vars(through_init))
+    builder, _ = _builder(full_graphs=False)
+    ours = _build(builder, vllm_metadata)
+    assert ours.node_indices is not None and "node_indices" in vars(ours)  # derived on first use
+    again = reconstruct_metadata(ours)
+    assert again.state_indices is None and again.count_update is None and again.counts_layer is None
+    assert "node_indices" not in vars(again) and again.spec_query_start_loc is ours.spec_query_start_loc
 
 
 def test_a_request_left_out_of_a_step_commits_its_recorded_node():
@@ -205,6 +228,23 @@ def test_each_builder_of_a_group_stages_into_its_own_buffers():
     assert first.state_indices.tolist() == [3] and second.state_indices.tolist() == [5]
     assert _build(builder, _spec_step([3], [4], [1])).state_indices.data_ptr() == first.state_indices.data_ptr()
     assert [name for name in vars(builder) if "treewy" in name] == []
+
+
+def test_a_builders_staged_buffers_go_with_it():
+    """The buffers are found by the builder's id: a builder made after another one went (which may get its id) gets
+    buffers of its own, and nothing is kept for the one that went."""
+    import gc
+
+    builder, _ = _builder(full_graphs=True)
+    buffers = counts_layer(builder).step_buffers
+    first = buffers.staged(builder, 4)
+    assert buffers.staged(builder, 4)[0] is first[0]  # the batch size's views, kept
+    kwargs = {name: value for name, value in vars(builder).items() if name != "_stage_spec_decode"}  # (holds it)
+    del builder
+    gc.collect()
+    assert buffers._staged == {}
+    again = FakeBuilder(**kwargs)
+    assert buffers.staged(again, 4)[0].data_ptr() != first[0].data_ptr()
 
 
 def test_the_null_block_never_commits():

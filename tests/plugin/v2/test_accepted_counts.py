@@ -2,9 +2,11 @@
 
 - V2 builds the first GDN group's metadata and re-gathers each further group's state indices from it
   (`update_block_table`): every group still commits its own slots' pending nodes and keeps its own counts;
-- right after sampling, each speculative row's sampled count goes into its slot in every group, through V2's
+- chains commit from V2's own accepted counts (kept per request state, `num_accepted_tokens`) where their slot has a
+  verify pending: nothing is recorded after sampling, and the commit nodes are those the recorded counts gave, also
+  for a request that a step left out;
+- a chain step of a tree config (`draft_tree_max_batch_size`) records its sampled counts after sampling, through V2's
   `idx_mapping` (batch row -> request state, whose block-table row V2 keeps for the request's life);
-- the next step's commit nodes follow those counts, also for a request that a step left out;
 - draft trees run on V2 too (its feature check lists nothing for them, `tests/plugin/test_config.py`; their hooks are
   `v2.runner`'s, `tests/plugin/v2/test_runner.py`).
 
@@ -19,7 +21,8 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from tests.plugin.gdn.test_step_metadata import FakeGDNLayer, staged_buffers
 from vllm_treewy.kernels.bookkeeping import dispatch
-from vllm_treewy.vllm_plugin.config import draft_shape_of
+from vllm_treewy.vllm_plugin.config import DraftShape, draft_shape_of
+from vllm_treewy.vllm_plugin.gdn.step_metadata import uses_runner_accepted_counts
 from vllm_treewy.vllm_plugin.v2 import accepted_counts as v2_accepted_counts
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_UPDATE_BLOCK_TABLE
 
@@ -51,7 +54,9 @@ def v2_setup(tmp_path_factory):
     spec = MambaSpec(block_size=512, shapes=((3, 64),), dtypes=(torch.bfloat16,), num_speculative_blocks=0)
     layers, builders = {"attn.0": SimpleNamespace()}, []
     for name in LAYERS:
-        layers[name] = FakeGDNLayer((None,) * 4 + (torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2:],))
+        # a reconstruct chain on V2 without prefix caching: its count update commits from V2's accepted counts
+        layers[name] = FakeGDNLayer((None,) * 4 + (torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2:],),
+                                    runner_accepted_counts=True)
     config.compilation_config.static_forward_context.update(layers)
     with set_current_vllm_config(config):
         for name in LAYERS:
@@ -67,6 +72,8 @@ def v2_setup(tmp_path_factory):
         cache_config=SimpleNamespace(mamba_cache_mode="none"),  # align mode: tests/plugin/v2/test_prefix_caching.py
         kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
         block_tables=SimpleNamespace(block_tables=[SimpleNamespace(gpu=t) for t in tables]),
+        # V2's accepted count per request state (`MambaHybridModelState.num_accepted_tokens_gpu`: 1 when added)
+        accepted_by_state=torch.ones(MAX_REQS, dtype=torch.int32),
     )
     return builders, runner
 
@@ -98,12 +105,13 @@ def _common(block_table, query_lens, seq_lens, prefilling=None):
 def _step(builders, runner, idx_mapping, query_lens, seq_lens, drafts):
     """One V2 step's metadata: group 1 built, group 2 re-gathered from it (V2's `build_attn_metadata`), each
     group's count update run as its first layer's forward runs it. `drafts`: V2's num_decode_draft_tokens (-1:
-    not a speculative row), or None for a batch without speculation."""
+    not a speculative row), or None for a batch without speculation; the rows' accepted counts are V2's, gathered
+    by request state (`MambaHybridModelState.prepare_attn`)."""
     update_block_table = v2_accepted_counts._regathering_commit_nodes(GDN_METADATA_UPDATE_BLOCK_TABLE.original())
     rows = torch.tensor(idx_mapping)
     tables = [runner.block_tables.block_tables[g].gpu[rows] for g in (1, 2)]  # V2's gathered input block tables
     common = _common(tables[0], query_lens, seq_lens, None if drafts is not None else [True] * len(query_lens))
-    kwargs = {} if drafts is None else dict(num_accepted_tokens=torch.ones(len(idx_mapping), dtype=torch.int32),
+    kwargs = {} if drafts is None else dict(num_accepted_tokens=runner.accepted_by_state[rows],
                                             num_decode_draft_tokens_cpu=torch.tensor(drafts, dtype=torch.int32))
     first = builders[0].build(0, common, **kwargs)
     second = update_block_table(builders[1], first, tables[1], common.slot_mapping)
@@ -112,22 +120,43 @@ def _step(builders, runner, idx_mapping, query_lens, seq_lens, drafts):
     return first, second
 
 
+def _v2_postprocess_sampled(runner, idx_mapping, sampled_tokens, num_sampled, num_rejected):
+    """What V2's own `postprocess_sampled` does with the counts (`MambaHybridModelState.postprocess_state`): each
+    request state's accepted count, max(num_sampled, 1), rows marked -1 skipped."""
+    for row, state in enumerate(idx_mapping.tolist()):
+        if state >= 0:
+            runner.accepted_by_state[state] = max(int(num_sampled[row]), 1)
+
+
 def _sample(runner, idx_mapping, num_sampled):
-    postprocess = v2_accepted_counts._recording_sampled_counts(lambda *args, **kwargs: None)
+    postprocess = v2_accepted_counts._recording_sampled_counts(_v2_postprocess_sampled)
     postprocess(runner, torch.tensor(idx_mapping), None, torch.tensor(num_sampled, dtype=torch.int32), None)
+
+
+def test_v2_chains_without_prefix_caching_commit_from_v2s_accepted_counts():
+    config = SimpleNamespace(use_v2_model_runner=True, cache_config=SimpleNamespace(mamba_cache_mode="none"))
+    assert uses_runner_accepted_counts(config, DraftShape(None))
+    assert not uses_runner_accepted_counts(SimpleNamespace(**{**vars(config), "use_v2_model_runner": False}),
+                                           DraftShape(None))  # V1 records its counts after sampling
+    assert not uses_runner_accepted_counts(config, DraftShape(object()))  # trees: the accepted leaf, not a count
+    align = SimpleNamespace(use_v2_model_runner=True, cache_config=SimpleNamespace(mamba_cache_mode="align"))
+    assert not uses_runner_accepted_counts(align, DraftShape(None))  # the slot moves; V2's counts stay 1
 
 
 def test_each_gdn_group_commits_its_own_slots_when_v2_regathers_its_metadata(v2_setup):
     builders, runner = v2_setup
     _set_requests(runner, {1: [7, 2, 5], 2: [3, 6, 1]})
-    for name, pending in zip(LAYERS, ({7: 2, 2: 4}, {3: 3, 6: 1})):  # counts recorded after the last sampling
+    for name, pending in zip(LAYERS, ({7: 1 + K, 2: 1 + K}, {3: 1 + K, 6: 2})):  # node counts of the last verify
         counts = _counts(runner, name)
         counts.zero_()
         for slot, count in pending.items():
             counts[slot] = count
+    runner.accepted_by_state[:3] = torch.tensor([2, 4, 3], dtype=torch.int32)  # V2's, after that step's sampling
     first, second = _step(builders, runner, [0, 1, 2], [1 + K] * 3, [20, 30, 40], [K] * 3)
+    # request 2's slots have nothing pending (a new request): no commit, whatever V2's count says
     assert first.state_indices.tolist() == [7, 2, 5] and first.commit_nodes.tolist() == [1, 3, -1]
-    assert second.state_indices.tolist() == [3, 6, 1] and second.commit_nodes.tolist() == [2, 0, -1]
+    # the slot's pending node count bounds the commit (a count above it would be no node of the verified block)
+    assert second.state_indices.tolist() == [3, 6, 1] and second.commit_nodes.tolist() == [1, 1, -1]
     # each group's FULL-graph buffers are its own builder's (a graph replays them at a fixed address)
     staged = staged_buffers(builders[1])[0]
     assert second.state_indices.data_ptr() == staged.data_ptr() != first.state_indices.data_ptr()
@@ -138,24 +167,36 @@ def test_each_gdn_group_commits_its_own_slots_when_v2_regathers_its_metadata(v2_
         assert _counts(runner, name)[slots].tolist() == [1 + K] * 3
 
 
-def test_sampled_counts_reach_every_group_and_the_next_step_commits_them(v2_setup):
+def test_the_next_step_commits_v2s_accepted_counts_and_nothing_is_recorded_after_sampling(v2_setup):
     builders, runner = v2_setup
     _set_requests(runner, {1: [4, 8, 9, 3], 2: [5, 2, 7, 9]})
     for name in LAYERS:
         _counts(runner, name).zero_()
+    runner.accepted_by_state.fill_(1)
     # step 1: request states 2 and 0 speculate (batch rows 0, 1), state 3 prefills its last chunk (row 2)
     _step(builders, runner, [2, 0, 3], [1 + K, 1 + K, 7], [30, 20, 7], [K, K, -1])
     assert _counts(runner, "gdn.0")[[9, 4, 3]].tolist() == [1 + K, 1 + K, 0]
     _sample(runner, [2, 0, 3], [3, 1, 1])  # row 0 accepted 2 drafts, row 1 none; the prefill sampled its first token
-    assert _counts(runner, "gdn.0")[[9, 4, 3]].tolist() == [3, 1, 0]
-    assert _counts(runner, "gdn.1")[[7, 5, 9]].tolist() == [3, 1, 0]
+    assert _counts(runner, "gdn.0")[[9, 4, 3]].tolist() == [1 + K, 1 + K, 0]  # nothing of ours ran
+    assert _counts(runner, "gdn.1")[[7, 5, 9]].tolist() == [1 + K, 1 + K, 0]
     # step 2: state 0 is left out (its token budget spent), state 2 and 3 speculate in other batch rows
     first, second = _step(builders, runner, [3, 2], [1 + K, 1 + K], [8, 33], [K, K])
     assert first.commit_nodes.tolist() == [-1, 2] and second.commit_nodes.tolist() == [-1, 2]
     _sample(runner, [3, 2, -1], [4, 2, 5])  # V2 marks a row to skip with -1
-    # step 3: state 0 is back and commits the node step 1 recorded for it
+    # step 3: state 0 is back and commits the node step 1 accepted for it
     first, second = _step(builders, runner, [0, 2, 3], [1 + K] * 3, [24, 35, 12], [K, K, K])
     assert first.commit_nodes.tolist() == [0, 1, 3] and second.commit_nodes.tolist() == [0, 1, 3]
+
+
+def test_v2_refuses_chain_layers_built_to_commit_from_recorded_counts(v2_setup, monkeypatch):
+    """Layers built for the V1 runner (their count update reads counts recorded after sampling, which V2's hook does
+    not record) would commit stale nodes: the hook says so instead."""
+    builders, runner = v2_setup
+    for name in LAYERS:
+        monkeypatch.setattr(runner.compilation_config.static_forward_context[name].step_buffers,
+                            "runner_accepted_counts", False)
+    with pytest.raises(RuntimeError, match="built for another runner"):
+        _sample(runner, [0], [2])
 
 
 def test_a_batch_without_speculation_clears_every_groups_slots_in_the_builder(v2_setup):
@@ -173,12 +214,15 @@ def test_a_batch_without_speculation_clears_every_groups_slots_in_the_builder(v2
 
 
 def _with_config(monkeypatch, runner, speculative_config) -> None:
-    """The runner's speculative config, and its draft shape in every GDN layer's step buffers (as each layer reads it
-    at its construction)."""
+    """The runner's speculative config, and its draft shape and commit source in every GDN layer's step buffers (as
+    each layer reads them at its construction, on V2 without prefix caching)."""
     monkeypatch.setattr(runner, "speculative_config", speculative_config)
+    shape = draft_shape_of(speculative_config)
+    v2 = SimpleNamespace(use_v2_model_runner=True, cache_config=runner.cache_config)
     for name in LAYERS:
         buffers = runner.compilation_config.static_forward_context[name].step_buffers
-        monkeypatch.setattr(buffers, "shape", draft_shape_of(speculative_config))
+        monkeypatch.setattr(buffers, "shape", shape)
+        monkeypatch.setattr(buffers, "runner_accepted_counts", uses_runner_accepted_counts(v2, shape))
 
 
 def test_store_all_and_trees_leave_the_v2_hooks_alone(v2_setup, monkeypatch):

@@ -224,8 +224,9 @@ def test_v2_boundary_semantics_by_hand():
     assert torch.equal(page.conv_state[unchanged], before.conv_state[unchanged])
 
 
-def test_without_prefix_caching_v2_keeps_its_column_0_counts(monkeypatch):
-    """Without align mode the V2 hook records counts in column 0 (one block per request) and writes no state."""
+def test_without_prefix_caching_v2_chains_write_nothing_after_sampling(monkeypatch):
+    """Without align mode a chain's count stays the step's node count (a verify is pending) and no state is
+    written: the next step commits from V2's own accepted counts (`tests/plugin/v2/test_accepted_counts.py`)."""
     gen = torch.Generator().manual_seed(3)
     runner = _v2_runner((1,), gen, [4, 4])
     runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
@@ -236,8 +237,8 @@ def test_without_prefix_caching_v2_keeps_its_column_0_counts(monkeypatch):
     counts[table[[1, 0], 0]] = 4
     before = _snapshot(runner)
     _sample(runner, [1, 0], [3, 2])
-    assert counts[table[[1, 0], 0]].tolist() == [3, 2]
-    assert torch.equal(GDNPage.of(layer.kv_cache).ssm_state, before[0][1])
+    assert counts[table[[1, 0], 0]].tolist() == [4, 4]
+    assert all(torch.equal(state, kept) for state, kept in zip(layer.kv_cache, before[0]))  # the whole page
 
 
 class _ModelState(SimpleNamespace):
@@ -418,3 +419,32 @@ def test_v2_tree_steps_write_what_v1_writes_along_the_accepted_path(path, chain_
         state = committed_states(before[0][1], torch.tensor([slot]), GDNPage.of(before[0]).factors,
                                  torch.tensor([3]), table)
         torch.testing.assert_close(GDNPage.of(layer.kv_cache).ssm_state[dest], state[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_boundary_views_are_built_once_per_kv_cache_and_block_tables(monkeypatch):
+    """`runner_boundary_layers` walks the layers and their states only when the first GDN layer's bound KV cache or a
+    GDN group's block table is another object (vLLM binds every layer in one pass, with the block tables); its views
+    then follow the new ones."""
+    gen = torch.Generator().manual_seed(4)
+    runner = _v2_runner((2, 1), gen, [4, 4])
+    built = []
+    monkeypatch.setattr(prefix_caching, "boundary_layers",
+                        lambda layers, tables: built.append(1) or BOUNDARY_LAYERS(layers, tables))
+
+    def boundary_views():
+        return prefix_caching.runner_boundary_layers(runner, lambda g: runner.block_tables.block_tables[g].gpu)[0]
+
+    views = boundary_views()
+    assert boundary_views() is views and len(built) == 1 and len(views) == 3
+    layers = [layer for _, layer in _gdn_layers(runner)]
+    for layer in layers:  # vLLM binds a new KV cache: every layer, in one pass
+        layer.kv_cache = tuple(state.clone() for state in layer.kv_cache)
+    views = boundary_views()
+    assert len(built) == 2 and views[2].state.data_ptr() == GDNPage.of(layers[2].kv_cache).ssm_state.data_ptr()
+    runner.block_tables.block_tables[2].gpu = runner.block_tables.block_tables[2].gpu.clone()
+    views = boundary_views()
+    assert len(built) == 3 and views[2].block_table is runner.block_tables.block_tables[2].gpu
+    assert boundary_views() is views and len(built) == 3
+
+
+BOUNDARY_LAYERS = prefix_caching.boundary_layers

@@ -25,8 +25,9 @@ def commit_nodes_and_counts(
     commit_nodes: torch.Tensor | None = None,
     non_spec_slots: torch.Tensor | None = None,
     null_block: int,
+    accepted: torch.Tensor | None = None,
 ) -> None:
     """The step's count update at the start of the forward (`slot_counts_torch.commit_nodes_and_counts_torch`'s
     contract), on the path `launches_triton` picks for `counts`."""
     update = commit_nodes_and_counts_triton if launches_triton(counts) else commit_nodes_and_counts_torch
-    update(counts, batch_slots, spec_query_start_loc, slots, commit_nodes, non_spec_slots, null_block)
+    update(counts, batch_slots, spec_query_start_loc, slots, commit_nodes, non_spec_slots, null_block, accepted)

@@ -7,13 +7,15 @@ specification (`dispatch` picks the path).
 
 - `commit_nodes_and_counts`, at the start of the forward (the GDN group's first layer; captured in FULL CUDA graphs)
   or, for a batch without speculative rows, in the metadata builder: each speculative row's commit node from its
-  slot's count, then the step's counts: the speculative rows' node counts, 0 in the null block and in every
-  non-speculative row's slot.
+  slot's count (or, where the runner keeps each request's accepted count itself, from that count where the slot's
+  says a verify is pending), then the step's counts: the speculative rows' node counts, 0 in the null block and in
+  every non-speculative row's slot.
 - `record_accepted_counts_torch`, after sampling (vLLM's V1 runner): each speculative row's accepted count into its
   slot, for every KV-cache group of GDN layers at once (each group has its own counts and block table).
-- `record_sampled_counts_torch`, after sampling (vLLM's Model Runner V2): the same for V2's batch, whose rows reach
-  request's block-table row through `idx_mapping` and whose speculative rows are the slots that hold a count (the
-  step's count update gave every speculative row its node count, >= 1, and every other row 0).
+- `record_sampled_counts_torch`, after sampling (vLLM's Model Runner V2: a tree config's chain steps; V2's chains
+  commit from V2's own accepted counts): the same for V2's batch, whose rows reach their request's block-table row
+  through `idx_mapping` and whose speculative rows are the slots that hold a count (the step's count update gave
+  every speculative row its node count, >= 1, and every other row 0).
 
 A batch's rows hold distinct slots apart from the null block (CUDA-graph capture and padding rows), as vLLM's
 requests do: rows never race on a slot other than the null block, where every row writes the same 0. No host sync;
@@ -29,14 +31,21 @@ import torch
 
 
 def commit_nodes_and_counts_torch(counts, batch_slots, spec_query_start_loc, slots, commit_nodes, non_spec_slots,
-                                  null_block: int) -> None:
+                                  null_block: int, accepted=None) -> None:
     """The speculative rows (`batch_slots [R]`, any stride, `spec_query_start_loc [R + 1]`; all four None without
     any): their slots into `slots [R]` (contiguous), `commit_nodes [R] = counts[slot] - 1` (-1 in the null block),
-    then `counts[slot]` = the row's node count (0 in the null block). Then `counts[non_spec_slots] = 0`."""
+    then `counts[slot]` = the row's node count (0 in the null block). Then `counts[non_spec_slots] = 0`.
+
+    With `accepted [R]` (contiguous; the runner's own count per row of the tokens its last step accepted, >= 1:
+    Model Runner V2's `num_accepted_tokens`), a slot's count only says whether a verify is pending (> 0: its node
+    count) and the row commits `min(counts[slot], accepted[row]) - 1` (-1 where nothing is pending)."""
     if batch_slots is not None:
         slots.copy_(batch_slots)
         null_rows = slots == null_block
-        torch.sub(counts[slots], 1, out=commit_nodes).masked_fill_(null_rows, -1)
+        pending = counts[slots]
+        if accepted is not None:
+            pending = torch.minimum(pending, accepted.to(pending.dtype))
+        torch.sub(pending, 1, out=commit_nodes).masked_fill_(null_rows, -1)
         counts[slots] = spec_query_start_loc.diff().masked_fill_(null_rows, 0)
     if non_spec_slots is not None:
         # index_fill_, not `counts[rows] = 0`: on CUDA that copies the 0 from the host and waits for the device.

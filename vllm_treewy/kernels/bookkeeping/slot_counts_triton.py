@@ -1,7 +1,8 @@
 """Runner bookkeeping on CUDA: the per-step updates of the GDN slots' verified-node counts, each in one Triton launch
 (the semantics, the count state's layout and the race-freedom argument: their torch twins in `slot_counts_torch`).
 
-- `commit_nodes_and_counts_triton`: each speculative row's commit node from its slot's count, then the step's counts;
+- `commit_nodes_and_counts_triton`: each speculative row's commit node from its slot's count (or the runner's accepted
+  count where the slot's is pending), then the step's counts;
 - `record_accepted_counts_triton` (vLLM's V1 runner) and `record_sampled_counts_triton` (Model Runner V2): after
   sampling, each speculative row's count into its slot for every KV-cache group of GDN layers at once, the groups as
   a `count_table` of addresses.
@@ -20,15 +21,16 @@ import triton.language as tl
 BLOCK_ROWS = 128  # rows per program: a decode batch of up to 128 requests is one program
 
 
-# One compiled variant per dtype signature: neither row counts, strides nor the buffers' alignment (which a scalar
-# gather never uses) may compile a new one in the middle of serving.
+# One compiled variant per dtype signature: neither row counts, strides, the commit source nor the buffers' alignment
+# (which a scalar gather never uses) may compile a new one in the middle of serving.
 @triton.jit(do_not_specialize=["counts_stride", "batch_slots_stride", "num_spec_rows", "non_spec_stride",
-                               "num_non_spec_rows"],
+                               "num_non_spec_rows", "has_accepted"],
             do_not_specialize_on_alignment=["counts", "batch_slots", "spec_query_start_loc", "slots", "commit_nodes",
-                                            "non_spec_slots"])
+                                            "non_spec_slots", "accepted"])
 def _commit_nodes_kernel(
     counts, counts_stride, batch_slots, batch_slots_stride, spec_query_start_loc, slots, commit_nodes, num_spec_rows,
-    non_spec_slots, non_spec_stride, num_non_spec_rows, NULL_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    non_spec_slots, non_spec_stride, num_non_spec_rows, accepted, has_accepted, NULL_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     spec = rows < num_spec_rows
@@ -38,6 +40,8 @@ def _commit_nodes_kernel(
     # int64: the stride is a KV-cache page (megabytes), so slot * stride passes 2**31
     count = counts + slot.to(tl.int64) * counts_stride
     pending = tl.load(count, mask=spec & ~null, other=0)  # the null block's rows: 0 - 1 = -1
+    if has_accepted != 0:  # the runner's accepted counts, bounded by the slot's pending nodes
+        pending = tl.minimum(pending, tl.load(accepted + rows, mask=spec, other=0).to(tl.int32))
     tl.store(commit_nodes + rows, pending - 1, mask=spec)
     nodes = tl.load(spec_query_start_loc + rows + 1, mask=spec) - tl.load(spec_query_start_loc + rows, mask=spec)
     tl.store(count, tl.where(null, 0, nodes), mask=spec)
@@ -47,7 +51,7 @@ def _commit_nodes_kernel(
 
 
 def commit_nodes_and_counts_triton(counts, batch_slots, spec_query_start_loc, slots, commit_nodes, non_spec_slots,
-                                   null_block: int, *, block_rows: int = BLOCK_ROWS) -> None:
+                                   null_block: int, accepted=None, *, block_rows: int = BLOCK_ROWS) -> None:
     """`slot_counts_torch.commit_nodes_and_counts_torch` in one launch (none without rows)."""
     num_spec_rows = 0 if batch_slots is None else batch_slots.shape[0]
     num_non_spec_rows = 0 if non_spec_slots is None else non_spec_slots.shape[0]
@@ -56,15 +60,17 @@ def commit_nodes_and_counts_triton(counts, batch_slots, spec_query_start_loc, sl
         return
     assert counts.dtype == torch.int32
     assert batch_slots is None or slots.is_contiguous() and commit_nodes.is_contiguous()
-    # Absent tensors: any valid pointer, never dereferenced (their row count is 0).
+    assert accepted is None or batch_slots is not None and accepted.is_contiguous()
+    # Absent tensors: any valid pointer, never dereferenced (their row count is 0, or `has_accepted` 0).
     if batch_slots is None:
         batch_slots = spec_query_start_loc = slots = commit_nodes = counts
     if non_spec_slots is None:
         non_spec_slots = counts
+    has_accepted = int(accepted is not None)
     _commit_nodes_kernel[(triton.cdiv(num_rows, block_rows),)](
         counts, counts.stride(0), batch_slots, batch_slots.stride(0), spec_query_start_loc, slots, commit_nodes,
-        num_spec_rows, non_spec_slots, non_spec_slots.stride(0), num_non_spec_rows, NULL_BLOCK=null_block,
-        BLOCK=block_rows,
+        num_spec_rows, non_spec_slots, non_spec_slots.stride(0), num_non_spec_rows,
+        counts if accepted is None else accepted, has_accepted, NULL_BLOCK=null_block, BLOCK=block_rows,
     )
 
 

@@ -32,15 +32,20 @@ def first_gdn_layer(runner):
     return next((layer for _, layer in first_layers(runner)), None)
 
 
-def draft_shape_of_runner(runner) -> DraftShape:
-    """The config's `DraftShape` as the runner's first GDN layer holds it (`gdn.step_metadata.GroupStepBuffers`,
-    read from the config once, at the layer's construction): for the hooks of a config whose GDN layers keep slot
-    counts (reconstruct, store_all draft trees)."""
+def step_buffers_of_runner(runner):
+    """The runner's first GDN layer's `gdn.step_metadata.GroupStepBuffers` (the config's `DraftShape` and commit
+    source, read from the config once, at the layer's construction): for the hooks of a config whose GDN layers keep
+    slot counts (reconstruct, store_all draft trees)."""
     layer = first_gdn_layer(runner)
     if getattr(layer, "step_buffers", None) is None:
         raise RuntimeError("the draft shape of a config that keeps GDN slot counts is its first GDN layer's; the "
                            "runner has no such layer")
-    return layer.step_buffers.shape
+    return layer.step_buffers
+
+
+def draft_shape_of_runner(runner) -> DraftShape:
+    """The config's `DraftShape` as the runner's first GDN layer holds it (`step_buffers_of_runner`)."""
+    return step_buffers_of_runner(runner).shape
 
 
 def counted_gdn_groups(runner):

@@ -41,7 +41,11 @@ from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import (
     extra_page_shapes,
 )
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import SamplingTables
-from vllm_treewy.vllm_plugin.gdn.step_metadata import GroupStepBuffers, ReconstructGDNAttentionMetadata
+from vllm_treewy.vllm_plugin.gdn.step_metadata import (
+    GroupStepBuffers,
+    ReconstructGDNAttentionMetadata,
+    uses_runner_accepted_counts,
+)
 
 GATE_ACTIVATIONS = ("silu", "sigmoid")
 encode_layer_name = ENCODE_LAYER_NAME.resolve()  # at import: torch.compile traces forward_cuda, not importlib
@@ -59,10 +63,11 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         shape = draft_shape_of(self.speculative_config)
         # What the step bookkeeping keeps across vLLM's calls, used where this layer is its group's first
         # (`gdn.step_metadata.counts_layer`) or the model's first GDN layer (`gdn.sampling_tables.of_runner`).
-        self.step_buffers = GroupStepBuffers(shape) if self.keeps_slot_counts else None
+        vllm_config = get_current_vllm_config()
+        self.step_buffers = (GroupStepBuffers(shape, uses_runner_accepted_counts(vllm_config, shape))
+                             if self.keeps_slot_counts else None)
         self.sampling_tables = SamplingTables() if self.keeps_slot_counts else None
-        _check_prefix_caching(get_current_vllm_config(), shape.tree is not None, self.reconstructs_state,
-                              self.keeps_slot_counts)
+        _check_prefix_caching(vllm_config, shape.tree is not None, self.reconstructs_state, self.keeps_slot_counts)
         if self.reconstructs_state and current_platform.is_cuda_alike():
             self._check_cuda_support()
             # forward_cuda then takes vLLM's fused-norm path, whose speculative half `_forward_core_fused_norm` runs
@@ -165,7 +170,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def verified_node_counts(self) -> torch.Tensor | None:
         """`[S]` the count state (the page's last state) alone: what the metadata builder and the runner update every
         step; None without one, or before vLLM binds the KV cache (its profile run)."""
-        counts = GDNPage.of(self.kv_cache).counts if self.keeps_slot_counts else None
+        counts = GDNPage.counts_of(self.kv_cache) if self.keeps_slot_counts else None
         return None if counts is None or counts.numel() == 0 else counts.view(-1)
 
     def conv_weight(self) -> torch.Tensor:

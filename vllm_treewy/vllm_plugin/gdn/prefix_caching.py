@@ -77,7 +77,6 @@ from vllm_treewy.kernels.bookkeeping.boundary_states_torch import BoundaryLayer
 from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.kernels.bookkeeping.boundary_states_triton import boundary_table
 from vllm_treewy.vllm_plugin.config import reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.gdn import sampling_tables
 from vllm_treewy.vllm_plugin.gdn.groups import first_gdn_layer, gdn_groups
 from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import BufferLayout, GDNPage
 from vllm_treewy.vllm_plugin.patch_points import MAMBA_TEMPORAL_COPY_SPEC
@@ -102,34 +101,45 @@ def boundary_layers(layers, block_tables) -> list[BoundaryLayer]:
 def runner_boundary_layers(runner, block_table_of=None):
     """(the runner's reconstruct GDN layers as `BoundaryLayer`s, each beside its group's device block table
     `block_table_of(group id)` (default: the V1 runner's, batch rows), their Triton table or None where the torch
-    twin runs (`dispatch.launches_triton`: CPU), the GDN block size): one of the runner's `SamplingTables`, built
-    again only where a layer's state or a block table moved. The first view is the first group's first layer, whose
-    count state that group's count update writes (`gdn.step_metadata.counts_layer`)."""
+    twin runs (`dispatch.launches_triton`: CPU), the GDN block size): one of the runner's `SamplingTables`. The first
+    view is the first group's first layer, whose count state that group's count update writes
+    (`gdn.step_metadata.counts_layer`).
+
+    Built once per KV cache: again only where the first GDN layer's bound KV cache or a GDN group's block table is
+    another object than it was built from. Both are made in the runner's `initialize_kv_cache`, and neither moves
+    between steps: vLLM binds every layer's KV cache in one pass there (`bind_kv_cache_to_layers`: a rebinding of any
+    GDN layer is one of the first too), and the block tables keep their addresses for the runner's life (Model Runner
+    V2 keeps them in a table of pointers built once, `BlockTables.block_table_ptrs`). So a step walks neither the
+    layers nor their states: it compares the first layer's KV cache and each GDN group's block table."""
     if block_table_of is None:
         def block_table_of(group_id):
             return runner.input_batch.block_table[group_id].block_table.gpu
 
-    layers, block_tables, block_size = [], [], None
-    forward_context = runner.compilation_config.static_forward_context
-    for group_id, group in gdn_groups(runner):
-        block_size = group.kv_cache_spec.block_size
-        for name in group.layer_names:
-            if getattr(forward_context[name], "reconstructs_state", False):
-                layers.append(forward_context[name])
-                block_tables.append(block_table_of(group_id))
-    if not layers:
-        return [], None, block_size
+    groups = list(gdn_groups(runner))
+    first = first_gdn_layer(runner)
+    if first is None:
+        return [], None, None
+    sources = (first.kv_cache, *(block_table_of(group_id) for group_id, _ in groups))
 
     def build():
+        layers, block_tables, block_size = [], [], None
+        forward_context = runner.compilation_config.static_forward_context
+        for group_id, group in groups:
+            block_size = group.kv_cache_spec.block_size
+            for name in group.layer_names:
+                if getattr(forward_context[name], "reconstructs_state", False):
+                    layers.append(forward_context[name])
+                    block_tables.append(block_table_of(group_id))
+        if not layers:
+            return [], None, block_size, sources
         views = boundary_layers(layers, block_tables)
-        table = None
-        if dispatch.launches_triton(views[0].counts):
-            table = boundary_table(views)
-        return views, table, block_size
+        table = boundary_table(views) if dispatch.launches_triton(views[0].counts) else None
+        return views, table, block_size, sources  # `sources` kept: their ids stay theirs while the entry lives
 
-    addresses = tuple(t.data_ptr() for t in (*(GDNPage.of(layer.kv_cache).ssm_state for layer in layers),
-                                             *block_tables))
-    return sampling_tables.of_runner(runner).get("boundary", addresses, build)
+    tables = getattr(first, "sampling_tables", None)  # `sampling_tables.of_runner`
+    views, table, block_size, _ = (build() if tables is None  # no layer keeps slot counts: nothing to keep
+                                   else tables.get("boundary", tuple(map(id, sources)), build))
+    return views, table, block_size
 
 
 def commit_table(runner, device) -> torch.Tensor:

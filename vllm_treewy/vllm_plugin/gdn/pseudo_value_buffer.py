@@ -6,7 +6,9 @@ recurrence used them) and the node's pre-conv input (conv state dtype) into the 
 commits the accepted node from there before it verifies (`vllm_treewy.kernels.gdn_step_triton.gdn_step_triton`,
 `conv_step_triton`; the factors' layout: `vllm_treewy.kernels.factor_rows`). A third, one-integer state is the slot's
 count: between a step's metadata build and its sampling, the verified, uncommitted nodes (0: nothing pending); after
-sampling, 1 + the accepted node's index, which the next step's commit reads (`gdn.step_metadata`, `v1.accepted_counts`).
+sampling, 1 + the accepted node's index, which the next step's commit reads (`gdn.step_metadata`, `v1.accepted_counts`;
+chains on Model Runner V2 keep the node count, and the commit reads V2's own accepted count where it says a verify is
+pending).
 
 The buffer is three more states on the GDN layer's MambaSpec page, after vLLM's conv and SSM states: vLLM allocates
 it with the KV cache, counts it in its KV-cache report and max concurrency, and frees or reuses it with the slot.
@@ -53,6 +55,12 @@ class GDNPage(NamedTuple):
         if len(extra) == 3:
             return cls(conv_state, ssm_state, *extra)
         return cls(conv_state, ssm_state, counts=extra[0] if extra else None)
+
+    @staticmethod
+    def counts_of(kv_cache) -> torch.Tensor | None:
+        """`of(kv_cache).counts` without building the page: the count is the last extra state of either layout (read
+        every step by each GDN group's metadata build)."""
+        return kv_cache[-1] if len(kv_cache) > 2 else None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ the accepted ones), and 0 for every other row, so a slot that a finished, aborte
 with a pending commit is never committed into by its next owner. A store_all draft tree keeps the same count: its
 commit node is the block the next step starts from (`gdn.store_all_tree`).
 
+Chains on Model Runner V2 without prefix caching of GDN states (`runner_accepted_counts`) record nothing after
+sampling: V2 keeps each request's accepted count itself (`num_accepted_tokens`: 1 + the accepted drafts of its last
+step, kept per request state for the request's life, written right after sampling like the count state was), and hands
+it to this builder for every speculative row. There the slot's count only says whether a verify is pending (its node
+count), and the count update commits `min(count, accepted) - 1` (`kernels.bookkeeping.slot_counts_torch`): the node
+the recorded count would have named, without a launch after sampling.
+
 The count update runs where it costs no host time: in a batch with speculative rows, the group's first GDN layer
 launches it at the start of its forward (`update_counts`), before any layer of the group reads the commit nodes, so a
 FULL CUDA graph captures it and replays it for free; in a batch without any (prefills only), the builder runs it. One
@@ -36,12 +43,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
@@ -50,6 +57,7 @@ from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
 from vllm_treewy.kernels.bookkeeping.dispatch import commit_nodes_and_counts
 from vllm_treewy.tree import DraftTree, chain_parents, node_requests
 from vllm_treewy.vllm_plugin.config import DraftShape, keeps_slot_counts
+from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes
 from vllm_treewy.vllm_plugin.patch_points import GDN_METADATA_BUILD
 
 
@@ -144,7 +152,33 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
         return GDNAttentionMetadata(**fields)
 
 
-_GDN_METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(GDNAttentionMetadata))
+# what `ReconstructGDNAttentionMetadata` adds: its fields' defaults, and the per-node tensors derived on first use
+_RECONSTRUCT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ReconstructGDNAttentionMetadata)
+                         if f.name not in {g.name for g in dataclasses.fields(GDNAttentionMetadata)}}
+_DERIVED = tuple(name for name, value in vars(ReconstructGDNAttentionMetadata).items()
+                 if isinstance(value, cached_property))
+
+
+def reconstruct_metadata(metadata: GDNAttentionMetadata) -> ReconstructGDNAttentionMetadata:
+    """A new `ReconstructGDNAttentionMetadata` with `metadata`'s fields (the same objects) and its own at their
+    defaults. Built without the dataclass `__init__` (vLLM's metadata has no `__post_init__`): a copy of `metadata`'s
+    attributes, less what an instance of ours derived on first use (V2's re-gathered metadata is a copy of the first
+    group's: `update_block_table`)."""
+    result = object.__new__(ReconstructGDNAttentionMetadata)
+    attributes = {**metadata.__dict__, **_RECONSTRUCT_DEFAULTS}
+    if type(metadata) is not GDNAttentionMetadata:
+        for name in _DERIVED:
+            attributes.pop(name, None)
+    result.__dict__ = attributes
+    return result
+
+
+def uses_runner_accepted_counts(vllm_config, shape: DraftShape) -> bool:
+    """Whether a GDN group's count update commits from the runner's accepted counts (the module docstring): chains
+    on Model Runner V2 without prefix caching of GDN states, where V2 keeps each request's accepted count and no
+    after-sampling hook of ours records it."""
+    return (shape.tree is None and vllm_config.use_v2_model_runner
+            and not caches_gdn_prefixes(vllm_config.cache_config))
 
 
 class GroupStepBuffers:
@@ -155,18 +189,23 @@ class GroupStepBuffers:
     - per metadata builder of the group (vLLM makes one per group, or one per microbatch), the FULL-graph buffers
       of the state indices and commit nodes (`staged`): made at the builder's first staged batch, the size of the
       builder's own persistent `num_accepted_tokens`, never replaced, since captured graphs read them at their
-      address; they go with the builder;
+      address; they go with the builder (found by its id, checked through a weak reference), and so do their views
+      of each batch size (FULL graphs replay a few padded sizes);
     - the config's draft shape (`shape`, the layer's `DraftShape`: the tree, None for chains, and its chain count
       offset);
     - the static tree's ancestor table (`tree_ancestors`, draft trees) and the commit table (`commit_ancestors`):
       made at the first speculative batch, read at the same address by every step's forward;
-    - whether the counts layer was checked to run first of the group's layers (`order_checked`, once).
+    - whether the counts layer was checked to run first of the group's layers (`order_checked`, once);
+    - whether the count update commits from the runner's accepted counts (`runner_accepted_counts`, read from the
+      config once: `uses_runner_accepted_counts`).
     """
 
-    def __init__(self, shape: DraftShape):
+    def __init__(self, shape: DraftShape, runner_accepted_counts: bool = False):
         self.shape = shape
-        # builder -> (state indices, commit nodes), each [builder's max rows] int32
-        self._staged = WeakIdKeyDictionary()
+        self.runner_accepted_counts = runner_accepted_counts
+        # id(builder) -> (weak reference to the builder, (state indices, commit nodes) each [builder's max rows]
+        # int32, {rows: their first rows})
+        self._staged: dict[int, tuple] = {}
         self._tree_ancestors: torch.Tensor | None = None
         self._commit_ancestors: torch.Tensor | None = None
         self.order_checked = False
@@ -174,11 +213,17 @@ class GroupStepBuffers:
     def staged(self, builder, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `rows` of `builder`'s persistent state indices and commit nodes (made at first use, filled
         with -1)."""
-        buffers = self._staged.get(builder)
-        if buffers is None:
-            buffers = tuple(torch.full_like(builder.num_accepted_tokens, -1) for _ in range(2))
-            self._staged[builder] = buffers
-        return buffers[0][:rows], buffers[1][:rows]
+        key = id(builder)
+        kept = self._staged.get(key)
+        if kept is None or kept[0]() is not builder:
+            forget = functools.partial(self._staged.pop, key, None)  # when the builder goes
+            kept = (weakref.ref(builder, lambda _: forget()),
+                    tuple(torch.full_like(builder.num_accepted_tokens, -1) for _ in range(2)), {})
+            self._staged[key] = kept
+        _, buffers, views = kept
+        if rows not in views:
+            views[rows] = buffers[0][:rows], buffers[1][:rows]
+        return views[rows]
 
     def tree_ancestors(self, device) -> torch.Tensor:
         """The static tree's verified-block ancestor table (`verified_tree_ancestors`), built once (trees only)."""
@@ -237,14 +282,16 @@ def commit_ancestor_table(tree: DraftTree, device) -> torch.Tensor:
     return torch.cat([tree_block, verified_chain_ancestors(tree.max_depth, tree_block.shape[1], device)])
 
 
-def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool) -> ReconstructGDNAttentionMetadata:
+def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool,
+                      layer=None) -> ReconstructGDNAttentionMetadata:
     """vLLM's GDN metadata with each speculative row's slot, commit node and the step's count update; `tree_verify`:
-    the step verifies the config's tree (`DraftShape.verifies_tree`), else chains."""
-    result = ReconstructGDNAttentionMetadata(**{name: getattr(metadata, name) for name in _GDN_METADATA_FIELDS})
-    layer = counts_layer(builder)
+    the step verifies the config's tree (`DraftShape.verifies_tree`), else chains; `layer`: the builder's
+    `counts_layer`, where the caller has it."""
+    result = reconstruct_metadata(metadata)
+    layer = counts_layer(builder) if layer is None else layer
     counts, buffers = layer.verified_node_counts(), layer.step_buffers
     tree = buffers.shape.tree
-    strided_state_indices = state_indices = commit_nodes = None
+    strided_state_indices = state_indices = commit_nodes = accepted = None
     if metadata.num_spec_decodes > 0:
         # Every row of the batch (a FULL graph's padding rows too: in the null slot, with no nodes), so that a
         # staged batch is computed straight into the builder's persistent buffers.
@@ -267,11 +314,15 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool
         if counts is None:
             state_indices.copy_(strided_state_indices)
             commit_nodes.fill_(-1)
+        if buffers.runner_accepted_counts:
+            # V2's accepted counts of the speculative rows (the builder's persistent buffer in a staged batch)
+            accepted = metadata.num_accepted_tokens
         result.state_indices, result.commit_nodes = state_indices, commit_nodes
     if counts is not None:
         # The state indices, contiguous (vLLM's column 0 is strided); each row's commit node from the count
         # recorded after its slot's last sampling (`v1.accepted_counts`: 1 + the accepted node's block index; 0,
-        # nothing pending, gives -1); then the step's counts. The null block (CUDA-graph capture and padding rows
+        # nothing pending, gives -1), or from the runner's accepted count where the slot's says a verify is pending;
+        # then the step's counts. The null block (CUDA-graph capture and padding rows
         # point there) never holds a verify to commit: else every row of a capture would commit into it at once; nor
         # is a count ever recorded for it. Every row outside the speculative path (prefills, and a first step that
         # vLLM counts as a decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's
@@ -280,7 +331,7 @@ def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool
         update = functools.partial(
             commit_nodes_and_counts, counts, batch_slots=strided_state_indices,
             spec_query_start_loc=metadata.spec_query_start_loc, slots=state_indices, commit_nodes=commit_nodes,
-            non_spec_slots=metadata.non_spec_state_indices_tensor, null_block=NULL_BLOCK_ID)
+            non_spec_slots=metadata.non_spec_state_indices_tensor, null_block=NULL_BLOCK_ID, accepted=accepted)
         if metadata.num_spec_decodes > 0:
             result.count_update, result.counts_layer = update, _checked_counts_layer_name(builder, buffers)
         else:
@@ -296,7 +347,8 @@ def _building_commit_nodes(original):
             return metadata
         # build(common_prefix_len, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu, ...)
         draft_counts = kwargs.get("num_decode_draft_tokens_cpu", args[3] if len(args) > 3 else None)
-        return with_commit_nodes(self, metadata, counts_layer(self).step_buffers.shape.verifies_tree(draft_counts))
+        layer = counts_layer(self)
+        return with_commit_nodes(self, metadata, layer.step_buffers.shape.verifies_tree(draft_counts), layer)
 
     return build
 

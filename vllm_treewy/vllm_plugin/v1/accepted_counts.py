@@ -1,5 +1,5 @@
 """Each speculative request's accepted count, recorded in its GDN slot right after sampling: the V1 runner's hook
-(vLLM's CPU backend runs V1; Model Runner V2's is `v2.accepted_counts.record_sampled_counts`).
+(vLLM's CPU backend runs V1; on Model Runner V2 chains commit from V2's own accepted counts, `gdn.step_metadata`).
 
 The next step's commit needs the node each slot accepted. vLLM's own per-row count (`num_accepted_tokens`) is not
 enough: a running request that a step leaves unscheduled (its token budget spent) leaves vLLM's persistent batch,

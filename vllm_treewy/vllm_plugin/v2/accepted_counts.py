@@ -9,16 +9,20 @@ derives (`gdn.step_metadata`: V2 calls the same builder's `build`, at FULL-graph
   that the FULL graphs share the batch-level buffers). Each group has its own slots and count state (in its first
   layer's pages), so the re-gathered metadata gets the group's own commit nodes and count update, as `build` gives
   them (`gdn.step_metadata.with_commit_nodes`, into the group's builder's own persistent buffers).
-- The slot counts after sampling: V2 counts each batch row's sampled tokens on the device (`num_sampled`, accepted
-  drafts + 1) and hands them to `GPUModelRunner.postprocess_sampled` right after sampling, before the drafter
-  proposes. There every speculative row's count goes into its slot in every GDN group
-  (`record_sampled_counts_triton`, one launch). V2 keeps a request's block-table row for the request's
-  life (`idx_mapping` maps batch rows to them) and, under its default async scheduling, prepares the next step on
-  the host before this one's tokens are known: device tensors only, no host sync. With prefix caching of GDN states
-  (align mode) the slot is the request's running block, which moves: there `v2.prefix_caching.record_after_sampling_v2`
-  writes the counts and the block-boundary states instead (V2's own align post-processing is skipped there); for
-  draft trees too, with the commit table and the tree sampler's accepted leaves, outside the acceptance graphs
-  (`leaf_counts_of`: the graphs then record no counts).
+- The accepted counts: V2 counts each batch row's sampled tokens on the device (`num_sampled`, accepted drafts + 1)
+  and hands them to `GPUModelRunner.postprocess_sampled` right after sampling, before the drafter proposes; its own
+  post-processing there keeps each request's accepted count (`num_accepted_tokens`, per request state, for the
+  request's life) and hands it to the GDN metadata builder at the request's next step. Chains without prefix caching
+  commit from that count (`gdn.step_metadata.uses_runner_accepted_counts`): nothing of ours runs after sampling.
+  Draft trees record each row's accepted leaf in its slots instead (`v2.runner`'s tree sampler; a chain step of
+  `draft_tree_max_batch_size` the sampled counts offset by 1 + N, `record_sampled_counts`: one launch for every
+  group), and with prefix caching of GDN states (align mode) the slot is the request's running block, which moves:
+  there `v2.prefix_caching.record_after_sampling_v2` writes the counts and the block-boundary states (V2's own align
+  post-processing is skipped there, so its accepted counts stay 1); for draft trees too, with the commit table and the
+  tree sampler's accepted leaves, outside the acceptance graphs (`leaf_counts_of`: the graphs then record no counts).
+  V2 keeps a request's block-table row for the request's life (`idx_mapping` maps batch rows to them) and, under its
+  default async scheduling, prepares the next step on the host before this one's tokens are known: device tensors
+  only, no host sync.
 - FULL decode graphs: V2 replays a FULL decode graph only for a batch whose rows all decode (a prefill keeps the
   batch out, `decode_graph_eligible`; a one-token prompt tail that runs as a decode is a speculative row of the GDN
   builder too), i.e. the batches the builder stages into its graph buffers, and the commit nodes with them. V1's
@@ -36,7 +40,7 @@ import torch
 
 from vllm_treewy.kernels.bookkeeping import dispatch, slot_counts_torch, slot_counts_triton
 from vllm_treewy.vllm_plugin.config import keeps_slot_counts, reconstructs_mamba_state
-from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups, draft_shape_of_runner
+from vllm_treewy.vllm_plugin.gdn.groups import counted_gdn_groups, step_buffers_of_runner
 from vllm_treewy.vllm_plugin.gdn.prefix_caching import caches_gdn_prefixes
 from vllm_treewy.vllm_plugin.gdn.sampling_tables import count_table_of
 from vllm_treewy.vllm_plugin.gdn.step_metadata import with_commit_nodes
@@ -87,10 +91,10 @@ def leaf_counts_of(runner) -> CountedGroups:
 
 def record_sampled_counts(runner, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, offset: int = 0) -> None:
     """After V2's sampler counted this step's tokens per batch row (`num_sampled [rows]`; `idx_mapping [rows]`: each
-    row's request state, -1 to skip): the speculative rows' counts (+ `offset`, `config.DraftShape.chain_count_offset`)
-    into their slots in every GDN group that keeps slot counts. A row speculated this step iff its slot holds a count
-    (the step's count update gave it its node count, every other row's slot 0), so no per-row flag is needed. Device
-    tensors only; CUDA: one launch for every group."""
+    row's request state, -1 to skip): the speculative rows' counts (+ `offset`, `config.DraftShape.chain_count_offset`:
+    a chain step of a tree config) into their slots in every GDN group that keeps slot counts. A row speculated this
+    step iff its slot holds a count (the step's count update gave it its node count, every other row's slot 0), so no
+    per-row flag is needed. Device tensors only; CUDA: one launch for every group."""
     groups = CountedGroups.of(runner, gdn_groups_of(runner))
     if offset and groups.groups:
         # a row that sampled nothing verified its root (the kernels' max(num_sampled, 1)), then the offset
@@ -104,7 +108,8 @@ def _recording_sampled_counts(original):
         original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
         if not reconstructs_mamba_state(self.speculative_config):
             return
-        shape = draft_shape_of_runner(self)
+        buffers = step_buffers_of_runner(self)
+        shape = buffers.shape
         tree = shape.tree
         if caches_gdn_prefixes(self.cache_config):  # the running slot moves with the request
             if tree is None:
@@ -115,7 +120,10 @@ def _recording_sampled_counts(original):
                     self, idx_mapping, num_sampled, tree=tree, accepted_tree=accepted,
                     chain_offset=shape.chain_count_offset if accepted is None else 0)
         elif tree is None:
-            record_sampled_counts(self, idx_mapping, num_sampled)
+            # the next step's count update commits from V2's own accepted counts (`gdn.step_metadata`)
+            if not buffers.runner_accepted_counts:
+                raise RuntimeError("reconstruct chains on Model Runner V2 commit from V2's accepted counts, but the "
+                                   "GDN layers were built for another runner (VllmConfig.use_v2_model_runner)")
         elif shape.has_chain_steps and self.speculator.tree_state.accepted is None:
             # a chain step of draft_tree_max_batch_size: V2 samples, then postprocesses, then proposes, so the tree
             # acceptance is there for the drafter exactly after a tree step (whose counts are the tree sampler's)
