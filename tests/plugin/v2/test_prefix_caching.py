@@ -236,6 +236,10 @@ def test_without_prefix_caching_v2_chains_write_nothing_after_sampling(monkeypat
     counts.zero_()
     counts[table[[1, 0], 0]] = 4
     before = _snapshot(runner)
+    # layers built for another commit source (recorded counts) are refused, not silently left uncommitted
+    with pytest.raises(RuntimeError, match="commit from V2's accepted counts"):
+        _sample(runner, [1, 0], [3, 2])
+    layer.step_buffers.runner_accepted_counts = True  # as V2 without prefix caching builds them
     _sample(runner, [1, 0], [3, 2])
     assert counts[table[[1, 0], 0]].tolist() == [4, 4]
     assert all(torch.equal(state, kept) for state, kept in zip(layer.kv_cache, before[0]))  # the whole page
