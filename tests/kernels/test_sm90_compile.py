@@ -73,6 +73,8 @@ def slot_count_launches():
     with recorded_launches() as launches:
         slot_counts_triton.commit_nodes_and_counts_triton(counts, rows, torch.arange(ROWS + 1, dtype=torch.int32),
                                                    rows.clone(), rows.clone(), rows.clone(), 0)
+        slot_counts_triton.commit_nodes_and_counts_triton(counts, rows, torch.arange(ROWS + 1, dtype=torch.int32),
+                                                   rows.clone(), rows.clone(), None, 0, rows.clone())  # V2's counts
         slot_counts_triton.record_accepted_counts_triton(table, rows, rows, ROWS)
         slot_counts_triton.record_sampled_counts_triton(table, rows, rows, ROWS)
     return launches

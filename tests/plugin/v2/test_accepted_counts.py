@@ -10,8 +10,8 @@
 - draft trees run on V2 too (its feature check lists nothing for them, `tests/plugin/test_config.py`; their hooks are
   `v2.runner`'s, `tests/plugin/v2/test_runner.py`).
 
-V2 does not run on vLLM's CPU backend; these tests run its pieces with vLLM's CPU-importable modules and a stand-in
-runner holding what the hooks read."""
+vLLM's CPU backend runs V1 (`tests/e2e/test_v2_chains_cpu.py` forces V2 on, interpreted, end to end); these tests run
+V2's pieces with vLLM's CPU-importable modules and a stand-in runner holding what the hooks read."""
 
 from types import SimpleNamespace
 
