@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_treewy.kernels.attention_merge_torch import merge_attention_states_torch
+from .attention_merge_torch import merge_attention_states_torch
 
 
 def tree_token_ancestors(query_start_loc: torch.Tensor, num_tokens: int, block_ancestors: torch.Tensor) -> torch.Tensor:
