@@ -67,7 +67,7 @@ def prefix_lengths(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: t
     return torch.sub(seq_lens, query_lens, out=out).clamp_(min=0)
 
 
-def two_pass_attention(
+def tree_batch_attention(
     prefix_attention: Callable,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -85,8 +85,9 @@ def two_pass_attention(
     scale: float,
     prefix_kwargs: dict,
 ) -> torch.Tensor:
-    """The two passes over a batch of requests' queries back to back, the merged attention written into `output`
-    (`[T, H, D]` or `[T, H * D]`, unit stride in its last axis, its own dtype) for tokens before
+    """The two passes over a batch of requests' queries back to back (every request a tree row or a one-token
+    decode: a covering step's whole batch, or a mixed step's gathered tree rows), the merged attention written into
+    `output` (`[T, H, D]` or `[T, H * D]`, unit stride in its last axis, its own dtype) for tokens before
     `query_start_loc[-1]`; later rows (graph padding) keep what they held. Returns `output`.
 
     `query [T, H, D]`, `key`/`value [T, H_kv, D]`: the batch's queries and new K/V rows (already in the cache at
@@ -96,25 +97,14 @@ def two_pass_attention(
     the tree `block_ancestors` (`tree_block_ancestors`); any other request must have a one-token query (or none).
     `prefix_attention`: FlashAttention's `flash_attn_varlen_func` contract (keywords; returns `(out [T, H, D],
     lse [H, T])`), called with `prefix_kwargs` added (version, descales, splits). Two launches (FlashAttention's,
-    the ancestor pass's); the prefix pass's output and log-sum-exp are its only allocations. No host sync."""
+    the ancestor pass's); the prefix pass's output and log-sum-exp are its only allocations. Static shapes, no host
+    sync: capturable."""
     prefix_out, prefix_lse = prefix_attention(
         q=query, k=key_cache, v=value_cache, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc,
         max_seqlen_k=max_seq_len, seqused_k=prefix_lens, softmax_scale=scale, causal=False, block_table=block_table,
         return_softmax_lse=True, **prefix_kwargs)
     ancestors_pass = tree_attention_ancestors_triton if query.is_cuda else tree_attention_ancestors_torch
     return ancestors_pass(query, key, value, query_start_loc, block_ancestors, prefix_out, prefix_lse, output, scale)
-
-
-def tree_batch_attention(prefix_attention: Callable, query, key, value, key_cache, value_cache,
-                         output: torch.Tensor, *, query_start_loc, prefix_lens, block_table, max_query_len: int,
-                         max_seq_len: int, block_ancestors, scale: float, prefix_kwargs: dict) -> torch.Tensor:
-    """The whole batch's attention (every request a tree row or a one-token decode) into `output` (`[T, H, D]` or
-    `[T, H * D]`), rows past `query_start_loc[-1]` (graph padding) left as they were: `two_pass_attention` over the
-    metadata's rows. Static shapes: capturable."""
-    return two_pass_attention(
-        prefix_attention, query, key, value, key_cache, value_cache, output, query_start_loc=query_start_loc,
-        prefix_lens=prefix_lens, block_table=block_table, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        block_ancestors=block_ancestors, scale=scale, prefix_kwargs=prefix_kwargs)
 
 
 def tree_rows_attention(prefix_attention: Callable, query, key, value, key_cache, value_cache,
@@ -128,7 +118,7 @@ def tree_rows_attention(prefix_attention: Callable, query, key, value, key_cache
     Shapes follow the host-known R: eager only (mixed batches run attention outside CUDA graphs)."""
     num_tokens = token_indices.shape[0]
     merged = torch.empty(num_tokens, *query.shape[1:], dtype=output.dtype, device=output.device)
-    two_pass_attention(
+    tree_batch_attention(
         prefix_attention, query.index_select(0, token_indices), key.index_select(0, token_indices),
         value.index_select(0, token_indices), key_cache, value_cache, merged, query_start_loc=tree_query_start_loc,
         prefix_lens=prefix_lens, block_table=block_table.index_select(0, request_indices.long()),
