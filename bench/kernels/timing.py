@@ -1,12 +1,18 @@
 """How the kernel benchmarks time and describe the GPU: the median over CUDA-graph replays of many back-to-back calls
 (vLLM decodes under CUDA graphs), the device's copy bandwidth, the device facts a result records (a dry run's:
-`run_facts`), and a benchmark's loop over its checked rows (`collect_rows`)."""
+`run_facts`), a benchmark's loop over its checked rows (`collect_rows`), and an earlier version of a kernel module
+to time beside the current one (`load_baseline`: the package keeps one production path, so the earlier one comes
+from git or from a file holding its source)."""
 
+import importlib.util
 import json
 import math
+import pathlib
 import platform
 import statistics
 import subprocess
+import sys
+import tempfile
 import traceback
 
 import torch
@@ -96,3 +102,30 @@ def collect_rows(rows, ok, records, save):
         save()
     save()
     return failed
+
+
+def load_baseline(source: str, kernel_path: str, root: pathlib.Path):
+    """The module of an earlier version of the kernel file `kernel_path` (relative to the checkout `root`): from the
+    file `source` if it exists, else from git at the commit `source`. Loaded from a real file (Triton's JIT reads the
+    kernel's source) as a module of its own; its relative imports resolve against `vllm_treewy.kernels` (the
+    current helpers, which it must still match). On the GPU machine, where git does not travel, write the earlier
+    version to a file first (`git show REF:PATH > .scratch/NAME.py`, carried in the device call)."""
+    path = pathlib.Path(source)
+    if path.is_file():
+        text = path.read_text()
+    else:
+        done = subprocess.run(["git", "-C", str(root), "show", f"{source}:{kernel_path}"], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"--baseline {source}: neither a file nor a commit git can show ({done.stderr.strip()}); "
+                             f"without git, write `git show {source}:{kernel_path}` to a file and pass that")
+        text = done.stdout
+    stem = pathlib.Path(kernel_path).stem + "_baseline"
+    module_path = pathlib.Path(tempfile.mkdtemp(prefix=stem + "_")) / f"{stem}.py"
+    module_path.write_text(text)
+    package = ".".join(pathlib.Path(kernel_path).parent.parts)
+    spec = importlib.util.spec_from_file_location(f"{package}.{stem}", module_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import inspect
 import json
 import os
 import pathlib
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -53,6 +50,7 @@ if not torch.cuda.is_available():  # the dry run interprets the kernels; set bef
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels import timing  # noqa: E402
 from bench.kernels.timing import collect_rows, run_facts  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_torch import (  # noqa: E402
     ancestor_attention,
@@ -71,27 +69,9 @@ FUSED, MERGED, ALONE = "fused", "ancestors + merge_attn_states", "ancestors alon
 
 
 def load_baseline(source: str):
-    """The earlier kernel's `tree_attention_ancestors_triton` (either signature: `launches_of`): from the file
-    `source` if it exists, else from git at the commit `source`. Loaded as its own module from a real file (Triton's
-    JIT reads the kernel's source)."""
-    path = pathlib.Path(source)
-    if path.is_file():
-        text = path.read_text()
-    else:
-        done = subprocess.run(["git", "-C", str(ROOT), "show", f"{source}:{KERNEL_PATH}"], capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"--baseline {source}: neither a file nor a commit git can show ({done.stderr.strip()}); "
-                             f"without git, write `git show {source}:{KERNEL_PATH}` to a file and pass that")
-        text = done.stdout
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="ancestors_baseline_"))
-    module_path = folder / "tree_attention_ancestors_baseline.py"
-    module_path.write_text(text)
-    spec = importlib.util.spec_from_file_location("tree_attention_ancestors_baseline", module_path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.tree_attention_ancestors_triton
+    """The earlier kernel's `tree_attention_ancestors_triton` (either signature: `launches_of`), from the file or
+    commit `source` (`timing.load_baseline`)."""
+    return timing.load_baseline(source, KERNEL_PATH, ROOT).tree_attention_ancestors_triton
 
 
 def vllm_merge():
