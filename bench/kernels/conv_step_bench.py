@@ -4,8 +4,8 @@ conv over packed chains or trees) at Qwen3.5-27B's GDN conv (10,240 channels: q 
 
 Each row is a batch of requests with the same draft shape (a chain of k drafts, or a tree as widths, with its root)
 in the state the engine leaves between steps: every slot committing a node of its previous step (the deepest node of
-the first path), then convolving this step's nodes. The current kernel takes this step's ancestor table (None for
-chains, as the adapter passes it); an earlier one whose signature takes `parents` gets the packed parents. Launch
+the first path), then convolving this step's nodes. A version whose signature takes `parents` gets the packed parents;
+one that takes `ancestors` (an experiment's: this step's ancestor table, None for chains) gets the table. Launch
 tiles as the adapter picks them (`block_nodes` = the node count up to 16, channels 256 a program).
 
     PYTHONPATH=$PWD python3 -m bench.kernels.conv_step_bench --out $OUT --baseline .scratch/conv_before.py
@@ -53,7 +53,7 @@ def shape_tree(shape: str) -> DraftTree:
     return DraftTree.from_widths(widths).with_root()
 
 
-def case(shape, batch, history_len, device, seed=0):
+def case(shape, batch, history_len, channels, device, seed=0):
     tree = shape_tree(shape)
     is_chain = shape.startswith("k")
     packed, one = pack_trees([tree] * batch), pack_trees([tree])
@@ -64,11 +64,11 @@ def case(shape, batch, history_len, device, seed=0):
 
     slots = torch.randperm(batch + 3, generator=generator)[:batch].to(torch.int32)
     deepest = max(range(tree.num_nodes), key=lambda node: (tree.depth[node], -node))
-    inputs = dict(x=normal(packed.num_nodes, CHANNELS),
+    inputs = dict(x=normal(packed.num_nodes, channels),
                   # vLLM's layout: [S, L, D] storage seen as [S, D, L]
-                  conv_state=normal(batch + 3, history_len, CHANNELS).transpose(1, 2),
-                  state_indices=slots.to(device), weight=(0.3 * normal(CHANNELS, WIDTH).float()).bfloat16(),
-                  step_inputs=normal(batch + 3, tree.num_nodes, CHANNELS),
+                  conv_state=normal(batch + 3, history_len, channels).transpose(1, 2),
+                  state_indices=slots.to(device), weight=(0.3 * normal(channels, WIDTH).float()).bfloat16(),
+                  step_inputs=normal(batch + 3, tree.num_nodes, channels),
                   commit_nodes=torch.full((batch,), deepest, dtype=torch.int32, device=device))
     topology = dict(parents=packed.parents.to(device), cu_nodes=packed.cu_nodes.to(device),
                     ancestors=None if is_chain else ancestor_table_torch(packed.parents, packed.cu_nodes,
@@ -115,10 +115,10 @@ def check(got, inputs, topology):
     return dict(output_error=error, ok=ok)
 
 
-def row(shape, batch, history_len, versions, dry_run):
+def row(shape, batch, history_len, channels, versions, dry_run):
     device = "cpu" if dry_run else "cuda"
-    inputs, topology, num_nodes = case(shape, batch, history_len, device)
-    record = dict(shape=shape, batch=batch, nodes=num_nodes * batch, channels=CHANNELS, history_len=history_len,
+    inputs, topology, num_nodes = case(shape, batch, history_len, channels, device)
+    record = dict(shape=shape, batch=batch, nodes=num_nodes * batch, channels=channels, history_len=history_len,
                   versions={})
     restore_us = None if dry_run else timing.graph_time_us([restore_only(inputs)])
     for name, version in versions.items():
@@ -143,6 +143,7 @@ def main(argv=None):
                         help="k<drafts> for a chain, widths for a tree")
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64])
     parser.add_argument("--history-len", type=int, default=WIDTH - 1, help="the history's columns (at least w - 1)")
+    parser.add_argument("--channels", type=int, default=CHANNELS, help="conv channels (default Qwen3.5-27B's)")
     parser.add_argument("--baseline", default=None, help="the earlier kernel: a file, or a commit git can show")
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreted: check every row, time nothing")
     args = parser.parse_args(argv)
@@ -164,7 +165,7 @@ def main(argv=None):
             seconds=round(time.time() - started, 1), rows=records)
         (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
 
-    rows = (functools.partial(row, shape, batch, args.history_len, versions, args.dry_run)
+    rows = (functools.partial(row, shape, batch, args.history_len, args.channels, versions, args.dry_run)
             for shape in args.shapes for batch in args.batches)
     with torch.inference_mode():
         failed = timing.collect_rows(rows, lambda record: all(r["ok"] for r in record["versions"].values()),

@@ -43,14 +43,13 @@ def test_conv_step_vs_reference(history_len, dtype):
     inputs = torch.zeros(len(batch) + 2, rows_per_slot, channels, dtype=dtype, device="cuda")
     slots = torch.tensor([4, 0, 2, 5], dtype=torch.int32, device="cuda")
     ancestors = ancestor_table(packed.parents[:rows_per_slot], packed.cu_nodes[:2], len(shape)).contiguous()
-    step_ancestors = ancestor_table(packed.parents, packed.cu_nodes, len(shape))
-    out = conv_step_triton(x, conv_state, slots, weight, bias, step_ancestors, packed.cu_nodes, inputs, None,
+    out = conv_step_triton(x, conv_state, slots, weight, bias, packed.parents, packed.cu_nodes, inputs, None,
                            activation="silu")
     twin = conv_verify_packed(x, before, slots, weight, bias, packed.parents, packed.cu_nodes, activation="silu")
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert relative_error(out, twin.float()) <= tolerance
     accepted = torch.tensor([28, 9, 0, -1], dtype=torch.int32, device="cuda")
-    conv_step_triton(x_next, conv_state, slots, weight, bias, step_ancestors, packed.cu_nodes, inputs, accepted,
+    conv_step_triton(x_next, conv_state, slots, weight, bias, packed.parents, packed.cu_nodes, inputs, accepted,
                      commit_ancestors=ancestors, activation="silu")
     for b in range(len(batch)):
         rows = slice(int(packed.cu_nodes[b]), int(packed.cu_nodes[b + 1]))

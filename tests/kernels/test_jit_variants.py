@@ -62,7 +62,7 @@ def step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, pe
     weight = torch.empty(QKV, WIDTH, dtype=torch.bfloat16)
     bias = None
     conv = conv_module._conv_launch_arguments(
-        mixed_qkv, conv_state, slots, weight, bias, None, cu_nodes, conv_inputs, commit_nodes,
+        mixed_qkv, conv_state, slots, weight, bias, parents, cu_nodes, conv_inputs, commit_nodes,
         commit_ancestors=None, activation="silu", out=None, block_nodes=16, block_d=256)
     conv_out = conv[3]
     A_log, dt_bias = torch.empty(HV), torch.empty(HV, dtype=torch.bfloat16)

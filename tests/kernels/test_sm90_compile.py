@@ -89,9 +89,8 @@ def conv_launches(widths):
     weight, bias = torch.zeros(CONV_DIM, W1 + 1, dtype=torch.bfloat16), torch.zeros(CONV_DIM, dtype=torch.bfloat16)
     inputs = torch.zeros(SLOTS, tree.num_nodes, CONV_DIM, dtype=torch.bfloat16)
     commit_ancestors = ancestor_table_torch(one.parents, one.cu_nodes, one.max_depth) if widths else None
-    ancestors = ancestor_table_torch(packed.parents, packed.cu_nodes, packed.max_depth) if widths else None
     with recorded_launches() as launches:
-        conv_step_triton(x, conv_state, torch.arange(ROWS, dtype=torch.int32), weight, bias, ancestors,
+        conv_step_triton(x, conv_state, torch.arange(ROWS, dtype=torch.int32), weight, bias, packed.parents,
                          packed.cu_nodes, inputs, torch.zeros(ROWS, dtype=torch.int32),
                          commit_ancestors=commit_ancestors, activation="silu")
     return launches

@@ -69,15 +69,8 @@ def test_conv_step_commits_the_previous_draft_then_convolves(batch, rows_per_slo
     state, step_inputs = conv_state.clone().to(DEVICE), inputs.clone().to(DEVICE)
     out = torch.full_like(x, float("nan")).to(DEVICE)
     device_bias = None if bias is None else bias.to(DEVICE)
-    # this step's topology: its ancestor table (sometimes with spare columns), or None where every request is a chain
-    is_chain = all(list(parents) == list(range(-1, len(parents) - 1)) for parents in batch)
-    if is_chain and data.draw(st.booleans()):
-        ancestors = None
-    else:
-        depth = packed.max_depth + data.draw(st.integers(0, 1))
-        ancestors = ancestor_table_torch(packed.parents, packed.cu_nodes, max(1, depth)).to(DEVICE)
     conv_step_triton(x.to(DEVICE), state, slots.to(DEVICE), weight.to(DEVICE), device_bias,
-                     ancestors, packed.cu_nodes.to(DEVICE), step_inputs, commit.to(DEVICE),
+                     packed.parents.to(DEVICE), packed.cu_nodes.to(DEVICE), step_inputs, commit.to(DEVICE),
                      commit_ancestors=None if commit_ancestors is None else commit_ancestors.to(DEVICE),
                      activation=activation, out=out, block_nodes=4, block_d=32)
     live = slots.long()[node_requests(packed.cu_nodes)] >= 0

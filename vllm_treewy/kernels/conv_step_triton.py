@@ -2,150 +2,109 @@
 speculative step (`conv_step_triton`: the previous step's commit, then this step's conv).
 
 A node's input sequence is its request's committed history `conv_state[slot, :, 0 .. L-1]` (oldest first,
-L >= w-1; any strides, e.g. vLLM's) followed by its root-to-node path; its window is the last w entries. Counting up
-from a node, entry t is the t-th node of its path (this step's ancestor table; node - t in a chain) and, s steps
-past the root, the committed history's column L-1-s.
-
-The kernel's time is its chain of dependent loads, so it has few: the program's scalars (slot, commit node, its
-nodes' offsets) in one round trip, then the commit's path row and the nodes' ancestors (table entries, no walk up
-the parents) in one, then every history column, previous input row and tap row at once. The committed history
-stays in registers for the conv (no store and reload), and every store comes after one barrier. Torch twin:
-`vllm_treewy.kernels.conv_step_torch` (same math, from packed parents).
+L >= w-1; any strides, e.g. vLLM's) followed by its root-to-node path; its window is the last w entries.
+Walking up from a node, `cur >= 0` is a node of the path and `cur = -1, -2, ...` is history column L+cur (one step
+past the root is the newest column). Torch twin: `vllm_treewy.kernels.conv_step_torch` (same packed API).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .ancestor_table_triton import _ancestor
+
+@triton.jit
+def _step_up(parents, bos, cur):
+    """One step towards the root; past the root, count down into the history."""
+    return tl.where(cur >= 0, tl.load(parents + bos + cur, mask=cur >= 0, other=-1), cur - 1)
 
 
 @triton.jit
-def _path_entry(ancestors, bos, nodes, t: tl.constexpr, D_ANC: tl.constexpr, IS_CHAIN: tl.constexpr):
-    """Local index of the node t steps up from `nodes` ([BN] local, -1 for none) on this step's path, -1 past the
-    root: a chain's node - t, a tree's table entry (a row holds the node's whole path in D_ANC entries)."""
-    if t == 0:
-        entry = nodes
-    elif IS_CHAIN:
-        entry = tl.where((nodes >= 0) & (nodes - t >= 0), nodes - t, -1)
-    elif t < D_ANC:
-        entry = _ancestor(ancestors, bos, nodes, t, D_ANC, False)
-    else:
-        entry = tl.full(nodes.shape, -1, tl.int32)
-    return entry
-
-
-@triton.jit
-def _conv_block(x, conv_state, ancestors, weight, bias, columns, bos, start, n, o_d, mask_d, stride_x,
-                W: tl.constexpr, D_ANC: tl.constexpr, IS_CHAIN: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ROUND_PRODUCTS: tl.constexpr):
-    """(conv outputs [BN, BD] fp32, the nodes' own input rows [BN, BD] as loaded, packed rows, store mask) of the
-    request's nodes start .. start + BN - 1 over channels o_d. `columns`: the committed history's newest W - 1
-    columns ([BD] fp32 each, newest first). Rounded as vLLM's CUDA `causal_conv1d_update`: when the history and the
-    weight share a 16-bit dtype (ROUND_PRODUCTS), inputs in it and each product rounded to it (vLLM's kernel
-    multiplies two bf16 in bf16: `mul.bf16` on sm_90, as here), silu as x / (1 + exp(-x)). vLLM sums the window
-    oldest first, we newest first (the path's entries, then the history's): sums of W bf16 products are exact in
-    fp32 unless they span more than ~16 binades, so the order rarely shows."""
-    nodes = start + tl.arange(0, BN)
-    valid = nodes < n
-    m = valid[:, None] & mask_d[None, :]
-    local = tl.where(valid, nodes, -1)
-    # the window's path entries (independent loads) and how many of them are on the path
-    path = ()
-    on_path = tl.zeros([BN], dtype=tl.int32)
-    for t in tl.static_range(W):
-        entry = _path_entry(ancestors, bos, local, t, D_ANC, IS_CHAIN)
-        path = path + (entry,)
-        on_path += (entry >= 0).to(tl.int32)
-    rows = (bos + nodes)[:, None].to(tl.int64)
-    acc = tl.zeros([BN, BD], dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias + o_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    own = tl.load(x + rows * stride_x + o_d[None, :], mask=m, other=0.0)
-    for t in tl.static_range(W):
-        cur = path[t]
-        if t == 0:
-            from_x = own
-        else:
+def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
+                   W: tl.constexpr, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   SILU: tl.constexpr, ROUND_PRODUCTS: tl.constexpr):
+    """The conv outputs of one request's n nodes (packed from bos) over channels o_d; history at p_hist.
+    Rounded as vLLM's CUDA `causal_conv1d_update`: when the history and the weight share a 16-bit dtype, inputs in
+    it and each product rounded to it (vLLM's kernel multiplies two bf16 in bf16: `mul.bf16` on sm_90, as here),
+    silu as x / (1 + exp(-x)). vLLM sums the window oldest first, we newest first (the walk up the tree; a
+    register array for the other order spills): sums of W bf16 products are exact in fp32 unless they span
+    more than ~16 binades, so the order rarely shows."""
+    for start in range(0, n, BN):
+        nodes = start + tl.arange(0, BN)
+        valid = nodes < n
+        m = valid[:, None] & mask_d[None, :]
+        cur = tl.where(valid, nodes, 0)
+        acc = tl.zeros([BN, BD], dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias + o_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        for t in tl.static_range(W):
+            if t > 0:
+                cur = _step_up(parents, bos, cur)
             from_x = tl.load(x + (bos + cur)[:, None].to(tl.int64) * stride_x + o_d[None, :],
                              mask=m & (cur >= 0)[:, None], other=0.0)
-        # past the root, history column t - on_path steps back (newest first): picked from the registers
-        value = from_x.to(tl.float32)
-        if t > 0:
-            for s in tl.static_range(t):
-                value = tl.where((t - on_path == s)[:, None], columns[s][None, :], value)
-        tap = tl.load(weight + o_d * W + (W - 1 - t), mask=mask_d, other=0.0).to(tl.float32)
-        if ROUND_PRODUCTS:  # vLLM casts x to the history's dtype (a no-op for bf16 x), then multiplies in it
-            value = value.to(conv_state.dtype.element_ty).to(tl.float32)
-            acc += (value * tap[None, :]).to(conv_state.dtype.element_ty).to(tl.float32)
-        else:
-            acc += value * tap[None, :]
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    return acc, own, rows, m
+            from_hist = tl.load(p_hist + (L + cur)[:, None] * stride_cs_col, mask=m & (cur < 0)[:, None], other=0.0)
+            tap = tl.load(weight + o_d * W + (W - 1 - t), mask=mask_d, other=0.0).to(tl.float32)
+            value = from_x.to(tl.float32) + from_hist.to(tl.float32)
+            if ROUND_PRODUCTS:  # vLLM casts x to the history's dtype (a no-op for bf16 x), then multiplies in it
+                value = value.to(p_hist.dtype.element_ty).to(tl.float32)
+                acc += (value * tap[None, :]).to(p_hist.dtype.element_ty).to(tl.float32)
+            else:
+                acc += value * tap[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(out + (bos + nodes)[:, None].to(tl.int64) * stride_out + o_d[None, :], acc.to(out.dtype.element_ty),
+                 mask=m)
 
 
 # integer arrays read as scalars or gathers: no alignment key (as the GDN step's kernels); D and the strides are
 # model constants and stay specialised
-@triton.jit(do_not_specialize=["state_indices", "ancestors", "cu_nodes", "commit_nodes", "commit_ancestors"])
+@triton.jit(do_not_specialize=["state_indices", "parents", "cu_nodes", "commit_nodes", "commit_ancestors"])
 def _conv_step_kernel(
-    x, conv_state, state_indices, weight, bias, ancestors, cu_nodes, out, inputs, commit_nodes, commit_ancestors,
+    x, conv_state, state_indices, weight, bias, parents, cu_nodes, out, inputs, commit_nodes, commit_ancestors,
     stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, stride_in_slot, stride_in_node, D,
-    W: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, D_ANC: tl.constexpr,
-    IS_CHAIN: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_COMMIT: tl.constexpr,
-    COMMIT_DEPTH: tl.constexpr, COMMIT_IS_CHAIN: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
+    W: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_COMMIT: tl.constexpr, COMMIT_DEPTH: tl.constexpr,
+    COMMIT_IS_CHAIN: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
 ):
     i_d, i_b = tl.program_id(0), tl.program_id(1)
-    # the program's scalars in one round trip, before the padding check (every index is in bounds)
     slot = tl.load(state_indices + i_b).to(tl.int64)
-    bos = tl.load(cu_nodes + i_b)
-    n = tl.load(cu_nodes + i_b + 1) - bos
-    if HAS_COMMIT:
-        node = tl.load(commit_nodes + i_b)
-    else:
-        node = -1
     if slot < 0:
         return
     o_d = i_d * BD + tl.arange(0, BD)
     mask_d = o_d < D
     p_hist = conv_state + slot * stride_cs_slot + o_d[None, :] * stride_cs_dim
     p_inputs = inputs + slot * stride_in_slot + o_d[None, :]
-    # the committed history, newest first: row s is the entry s steps up from the previous step's commit node (its
-    # draft's input rows, continued into the old history: src = -1, -2, .. its newest columns), or, without a
-    # commit, the old history's column L-1-s
-    steps = tl.arange(0, BL)
-    src = -1 - steps
     if HAS_COMMIT:
-        if COMMIT_IS_CHAIN:
-            commit_src = node - steps
-        else:
-            # the node's table row is its path, node first, then -1 past the root; counted over BL >= L
-            # entries, path_len is min(length, BL): exact wherever a kept step (< L) is on the path
-            commit_path = tl.load(commit_ancestors + tl.maximum(node, 0) * COMMIT_DEPTH + steps,
-                                  mask=(steps < COMMIT_DEPTH) & (node >= 0), other=-1)
-            path_len = tl.sum((commit_path >= 0).to(tl.int32), 0)
-            commit_src = tl.where(steps < path_len, commit_path, path_len - 1 - steps)
-        src = tl.where(node >= 0, commit_src, src)
-    m_hist = (steps < L)[:, None] & mask_d[None, :]
-    from_inputs = tl.load(p_inputs + src[:, None] * stride_in_node, mask=m_hist & (src >= 0)[:, None], other=0.0)
-    from_hist = tl.load(p_hist + (L + src)[:, None] * stride_cs_col, mask=m_hist & (src < 0)[:, None], other=0.0)
-    history = tl.where((src >= 0)[:, None], from_inputs.to(conv_state.dtype.element_ty), from_hist)
-    columns = ()
-    for s in tl.static_range(W - 1):
-        columns = columns + (tl.sum(tl.where((steps == s)[:, None], history.to(tl.float32), 0.0), 0),)
-    acc, own, rows, m = _conv_block(x, conv_state, ancestors, weight, bias, columns, bos, 0, n, o_d, mask_d, stride_x,
-                                    W, D_ANC, IS_CHAIN, BN, BD, HAS_BIAS, SILU, ROUND_PRODUCTS)
-    tl.debug_barrier()  # every old history column and previous input row is read before any is overwritten
-    if HAS_COMMIT:
-        tl.store(p_hist + (L - 1 - steps)[:, None] * stride_cs_col, history, mask=m_hist & (node >= 0))
-    tl.store(out + rows * stride_out + o_d[None, :], acc.to(out.dtype.element_ty), mask=m)
-    # this step's inputs, for the commit inside the next step
-    tl.store(p_inputs + (rows - bos) * stride_in_node, own.to(inputs.dtype.element_ty), mask=m)
-    for start in range(BN, n, BN):  # trees of more than BN nodes
-        acc, own, rows, m = _conv_block(x, conv_state, ancestors, weight, bias, columns, bos, start, n, o_d, mask_d,
-                                        stride_x, W, D_ANC, IS_CHAIN, BN, BD, HAS_BIAS, SILU, ROUND_PRODUCTS)
-        tl.store(out + rows * stride_out + o_d[None, :], acc.to(out.dtype.element_ty), mask=m)
-        tl.store(p_inputs + (rows - bos) * stride_in_node, own.to(inputs.dtype.element_ty), mask=m)
+        # the previous step's draft, committed at its commit node: new column L-1-t takes the input t steps up
+        # from it, continued into the old history (src = -1, -2, ..: its newest columns)
+        node = tl.load(commit_nodes + i_b)
+        if node >= 0:
+            steps = tl.arange(0, BL)
+            if COMMIT_IS_CHAIN:
+                src = node - steps
+            else:
+                # the node's table row is its path, node first, then -1 past the root; counted over BL >= L
+                # entries, path_len is min(length, BL): exact wherever a kept step (< L) is on the path
+                path = tl.load(commit_ancestors + node * COMMIT_DEPTH + steps, mask=steps < COMMIT_DEPTH,
+                               other=-1)
+                path_len = tl.sum((path >= 0).to(tl.int32), 0)
+                src = tl.where(steps < path_len, path, path_len - 1 - steps)
+            m = (steps < L)[:, None] & mask_d[None, :]
+            from_inputs = tl.load(p_inputs + src[:, None] * stride_in_node, mask=m & (src >= 0)[:, None], other=0.0)
+            from_hist = tl.load(p_hist + (L + src)[:, None] * stride_cs_col, mask=m & (src < 0)[:, None], other=0.0)
+            new_hist = from_inputs.to(conv_state.dtype.element_ty) + from_hist
+            tl.debug_barrier()  # every old column and input row is read before any is overwritten
+            tl.store(p_hist + (L - 1 - steps)[:, None] * stride_cs_col, new_hist, mask=m)
+            tl.debug_barrier()  # the conv below reads the new history
+    bos = tl.load(cu_nodes + i_b)
+    n = tl.load(cu_nodes + i_b + 1) - bos
+    _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
+                   W, L, BN, BD, HAS_BIAS, SILU, ROUND_PRODUCTS)
+    # this step's inputs, for the commit inside the next step (the previous rows were read above)
+    for start in range(0, n, BN):
+        nodes = start + tl.arange(0, BN)
+        m = (nodes < n)[:, None] & mask_d[None, :]
+        own = tl.load(x + (bos + nodes)[:, None].to(tl.int64) * stride_x + o_d[None, :], mask=m, other=0.0)
+        tl.store(p_inputs + nodes[:, None] * stride_in_node, own.to(inputs.dtype.element_ty), mask=m)
 
 
 def conv_step_triton(
@@ -154,7 +113,7 @@ def conv_step_triton(
     state_indices: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    ancestors: torch.Tensor | None,
+    parents: torch.Tensor,
     cu_nodes: torch.Tensor,
     inputs: torch.Tensor,
     commit_nodes: torch.Tensor | None,
@@ -190,11 +149,9 @@ def conv_step_triton(
             ``[D, w]``, contiguous; ``weight[:, -1]`` multiplies the node's own input.
         bias (Optional[torch.Tensor]):
             ``[D]`` or None.
-        ancestors (Optional[torch.Tensor]), cu_nodes (torch.Tensor):
-            this step's packed trees (`vllm_treewy.tree.pack_trees`) as their ancestor table ``[N, D]`` int32,
-            contiguous (`ancestor_table_triton.ancestor_table`: row i node i's path, local indices, i first, -1
-            past the root; the GDN step's table), or None where every request is a chain (node i's parent i - 1);
-            ``cu_nodes [B+1]`` int32 offsets.
+        parents (torch.Tensor), cu_nodes (torch.Tensor):
+            the packed trees (`vllm_treewy.tree.pack_trees`): ``parents [N]`` int32 local, ``cu_nodes [B+1]`` int32.
+            A chain is the tree whose parents are i - 1; the conv walks the parents either way.
         inputs (torch.Tensor):
             the slots' input rows ``[S', T, D]`` (slot and row strides free, last dim contiguous; x is cast to
             their dtype): read by the commit (the previous call's rows), then this step's rows written in place.
@@ -222,13 +179,13 @@ def conv_step_triton(
     `vllm_treewy.kernels.conv_step_torch.conv_step_packed`.
     """
     grid, kernel_args, kernel_kwargs, out = _conv_launch_arguments(
-        x, conv_state, state_indices, weight, bias, ancestors, cu_nodes, inputs, commit_nodes,
+        x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, commit_nodes,
         commit_ancestors=commit_ancestors, activation=activation, out=out, block_nodes=block_nodes, block_d=block_d)
     _conv_step_kernel[grid](*kernel_args, **kernel_kwargs)
     return out
 
 
-def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, ancestors, cu_nodes, inputs, commit_nodes, *,
+def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, cu_nodes, inputs, commit_nodes, *,
                            commit_ancestors, activation, out, block_nodes, block_d):
     """(grid, positional and keyword arguments of `_conv_step_kernel`, out), nothing launched."""
     D, W = weight.shape
@@ -236,19 +193,16 @@ def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, ancestors
     assert inputs.stride(-1) == 1 and inputs.shape[2] == D and state_indices.stride(0) == 1
     L = conv_state.shape[2]
     assert L >= W - 1
-    for table in (ancestors, commit_ancestors):
-        assert table is None or (table.dim() == 2 and table.is_contiguous() and table.dtype == torch.int32), \
-            "ancestor tables: int32 [rows, depth] contiguous"
+    assert commit_ancestors is None or (commit_ancestors.dim() == 2 and commit_ancestors.is_contiguous() and
+                                         commit_ancestors.dtype == torch.int32)
     out = torch.empty_like(x) if out is None else out
     kernel_args = (
-        x, conv_state, state_indices, weight, weight if bias is None else bias,
-        cu_nodes if ancestors is None else ancestors, cu_nodes, out, inputs,
+        x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out, inputs,
         state_indices if commit_nodes is None else commit_nodes,
         state_indices if commit_ancestors is None else commit_ancestors,
         x.stride(0), out.stride(0), *conv_state.stride(), inputs.stride(0), inputs.stride(1), D)
     kernel_kwargs = dict(
-        W=W, L=L, BL=triton.next_power_of_2(L), BN=block_nodes, BD=block_d,
-        D_ANC=1 if ancestors is None else ancestors.shape[1], IS_CHAIN=ancestors is None, HAS_BIAS=bias is not None,
+        W=W, L=L, BL=triton.next_power_of_2(L), BN=block_nodes, BD=block_d, HAS_BIAS=bias is not None,
         SILU=activation == "silu", HAS_COMMIT=commit_nodes is not None,
         COMMIT_DEPTH=1 if commit_ancestors is None else commit_ancestors.shape[1],
         COMMIT_IS_CHAIN=commit_ancestors is None,

@@ -166,8 +166,9 @@ def test_conv_step_matches_vllm_conv(tokens, weight_dtype):
                                                query_start_loc=cu_nodes, max_query_len=tokens)
     expected = conv.causal_conv1d_update(x.clone(), history.clone(), weight, None, "silu", conv_state_indices=slots,
                                          **speculative)
+    parents = torch.tensor([-1, *range(tokens - 1)] * requests, dtype=torch.int32)
     inputs = torch.zeros(requests + 1, tokens, channels, dtype=torch.bfloat16)
-    actual = conv_step_triton(x, history.clone()[:, :, : width - 1], slots, weight, None, None, cu_nodes, inputs,
+    actual = conv_step_triton(x, history.clone()[:, :, : width - 1], slots, weight, None, parents, cu_nodes, inputs,
                               None, activation="silu")
     assert torch.equal(actual, expected)
 

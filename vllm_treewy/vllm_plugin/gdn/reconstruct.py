@@ -86,8 +86,8 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
     activation = "silu" if layer.activation == "silu" else None
     # a request's nodes in one block of rows (a chain of 3 drafts: 4, not the default 16, most of which would be
     # masked rows holding registers); larger trees loop over blocks of 16
-    conv_out = conv_step_triton(x, conv_history, state_indices, conv_weight, layer.conv1d.bias, ancestors, cu_nodes,
-                                buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
+    conv_out = conv_step_triton(x, conv_history, state_indices, conv_weight, layer.conv1d.bias, metadata.parents,
+                                cu_nodes, buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
                                 activation=activation, block_nodes=min(16, triton.next_power_of_2(max_nodes)))
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state,
                     state_indices, metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
