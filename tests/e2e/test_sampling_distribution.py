@@ -39,8 +39,10 @@ parents-draw 3e-82 / 8e-158 at T 1.0 / T 0.7 top-p 0.9; the expansion reads unin
 vary between runs) and its smallest homogeneity p-value below 1e-12 (first-child 4e-61 / 6e-119, root-row 9e-13 /
 1e-37, expansion 2e-47 / 2e-119, parents-draw 1e-18 / 4e-37), while the exact samplers' smallest are 0.05 (no
 speculation's token1 at T 0.7 top-p 0.9) and 0.02 (homogeneity of the tree's every-node path at T 0.7 top-p 0.9),
-every other above 0.2. (At NUM_SAMPLES = 1000 the bugs' exactness p-values were below 1e-100 and the module took 14
-min: 400 keeps every planted bug below P_MIN by more than 8 orders of magnitude in both judges at 40 % of the time.)
+every other above 0.2 (figures of the runs with an engine per run; the unseeded runs now draw from the shared
+engine's stream, the verdict still a fixed function of the code). (At NUM_SAMPLES = 1000 the bugs' exactness
+p-values were below 1e-100 and the module took 14 min: 400 keeps every planted bug below P_MIN by more than 8 orders
+of magnitude in both judges at 40 % of the time.)
 `-s` prints every p-value.
 
 Planted bugs (the same judges must fail them; `parents-draw` on the every-node path, the others seeded):
