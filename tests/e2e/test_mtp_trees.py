@@ -3,9 +3,10 @@
 The fixture's blurred-head variant (`blurred_mtp_variant`: target unchanged, the head's top token right about half
 the time) is the model here: with it the trees accept other branches than the first often, as real heads make them.
 
-Every engine of this module runs in one module-scoped fixture: no-speculation references first, then the MTP
-chain and trees (reconstruct), then a raw-logits no-speculation engine judges every run tie-aware (a divergence
-counts only beyond one bf16 step, or where the fp64 fixture does not prefer the reference's token).
+Every engine of the equivalence checks runs in one module-scoped fixture: the MTP chain and trees (reconstruct),
+then a raw-logits no-speculation engine generates the references and judges every run tie-aware (a divergence counts
+only beyond one bf16 step, or where the fp64 fixture does not prefer the reference's token). The logprobs, penalties
+and seeded-sampling checks share two engines of their own (a [2, 2, 1] tree and no speculation).
 """
 
 from __future__ import annotations
@@ -90,21 +91,18 @@ def mtp_trees(blurred_model) -> MtpTreeRuns:
         plan[name] = (workload, widths, {})
         results.runs[name] = run_greedy(fixture_model, *workloads[workload],
                                         speculative_config=mtp_tree_config(widths), num_gpu_blocks_override=MTP_PREEMPTION_NUM_BLOCKS, max_num_seqs=PREEMPTION_PROMPTS)
-    _generate_references(results, fixture_model, workloads)
     _judge(results, fixture_model, workloads, plan)
     return results
 
 
 # Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
-def _generate_references(results: MtpTreeRuns, model: str, workloads: dict) -> None:
-    with engine(model, max_num_seqs=MAX_NUM_SEQS) as reference:
-        for workload, (prompt_ids, max_tokens) in workloads.items():
-            results.reference[workload] = generate_greedy(reference, prompt_ids, max_tokens)
-
-
 def _judge(results: MtpTreeRuns, model: str, workloads: dict, plan: dict) -> None:
+    """One no-speculation engine (raw logits: the mode changes what logprobs return, not the greedy tokens)
+    generates the references, then re-scores every run's divergences from them."""
     exact = ExactModel(model)
     with engine(model, logprobs_mode="raw_logits", max_num_seqs=MAX_NUM_SEQS) as reference:
+        for workload, (prompt_ids, max_tokens) in workloads.items():
+            results.reference[workload] = generate_greedy(reference, prompt_ids, max_tokens)
         for name, (workload, _, _) in plan.items():
             prompt_ids, _ = workloads[workload]
             results.verdicts[name] = compare_tie_aware(reference, prompt_ids, results.reference[workload],
@@ -168,37 +166,47 @@ def test_mtp_tree_survives_preemption(mtp_trees, widths):
 
 PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
 NUM_LOGPROBS = 3
+SEEDED_TOKENS = 24
 
 
-def _generate_with(model: str, prompt_ids, speculative_config, **params):
+def _outputs(llm, prompt_ids, **params):
     from vllm import SamplingParams
 
-    from vllm_treewy.vllm_plugin.testing.equivalence import engine as make_engine
-
-    kwargs = {} if speculative_config is None else {"speculative_config": speculative_config}
-    with make_engine(model, max_num_seqs=MAX_NUM_SEQS, **kwargs) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                               SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, **params),
-                               use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, **params), use_tqdm=False)
     return [o.outputs[0] for o in outputs]
 
 
+# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+def _requests_of_one_engine(model: str, speculative_config, prompt_ids, seeded_prompt_ids) -> dict:
+    """On one engine, one `generate` after another (each request's tokens depend on its own parameters and seed
+    only): greedy with logprobs, greedy with penalties, and seeded sampling."""
+    kwargs = {} if speculative_config is None else {"speculative_config": speculative_config}
+    with engine(model, max_num_seqs=MAX_NUM_SEQS, **kwargs) as llm:
+        return {"logprobs": _outputs(llm, prompt_ids, logprobs=NUM_LOGPROBS),
+                "penalties": _outputs(llm, prompt_ids, **PENALTIES),
+                "seeded": generate_sampled(llm, seeded_prompt_ids, [SEEDED_TOKENS] * len(seeded_prompt_ids), 0.8,
+                                           top_p=0.95, first_seed=100)}
+
+
 @pytest.fixture(scope="module")
-def logprobs_and_penalties(blurred_model) -> dict:
-    """Greedy [2,2,1] tree runs with logprobs, and with penalties, beside the no-speculation engine's."""
-    prompt_ids = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), 4)
+def tree_and_plain_requests(blurred_model) -> dict:
+    """(kind, engine) -> outputs: the [2, 2, 1] tree's and the no-speculation engine's greedy requests with logprobs
+    and with penalties (4 prompts), and their seeded sampled requests (NUM_PROMPTS prompts)."""
+    prompt_ids = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), NUM_PROMPTS)
     runs = {}
-    for name, params in (("logprobs", {"logprobs": NUM_LOGPROBS}), ("penalties", PENALTIES)):
-        runs[name, "tree"] = _generate_with(blurred_model, prompt_ids, mtp_tree_config([2, 2, 1]), **params)
-        runs[name, "no-spec"] = _generate_with(blurred_model, prompt_ids, None, **params)
+    for name, spec in (("tree", mtp_tree_config([2, 2, 1])), ("no-spec", None)):
+        for kind, outputs in _requests_of_one_engine(blurred_model, spec, prompt_ids[:4], prompt_ids).items():
+            runs[kind, name] = outputs
     return runs
 
 
-def test_tree_logprobs_are_the_targets_at_each_emitted_token(logprobs_and_penalties):
+def test_tree_logprobs_are_the_targets_at_each_emitted_token(tree_and_plain_requests):
     """Logprobs come back for every emitted token, as vLLM returns them for chains: each emitted token's logprob and
     the top ones equal the no-speculation engine's at the same context (bf16 logits computed in other batch shapes:
     within two bf16 steps of the fixture's logits, which stay below 16 in magnitude)."""
-    for tree, plain in zip(logprobs_and_penalties["logprobs", "tree"], logprobs_and_penalties["logprobs", "no-spec"]):
+    for tree, plain in zip(tree_and_plain_requests["logprobs", "tree"],
+                           tree_and_plain_requests["logprobs", "no-spec"]):
         assert len(tree.logprobs) == len(tree.token_ids)
         for position, (got, want, token) in enumerate(zip(tree.logprobs, plain.logprobs, tree.token_ids)):
             if list(tree.token_ids[:position + 1]) != list(plain.token_ids[:position + 1]):
@@ -207,32 +215,21 @@ def test_tree_logprobs_are_the_targets_at_each_emitted_token(logprobs_and_penalt
             assert got[token].logprob == pytest.approx(want[token].logprob, abs=0.125), (position, got, want)
 
 
-def test_tree_applies_penalties_along_each_path(logprobs_and_penalties):
+def test_tree_applies_penalties_along_each_path(tree_and_plain_requests):
     """Repetition, presence and frequency penalties see the committed output plus the path walked so far: the tree's
     greedy tokens are the no-speculation engine's with the same penalties."""
-    tree = [list(o.token_ids) for o in logprobs_and_penalties["penalties", "tree"]]
-    plain = [list(o.token_ids) for o in logprobs_and_penalties["penalties", "no-spec"]]
-    unpenalized = [list(o.token_ids) for o in logprobs_and_penalties["logprobs", "no-spec"]]
+    tree = [list(o.token_ids) for o in tree_and_plain_requests["penalties", "tree"]]
+    plain = [list(o.token_ids) for o in tree_and_plain_requests["penalties", "no-spec"]]
+    unpenalized = [list(o.token_ids) for o in tree_and_plain_requests["logprobs", "no-spec"]]
     assert plain != unpenalized, "the penalties change nothing here: the check cannot see them"
     assert tree == plain
 
 
-SEEDED_TOKENS = 24
-
-
-def _seeded(model: str, prompt_ids, speculative_config) -> list[list[int]]:
-    kwargs = {} if speculative_config is None else {"speculative_config": speculative_config}
-    with engine(model, max_num_seqs=MAX_NUM_SEQS, **kwargs) as llm:
-        return generate_sampled(llm, prompt_ids, [SEEDED_TOKENS] * len(prompt_ids), 0.8, top_p=0.95, first_seed=100)
-
-
-def test_seeded_requests_draw_as_without_speculation(blurred_model):
+def test_seeded_requests_draw_as_without_speculation(tree_and_plain_requests):
     """A seeded request's generator advances once per emitted token, as without speculation (a request that does
     not walk a level gets its generator's state back), so seeded outputs follow the no-speculation engine's until
     bf16 logits of other batch shapes tip a near-equal draw: long common prefixes (drawing at every level instead
     leaves a few tokens)."""
-    prompt_ids = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), NUM_PROMPTS)
-    tree = _seeded(blurred_model, prompt_ids, mtp_tree_config([2, 2, 1]))
-    plain = _seeded(blurred_model, prompt_ids, None)
+    tree, plain = tree_and_plain_requests["seeded", "tree"], tree_and_plain_requests["seeded", "no-spec"]
     common = [next((i for i, (a, b) in enumerate(zip(t, p)) if a != b), SEEDED_TOKENS) for t, p in zip(tree, plain)]
     assert sum(common) / len(common) >= 16, common

@@ -2,9 +2,11 @@
 reconstruct) and no speculation, in vLLM on CPU, on the fixture's blurred-MTP variant (its head is right about half
 the time, so drafts are rejected often: a perfect head would make the test blind to what happens after a rejection).
 
-One 10-token prompt, NUM_SAMPLES requests of MAX_TOKENS tokens per engine and setting (temperature 1.0; temperature
-0.7 with top-p 0.9), each request with its own seed (seeds differ between engines, so their samples are
-independent), except in the UNSEEDED engines, whose requests draw from the engine's seeded stream. The tree samples
+One 10-token prompt, NUM_SAMPLES requests of MAX_TOKENS tokens per run (a name of ENGINES) and setting (temperature
+1.0; temperature 0.7 with top-p 0.9), each request with its own seed (seeds differ between runs, so their samples are
+independent), except in the UNSEEDED runs, whose requests draw from the engine's seeded stream. The runs of one
+speculative config share one engine, their requests one `generate` after another (SHARED_ENGINES): a request's
+draws depend on its own seed, and a planted bug is swapped in for its own run's requests only. The tree samples
 seeded batches level by level and the others with one sampler call over every node (`v1.sampler`'s two paths):
 `tree-2x2x1` runs the first, `tree-2x2x1-every-node` the second (`test_each_batch_takes_its_sampling_path` holds
 which ran). The first emitted token comes from the prefill (plain sampling in every engine); the 2nd and 3rd from the
@@ -37,8 +39,10 @@ parents-draw 3e-82 / 8e-158 at T 1.0 / T 0.7 top-p 0.9; the expansion reads unin
 vary between runs) and its smallest homogeneity p-value below 1e-12 (first-child 4e-61 / 6e-119, root-row 9e-13 /
 1e-37, expansion 2e-47 / 2e-119, parents-draw 1e-18 / 4e-37), while the exact samplers' smallest are 0.05 (no
 speculation's token1 at T 0.7 top-p 0.9) and 0.02 (homogeneity of the tree's every-node path at T 0.7 top-p 0.9),
-every other above 0.2. (At NUM_SAMPLES = 1000 the bugs' exactness p-values were below 1e-100 and the module took 14
-min: 400 keeps every planted bug below P_MIN by more than 8 orders of magnitude in both judges at 40 % of the time.)
+every other above 0.2 (figures of the runs with an engine per run; the unseeded runs now draw from the shared
+engine's stream, the verdict still a fixed function of the code). (At NUM_SAMPLES = 1000 the bugs' exactness
+p-values were below 1e-100 and the module took 14 min: 400 keeps every planted bug below P_MIN by more than 8 orders
+of magnitude in both judges at 40 % of the time.)
 `-s` prints every p-value.
 
 Planted bugs (the same judges must fail them; `parents-draw` on the every-node path, the others seeded):
@@ -51,14 +55,16 @@ plugin's fix of vLLM's CPU rejection sampler left out (`cpu_rejection_expand`: v
 override leaves the per-token temperature / top-p of the draft rows uninitialized,
 `bench/diagnostics/cpu_rejection_sampling.py`), i.e. vLLM's own chain sampling on CPU.
 
-Wall time: 6 min on the 2-core CI machine (8 engines, 2 x 400 requests each, then a one-token judge request per
-distinct context), most of it the speculative engines' CPU prefills and steps (vLLM's CPU causal convolution, bf16
-GEMMs, about 50 ms a request): 14 min with 1000 requests, 35 min with 1000 and the whole 77-token prompt.
+Wall time: 6 min on the 2-core CI machine with an engine per run (8 engines, 2 x 400 requests each, then a one-token
+judge request per distinct context), most of it the speculative engines' CPU prefills and steps (vLLM's CPU causal
+convolution, bf16 GEMMs, about 50 ms a request): 14 min with 1000 requests, 35 min with 1000 and the whole 77-token
+prompt. Now the three engines of SHARED_ENGINES and the no-speculation one run the same requests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,6 +114,12 @@ ENGINES = {  # name -> (speculative_config, planted bug); seeds of engine e: 100
                           "mamba_state_commit": "reconstruct"}, "parents-draw"),
     "no-spec": (None, None),  # last: it also judges every run
 }
+# The engines started: the names of one speculative config share one (the bugs swapped in between their `generate`
+# calls: `v1.sampler` looks its acceptance functions up at every step), but vLLM's CPU worker reads its expansion
+# kernel when it starts, so that bug gets an engine of its own.
+PLANTED_AT_START = ("vllm-cpu-expand",)
+SHARED_ENGINES = (("tree-2x2x1", "tree-2x2x1-every-node", "bug-first-child", "bug-root-row", "bug-parents-draw"),
+                  ("chain-k3",), ("chain-k3-vllm-expand",))
 UNSEEDED = ("tree-2x2x1-every-node", "bug-parents-draw")  # the tree's one-call path (no per-request seeds)
 SPECULATIVE = ("tree-2x2x1", "chain-k3", "tree-2x2x1-every-node")
 BUGS = ("bug-first-child", "bug-root-row", "chain-k3-vllm-expand", "bug-parents-draw")
@@ -319,16 +331,38 @@ def _sample(llm, runs: SamplingRuns, name: str, engine_index: int) -> None:
         runs.samples[name, setting] = np.array([list(o.outputs[0].token_ids) for o in outs], dtype=np.int64)
 
 
+def _acceptance_since(before, after):
+    """vLLM's spec-decode counters between two reads of one engine (they count from its start)."""
+    from vllm_treewy.vllm_plugin.testing.equivalence import SpecDecodeAcceptance
+
+    if before is None:
+        return after
+    return SpecDecodeAcceptance(
+        after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
+        after.num_accepted_tokens - before.num_accepted_tokens,
+        [a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position, strict=True)])
+
+
 # Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
-def _speculative_run(model: str, runs: SamplingRuns, name: str, engine_index: int) -> None:
+def _speculative_runs(model: str, runs: SamplingRuns, names: tuple[str, ...]) -> None:
+    """One engine for `names` (one speculative config), their requests one `generate` after another, each name's
+    planted bug in place for its own requests only (a bug of PLANTED_AT_START for the engine's whole life), each
+    name's counters and sampling paths of its own requests."""
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, read_acceptance
 
-    spec, bug = ENGINES[name]
-    with planted(bug), sampling_paths_counted(runs.paths.setdefault(name, {})), engine(
-            model, speculative_config=spec, max_num_seqs=MAX_NUM_SEQS,
+    (spec,) = {json.dumps(ENGINES[name][0], sort_keys=True) for name in names}
+    at_start = [ENGINES[name][1] for name in names if ENGINES[name][1] in PLANTED_AT_START]
+    assert len(names) == 1 or not at_start, "a bug planted at the engine's start would reach every name of it"
+    with planted(at_start[0] if at_start else None), engine(
+            model, speculative_config=json.loads(spec), max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS) as llm:
-        _sample(llm, runs, name, engine_index)
-        runs.acceptance[name] = read_acceptance(llm)
+        for name in names:
+            bug = ENGINES[name][1]
+            before = read_acceptance(llm)
+            with planted(None if bug in PLANTED_AT_START else bug), sampling_paths_counted(
+                    runs.paths.setdefault(name, {})):
+                _sample(llm, runs, name, list(ENGINES).index(name))
+            runs.acceptance[name] = _acceptance_since(before, read_acceptance(llm))
 
 
 @contextlib.contextmanager
@@ -385,9 +419,9 @@ def sampling_runs(blurred_model) -> SamplingRuns:
     prompts = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), PROMPT_INDEX + 1)
     prompt = prompts[PROMPT_INDEX][-PROMPT_TOKENS:]
     runs = SamplingRuns(prompt)
-    for engine_index, name in enumerate(ENGINES):
-        if name != "no-spec":
-            _speculative_run(blurred_model, runs, name, engine_index)
+    assert sorted(n for names in SHARED_ENGINES for n in names) == sorted(set(ENGINES) - {"no-spec"})
+    for names in SHARED_ENGINES:
+        _speculative_runs(blurred_model, runs, names)
     _reference_run_and_judge(blurred_model, runs, list(ENGINES).index("no-spec"))
     for key, verdict in runs.exact.items():
         print(key, verdict.summary())

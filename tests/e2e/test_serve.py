@@ -210,46 +210,55 @@ MTP_TREE = {**RECONSTRUCT_K3, "draft_tree_widths": [2, 2, 1]}  # the README's co
 SMALL_BUDGET = ("--max-num-seqs", "4", "--max-num-batched-tokens", "32")
 
 
-def test_serve_mtp_tree_samples_and_reports_acceptance_per_depth(fixture_model, tmp_path):
+@pytest.fixture(scope="module")
+def tree_server(fixture_model, tmp_path_factory):
+    """The README's tree command behind `vllm serve` (separate engine core process), under a small token budget;
+    the two tree tests below send it their requests (the budget only makes some steps fall back: every request is
+    answered). Yields (process, base URL, log path)."""
+    port = free_port()
+    base_url = f"http://{HOST}:{port}"
+    log_path = tmp_path_factory.mktemp("serve-tree") / "vllm-serve-tree.log"
+    with vllm_server(serve_command(fixture_model, MTP_TREE, port, *SMALL_BUDGET), log_path) as proc:
+        wait_until_healthy(proc, base_url, log_path)
+        yield proc, base_url, log_path
+
+
+def test_serve_mtp_tree_samples_and_reports_acceptance_per_depth(fixture_model, tree_server):
     """The README's tree command behind `vllm serve` (separate engine core process), under a small token budget: a
     chat request at temperature 0.8 is answered, and /metrics reports the acceptance at each depth of the tree
     (vLLM's per-position counter: position i is depth i + 1; no path is deeper than the tree) and, after a batch of
     requests, the tree fallbacks (`vllm:treewy_tree_fallbacks`, labelled per engine as vLLM's own counters)."""
-    port = free_port()
-    base_url = f"http://{HOST}:{port}"
-    log_path = tmp_path / "vllm-serve-tree.log"
-    with vllm_server(serve_command(fixture_model, MTP_TREE, port, *SMALL_BUDGET), log_path) as proc:
-        wait_until_healthy(proc, base_url, log_path)
-        status, text = http("POST", f"{base_url}/v1/chat/completions", {
-            "model": fixture_model, "messages": [{"role": "user", "content": CHAT_MESSAGE}],
-            "max_tokens": 48, "temperature": 0.8, "seed": 11, "ignore_eos": True})
-        assert status == 200, f"HTTP {status}: {text[:2000]}\nserver log tail:\n{log_tail(log_path)}"
-        chat = json.loads(text)
-        assert chat["choices"][0]["message"]["content"], chat
-        assert chat["usage"]["completion_tokens"] == 48, chat
-        status, text = http("POST", f"{base_url}/v1/completions", {
-            "model": fixture_model, "prompt": [COMPLETION_PROMPT, CHAT_MESSAGE] * 2, "max_tokens": 24,
-            "temperature": 0, "ignore_eos": True})
-        assert status == 200, f"HTTP {status}: {text[:2000]}\nserver log tail:\n{log_tail(log_path)}"
-        deadline = time.monotonic() + METRICS_TIMEOUT_S
-        while True:
-            status, metrics = http("GET", f"{base_url}/metrics")
-            assert status == 200, metrics[:2000]
-            per_depth = per_position(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
-            fallbacks = metric_total(metrics, "vllm:treewy_tree_fallbacks")
-            if (sum(per_depth.values()) > 0 and (fallbacks or 0) > 0) or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        spec_lines = "\n".join(line for line in metrics.splitlines() if "spec_decode" in line or "treewy" in line)
-        assert per_depth.get(0, 0) > 0, f"no draft accepted at depth 1:\n{spec_lines}"
-        assert all(count == 0 for position, count in per_depth.items() if position >= 3), spec_lines
-        assert (fallbacks or 0) > 0, f"no tree fallback in /metrics:\n{spec_lines}"
-        labels = [sample.labels for family in text_string_to_metric_families(metrics)
-                  if family.name == "vllm:treewy_tree_fallbacks" for sample in family.samples
-                  if sample.name.endswith("_total")]
-        assert labels == [{"model_name": fixture_model, "engine": "0"}], spec_lines
-        assert "request steps without speculation" in log_path.read_text(errors="replace")  # the engine core's line
-        assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"
+    proc, base_url, log_path = tree_server
+    status, text = http("POST", f"{base_url}/v1/chat/completions", {
+        "model": fixture_model, "messages": [{"role": "user", "content": CHAT_MESSAGE}],
+        "max_tokens": 48, "temperature": 0.8, "seed": 11, "ignore_eos": True})
+    assert status == 200, f"HTTP {status}: {text[:2000]}\nserver log tail:\n{log_tail(log_path)}"
+    chat = json.loads(text)
+    assert chat["choices"][0]["message"]["content"], chat
+    assert chat["usage"]["completion_tokens"] == 48, chat
+    status, text = http("POST", f"{base_url}/v1/completions", {
+        "model": fixture_model, "prompt": [COMPLETION_PROMPT, CHAT_MESSAGE] * 2, "max_tokens": 24,
+        "temperature": 0, "ignore_eos": True})
+    assert status == 200, f"HTTP {status}: {text[:2000]}\nserver log tail:\n{log_tail(log_path)}"
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        status, metrics = http("GET", f"{base_url}/metrics")
+        assert status == 200, metrics[:2000]
+        per_depth = per_position(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        fallbacks = metric_total(metrics, "vllm:treewy_tree_fallbacks")
+        if (sum(per_depth.values()) > 0 and (fallbacks or 0) > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    spec_lines = "\n".join(line for line in metrics.splitlines() if "spec_decode" in line or "treewy" in line)
+    assert per_depth.get(0, 0) > 0, f"no draft accepted at depth 1:\n{spec_lines}"
+    assert all(count == 0 for position, count in per_depth.items() if position >= 3), spec_lines
+    assert (fallbacks or 0) > 0, f"no tree fallback in /metrics:\n{spec_lines}"
+    labels = [sample.labels for family in text_string_to_metric_families(metrics)
+              if family.name == "vllm:treewy_tree_fallbacks" for sample in family.samples
+              if sample.name.endswith("_total")]
+    assert labels == [{"model_name": fixture_model, "engine": "0"}], spec_lines
+    assert "request steps without speculation" in log_path.read_text(errors="replace")  # the engine core's line
+    assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"
 
 
 def per_position(metrics_text: str, name: str) -> dict[int, float]:
@@ -263,39 +272,36 @@ def per_position(metrics_text: str, name: str) -> dict[int, float]:
     return counts
 
 
-def test_openai_client_against_serve_with_mtp_tree(fixture_model, tmp_path):
+def test_openai_client_against_serve_with_mtp_tree(fixture_model, tree_server):
     """What the people this serves run: the `openai` client against `vllm serve` with reconstruct and an MTP tree,
     completions and chat, streamed and not, n > 1 at temperature 0.8; greedy streamed text equals greedy
-    non-streamed text."""
+    non-streamed text. The server is `tree_server`, the README's tree command (its small token budget only makes
+    steps of several requests fall back)."""
     import openai
 
-    port = free_port()
-    base_url = f"http://{HOST}:{port}"
-    log_path = tmp_path / "vllm-serve-openai.log"
-    with vllm_server(serve_command(fixture_model, MTP_TREE, port), log_path) as proc:
-        wait_until_healthy(proc, base_url, log_path)
-        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S)
-        messages = [{"role": "user", "content": CHAT_MESSAGE}]
+    proc, base_url, log_path = tree_server
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S)
+    messages = [{"role": "user", "content": CHAT_MESSAGE}]
 
-        greedy = client.completions.create(model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16,
-                                           temperature=0)
-        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-            model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16, temperature=0, stream=True)
-            if chunk.choices)
-        assert greedy.choices[0].text and streamed == greedy.choices[0].text, (greedy, streamed)
+    greedy = client.completions.create(model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16,
+                                       temperature=0)
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16, temperature=0, stream=True)
+        if chunk.choices)
+    assert greedy.choices[0].text and streamed == greedy.choices[0].text, (greedy, streamed)
 
-        sampled = client.completions.create(model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16,
-                                            temperature=0.8, n=3, seed=5)
-        assert len(sampled.choices) == 3 and all(c.text for c in sampled.choices), sampled
-        assert sampled.usage.completion_tokens > 0
+    sampled = client.completions.create(model=fixture_model, prompt=COMPLETION_PROMPT, max_tokens=16,
+                                        temperature=0.8, n=3, seed=5)
+    assert len(sampled.choices) == 3 and all(c.text for c in sampled.choices), sampled
+    assert sampled.usage.completion_tokens > 0
 
-        chat = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
-                                              temperature=0.8, n=2)
-        assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices), chat
-        chat_greedy = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
-                                                     temperature=0)
-        chunks = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
-                                                temperature=0, stream=True)
-        chat_streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-        assert chat_streamed == chat_greedy.choices[0].message.content, (chat_streamed, chat_greedy)
-        assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"
+    chat = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
+                                          temperature=0.8, n=2)
+    assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices), chat
+    chat_greedy = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
+                                                 temperature=0)
+    chunks = client.chat.completions.create(model=fixture_model, messages=messages, max_tokens=16,
+                                            temperature=0, stream=True)
+    chat_streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert chat_streamed == chat_greedy.choices[0].message.content, (chat_streamed, chat_greedy)
+    assert proc.poll() is None, f"server died during the test; log tail:\n{log_tail(log_path)}"

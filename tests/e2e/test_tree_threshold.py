@@ -87,8 +87,11 @@ def _run(model, prompts, **kwargs):
         return _drive(llm, prompts), read_acceptance(llm), attributes_added_to_vllm(llm)
 
 
-def _judge(model, prompts, reference, outputs):
+def _judge(model, prompts, outputs):
+    """The no-speculation engine (raw logits: the mode changes what logprobs return, not the greedy tokens) driven
+    through the same arrivals gives the reference, then re-scores the tree run's divergences from it."""
     with engine(model, logprobs_mode="raw_logits", max_num_seqs=MAX_NUM_SEQS) as judge:
+        reference = _drive(judge, prompts)
         return compare_tie_aware(judge, prompts, reference, outputs, ExactModel(model).next_token_logits)
 
 
@@ -99,8 +102,7 @@ def threshold_run(fixture_model, tmp_path_factory):
     steps: list[Step] = []
     with recording_steps(steps):
         outputs, acceptance, added = _run(model, prompts, speculative_config=SPEC)
-    reference, _, _ = _run(model, prompts)
-    verdict = _judge(model, prompts, reference, outputs)
+    verdict = _judge(model, prompts, outputs)
     return dict(steps=steps, acceptance=acceptance, added=added, verdict=verdict)
 
 
