@@ -191,8 +191,8 @@ def _state_pass_kernel(
         if DO_PRODUCTS:
             acc = _state_products(h, kq.to(tl.float32), acc, STATE_PRODUCTS)
     if DO_PRODUCTS:
-        # the request's own nodes' columns only: the epilogues read no column of a node past n (a tree of 11 nodes
-        # pads BT to 16)
+        # the request's own nodes' columns only (a tree of 11 nodes pads BT to 16): no output or factor row depends
+        # on a column past 2n (the request epilogue loads them for nodes past n, whose rows it never stores)
         p_out = products + ((i_b * HV + i_hv) * (2 * BT) + o_q[None, :]).to(tl.int64) * V + o_v[:, None]
         if PADDED:
             tl.store(p_out, acc, mask=(o_q < 2 * n)[None, :] & (o_v < V)[:, None])
