@@ -129,10 +129,7 @@ def row(shape, batch, history_len, channels, versions, dry_run):
         record["versions"][name] = result
     if restore_us is not None:
         record["restore_us"] = round(restore_us, 3)
-    times = {name: result.get("time_us") for name, result in record["versions"].items()}
-    if times.get("current") and times.get("baseline"):
-        record["baseline_over_current"] = round(times["baseline"] / times["current"], 3)
-    return record
+    return timing.baseline_ratio(record)
 
 
 def main(argv=None):
@@ -147,16 +144,10 @@ def main(argv=None):
     parser.add_argument("--baseline", default=None, help="the earlier kernel: a file, or a commit git can show")
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreted: check every row, time nothing")
     args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: pass --dry-run for the CPU check")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out, device, started = timing.start_run(args.dry_run, args.out)
     versions = {"current": conv_step_triton}
     if args.baseline:
         versions["baseline"] = timing.load_baseline(args.baseline, KERNEL_PATH, ROOT).conv_step_triton
-    started = time.time()
-    device = timing.run_facts(args.dry_run)
-    print(json.dumps(device), flush=True)
     records = []
 
     def save():

@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -82,6 +83,27 @@ def run_facts(dry_run):
         return device_facts()
     return dict(name="cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version())
+
+
+def start_run(dry_run, out):
+    """A kernel benchmark's start: refuses a timed run without CUDA, makes the folder `out`, prints and returns
+    `(out as a path, run_facts, start time)`."""
+    if not dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: pass --dry-run for the CPU check")
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    facts = run_facts(dry_run)
+    print(json.dumps(facts), flush=True)
+    return out, facts, started
+
+
+def baseline_ratio(record):
+    """`record` with "baseline_over_current" where both of its versions were timed."""
+    times = {name: result.get("time_us") for name, result in record["versions"].items()}
+    if times.get("current") and times.get("baseline"):
+        record["baseline_over_current"] = round(times["baseline"] / times["current"], 3)
+    return record
 
 
 def collect_rows(rows, ok, records, save):

@@ -35,7 +35,8 @@ if not torch.cuda.is_available():  # the dry run interprets the kernels; set bef
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels.timing import collect_rows, graph_time_us, run_facts  # noqa: E402
+from bench.kernels import timing  # noqa: E402
+from bench.kernels.timing import collect_rows, graph_time_us  # noqa: E402
 from vllm_treewy.kernels.top_children_torch import top_children_torch  # noqa: E402
 from vllm_treewy.kernels.top_children_triton import CHUNK, top_children_triton  # noqa: E402
 from vllm_treewy.spec_decode.tree_drafting import nodes_below_depth  # noqa: E402
@@ -91,14 +92,8 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="the logits' dtype")
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreted: check every row, time nothing")
     args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: pass --dry-run for the CPU check")
+    out, device, started = timing.start_run(args.dry_run, args.out)
     vocab = args.vocab or (DRY_RUN_VOCAB if args.dry_run else VOCAB)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    device = run_facts(args.dry_run)
-    print(json.dumps(device), flush=True)
     records = []
 
     def save():

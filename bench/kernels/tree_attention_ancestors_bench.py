@@ -51,7 +51,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernels import timing  # noqa: E402
-from bench.kernels.timing import collect_rows, run_facts  # noqa: E402
+from bench.kernels.timing import collect_rows  # noqa: E402
 from vllm_treewy.kernels.tree_attention_ancestors_torch import (  # noqa: E402
     ancestor_attention,
     tree_attention_ancestors_torch,
@@ -161,10 +161,7 @@ def row(widths, batch, versions, shape, dry_run, merge):
         if not dry_run:
             result["time_us"] = round(graph_time_us([call]), 3)
         record["versions"][name] = result
-    times = {name: result.get("time_us") for name, result in record["versions"].items()}
-    if times.get("current") and times.get("baseline"):
-        record["baseline_over_current"] = round(times["baseline"] / times["current"], 3)
-    return record
+    return timing.baseline_ratio(record)
 
 
 def main(argv=None):
@@ -179,17 +176,11 @@ def main(argv=None):
     parser.add_argument("--no-baseline", action="store_true", help="time the current kernel alone")
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreted: check every row, time nothing")
     args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: pass --dry-run for the CPU check")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out, device, started = timing.start_run(args.dry_run, args.out)
     versions = {"current": tree_attention_ancestors_triton}
     if not args.no_baseline:
         versions["baseline"] = load_baseline(args.baseline)
     merge = vllm_merge()
-    started = time.time()
-    device = run_facts(args.dry_run)
-    print(json.dumps(device), flush=True)
     records = []
 
     def save():
