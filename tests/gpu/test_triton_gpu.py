@@ -85,9 +85,9 @@ def slot_factors(num_slots, tokens, hv=HV, key_dim=K, value_dim=V):
 
 # the launch table's launches by name; "default" (None) takes the table's for each test's batch and nodes
 LAUNCHES = {"default": None, "rows_16": gdn_step_module.ROWS_16, "rows_64": gdn_step_module.ROWS_64,
-            "rows_128": gdn_step_module.ROWS_128, "tree_rows_16": gdn_step_module.TREE_ROWS_16,
+            "rows_32": gdn_step_module.ROWS_32, "tree_rows_16": gdn_step_module.TREE_ROWS_16,
             "tree_rows_64": gdn_step_module.TREE_ROWS_64}
-REQUEST_LAUNCHES = ["default", "rows_16", "rows_64", "rows_128"]
+REQUEST_LAUNCHES = ["default", "rows_16", "rows_32", "rows_64"]
 PATH_LAUNCHES = ["default", "tree_rows_16", "tree_rows_64"]
 
 
