@@ -20,8 +20,11 @@ Sibling rates (trees): 0.2 and 0.4 (`--sibling-rates`).
 Each point (engine, profile, sibling rate, B): B requests of `--prompt-len` random token ids and `--max-tokens`
 generated tokens (ignore_eos), all admitted at once; tokens/s = generated / seconds; step time = seconds / the
 runner's steps (`gpu_v2_chains.counting_steps`, which also counts V2's FULL-graph replays by token count); acceptance
-length from vLLM's spec-decode counters. `report` computes per B the tree / chain tokens/s, the step-time ratio, and
-the break-even sibling rate (the sibling rate at which the tree's expected acceptance length,
+length from vLLM's spec-decode counters. Right after it, the same requests with one output token time the prefill
+step (and a generate's fixed cost), so that the decode step time = (seconds - that) / (steps - its steps): the step
+time proper, which a whole-generate mean overstates for whichever engine accepts more (fewer steps share the
+prefill). `report` computes per B the tree / chain tokens/s, the step-time ratio (decode steps where both points have
+them), and the break-even sibling rate (the sibling rate at which the tree's expected acceptance length,
 `spec_decode.synthetic_acceptance.expected_accepted_nodes`, times the chain's step time over the tree's, equals the
 chain's measured length); and per chain engine with a store_all twin of the same catalog name and profile, the
 reconstruct / store_all tokens/s and step-time ratios (`report.md`'s second table).
@@ -179,25 +182,36 @@ def run_engine(args) -> int:
                          use_tqdm=False)  # warm-up at the largest batch
             for profile_name, sibling, extra_args in classes(widths, args.profiles, args.sibling_rates, synthetic):
                 for batch in batches:
-                    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
-                                            detokenize=False, extra_args=extra_args)
+                    params, first_token = (SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                                                          detokenize=False, extra_args=extra_args)
+                                           for tokens in (args.max_tokens, 1))
                     before = read_acceptance(llm)
                     with counting_steps(llm) as counts:
                         began = time.perf_counter()
                         outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
                         seconds = time.perf_counter() - began
                     after, steps = read_acceptance(llm), counts["steps"]
+                    with counting_steps(llm) as first:  # after: a first generate at B pays one-time costs
+                        began = time.perf_counter()
+                        llm.generate(prompts[:batch], first_token, use_tqdm=False)
+                        prefill_s = time.perf_counter() - began
                     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
                     drafts = after.num_drafts - before.num_drafts
+                    decode_steps = steps - first["steps"]
                     point = {"profile": profile_name, "sibling_rate": sibling, "batch": batch, "seconds": seconds,
                              "output_tokens": generated, "tokens_per_s": generated / seconds, "steps": steps,
-                             "step_ms": 1000 * seconds / max(steps, 1),
+                             "step_ms": 1000 * seconds / max(steps, 1), "prefill_s": prefill_s,
+                             "prefill_steps": first["steps"],
+                             "decode_step_ms": (1000 * (seconds - prefill_s) / decode_steps
+                                                if decode_steps > 0 and seconds > prefill_s else None),
                              "acceptance_length": 1 + (after.num_accepted_tokens - before.num_accepted_tokens)
                              / max(drafts, 1), "full_graph_replays": counts["full_graph_replays"]}
                     result["points"].append(point)
                     save()
+                    decode = point["decode_step_ms"]
                     print(f"{name} {profile_name} sibling {sibling} B={batch}: {point['tokens_per_s']:,.0f} tokens/s, "
-                          f"step {point['step_ms']:.2f} ms, acceptance {point['acceptance_length']:.2f}", flush=True)
+                          f"step {point['step_ms']:.2f} ms (decode {'-' if decode is None else f'{decode:.2f}'} ms), "
+                          f"acceptance {point['acceptance_length']:.2f}", flush=True)
             result["profiles"] = [profile_point(llm, prompts[:batch], args.max_tokens, name)
                                   for batch in args.profile_batch]  # the engine's own class (code, sibling 0.4)
             save()
@@ -278,9 +292,10 @@ def report(args) -> int:
                    "tree_acceptance_length": point["acceptance_length"]}
             if match:
                 c = match[0]
-                step_ratio = point["step_ms"] / c["step_ms"]
+                step_ratio = step_time_ratio(point, c)
                 row.update(chain_tokens_per_s=c["tokens_per_s"], chain_step_ms=c["step_ms"],
-                           chain_acceptance_length=c["acceptance_length"],
+                           chain_acceptance_length=c["acceptance_length"], tree_decode_step_ms=point.get(
+                               "decode_step_ms"), chain_decode_step_ms=c.get("decode_step_ms"),
                            tokens_per_s_ratio=point["tokens_per_s"] / c["tokens_per_s"], step_time_ratio=step_ratio,
                            break_even_sibling_rate=(break_even_sibling(widths, profile, c["acceptance_length"],
                                                                        step_ratio) if profile in PROFILES else None))
@@ -291,7 +306,8 @@ def report(args) -> int:
                                                  "errors": {n: r["error"] for n, r in runs.items() if "error" in r}},
                                                 indent=1) + "\n")
     columns = ["tree", "chain", "profile", "sibling_rate", "batch", "tree_tokens_per_s", "chain_tokens_per_s",
-               "tokens_per_s_ratio", "tree_step_ms", "chain_step_ms", "step_time_ratio", "tree_acceptance_length",
+               "tokens_per_s_ratio", "tree_step_ms", "chain_step_ms", "tree_decode_step_ms", "chain_decode_step_ms",
+               "step_time_ratio", "tree_acceptance_length",
                "chain_acceptance_length", "break_even_sibling_rate"]
     with open(out / "report.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
@@ -304,6 +320,8 @@ def report(args) -> int:
     lines = ["| tree | chain | profile | sibling | B | tokens/s tree / chain | ratio | step ms tree / chain | step "
              "ratio | acceptance tree / chain | break-even sibling |", "|" + "---|" * 11]
     for r in rows:
+        if r.get("tree_decode_step_ms") and r.get("chain_decode_step_ms"):  # the ratio's own step times
+            r = dict(r, tree_step_ms=r["tree_decode_step_ms"], chain_step_ms=r["chain_decode_step_ms"])
         lines.append(f"| {r['tree']} | {r['chain']} | {r['profile']} | {cell(r['sibling_rate'])} | {r['batch']} | "
                      f"{cell(r['tree_tokens_per_s'], 0)} / {cell(r.get('chain_tokens_per_s'), 0)} | "
                      f"{cell(r.get('tokens_per_s_ratio'))} | {cell(r['tree_step_ms'])} / "
@@ -320,6 +338,14 @@ def report(args) -> int:
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def step_time_ratio(point: dict, other: dict) -> float:
+    """`point`'s step time over `other`'s: their decode steps' where both points have them (points written before the
+    prefill was timed have none), else the whole generates' mean steps."""
+    if point.get("decode_step_ms") and other.get("decode_step_ms"):
+        return point["decode_step_ms"] / other["decode_step_ms"]
+    return point["step_ms"] / other["step_ms"]
 
 
 def strategy_ratios(runs: dict) -> list[dict]:
@@ -339,7 +365,7 @@ def strategy_ratios(runs: dict) -> list[dict]:
                              "store_all_tokens_per_s": other["tokens_per_s"],
                              "tokens_per_s_ratio": point["tokens_per_s"] / other["tokens_per_s"],
                              "reconstruct_step_ms": point["step_ms"], "store_all_step_ms": other["step_ms"],
-                             "step_time_ratio": point["step_ms"] / other["step_ms"]})
+                             "step_time_ratio": step_time_ratio(point, other)})
     return rows
 
 

@@ -67,6 +67,22 @@ def test_report_ratios_and_break_even(tmp_path):
     assert "| tree221 | k3-code | code |" in (tmp_path / "report.md").read_text()
 
 
+def test_report_takes_decode_steps_where_both_points_have_them(tmp_path):
+    """A point's decode step time leaves out its generate's first (prefill) step, which a whole-generate mean shares
+    among fewer steps for the engine that accepts more: the ratio and report.md's step times are the decode steps'."""
+    tree = dict(point("code", 0.4, 1, 110.0, 12.0, 3.6), decode_step_ms=10.0)
+    write_engine(tmp_path, "tree221", [2, 2, 1], [tree, dict(point("code", 0.4, 8, 600.0, 14.0, 3.6))])
+    write_engine(tmp_path, "k3-code", [1, 1, 1], [dict(point("code", None, 1, 100.0, 11.0, 3.4), decode_step_ms=9.5),
+                                                  dict(point("code", None, 8, 590.0, 13.0, 3.4), decode_step_ms=12.0)])
+    assert bench.main(["report", "--out", str(tmp_path)]) == 0
+    one, eight = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert one["step_time_ratio"] == pytest.approx(10.0 / 9.5)
+    assert one["tree_step_ms"] == 12.0 and one["tree_decode_step_ms"] == 10.0
+    assert eight["step_time_ratio"] == pytest.approx(14.0 / 13.0)  # the tree's point has no decode time
+    table = (tmp_path / "report.md").read_text()
+    assert "| 10.00 / 9.50 | 1.05 |" in table and "| 14.00 / 13.00 | 1.08 |" in table
+
+
 def test_report_gives_reconstruct_over_store_all_per_chain(tmp_path):
     write_engine(tmp_path, "k1-code", [1], [point("code", None, 1, 90.0, 10.0, 1.9), point("code", None, 8, 700.0,
                                                                                               11.0, 1.9)])
