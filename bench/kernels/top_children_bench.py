@@ -1,7 +1,7 @@
 """Time per call of a drafting level's top children (`top_children_triton`, the split-vocab kernel that
-`tree_drafting.top_children` runs on CUDA) beside `torch.topk`, at Qwen3.5's vocab (248,320) on bf16 logits (the MTP
-head's `compute_logits` returns the model's dtype), for the rows the [2,2,1] and [3,2,2,1] trees' drafting levels
-take at batches of B requests:
+`vllm_plugin.trees.drafting.top_children` runs on CUDA) beside `torch.topk`, at Qwen3.5's vocab (248,320) on bf16
+logits (the MTP head's `compute_logits` returns the model's dtype), for the rows the [2,2,1] and [3,2,2,1] trees'
+drafting levels take at batches of B requests:
 
 - the first pass (`sample_draft`): B rows, the root's top-w1;
 - level l = 1 .. depth - 1 (`_draft_levels`): B x (nodes of depth l) rows, each node's top-w_{l+1}.

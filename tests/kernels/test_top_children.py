@@ -3,7 +3,7 @@ the token ids its torch twin returns, and the twin what a per-token reference sa
 larger value first, lower token id first)), on random row counts, vocab sizes (below one chunk, a chunk's edges, past
 it with the last chunk partial, and with the chunk made small so that a row spans many), widths 1 .. 4, fp32, bf16 and
 fp16 logits with forced ties (few distinct values), NaN, infinities and signed zeros, and row-strided views. Where
-the logits are distinct and finite the order is `torch.topk`'s, the one `tree_drafting.top_children` had before."""
+the logits are distinct and finite the order is `torch.topk`'s, the one the drafting levels had before."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from vllm_treewy.kernels import top_children_triton as triton_module
 from vllm_treewy.kernels.top_children_torch import top_children_torch
 from vllm_treewy.kernels.top_children_triton import CHUNK, top_children_triton
-from vllm_treewy.spec_decode.tree_drafting import top_children
+from vllm_treewy.vllm_plugin.trees.drafting import top_children
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SPECIALS = [math.nan, math.inf, -math.inf, 0.0, -0.0]
@@ -93,7 +93,7 @@ def test_distinct_finite_logits_rank_as_torch_topk(num_rows, vocab, width, dtype
     logits = values.to(dtype)
     want = logits.topk(width, dim=-1).indices.reshape(-1)
     assert torch.equal(top_children_torch(logits, width), want)
-    assert torch.equal(top_children(logits, width), want)  # CPU: the twin
+    assert torch.equal(top_children(logits, width), want)  # the drafters' call on CPU: the twin
 
 
 def test_ties_go_to_the_lowest_token_id_and_nan_ranks_first():

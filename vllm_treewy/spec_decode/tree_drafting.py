@@ -3,7 +3,7 @@
 The MTP head drafts a static tree (`DraftTree.from_widths`, breadth-first node order) level by level:
 
 - level 1: the top-w1 tokens of the head's distribution after the request's last accepted token (vLLM's first
-  MTP pass, over the step's verified tokens, gives it);
+  MTP pass, over the step's verified tokens, gives it; `kernels.top_children_torch` states the order);
 - level l + 1: for every node of level l, the top-w_{l+1} tokens of the head's distribution at that node.
 
 The head's forward for level l + 1 runs once for the whole batch over each request's *level block*: the root (the
@@ -27,7 +27,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels.top_children_torch import top_children_torch
 from ..tree import DraftTree
 
 
@@ -57,17 +56,3 @@ def accepted_path_sources(accepted_nodes: torch.Tensor, block_len: int) -> torch
     path = accepted_nodes.long()
     rows[:, 1 : depth + 1] = torch.where(path >= 0, path + 1, rows[:, 1 : depth + 1])
     return rows
-
-
-def top_children(logits: torch.Tensor, width: int) -> torch.Tensor:
-    """`[M * width]` int64: the `width` most likely tokens after each of M nodes (`logits [M, vocab]`, fp32, bf16 or
-    fp16), most likely first: the children of the nodes in breadth-first order. Distinct per node, so sampled
-    acceptance can tell them apart; among equal logits the lowest token id first, NaN above every number
-    (`kernels.top_children_torch` states the order). The split-vocab Triton kernel on CUDA (`top_children_triton`:
-    two launches, capturable, inside the V2 drafting levels' graphs), the torch twin elsewhere (CPU engines)."""
-    if logits.is_cuda:
-        # imported where used: the torch twins that import this module (`kernels.*_torch`) import no Triton module
-        from ..kernels.top_children_triton import top_children_triton
-
-        return top_children_triton(logits, width)
-    return top_children_torch(logits, width)

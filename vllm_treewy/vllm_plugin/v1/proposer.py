@@ -39,9 +39,9 @@ from vllm.forward_context import set_forward_context
 from vllm.platforms import current_platform
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
+from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth
 from vllm_treewy.vllm_plugin.config import draft_shape_of
-from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, accepted_paths_as_chains, kv_slots
+from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, accepted_paths_as_chains, kv_slots, top_children
 from vllm_treewy.vllm_plugin.trees.attention import uniform_tree_marking
 from vllm_treewy.vllm_plugin.trees.metadata import replace_metadata, with_tree
 from vllm_treewy.vllm_plugin.trees.run_state import TreeRunState

@@ -38,10 +38,10 @@ from vllm_treewy.kernels.accepted_chains_triton import accepted_chains_triton
 from vllm_treewy.kernels.bookkeeping import dispatch
 from vllm_treewy.kernels.level_inputs_torch import level_inputs_torch
 from vllm_treewy.kernels.level_inputs_triton import level_inputs_triton
-from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth, top_children
+from vllm_treewy.spec_decode.tree_drafting import level_trees, nodes_below_depth
 from vllm_treewy.vllm_plugin.config import draft_shape_of
 from vllm_treewy.vllm_plugin.trees.attention import uniform_tree_marking
-from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, kv_slots
+from vllm_treewy.vllm_plugin.trees.drafting import PADDING_SLOT, kv_slots, top_children
 from vllm_treewy.vllm_plugin.trees.metadata import (
     replace_metadata,
     tree_block_ancestors_of,
