@@ -1,8 +1,8 @@
 """A drafting level's top children on CUDA (`kernels.top_children_triton`) against the torch twin at Qwen3.5's vocab
 (248,320) for the row counts of drafting levels (1 to 704 rows), widths 2 and 3, bf16 and fp32 logits with forced
-ties, NaN and infinities; and the adapter's `trees.drafting.top_children` (which picks the kernel on CUDA) captured in a CUDA graph
-and replayed on new logits. The CPU test (`tests/kernels/test_top_children.py`) runs it interpreted. Run on the H200:
-`pytest -m gpu tests/gpu`."""
+ties, NaN and infinities; and the adapter's `trees.drafting.top_children` (which picks the kernel on CUDA) captured
+in a CUDA graph and replayed on new logits. The CPU test (`tests/kernels/test_top_children.py`) runs it interpreted.
+Run on the H200: `pytest -m gpu tests/gpu`."""
 
 import math
 

@@ -360,9 +360,9 @@ def test_launch_table_measured_choices():
     """The H200's choices (bench/results/kernels/README.md, "Launch table"): 16-row state-pass programs (128 key columns, 2
     warps) except fp32 states with 3-4 nodes above 4 requests and with 1-2 nodes at 5-8 requests (64 rows, 64
     columns, 4 warps) and 16-bit states with 3-4 nodes above 4 requests (5-8: 64 / 64 / 4; more: 32 rows, 128
-    columns, 1 warp, the H100's choice); one-warp request epilogues up to 8 nodes; trees of more than 8 nodes the path epilogue, 4
-    nodes a program over 2 warps after a 64 / 64 / 4 state pass, up to 4 requests 8 nodes over 4 warps after the
-    16-row one. fp16 states as bf16."""
+    columns, 1 warp, the H100's choice); one-warp request epilogues up to 8 nodes; trees of more than 8 nodes the
+    path epilogue, 4 nodes a program over 2 warps after a 64 / 64 / 4 state pass, up to 4 requests 8 nodes over 4
+    warps after the 16-row one. fp16 states as bf16."""
     rows_16, rows_64, rows_32 = StepLaunch(16, 128, 2, 1), StepLaunch(64, 64, 4, 1), StepLaunch(32, 128, 1, 1)
     step_launch = gdn_step_module.step_launch
     for batch in (1, 4, 5, 8, 9, 64, 256):
