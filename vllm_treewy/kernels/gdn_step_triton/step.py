@@ -78,10 +78,11 @@ TREE_ROWS_64 = StepLaunch(state_rows=64, state_block_k=64, state_warps=4, epilog
 # 2,2,1 --gated-tree-batches 64 1 256`, results in bench/results/kernels/tuning/trees.json (both commands of the bench
 # as it was then; its tuning options are gone). The table as it runs now, against vLLM's compiled kernel: measured on an
 # NVIDIA H200 by `python3 bench/kernels/gated_bench.py --name gated --no-fallback --separate-batches`, results in
-# bench/results/kernels/step_vs_compiled.json. The 16-bit row above 8 requests at 3-4 nodes (32 rows, 1 warp) measured on
-# an NVIDIA H100 by `python3 -m bench.kernels.gated_bench --name bf16_candidates2 --states bf16 --tokens 4 --batches 8
-# 64 256 --separate-batches --trees --no-fallback --candidates ...`, results in bench/results/kernels/tuning/
-# bf16_rows.json. Which row came from which run: bench/results/kernels/README.md, "Launch table".
+# bench/results/kernels/step_vs_compiled.json. The 16-bit row above 8 requests at 3-4 nodes (32 rows, 1 warp)
+# measured on an NVIDIA H100 by `python3 -m bench.kernels.gated_bench --name bf16_candidates2 --states bf16 --tokens 4
+# --batches 8 64 256 --separate-batches --trees --no-fallback --candidates ...`, results in
+# bench/results/kernels/tuning/bf16_rows.json. Which row came from which run: bench/results/kernels/README.md, "Launch
+# table".
 LAUNCH_TABLE = (
     # states    requests        nodes           launch
     ("any", (0, 4), (0, 8), ROWS_16),
