@@ -185,7 +185,6 @@ def describe(args) -> str:
     return f"{head} model {model} engine {engine_kwargs(args, per_request, cuda=True)}"
 
 
-
 def print_dry_runs(calls: list[str]) -> None:
     """The scripts' DRY_RUN, in one Python for every process of a call: each of `calls` is one process's name and
     its driver arguments (a shell-quoted line); prints `NAME -> ` what it would run (`describe`; the reference also
@@ -201,6 +200,7 @@ def print_dry_runs(calls: list[str]) -> None:
         if args.role == "reference":
             line += f" repeats {args.timing_repeats} shape control {not args.no_shape_control}"
         print(line, flush=True)
+
 
 def run_spec(args, turns: Turns) -> int:
     import vllm_treewy.vllm_plugin as plugin
