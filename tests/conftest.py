@@ -25,3 +25,11 @@ def _interpreter_rounds_bf16_as_the_gpu(monkeypatch):
         from tests.interpreter_bf16 import round_bf16_as_the_gpu
 
         round_bf16_as_the_gpu(monkeypatch)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On pytest-xdist workers (the unit stage), the tests marked e2e (a vLLM flow in subprocesses: minutes each,
+    where most tests take seconds) go first, the rest in collection order: started last, one of them would leave
+    the other worker idle at the end. Every worker collects the same order, as xdist requires."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)

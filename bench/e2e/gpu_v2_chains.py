@@ -185,6 +185,23 @@ def describe(args) -> str:
     return f"{head} model {model} engine {engine_kwargs(args, per_request, cuda=True)}"
 
 
+def print_dry_runs(calls: list[str]) -> None:
+    """The scripts' DRY_RUN, in one Python for every process of a call: each of `calls` is one process's name and
+    its driver arguments (a shell-quoted line); prints `NAME -> ` what it would run (`describe`; the reference also
+    its timing repeats and shape control). Arguments the driver's parser refuses exit as the driver would (status 2),
+    after the lines of the calls before them."""
+    import shlex
+
+    parser = build_parser()
+    for call in calls:
+        name, *argv = shlex.split(call)
+        args = parser.parse_args(argv)
+        line = f"{name} -> {describe(args)}"
+        if args.role == "reference":
+            line += f" repeats {args.timing_repeats} shape control {not args.no_shape_control}"
+        print(line, flush=True)
+
+
 def run_spec(args, turns: Turns) -> int:
     import vllm_treewy.vllm_plugin as plugin
     from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance

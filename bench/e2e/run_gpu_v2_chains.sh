@@ -35,16 +35,15 @@ spec_args() {
   name=$strategy-k$k${runner:+-$runner}${backend:+-$backend}
   spec=(spec --strategy "$strategy" --k "$k" --runner "${runner:-default}" ${backend:+--attention-backend "$backend"})
 }
-if [ -n "${DRY_RUN:-}" ]; then
-  describe='import sys; from bench.e2e import gpu_v2_chains as g
-print(sys.argv[1], "->", g.describe(g.build_parser().parse_args(sys.argv[2:])))'
-  turn=0
+if [ -n "${DRY_RUN:-}" ]; then  # every process's arguments, parsed by the driver's parser in one Python
+  calls=() turn=0
   for e in $engines; do
     spec_args "$e"
-    python3 -c "$describe" "$name" "${spec[@]}" --runs R --turn "$turn" "${common[@]}" "$@" || exit 1
+    calls+=("$(printf '%q ' "$name" "${spec[@]}" --runs R --turn "$turn" "${common[@]}" "$@")")
     turn=$((turn + 1))
   done
-  python3 -c "$describe" reference reference --runs R --expect $((n - 1)) --out O --turn "$turn" "${common[@]}" "$@" \
+  calls+=("$(printf '%q ' reference reference --runs R --expect $((n - 1)) --out O --turn "$turn" "${common[@]}" "$@")")
+  python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; g.print_dry_runs(sys.argv[1:])' "${calls[@]}" \
     || exit 1
   exit 0
 fi

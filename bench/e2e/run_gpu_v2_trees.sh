@@ -84,17 +84,17 @@ arch=${FIXTURE_ARCH:-qwen3_5}
 common=(--kv-cache-memory-bytes "${KV_BYTES:-8589934592}" --gpu-memory-utilization "${GPU_UTIL:-0.1}"
         --turns-dir "$work/turns" --engines "$n" "${batches[@]}" --fixture-architecture "$arch")
 no_control=(--no-shape-control); [ -n "${SHAPE_CONTROL:-}" ] && no_control=()
-if [ -n "${DRY_RUN:-}" ]; then
+if [ -n "${DRY_RUN:-}" ]; then  # every process's arguments, parsed by the driver's parser in one Python
+  calls=()
   for e in "${engines[@]}"; do
     IFS='|' read -r name extra <<<"$e"
     # shellcheck disable=SC2086
-    python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; a = g.build_parser().parse_args(["spec", "--strategy", "reconstruct", "--runs", "R", "--turn", "0", *sys.argv[2:]]); print(sys.argv[1], "->", g.describe(a))' \
-      "$name" $extra "${common[@]}" "$@" || exit 1
+    calls+=("$(printf '%q ' "$name" spec --strategy reconstruct --runs R --turn 0 $extra "${common[@]}" "$@")")
   done
-  # shellcheck disable=SC2086
-  python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; a = g.build_parser().parse_args(sys.argv[1:]); print("reference ->", g.describe(a), "repeats", a.timing_repeats, "shape control", not a.no_shape_control)' \
-    reference --runs R --expect $((n - 1)) --out O --turn $((n - 1)) --dtype float16 --timing-repeats 1 \
-    "${no_control[@]}" "${common[@]}" --command C "$@" || exit 1
+  calls+=("$(printf '%q ' reference reference --runs R --expect $((n - 1)) --out O --turn $((n - 1)) --dtype float16 \
+    --timing-repeats 1 "${no_control[@]}" "${common[@]}" --command C "$@")")
+  python3 -c 'import sys; from bench.e2e import gpu_v2_chains as g; g.print_dry_runs(sys.argv[1:])' "${calls[@]}" \
+    || exit 1
   exit 0
 fi
 # The fixture and its blurred-MTP variant, built once before the engines start (each engine would otherwise build

@@ -1,7 +1,7 @@
 """The GPU V2 scripts on the Qwen3-Next fixture, without an engine: FIXTURE_ARCH reaches every engine's fixture folder
 (one per architecture) and the GDN state's dtype (`--ssm-cache-dtype`) every engine's kwargs, in both scripts'
 DRY_RUN, and SHAPE_CONTROL the reference's control in smaller batches; the fixture is built as the architecture it
-is named for. About 20 s (two dry runs, a Python each engine)."""
+is named for. Two dry runs, one Python each (every engine's arguments parsed in it)."""
 
 import os
 import subprocess

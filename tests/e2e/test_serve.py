@@ -119,6 +119,18 @@ def metric_total(metrics_text: str, name: str) -> float | None:
     return sum(values) if values else None
 
 
+def metrics_when(base_url: str, ready) -> str:
+    """The server's /metrics text once `ready(text)` holds, or its last text after METRICS_TIMEOUT_S (the caller's
+    asserts then say what is missing): counters are updated as the engine core's stats reach the front end."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        status, metrics = http("GET", f"{base_url}/metrics")
+        assert status == 200, metrics[:2000]
+        if ready(metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(1)
+
+
 def test_serve_reconstruct_answers_and_reports_spec_decode(fixture_model, tmp_path):
     from transformers import AutoTokenizer
 
@@ -161,16 +173,9 @@ def test_serve_reconstruct_answers_and_reports_spec_decode(fixture_model, tmp_pa
         )  # fmt: skip
         served = [choice["token_ids"] for choice in sorted(batch["choices"], key=lambda c: c["index"])]
 
-        # The counters are updated as the engine core's stats reach the front end: poll briefly.
-        deadline = time.monotonic() + METRICS_TIMEOUT_S
-        while True:
-            status, metrics = http("GET", f"{base_url}/metrics")
-            assert status == 200, metrics[:2000]
-            drafts = metric_total(metrics, "vllm:spec_decode_num_drafts")
-            accepted = metric_total(metrics, "vllm:spec_decode_num_accepted_tokens")
-            if (drafts or 0) > 0 or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        metrics = metrics_when(base_url, lambda text: (metric_total(text, "vllm:spec_decode_num_drafts") or 0) > 0)
+        drafts = metric_total(metrics, "vllm:spec_decode_num_drafts")
+        accepted = metric_total(metrics, "vllm:spec_decode_num_accepted_tokens")
         spec_lines = "\n".join(line for line in metrics.splitlines() if "spec_decode" in line)
         assert drafts is not None and drafts > 0, f"no speculative drafts reported:\n{spec_lines}"
         assert accepted is not None, f"no vllm:spec_decode_num_accepted_tokens:\n{spec_lines}"
@@ -240,15 +245,13 @@ def test_serve_mtp_tree_samples_and_reports_acceptance_per_depth(fixture_model, 
         "model": fixture_model, "prompt": [COMPLETION_PROMPT, CHAT_MESSAGE] * 2, "max_tokens": 24,
         "temperature": 0, "ignore_eos": True})
     assert status == 200, f"HTTP {status}: {text[:2000]}\nserver log tail:\n{log_tail(log_path)}"
-    deadline = time.monotonic() + METRICS_TIMEOUT_S
-    while True:
-        status, metrics = http("GET", f"{base_url}/metrics")
-        assert status == 200, metrics[:2000]
-        per_depth = per_position(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
-        fallbacks = metric_total(metrics, "vllm:treewy_tree_fallbacks")
-        if (sum(per_depth.values()) > 0 and (fallbacks or 0) > 0) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    def accepted_and_fallen_back(text: str) -> bool:
+        per_depth = per_position(text, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        return sum(per_depth.values()) > 0 and (metric_total(text, "vllm:treewy_tree_fallbacks") or 0) > 0
+
+    metrics = metrics_when(base_url, accepted_and_fallen_back)
+    per_depth = per_position(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
+    fallbacks = metric_total(metrics, "vllm:treewy_tree_fallbacks")
     spec_lines = "\n".join(line for line in metrics.splitlines() if "spec_decode" in line or "treewy" in line)
     assert per_depth.get(0, 0) > 0, f"no draft accepted at depth 1:\n{spec_lines}"
     assert all(count == 0 for position, count in per_depth.items() if position >= 3), spec_lines
