@@ -152,7 +152,7 @@ def conv_step_triton(
             ``[D, w]``, contiguous; ``weight[:, -1]`` multiplies the node's own input.
         bias (Optional[torch.Tensor]):
             ``[D]`` or None.
-        parents (torch.Tensor), cu_nodes (torch.Tensor):
+        parents (Optional[torch.Tensor]), cu_nodes (torch.Tensor):
             the packed trees (`vllm_treewy.tree.pack_trees`): ``parents [N]`` int32 local, ``cu_nodes [B+1]`` int32.
             A chain is the tree whose parents are i - 1: ``parents`` None says every request is a chain, and the
             conv steps to the node before without reading a table (given a chain's parents, it walks them).

@@ -9,11 +9,12 @@ steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op e
 The drafts are chains or one static tree shape per speculating request (the verified block: root, then the draft nodes).
 The step metadata carries `parents` `[N]` (local, packed; the CUDA path reads them for trees only: a chain's kernels
 take each node's parent as the node before, so no parents are derived in a chain step) and `ancestors`: None for
-chains, else the packed ancestor table `[N, D]` of this step's block (`vllm_treewy.kernels.ancestor_table_triton.ancestor_table(parents, cu, D)`, D = the
-tree's depth counted in nodes), and `commit_ancestors`, which every slot's commit follows, separately from this step's
-verify: None for chains; the static tree's verified block `[1 + N, D]`; with `draft_tree_max_batch_size` the table of
-both shapes (`gdn.step_metadata.commit_ancestor_table`), since a step may commit the shape the previous step verified
-while verifying the other.
+chains, else the packed ancestor table `[N, D]` of this step's block
+(`vllm_treewy.kernels.ancestor_table_triton.ancestor_table(parents, cu, D)`, D = the tree's depth counted in nodes),
+and `commit_ancestors`, which every slot's commit follows, separately from this step's verify: None for chains; the
+static tree's verified block `[1 + N, D]`; with `draft_tree_max_batch_size` the table of both shapes
+(`gdn.step_metadata.commit_ancestor_table`), since a step may commit the shape the previous step verified while
+verifying the other.
 """
 
 from __future__ import annotations
