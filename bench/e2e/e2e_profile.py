@@ -120,6 +120,14 @@ def print_summary(name: str, summary: dict) -> None:
 
 
 HOST_TOP = 40  # functions kept per ordering
+# an engine step: one `execute_model` of vLLM's V1 runner or of Model Runner V2 (cProfile's file paths)
+STEP_FILES = ("gpu_model_runner.py", "worker/gpu/model_runner.py")
+
+
+def is_engine_step(key) -> bool:
+    """Whether a cProfile stats key `(file, line, function)` is a model runner's `execute_model`, either runner's."""
+    file, _, name = key
+    return name == "execute_model" and file.replace("\\", "/").endswith(STEP_FILES)
 
 
 def host_profile_generate(llm, prompts, max_tokens: int, dump_path: str | None = None) -> dict:
@@ -141,7 +149,7 @@ def host_profile_generate(llm, prompts, max_tokens: int, dump_path: str | None =
     if dump_path is not None:
         profiler.dump_stats(dump_path)
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
-    steps = sum(v[1] for k, v in stats.items() if k[2] == "execute_model" and k[0].endswith("gpu_model_runner.py"))
+    steps = sum(v[1] for k, v in stats.items() if is_engine_step(k))
 
     def row(key, value):
         file, line, name = key

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.e2e.e2e_profile import KernelEvent, busy_us, kind_of, summarize
+from bench.e2e.e2e_profile import KernelEvent, busy_us, is_engine_step, kind_of, summarize
 
 
 def test_kinds_by_name():
@@ -46,3 +46,12 @@ def test_most_launched_kernels_per_token():
     launched = summarize(events, wall_s=1e-3, output_tokens=2)["kinds"]["sampling and copies"]["most_launched"]
     assert list(launched.values()) == [3.0, 1.0]  # per token, most launched first
     assert len(next(iter(launched))) == 160
+
+
+def test_an_engine_step_is_either_runners_execute_model():
+    site = "/venv/lib/python3.12/site-packages/vllm/v1/worker"
+    assert is_engine_step((f"{site}/gpu_model_runner.py", 3000, "execute_model"))  # V1
+    assert is_engine_step((f"{site}/gpu/model_runner.py", 1718, "execute_model"))  # Model Runner V2
+    assert not is_engine_step((f"{site}/gpu_worker.py", 1300, "execute_model"))  # the worker around either
+    assert not is_engine_step((f"{site}/worker_base.py", 365, "execute_model"))
+    assert not is_engine_step((f"{site}/gpu/model_runner.py", 1592, "sample"))

@@ -15,7 +15,6 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from vllm_treewy.kernels.factor_rows import slot_factor_width
 from vllm_treewy.kernels import conv_step_triton as conv_module
 from vllm_treewy.kernels.gdn_step_triton import step as gdn_step_module
-from vllm_treewy.tree import chain_parents
 
 H, HV, K, V, WIDTH = 16, 32, 128, 128, 4  # Qwen3.5 GDN layer
 QKV = 2 * H * K + HV * V
@@ -58,7 +57,7 @@ def step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, pe
         mixed_qkv, a, b, output_gate, out = mixed_qkv[:n], a[:n], b[:n], output_gate[:n], out[:n]
         slots, cu_nodes, commit_nodes = (persistent[name][: batch + (name == "cu_nodes")]
                                          for name in ("slots", "cu_nodes", "commit_nodes"))
-    parents = chain_parents(cu_nodes, n)
+    parents = None  # chains: the adapter passes no parents (`gdn.reconstruct.step_triton`)
     weight = torch.empty(QKV, WIDTH, dtype=torch.bfloat16)
     bias = None
     conv = conv_module._conv_launch_arguments(

@@ -7,7 +7,7 @@ from vllm_treewy.kernels.reference import reference_tree_conv
 from vllm_treewy.kernels.ancestor_table_torch import ancestor_table_torch
 from vllm_treewy.tree import DraftTree, node_requests, pack_trees
 
-from .tree_cases import relative_error, trees
+from .tree_cases import chains, relative_error, trees
 from .triton_cases import DEVICE, rows
 
 from vllm_treewy.kernels.conv_step_triton import conv_step_triton  # noqa: E402
@@ -80,3 +80,38 @@ def test_conv_step_commits_the_previous_draft_then_convolves(batch, rows_per_slo
         assert torch.allclose(actual_state, expected_state, rtol=0, atol=0)
         assert torch.equal(actual_inputs, expected_inputs)
     assert bool(out.cpu()[~live].isnan().all())
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=st.lists(chains(max_nodes=5), min_size=1, max_size=4), commit_chain=st.booleans(), data=st.data())
+def test_chains_without_parents_equal_chains_with_them(batch, commit_chain, data):
+    """`parents` None (every request a chain: what the adapter passes for chains, so that no parents are derived in
+    the step) gives bit for bit what the same chains' parents give, in the kernel and in the twin: outputs, the
+    committed history and the input rows, with a commit along a chain or a tree table."""
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    rows_per_slot = 5
+    packed = pack_trees(batch)
+    num_slots = len(batch) + 1
+    x = torch.randn(packed.num_nodes, CHANNELS, generator=generator)
+    weight, bias = torch.randn(CHANNELS, WIDTH, generator=generator), torch.randn(CHANNELS, generator=generator)
+    conv_state = torch.randn(num_slots, CHANNELS, WIDTH - 1, generator=generator)
+    inputs = torch.randn(num_slots, rows_per_slot, CHANNELS, generator=generator)
+    slots = torch.randperm(num_slots, generator=generator)[: len(batch)].to(torch.int32)
+    commit = torch.tensor([data.draw(st.integers(-1, rows_per_slot - 1)) for _ in batch], dtype=torch.int32)
+    commit_ancestors = None if commit_chain else ancestor_table_torch(
+        torch.tensor([-1, 0, 0, 1, 2], dtype=torch.int32), torch.tensor([0, rows_per_slot]), 3)
+    results = {}
+    for given_parents in (True, False):
+        parents = packed.parents if given_parents else None
+        twin_state, twin_inputs = conv_state.clone(), inputs.clone()
+        twin_out = conv_step_packed(x, twin_state, slots, weight, bias, parents, packed.cu_nodes, twin_inputs,
+                                    commit, commit_ancestors=commit_ancestors, activation="silu")
+        state, step_inputs = conv_state.clone().to(DEVICE), inputs.clone().to(DEVICE)
+        out = conv_step_triton(x.to(DEVICE), state, slots.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE),
+                               None if parents is None else parents.to(DEVICE), packed.cu_nodes.to(DEVICE),
+                               step_inputs, commit.to(DEVICE),
+                               commit_ancestors=None if commit_ancestors is None else commit_ancestors.to(DEVICE),
+                               activation="silu", block_nodes=4, block_d=32)
+        results[given_parents] = (twin_out, twin_state, twin_inputs, out.cpu(), state.cpu(), step_inputs.cpu())
+    for with_parents, without in zip(results[True], results[False]):
+        assert torch.equal(with_parents, without)

@@ -136,7 +136,7 @@ def conv_step_packed(
     state_indices: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    parents: torch.Tensor,
+    parents: torch.Tensor | None,
     cu_nodes: torch.Tensor,
     inputs: torch.Tensor,
     commit_nodes: torch.Tensor | None,
@@ -146,8 +146,10 @@ def conv_step_packed(
 ) -> torch.Tensor:
     """One speculative step: commit each slot's previous draft (a chain, or the tree ``commit_ancestors``) at
     ``commit_nodes [B]`` (-1: nothing to commit) from its per-slot input rows ``inputs [S, T, D]``, then the conv of
-    this step's nodes, whose inputs replace the rows. Torch twin of
+    this step's nodes, whose inputs replace the rows. ``parents`` None: every request a chain. Torch twin of
     `vllm_treewy.kernels.conv_step_triton.conv_step_triton`."""
+    if parents is None:
+        parents = chain_parents(cu_nodes, x.shape[0])
     slots = state_indices.long()
     live = slots >= 0
     if commit_nodes is not None:

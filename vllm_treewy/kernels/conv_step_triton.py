@@ -13,15 +13,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _step_up(parents, bos, cur):
-    """One step towards the root; past the root, count down into the history."""
+def _step_up(parents, bos, cur, CHAIN: tl.constexpr):
+    """One step towards the root; past the root, count down into the history. A chain's parent is the node before
+    (the first node's, -1, the newest history column): no load."""
+    if CHAIN:
+        return cur - 1
     return tl.where(cur >= 0, tl.load(parents + bos + cur, mask=cur >= 0, other=-1), cur - 1)
 
 
 @triton.jit
 def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
                    W: tl.constexpr, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   SILU: tl.constexpr, ROUND_PRODUCTS: tl.constexpr):
+                   SILU: tl.constexpr, ROUND_PRODUCTS: tl.constexpr, CHAIN: tl.constexpr):
     """The conv outputs of one request's n nodes (packed from bos) over channels o_d; history at p_hist.
     Rounded as vLLM's CUDA `causal_conv1d_update`: when the history and the weight share a 16-bit dtype, inputs in
     it and each product rounded to it (vLLM's kernel multiplies two bf16 in bf16: `mul.bf16` on sm_90, as here),
@@ -38,7 +41,7 @@ def _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, s
             acc += tl.load(bias + o_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
         for t in tl.static_range(W):
             if t > 0:
-                cur = _step_up(parents, bos, cur)
+                cur = _step_up(parents, bos, cur, CHAIN)
             from_x = tl.load(x + (bos + cur)[:, None].to(tl.int64) * stride_x + o_d[None, :],
                              mask=m & (cur >= 0)[:, None], other=0.0)
             from_hist = tl.load(p_hist + (L + cur)[:, None] * stride_cs_col, mask=m & (cur < 0)[:, None], other=0.0)
@@ -63,7 +66,7 @@ def _conv_step_kernel(
     stride_x, stride_out, stride_cs_slot, stride_cs_dim, stride_cs_col, stride_in_slot, stride_in_node, D,
     W: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_COMMIT: tl.constexpr, COMMIT_DEPTH: tl.constexpr,
-    COMMIT_IS_CHAIN: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
+    COMMIT_IS_CHAIN: tl.constexpr, ROUND_PRODUCTS: tl.constexpr, CHAIN: tl.constexpr,
 ):
     i_d, i_b = tl.program_id(0), tl.program_id(1)
     slot = tl.load(state_indices + i_b).to(tl.int64)
@@ -98,7 +101,7 @@ def _conv_step_kernel(
     bos = tl.load(cu_nodes + i_b)
     n = tl.load(cu_nodes + i_b + 1) - bos
     _conv_of_nodes(x, p_hist, weight, bias, parents, out, bos, n, o_d, mask_d, stride_x, stride_out, stride_cs_col,
-                   W, L, BN, BD, HAS_BIAS, SILU, ROUND_PRODUCTS)
+                   W, L, BN, BD, HAS_BIAS, SILU, ROUND_PRODUCTS, CHAIN)
     # this step's inputs, for the commit inside the next step (the previous rows were read above)
     for start in range(0, n, BN):
         nodes = start + tl.arange(0, BN)
@@ -113,7 +116,7 @@ def conv_step_triton(
     state_indices: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    parents: torch.Tensor,
+    parents: torch.Tensor | None,
     cu_nodes: torch.Tensor,
     inputs: torch.Tensor,
     commit_nodes: torch.Tensor | None,
@@ -149,9 +152,10 @@ def conv_step_triton(
             ``[D, w]``, contiguous; ``weight[:, -1]`` multiplies the node's own input.
         bias (Optional[torch.Tensor]):
             ``[D]`` or None.
-        parents (torch.Tensor), cu_nodes (torch.Tensor):
+        parents (Optional[torch.Tensor]), cu_nodes (torch.Tensor):
             the packed trees (`vllm_treewy.tree.pack_trees`): ``parents [N]`` int32 local, ``cu_nodes [B+1]`` int32.
-            A chain is the tree whose parents are i - 1; the conv walks the parents either way.
+            A chain is the tree whose parents are i - 1: ``parents`` None says every request is a chain, and the
+            conv steps to the node before without reading a table (given a chain's parents, it walks them).
         inputs (torch.Tensor):
             the slots' input rows ``[S', T, D]`` (slot and row strides free, last dim contiguous; x is cast to
             their dtype): read by the commit (the previous call's rows), then this step's rows written in place.
@@ -197,7 +201,8 @@ def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, 
                                          commit_ancestors.dtype == torch.int32)
     out = torch.empty_like(x) if out is None else out
     kernel_args = (
-        x, conv_state, state_indices, weight, weight if bias is None else bias, parents, cu_nodes, out, inputs,
+        x, conv_state, state_indices, weight, weight if bias is None else bias,
+        cu_nodes if parents is None else parents, cu_nodes, out, inputs,
         state_indices if commit_nodes is None else commit_nodes,
         state_indices if commit_ancestors is None else commit_ancestors,
         x.stride(0), out.stride(0), *conv_state.stride(), inputs.stride(0), inputs.stride(1), D)
@@ -207,5 +212,6 @@ def _conv_launch_arguments(x, conv_state, state_indices, weight, bias, parents, 
         COMMIT_DEPTH=1 if commit_ancestors is None else commit_ancestors.shape[1],
         COMMIT_IS_CHAIN=commit_ancestors is None,
         ROUND_PRODUCTS=conv_state.dtype == weight.dtype and conv_state.dtype in (torch.bfloat16, torch.float16),
+        CHAIN=parents is None,
     )
     return (triton.cdiv(D, block_d), state_indices.shape[0]), kernel_args, kernel_kwargs, out

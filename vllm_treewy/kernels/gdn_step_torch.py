@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import node_requests
+from ..tree import chain_parents, node_requests
 from .closed_form import compute_dtype, verify_packed
 from .factor_rows import split_slot_factors
 
@@ -93,7 +93,10 @@ def gdn_step_packed(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, s
     """``out [N, HV, V]`` in mixed_qkv's dtype (zero for padding requests). With `commit_nodes`, first commits
     each slot's previous step (`gdn_commit_packed`, its chain or the tree `commit_ancestors`, reading its rows
     before anything is written); then verifies
-    from the (committed) state and writes each live node's factors to rows factors[slot, local index]."""
+    from the (committed) state and writes each live node's factors to rows factors[slot, local index]. ``parents``
+    None: every request a chain."""
+    if parents is None:
+        parents = chain_parents(cu_nodes, mixed_qkv.shape[0])
     _, num_value_heads, value_dim, key_dim = state.shape
     if commit_nodes is not None:
         gdn_commit_packed(state, state_indices, factors, commit_nodes, commit_ancestors)

@@ -41,8 +41,9 @@ class FakeGDNLayer:
     verified_node_counts = ReconstructGatedDeltaNetAttention.verified_node_counts
     keeps_slot_counts = True
 
-    def __init__(self, kv_cache, shape: DraftShape = DraftShape(None), runner_accepted_counts: bool = False):
-        self.kv_cache = kv_cache
+    def __init__(self, kv_cache, shape: DraftShape = DraftShape(None), runner_accepted_counts: bool = False,
+                 prefix: str = "gdn.0"):
+        self.kv_cache, self.prefix = kv_cache, prefix
         self.step_buffers = GroupStepBuffers(shape, runner_accepted_counts)
         self.sampling_tables = SamplingTables()
 
@@ -77,7 +78,7 @@ def _build(builder, metadata, tree_verify=True):
     """The wrapped build, then the step's count update, as the group's first GDN layer runs it in the forward
     (`tree_verify`: a tree config's step verifies its tree, `config.DraftShape.verifies_tree`)."""
     result = with_commit_nodes(builder, metadata, tree_verify)
-    result.update_counts("gdn.0")
+    result.update_counts(counts_layer(builder))
     return result
 
 
@@ -139,7 +140,7 @@ def test_the_metadata_subclass_is_vllms_metadata_and_ours_at_their_defaults():
     ours = _build(builder, vllm_metadata)
     assert ours.node_indices is not None and "node_indices" in vars(ours)  # derived on first use
     again = reconstruct_metadata(ours)
-    assert again.state_indices is None and again.count_update is None and again.counts_layer is None
+    assert again.state_indices is None and again.counts_layer is None
     assert "node_indices" not in vars(again) and again.spec_query_start_loc is ours.spec_query_start_loc
 
 
@@ -170,21 +171,22 @@ def test_a_prefill_clears_the_slot_a_finished_request_left_pending():
 
 
 def test_a_speculative_batch_updates_its_counts_in_the_first_layers_forward_only():
-    """With speculative rows the builder only prepares the count update: the group's first GDN layer runs it at the
-    start of its forward (inside a FULL CUDA graph, a captured launch), once; the group's other layers read its commit
-    nodes. A batch without speculative rows runs no speculative step, so the builder clears its slots itself."""
+    """With speculative rows the builder only names the layer that runs the count update: the group's first GDN layer
+    runs it at the start of its forward (inside a FULL CUDA graph, a captured launch), once; the group's other layers
+    read its commit nodes. A batch without speculative rows runs no speculative step, so the builder clears its slots
+    itself."""
     builder, counts = _builder(full_graphs=True)
     builder.layer_names = ["gdn.0", "gdn.4"]
     _sampled(counts, [3], [3])
     metadata = with_commit_nodes(builder, _spec_step([3], [4], [3], padding_rows=1), False)
     assert counts[3] == 3 and metadata.counts_layer == "gdn.0"  # nothing ran yet
-    metadata.update_counts("gdn.4")
+    metadata.update_counts(SimpleNamespace(prefix="gdn.4"))  # another layer of the group: nothing else read
     assert counts[3] == 3
-    metadata.update_counts("gdn.0")
+    metadata.update_counts(counts_layer(builder))
     assert counts[3] == 4 and metadata.commit_nodes.tolist() == [2, -1]
     prefills = _mixed_step([], [], [], prefill_slots=[3])
     prefills.num_spec_decodes, prefills.spec_state_indices_tensor = 0, None
-    assert with_commit_nodes(builder, prefills, False).count_update is None and counts[3] == 0
+    assert with_commit_nodes(builder, prefills, False).counts_layer is None and counts[3] == 0
 
 
 def test_the_count_state_must_sit_in_the_layer_that_runs_first():
@@ -374,7 +376,7 @@ def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_p
     # a request's first speculative step
     metadata = builder.build(0, common, num_accepted_tokens=torch.tensor([2, 4, 1], dtype=torch.int32),
                              num_decode_draft_tokens_cpu=torch.tensor([k, k, k], dtype=torch.int32))
-    metadata.update_counts("gdn.0")  # the first GDN layer's forward
+    metadata.update_counts(counts_layer(builder))  # the first GDN layer's forward
     assert metadata.spec_state_indices_tensor.stride(0) == 1 + k  # vLLM's staged buffer, strided column 0
     assert metadata.state_indices.tolist() == [7, 2, 5] and metadata.state_indices.is_contiguous()
     assert metadata.state_indices.data_ptr() == staged_buffers(builder)[0].data_ptr()

@@ -56,7 +56,7 @@ def v2_setup(tmp_path_factory):
     for name in LAYERS:
         # a reconstruct chain on V2 without prefix caching: its count update commits from V2's accepted counts
         layers[name] = FakeGDNLayer((None,) * 4 + (torch.zeros(NUM_SLOTS, 3, dtype=torch.int32)[:, 2:],),
-                                    runner_accepted_counts=True)
+                                    runner_accepted_counts=True, prefix=name)
     config.compilation_config.static_forward_context.update(layers)
     with set_current_vllm_config(config):
         for name in LAYERS:
@@ -116,7 +116,7 @@ def _step(builders, runner, idx_mapping, query_lens, seq_lens, drafts):
     first = builders[0].build(0, common, **kwargs)
     second = update_block_table(builders[1], first, tables[1], common.slot_mapping)
     for metadata, name in zip((first, second), LAYERS):
-        metadata.update_counts(name)
+        metadata.update_counts(runner.compilation_config.static_forward_context[name])
     return first, second
 
 
@@ -207,7 +207,7 @@ def test_a_batch_without_speculation_clears_every_groups_slots_in_the_builder(v2
     for name in LAYERS:
         _counts(runner, name).fill_(3)
     first, second = _step(builders, runner, [0, 1], [9, 5], [9, 5], None)
-    assert first.count_update is None and second.count_update is None
+    assert first.counts_layer is None and second.counts_layer is None
     assert _counts(runner, "gdn.0")[[6, 1]].tolist() == [0, 0] and _counts(runner, "gdn.1")[[8, 4]].tolist() == [0, 0]
     _sample(runner, [0, 1], [1, 1])  # their first tokens: no slot holds a count, none is recorded
     assert _counts(runner, "gdn.0")[[6, 1]].tolist() == [0, 0] and _counts(runner, "gdn.1")[[8, 4]].tolist() == [0, 0]

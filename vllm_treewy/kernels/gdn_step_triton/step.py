@@ -135,11 +135,11 @@ def max_ancestors(max_nodes: int, ancestors: torch.Tensor | None) -> int:
     return max_nodes - 1 if ancestors is None else ancestors.shape[1] - 1
 
 
-def tree_ancestors(parents, ancestors: torch.Tensor | None) -> torch.Tensor:
-    """The epilogues' ancestry argument: the table for trees; for chains (None) any pointer, never read (parents)."""
+def tree_ancestors(cu_nodes, ancestors: torch.Tensor | None) -> torch.Tensor:
+    """The epilogues' ancestry argument: the table for trees; for chains (None) any pointer, never read (cu_nodes)."""
     if ancestors is None:
-        return parents
-    assert ancestors.dim() == 2 and ancestors.shape[0] == parents.numel() and ancestors.is_contiguous()
+        return cu_nodes
+    assert ancestors.dim() == 2 and ancestors.is_contiguous()
     return ancestors
 
 
@@ -184,7 +184,8 @@ def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, sta
         assert max_nodes <= factors.shape[1], "a slot holds factors.shape[1] node rows"
         max_anc = max_ancestors(max_nodes, ancestors)
         is_chain = ancestors is None
-        ancestors = tree_ancestors(parents, ancestors)
+        assert is_chain or ancestors.shape[0] == n_nodes, "a tree's ancestor table has a row per node"
+        ancestors = tree_ancestors(cu_nodes, ancestors)
         if out is None:
             out = torch.empty(n_nodes, HV, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         out3 = out.view(n_nodes, HV, V)
@@ -240,7 +241,7 @@ def gdn_step_triton(
     norm_weight: torch.Tensor,
     state: torch.Tensor,
     state_indices: torch.Tensor,
-    parents: torch.Tensor,
+    parents: torch.Tensor | None,
     cu_nodes: torch.Tensor,
     *,
     factors: torch.Tensor,
@@ -278,10 +279,11 @@ def gdn_step_triton(
         state_indices (torch.Tensor):
             ``[B]`` int32, contiguous: request b's slot; negative marks a padding request (nothing read or written,
             its rows of ``out`` untouched).
-        parents (torch.Tensor), cu_nodes (torch.Tensor):
+        parents (Optional[torch.Tensor]), cu_nodes (torch.Tensor):
             the packed trees (`vllm_treewy.tree.pack_trees`): ``parents [N]`` int32 local indices (-1: a child of the
             committed state; parents precede their children), ``cu_nodes [B+1]`` int32 offsets; a request may have
-            0 nodes.
+            0 nodes. The kernels read a tree's topology from ``ancestors`` only, so ``parents`` is never read here
+            (the twin, `gdn_step_packed`, reads it): None is fine, and a chain needs no parents anywhere.
         factors (torch.Tensor):
             the slots' factor rows ``[S', T, F]`` fp32 (`vllm_treewy.kernels.factor_rows`: S' >= S, T >= max_nodes,
             F = ``slot_factor_width(HV, K, V)``; first two strides free, last dim contiguous). The commit reads the
@@ -329,7 +331,7 @@ def gdn_step_triton(
     CUDA-graph capture both come from the graph's pool.
 
     Capturability: capturable in a CUDA graph. No host sync; no data-dependent shapes (the grids and buffers depend
-    only on B, N, max_nodes and the model's dims); the topology comes as tensors (parents, cu_nodes, ancestors,
+    only on B, N, max_nodes and the model's dims); the topology comes as tensors (cu_nodes, ancestors,
     commit_nodes, commit_ancestors), so one captured graph serves every tree of those sizes. Two launches (the state
     pass, then its programmatic dependent epilogue on Hopper); one compiled variant per dtypes and static arguments.
     """

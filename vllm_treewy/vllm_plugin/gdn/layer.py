@@ -182,7 +182,7 @@ class ReconstructGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def _caches(self, metadata: ReconstructGDNAttentionMetadata) -> dict:
         """The layer's caches for a speculative step, after the step's count update where this layer runs it."""
-        metadata.update_counts(self.prefix)
+        metadata.update_counts(self)
         caches = dict(conv_weight=self.conv_weight(), conv_history=self.conv_history(), ssm_state=self.ssm_state())
         return dict(caches, buffer=self.pseudo_value_buffer()) if self.reconstructs_state else caches
 

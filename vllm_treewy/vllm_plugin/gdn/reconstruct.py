@@ -7,12 +7,14 @@ an epilogue). CPU: the same
 steps in torch (`vllm_treewy.kernels`), un-normed output, as vLLM's CPU GDN op expects.
 
 The drafts are chains or one static tree shape per speculating request (the verified block: root, then the draft nodes).
-The step metadata carries `parents` `[N]` (local, packed) and `ancestors`: None for chains, else the packed ancestor
-table `[N, D]` of this step's block (`vllm_treewy.kernels.ancestor_table_triton.ancestor_table(parents, cu, D)`, D = the
-tree's depth counted in nodes), and `commit_ancestors`, which every slot's commit follows, separately from this step's
-verify: None for chains; the static tree's verified block `[1 + N, D]`; with `draft_tree_max_batch_size` the table of
-both shapes (`gdn.step_metadata.commit_ancestor_table`), since a step may commit the shape the previous step verified
-while verifying the other.
+The step metadata carries `parents` `[N]` (local, packed; the CUDA path reads them for trees only: a chain's kernels
+take each node's parent as the node before, so no parents are derived in a chain step) and `ancestors`: None for
+chains, else the packed ancestor table `[N, D]` of this step's block
+(`vllm_treewy.kernels.ancestor_table_triton.ancestor_table(parents, cu, D)`, D = the tree's depth counted in nodes),
+and `commit_ancestors`, which every slot's commit follows, separately from this step's verify: None for chains; the
+static tree's verified block `[1 + N, D]`; with `draft_tree_max_batch_size` the table of both shapes
+(`gdn.step_metadata.commit_ancestor_table`), since a step may commit the shape the previous step verified while
+verifying the other.
 """
 
 from __future__ import annotations
@@ -81,16 +83,19 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
     `[N, HV, V]`, after committing each slot's previous step. No host sync: capturable in a FULL CUDA graph."""
     state_indices, cu_nodes, commit_nodes = metadata.state_indices, metadata.spec_query_start_loc, metadata.commit_nodes
     layout, ancestors = buffer.layout, metadata.ancestors
+    # a tree's parents for the conv's walk; chains none (each node's parent is the node before: nothing derived,
+    # nothing captured)
+    parents = None if ancestors is None else metadata.parents
     commit_ancestors = commit_tree(metadata)
     max_nodes = metadata.verify_block_len or layout.num_nodes  # a chain step of a tree config: its chain's length
     activation = "silu" if layer.activation == "silu" else None
     # a request's nodes in one block of rows (a chain of 3 drafts: 4, not the default 16, most of which would be
     # masked rows holding registers); larger trees loop over blocks of 16
-    conv_out = conv_step_triton(x, conv_history, state_indices, conv_weight, layer.conv1d.bias, metadata.parents,
-                                cu_nodes, buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
+    conv_out = conv_step_triton(x, conv_history, state_indices, conv_weight, layer.conv1d.bias, parents, cu_nodes,
+                                buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
                                 activation=activation, block_nodes=min(16, triton.next_power_of_2(max_nodes)))
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state,
-                    state_indices, metadata.parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
+                    state_indices, parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
                     ancestors=ancestors, scale=layout.head_k_dim**-0.5, norm_eps=layer.layer_norm_epsilon,
                     activation=layer.norm.activation, out=out, factors=buffer.factors, commit_nodes=commit_nodes,
                     commit_ancestors=commit_ancestors)

@@ -17,9 +17,10 @@ count), and the count update commits `min(count, accepted) - 1` (`kernels.bookke
 the recorded count would have named, without a launch after sampling.
 
 The count update runs where it costs no host time: in a batch with speculative rows, the group's first GDN layer
-launches it at the start of its forward (`update_counts`), before any layer of the group reads the commit nodes, so a
-FULL CUDA graph captures it and replays it for free; in a batch without any (prefills only), the builder runs it. One
-Triton launch on CUDA (`kernels.bookkeeping.slot_counts_triton`), torch ops elsewhere; no host sync either way.
+launches it at the start of its forward (`update_counts`, which also reads its arguments there), before any layer of
+the group reads the commit nodes, so a FULL CUDA graph captures it and replays it for free, and the build prepares
+nothing of it; in a batch without any (prefills only), the builder runs it. One Triton launch on CUDA
+(`kernels.bookkeeping.slot_counts_triton`), torch ops elsewhere; no host sync either way.
 
 Both runners call the builder's `build` (Model Runner V2 for the first GDN group of a spec; for each further group it
 re-gathers the state indices, which `v2.accepted_counts` follows with `with_commit_nodes` too: each group commits its
@@ -44,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -82,16 +82,30 @@ class ReconstructGDNAttentionMetadata(GDNAttentionMetadata):
     # in a chain step of `draft_tree_max_batch_size`, so the verify launches as a chain config's would; None: the
     # buffer's rows (1 + num_speculative_tokens).
     verify_block_len: int | None = None
-    # The step's count update (`commit_nodes_and_counts` on this metadata's tensors), left for `counts_layer`, the
-    # group's first GDN layer, to run in its forward; None where the builder ran it.
-    count_update: Callable[[], None] | None = None
+    # The name of the layer that runs the step's count update (`commit_nodes_and_counts` on this metadata's tensors)
+    # at the start of its forward: the group's first GDN layer, which holds the count state; None where the builder
+    # ran it (a batch without speculative rows).
     counts_layer: str | None = None
 
-    def update_counts(self, layer_name: str) -> None:
-        """At the start of each reconstruct GDN layer's speculative step: the group's first layer runs the step's
-        count update (the commit nodes every layer of the group reads); the others find it done."""
-        if self.count_update is not None and layer_name == self.counts_layer:
-            self.count_update()
+    def update_counts(self, layer) -> None:
+        """At the start of each reconstruct GDN layer's speculative step (`layer`: the layer itself): the group's
+        first layer (`counts_layer`) runs the step's count update, the commit nodes every layer of the group reads;
+        the others find it done. Its arguments are read here, in the forward, from this metadata and the layer's count
+        state: a FULL CUDA graph captures the update, and a step that replays the graph prepares nothing for it on
+        the host. Before vLLM binds the KV cache (no count state: its profile run) each row's slot, and no commit."""
+        if layer.prefix != self.counts_layer:
+            return
+        batch_slots = self.spec_state_indices_tensor[:, 0]  # vLLM's column 0, strided: the kernel's source
+        counts = layer.verified_node_counts()
+        if counts is None:
+            self.state_indices.copy_(batch_slots)
+            self.commit_nodes.fill_(-1)
+            return
+        commit_nodes_and_counts(
+            counts, batch_slots=batch_slots, spec_query_start_loc=self.spec_query_start_loc, slots=self.state_indices,
+            commit_nodes=self.commit_nodes, non_spec_slots=self.non_spec_state_indices_tensor,
+            null_block=NULL_BLOCK_ID,
+            accepted=self.num_accepted_tokens if layer.step_buffers.runner_accepted_counts else None)
 
     # The per-node tensors below are derived on first use, in the GDN layer's forward: inside a CUDA graph's capture
     # they are captured ops on the builder's persistent spec_query_start_loc, so a replay recomputes them for its own
@@ -284,58 +298,49 @@ def commit_ancestor_table(tree: DraftTree, device) -> torch.Tensor:
 
 def with_commit_nodes(builder, metadata: GDNAttentionMetadata, tree_verify: bool,
                       layer=None) -> ReconstructGDNAttentionMetadata:
-    """vLLM's GDN metadata with each speculative row's slot, commit node and the step's count update; `tree_verify`:
-    the step verifies the config's tree (`DraftShape.verifies_tree`), else chains; `layer`: the builder's
-    `counts_layer`, where the caller has it."""
+    """vLLM's GDN metadata with each speculative row's slot and commit node (their tensors; the step's count update
+    fills them) and the layer that runs the count update; `tree_verify`: the step verifies the config's tree
+    (`DraftShape.verifies_tree`), else chains; `layer`: the builder's `counts_layer`, where the caller has it.
+
+    The count update (one launch on CUDA, `commit_nodes_and_counts`): the state indices, contiguous (vLLM's column 0
+    is strided); each row's commit node from the count recorded after its slot's last sampling (`v1.accepted_counts`:
+    1 + the accepted node's block index; 0, nothing pending, gives -1), or from the runner's accepted count where the
+    slot's says a verify is pending; then the step's counts. The null block (CUDA-graph capture and padding rows point
+    there) never holds a verify to commit: else every row of a capture would commit into it at once; nor is a count
+    ever recorded for it. Every row outside the speculative path (prefills, and a first step that vLLM counts as a
+    decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's new owner commits
+    nothing. In a batch with speculative rows the group's first GDN layer runs it in its forward
+    (`ReconstructGDNAttentionMetadata.update_counts`), so nothing of it is prepared here; in a batch without any, it
+    runs here."""
     result = reconstruct_metadata(metadata)
     layer = counts_layer(builder) if layer is None else layer
-    counts, buffers = layer.verified_node_counts(), layer.step_buffers
+    buffers = layer.step_buffers
+    if metadata.num_spec_decodes == 0:
+        counts = layer.verified_node_counts()
+        if counts is not None:  # no speculative step runs in this batch's forward
+            commit_nodes_and_counts(counts, non_spec_slots=metadata.non_spec_state_indices_tensor,
+                                    null_block=NULL_BLOCK_ID)
+        return result
+    # Every row of the batch (a FULL graph's padding rows too: in the null slot, with no nodes), so that a staged
+    # batch is computed straight into the builder's persistent buffers.
+    spec_state_indices = metadata.spec_state_indices_tensor  # [rows, 1 + k]: column 0 each row's state slot
+    rows = spec_state_indices.shape[0]
+    # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
+    if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, metadata.num_spec_decodes,
+                                  metadata.num_spec_decode_tokens):
+        state_indices, commit_nodes = buffers.staged(builder, rows)
+    else:
+        state_indices = torch.empty(rows, dtype=spec_state_indices.dtype, device=spec_state_indices.device)
+        commit_nodes = torch.empty_like(state_indices)
     tree = buffers.shape.tree
-    strided_state_indices = state_indices = commit_nodes = accepted = None
-    if metadata.num_spec_decodes > 0:
-        # Every row of the batch (a FULL graph's padding rows too: in the null slot, with no nodes), so that a
-        # staged batch is computed straight into the builder's persistent buffers.
-        # vLLM's column 0: each speculative row's state slot, strided (its FULL-graph buffer has 1 + k columns)
-        strided_state_indices = metadata.spec_state_indices_tensor[:, 0]
-        rows = strided_state_indices.shape[0]
-        # The builder's own `_stage_spec_decode` (GDN_STAGES_SPEC_DECODE), so a subclass's override counts.
-        if builder._stage_spec_decode(metadata.num_prefills, metadata.num_decodes, metadata.num_spec_decodes,
-                                      metadata.num_spec_decode_tokens):
-            state_indices, commit_nodes = buffers.staged(builder, rows)
+    if tree is not None:  # `ancestors` and `parents` follow in the forward
+        result.commit_ancestors = buffers.commit_ancestors(state_indices.device)
+        if tree_verify:
+            result.tree_ancestors = buffers.tree_ancestors(state_indices.device)
         else:
-            state_indices = torch.empty(rows, dtype=strided_state_indices.dtype, device=strided_state_indices.device)
-            commit_nodes = torch.empty_like(state_indices)
-        if tree is not None:  # `ancestors` and `parents` follow in the forward
-            result.commit_ancestors = buffers.commit_ancestors(state_indices.device)
-            if tree_verify:
-                result.tree_ancestors = buffers.tree_ancestors(state_indices.device)
-            else:
-                result.verify_block_len = 1 + tree.max_depth
-        if counts is None:
-            state_indices.copy_(strided_state_indices)
-            commit_nodes.fill_(-1)
-        if buffers.runner_accepted_counts:
-            # V2's accepted counts of the speculative rows (the builder's persistent buffer in a staged batch)
-            accepted = metadata.num_accepted_tokens
-        result.state_indices, result.commit_nodes = state_indices, commit_nodes
-    if counts is not None:
-        # The state indices, contiguous (vLLM's column 0 is strided); each row's commit node from the count
-        # recorded after its slot's last sampling (`v1.accepted_counts`: 1 + the accepted node's block index; 0,
-        # nothing pending, gives -1), or from the runner's accepted count where the slot's says a verify is pending;
-        # then the step's counts. The null block (CUDA-graph capture and padding rows
-        # point there) never holds a verify to commit: else every row of a capture would commit into it at once; nor
-        # is a count ever recorded for it. Every row outside the speculative path (prefills, and a first step that
-        # vLLM counts as a decode) starts or continues from the state vLLM's own kernels find in the slot: a slot's
-        # new owner commits nothing. One launch on CUDA. (The kernel's keywords: `batch_slots` the strided source,
-        # `slots` the contiguous state indices it fills.)
-        update = functools.partial(
-            commit_nodes_and_counts, counts, batch_slots=strided_state_indices,
-            spec_query_start_loc=metadata.spec_query_start_loc, slots=state_indices, commit_nodes=commit_nodes,
-            non_spec_slots=metadata.non_spec_state_indices_tensor, null_block=NULL_BLOCK_ID, accepted=accepted)
-        if metadata.num_spec_decodes > 0:
-            result.count_update, result.counts_layer = update, _checked_counts_layer_name(builder, buffers)
-        else:
-            update()  # no speculative step runs in this batch's forward
+            result.verify_block_len = 1 + tree.max_depth
+    result.state_indices, result.commit_nodes = state_indices, commit_nodes
+    result.counts_layer = _checked_counts_layer_name(builder, buffers)
     return result
 
 
