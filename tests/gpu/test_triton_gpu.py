@@ -61,6 +61,40 @@ def test_conv_step_vs_reference(history_len, dtype):
                            else expected.history[int(accepted[b])].to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chain_steps_without_parents_are_the_steps_with_them(dtype):
+    """A chain step's kernels given no parents (the adapter's chain call: the conv steps to the node before, the gated
+    step reads no topology) compute bit for bit what they compute given a chain's parents: the conv's outputs and
+    committed history over two steps, the gated step's outputs, factor rows and committed states."""
+    tokens, batch = 4, 3
+    packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
+    channels, history_len = 2 * H * K + HV * V, 3
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(packed.num_nodes, channels, generator=gen).to(dtype).cuda() for _ in range(2)]
+    weight = torch.randn(channels, 4, generator=gen).to(dtype).cuda()
+    conv_state = torch.randn(batch + 2, history_len, channels, generator=gen).to(dtype).cuda().transpose(1, 2)
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32, device="cuda")
+    accepted = torch.tensor([3, -1, 1], dtype=torch.int32, device="cuda")
+    runs = []
+    for parents in (packed.parents, None):
+        state = conv_state.clone()
+        inputs = torch.zeros(batch + 2, tokens, channels, dtype=dtype, device="cuda")
+        first = conv_step_triton(xs[0], state, slots, weight, None, parents, packed.cu_nodes, inputs, None)
+        second = conv_step_triton(xs[1], state, slots, weight, None, parents, packed.cu_nodes, inputs, accepted)
+        runs.append((first, second, state))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    gated, pool, gated_slots = gated_batch(tokens, batch, dtype, seed=8)
+    fresh, _, _ = gated_batch(tokens, batch, dtype, seed=9)
+    runs = []
+    for parents in (packed.parents, None):
+        state, factors = pool.clone(), slot_factors(pool.shape[0], tokens)
+        kw = dict(num_key_heads=H, max_nodes=tokens, factors=factors)
+        first = gdn_step_triton(*gated, state, gated_slots, parents, packed.cu_nodes, **kw)
+        second = gdn_step_triton(*fresh, state, gated_slots, parents, packed.cu_nodes, commit_nodes=accepted, **kw)
+        runs.append((first, second, state, factors.nan_to_num(0.0)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def gated_batch(tokens, batch, state_dtype, seed, heads=(H, HV), dims=(K, V)):
     """Raw post-conv inputs at real sizes (what vLLM's fused MTP kernel takes) and a pool with shuffled slots."""
     (h, hv), (key_dim, value_dim) = heads, dims
