@@ -17,6 +17,9 @@ from dataclasses import dataclass
 # vllm_treewy/kernels/conv_step_triton.py and vllm_treewy/kernels/gdn_step_triton (the step: _conv_step_kernel, then
 # _state_pass_kernel and _request_epilogue_kernel or _path_epilogue_kernel).
 KERNEL_KINDS = (
+    # vLLM's MoE layers: routing (top-k gating softmax, the token sort by expert), the experts' grouped GEMMs, the sum
+    # over a token's experts; ahead of GEMM and sampling, whose needles ("cutlass", "topk") some of them also hold.
+    ("MoE", ("moe", "gating", "expert")),
     ("treewy GDN step", ("_state_pass_kernel", "_request_epilogue_kernel", "_path_epilogue_kernel",
                          "_conv_step_kernel")),
     ("vLLM GDN", ("gdn", "gated_delta", "delta_rule", "causal_conv1d", "chunk_", "fused_recurrent", "l2norm",

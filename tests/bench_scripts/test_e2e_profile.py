@@ -13,6 +13,8 @@ def test_kinds_by_name():
     assert kind_of("void fused_gdn_decode_post_conv_mtp_kernel<float>(...)") == "vLLM GDN"
     assert kind_of("kernel_unified_attention_3d") == "attention"
     assert kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "GEMM"
+    assert kind_of("fused_moe_kernel") == kind_of("void moe_align_block_size_kernel<int>(...)") == "MoE"
+    assert kind_of("void topkGatingSoftmax<float, 8, 256>(...)") == "MoE"
     assert kind_of("something_else") == "other"
 
 
