@@ -26,7 +26,9 @@ time proper, which a whole-generate mean overstates for whichever engine accepts
 prefill). `report` computes per B the tree / chain tokens/s, the step-time ratio (decode steps where both points have
 them), and the break-even sibling rate (the sibling rate at which the tree's expected acceptance length,
 `spec_decode.synthetic_acceptance.expected_accepted_nodes`, times the chain's step time over the tree's, equals the
-chain's measured length); and per chain engine with a store_all twin of the same catalog name and profile, the
+chain's measured length), and the expected gain (the tree's expected acceptance length over the chain's under the
+class's rates: the tokens/s ratio at equal step times, which a point's measured lengths miss by their sampling noise);
+and per chain engine with a store_all twin of the same catalog name and profile, the
 reconstruct / store_all tokens/s and step-time ratios (`report.md`'s second table).
 
 On CPU (`--shape fixture`, the dry run): vLLM's CPU backend runs the V1 runner, which has no synthetic tree path and
@@ -270,6 +272,17 @@ def break_even_sibling(widths: list[int], profile: str, chain_length: float, ste
     return high
 
 
+def expected_gain(widths: list[int], profile: str, sibling_rate: float) -> float:
+    """The tree's expected acceptance length over the chain's of its depth under a profile and sibling rate (the
+    synthetic sampler's model, `expected_accepted_nodes`): the tokens/s ratio the tree reaches where its step costs
+    the chain's, and over a target ratio the step ratio that target allows."""
+    depth = len(widths)
+    rates = PROFILES[profile][:depth]
+    tree = 1 + expected_accepted_nodes(DraftTree.from_widths(widths).parents, [rates, [sibling_rate] * depth])
+    chain = 1 + expected_accepted_nodes(DraftTree.from_widths([1] * depth).parents, [rates, [0.0] * depth])
+    return tree / chain
+
+
 def report(args) -> int:
     out = Path(args.out)
     runs = {}
@@ -299,6 +312,8 @@ def report(args) -> int:
                            tokens_per_s_ratio=point["tokens_per_s"] / c["tokens_per_s"], step_time_ratio=step_ratio,
                            break_even_sibling_rate=(break_even_sibling(widths, profile, c["acceptance_length"],
                                                                        step_ratio) if profile in PROFILES else None))
+            if profile in PROFILES:
+                row["expected_gain"] = expected_gain(widths, profile, point["sibling_rate"])
             rows.append(row)
     strategy_rows = strategy_ratios(runs)
     (out / "report.json").write_text(json.dumps({"rows": rows, "strategy_rows": strategy_rows,
@@ -308,7 +323,7 @@ def report(args) -> int:
     columns = ["tree", "chain", "profile", "sibling_rate", "batch", "tree_tokens_per_s", "chain_tokens_per_s",
                "tokens_per_s_ratio", "tree_step_ms", "chain_step_ms", "tree_decode_step_ms", "chain_decode_step_ms",
                "step_time_ratio", "tree_acceptance_length",
-               "chain_acceptance_length", "break_even_sibling_rate"]
+               "chain_acceptance_length", "expected_gain", "break_even_sibling_rate"]
     with open(out / "report.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -318,7 +333,7 @@ def report(args) -> int:
         return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
     lines = ["| tree | chain | profile | sibling | B | tokens/s tree / chain | ratio | step ms tree / chain | step "
-             "ratio | acceptance tree / chain | break-even sibling |", "|" + "---|" * 11]
+             "ratio | acceptance tree / chain | expected gain | break-even sibling |", "|" + "---|" * 12]
     for r in rows:
         if r.get("tree_decode_step_ms") and r.get("chain_decode_step_ms"):  # the ratio's own step times
             r = dict(r, tree_step_ms=r["tree_decode_step_ms"], chain_step_ms=r["chain_decode_step_ms"])
@@ -327,7 +342,7 @@ def report(args) -> int:
                      f"{cell(r.get('tokens_per_s_ratio'))} | {cell(r['tree_step_ms'])} / "
                      f"{cell(r.get('chain_step_ms'))} | {cell(r.get('step_time_ratio'))} | "
                      f"{cell(r['tree_acceptance_length'])} / {cell(r.get('chain_acceptance_length'))} | "
-                     f"{cell(r.get('break_even_sibling_rate'))} |")
+                     f"{cell(r.get('expected_gain'), 3)} | {cell(r.get('break_even_sibling_rate'))} |")
     if strategy_rows:
         lines += ["", "| chain | profile | B | tokens/s reconstruct / store_all | ratio | step ms reconstruct / store_all "
                   "| step ratio |", "|" + "---|" * 7]

@@ -62,6 +62,7 @@ def test_report_ratios_and_break_even(tmp_path):
     parents = DraftTree.from_widths([2, 2, 1]).parents
     tree_length = 1 + expected_accepted_nodes(parents, [bench.PROFILES["code"][:3], [s] * 3])
     assert tree_length / 1.05 == pytest.approx(3.4, abs=1e-6)
+    assert code["expected_gain"] == pytest.approx(bench.expected_gain([2, 2, 1], "code", 0.4))
     assert prose["chain"] is None and "tokens_per_s_ratio" not in prose  # no prose chain measured
     assert (tmp_path / "report.csv").read_text().splitlines()[0].startswith("tree,chain,profile")
     assert "| tree221 | k3-code | code |" in (tmp_path / "report.md").read_text()
@@ -96,6 +97,17 @@ def test_report_gives_reconstruct_over_store_all_per_chain(tmp_path):
     assert row["chain"] == "k1-code" and row["tokens_per_s_ratio"] == pytest.approx(0.9)
     assert row["step_time_ratio"] == pytest.approx(10 / 9)
     assert "| k1-code | code | 1 | 90 / 100 | 0.90 |" in (tmp_path / "report.md").read_text()
+
+
+def test_expected_gain_is_the_trees_expected_length_over_the_chains():
+    # code-like rank-0 rates, sibling 0.4: depth 1 accepts 0.917 + 0.083 * 0.4, depth 2 0.913 + 0.087 * 0.4, depth 3
+    # (width 1) 0.774; the chain 0.917, 0.913, 0.774 (its expected length 3.402)
+    c = bench.PROFILES["code"]
+    d1, d2 = c[0] + (1 - c[0]) * 0.4, c[1] + (1 - c[1]) * 0.4
+    tree = 1 + d1 + d1 * d2 + d1 * d2 * c[2]
+    chain = 1 + c[0] + c[0] * c[1] + c[0] * c[1] * c[2]
+    assert bench.expected_gain([2, 2, 1], "code", 0.4) == pytest.approx(tree / chain)
+    assert bench.expected_gain([1, 1, 1], "prose", 0.4) == pytest.approx(1.0)  # a chain gains nothing from siblings
 
 
 def test_break_even_ends():
