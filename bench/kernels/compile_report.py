@@ -82,14 +82,14 @@ def step_case(state_dtype, tokens, batch, widths=None, mode="fused"):
         commit_ancestors = ancestor_table_torch(one.parents, one.cu_nodes, one.max_depth)
     out = torch.zeros(n, HV, V, dtype=torch.bfloat16)
     if mode == "commit":
-        return step_launches(None, None, None, None, None, None, None, state, state_indices, None, None, factors,
+        return step_launches(None, None, None, None, None, None, None, state, state_indices, None, factors,
                              commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=1, scale=None, norm_eps=0.0,
                              activation="silu", ancestors=None, out=None, launch=None)[0]
     if mode == "verify":
         commit_nodes = commit_ancestors = None
     launches, _ = step_launches(
-        mixed_qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, packed.parents, packed.cu_nodes,
-        factors, commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=nodes, scale=None, norm_eps=1e-6,
+        mixed_qkv, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, packed.cu_nodes, factors,
+        commit_nodes, commit_ancestors, num_key_heads=H, max_nodes=nodes, scale=None, norm_eps=1e-6,
         activation="silu", ancestors=ancestors, out=out, launch=None)
     return launches
 

@@ -143,7 +143,7 @@ class Step:
 
     def ours(self, s, launch, commit=True):
         return lambda: gdn_step_triton(
-            *self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes, num_key_heads=H,
+            *self.inputs(), self.pool, self.slot_sets[s], self.cu_nodes, num_key_heads=H,
             max_nodes=self.max_nodes, ancestors=self.ancestors,
             norm_eps=EPS, commit_nodes=self.commit_nodes if commit else None,
             commit_ancestors=self.commit_ancestors if commit else None, out=self.out, factors=self.factors,
@@ -152,7 +152,7 @@ class Step:
     def launches(self, s, launch):
         """The step's two launches one by one (the state pass, the epilogue), each as a call."""
         launches, _ = step_launches(
-            *self.inputs(), self.pool, self.slot_sets[s], self.parents, self.cu_nodes, self.factors,
+            *self.inputs(), self.pool, self.slot_sets[s], self.cu_nodes, self.factors,
             self.commit_nodes, self.commit_ancestors, num_key_heads=H, max_nodes=self.max_nodes, scale=None,
             norm_eps=EPS, activation="silu", ancestors=self.ancestors, out=self.out, launch=launch)
         return [lambda kernel=kernel, grid=grid, args=args, kwargs=kwargs: kernel[grid](*args, **kwargs)

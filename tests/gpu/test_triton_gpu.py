@@ -62,10 +62,9 @@ def test_conv_step_vs_reference(history_len, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_chain_steps_without_parents_are_the_steps_with_them(dtype):
-    """A chain step's kernels given no parents (the adapter's chain call: the conv steps to the node before, the gated
-    step reads no topology) compute bit for bit what they compute given a chain's parents: the conv's outputs and
-    committed history over two steps, the gated step's outputs, factor rows and committed states."""
+def test_chain_conv_steps_without_parents_are_the_steps_with_them(dtype):
+    """A chain's conv steps given no parents (the adapter's chain call: each node steps to the node before) compute
+    bit for bit what they compute given a chain's parents: the outputs and committed history over two steps."""
     tokens, batch = 4, 3
     packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
     channels, history_len = 2 * H * K + HV * V, 3
@@ -82,16 +81,6 @@ def test_chain_steps_without_parents_are_the_steps_with_them(dtype):
         first = conv_step_triton(xs[0], state, slots, weight, None, parents, packed.cu_nodes, inputs, None)
         second = conv_step_triton(xs[1], state, slots, weight, None, parents, packed.cu_nodes, inputs, accepted)
         runs.append((first, second, state))
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-    gated, pool, gated_slots = gated_batch(tokens, batch, dtype, seed=8)
-    fresh, _, _ = gated_batch(tokens, batch, dtype, seed=9)
-    runs = []
-    for parents in (packed.parents, None):
-        state, factors = pool.clone(), slot_factors(pool.shape[0], tokens)
-        kw = dict(num_key_heads=H, max_nodes=tokens, factors=factors)
-        first = gdn_step_triton(*gated, state, gated_slots, parents, packed.cu_nodes, **kw)
-        second = gdn_step_triton(*fresh, state, gated_slots, parents, packed.cu_nodes, commit_nodes=accepted, **kw)
-        runs.append((first, second, state, factors.nan_to_num(0.0)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -195,7 +184,7 @@ def check_gated_two_steps(tree, chain, state_dtype, launch, batch=3, heads=(H, H
         ancestors = ancestor_table(packed.parents, packed.cu_nodes, packed.max_depth)
         commit_ancestors = ancestor_table(one.parents, one.cu_nodes, one.max_depth)
     kw = dict(num_key_heads=h, max_nodes=nodes, ancestors=ancestors, factors=factors, launch=launch)
-    out = gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, **kw)
+    out = gdn_step_triton(*inputs, pool, slots, packed.cu_nodes, **kw)
     assert torch.equal(pool, before)
     _, _, u, _ = split_slot_factors(factors, hv, key_dim, value_dim)
     tolerance = 2e-5 if state_dtype == torch.float32 else 2e-2
@@ -212,7 +201,7 @@ def check_gated_two_steps(tree, chain, state_dtype, launch, batch=3, heads=(H, H
     commit_nodes = torch.full((batch,), leaf, dtype=torch.int32, device="cuda")
     commit_nodes[1] = -1
     fresh, _, _ = gated_batch(nodes, batch, state_dtype, seed=nodes + 100, heads=heads, dims=dims)
-    gdn_step_triton(*fresh, pool, slots, packed.parents, packed.cu_nodes, commit_nodes=commit_nodes,
+    gdn_step_triton(*fresh, pool, slots, packed.cu_nodes, commit_nodes=commit_nodes,
                     commit_ancestors=commit_ancestors, **kw)
     state_tolerance = 2e-5 if state_dtype == torch.float32 else 1e-2
     for b in range(batch):
@@ -234,10 +223,10 @@ def test_gated_step_graph_capture(launch):
     commit_nodes = torch.tensor([3, 1], dtype=torch.int32, device="cuda")
 
     def step():
-        return gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
+        return gdn_step_triton(*inputs, pool, slots, packed.cu_nodes, num_key_heads=H, max_nodes=4,
                                out=out, factors=factors, commit_nodes=commit_nodes, launch=launch)
 
-    gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=4,
+    gdn_step_triton(*inputs, pool, slots, packed.cu_nodes, num_key_heads=H, max_nodes=4,
                     out=out, factors=factors, launch=launch)  # rows to commit
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -264,7 +253,7 @@ def test_gated_split_products_accuracy():
     packed = pack_trees([DraftTree.from_widths([1] * tokens)] * batch, device="cuda")
     factors = slot_factors(pool.shape[0], tokens)
     before = pool.clone()
-    gdn_step_triton(*inputs, pool, slots, packed.parents, packed.cu_nodes, num_key_heads=H, max_nodes=tokens,
+    gdn_step_triton(*inputs, pool, slots, packed.cu_nodes, num_key_heads=H, max_nodes=tokens,
                     factors=factors)
     u = split_slot_factors(factors, HV, K, V)[2]
     for b in range(batch):

@@ -88,12 +88,10 @@ def tree_table(packed):
 
 
 def run_step(packed, inputs, state, slots, key_heads, factors, chain=False, commit=None, commit_ancestors=None,
-             parents=True, **kw):
-    """The Triton step on the packed batch: as chains (no ancestor table) or, by default, through its table; without
-    parents (None) if not `parents`."""
+             **kw):
+    """The Triton step on the packed batch: as chains (no ancestor table) or, by default, through its table."""
     dev = [x.to(DEVICE) for x in inputs]
-    return gdn_step_triton(*dev, state, slots.to(DEVICE), packed.parents.to(DEVICE) if parents else None,
-                           packed.cu_nodes.to(DEVICE),
+    return gdn_step_triton(*dev, state, slots.to(DEVICE), packed.cu_nodes.to(DEVICE),
                            factors=factors, commit_nodes=on_device(commit),
                            commit_ancestors=on_device(commit_ancestors),
                            num_key_heads=key_heads, max_nodes=max(1, packed.max_nodes),
@@ -298,8 +296,8 @@ def check_two_steps(steps, key_heads, ratio, dims, state_dtype, gate_scale, seed
 @given(batch=st.lists(chains(max_nodes=8), min_size=1, max_size=3), seed=st.integers(0, 2**16),
        activation=st.sampled_from(["silu", "sigmoid"]))
 def test_chain_without_table_and_activation(batch, seed, activation):
-    """Chains without an ancestor table (the chain signal) equal the same chains through their table; without
-    parents too (None: what the adapter passes for chains), bit for bit, in the kernels and the twin."""
+    """Chains without an ancestor table (the chain signal) equal the same chains through their table; the twin's
+    chains without parents (None) are its chains with them, bit for bit."""
     packed, inputs, pool, slots = gated_inputs(batch, 1, 2, 16, 16, seed)
     state = pool.float().to(DEVICE)
     factors = slot_factor_page(state.shape[0], packed.max_nodes, 2, 16, 16, seed)
@@ -307,10 +305,6 @@ def test_chain_without_table_and_activation(batch, seed, activation):
     by_chain = run_step(packed, inputs, state, slots, 1, chain_factors, chain=True, activation=activation)
     by_walk = run_step(packed, inputs, state, slots, 1, factors.clone(), chain=False, activation=activation)
     assert within(by_chain.cpu(), by_walk.cpu().double(), 1e-6)
-    no_parents_factors = factors.clone()
-    no_parents = run_step(packed, inputs, state, slots, 1, no_parents_factors, chain=True, parents=False,
-                          activation=activation)
-    assert torch.equal(no_parents, by_chain) and torch.equal(no_parents_factors, chain_factors)
     twin_factors = factors.cpu().clone()
     twin = gdn_step_packed(*inputs, state.cpu(), slots, packed.parents, packed.cu_nodes, num_key_heads=1,
                            factors=twin_factors, activation=activation)
@@ -430,8 +424,7 @@ def test_default_launch_of_every_table_row(state_dtype, batch, nodes, launch, di
     factors = slot_factor_page(state.shape[0], tree.num_nodes, 2, key_dim, value_dim, 5)
     before = factors.clone()
     launches, _ = gdn_step_module.step_launches(
-        *(x.to(DEVICE) for x in inputs1), state, slots.to(DEVICE), packed1.parents.to(DEVICE),
-        packed1.cu_nodes.to(DEVICE), factors, None, None, num_key_heads=1, max_nodes=packed1.max_nodes,
+        *(x.to(DEVICE) for x in inputs1), state, slots.to(DEVICE), packed1.cu_nodes.to(DEVICE), factors, None, None, num_key_heads=1, max_nodes=packed1.max_nodes,
         scale=None, norm_eps=1e-6, activation="silu", ancestors=None if chain else tree_table(packed1),
         out=None, launch=None)
     assert gdn_step_module.step_launch(state_dtype, batch, tree.num_nodes) == launch

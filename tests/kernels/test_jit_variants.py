@@ -67,7 +67,7 @@ def step_views(batch, tokens, mixed, state, factors, conv_state, conv_inputs, pe
     A_log, dt_bias = torch.empty(HV), torch.empty(HV, dtype=torch.bfloat16)
     norm_weight = torch.empty(V, dtype=torch.bfloat16)
     gated = gdn_step_module.step_launches(
-        conv_out, a, b, A_log, dt_bias, output_gate, norm_weight, state, slots, parents, cu_nodes, factors,
+        conv_out, a, b, A_log, dt_bias, output_gate, norm_weight, state, slots, cu_nodes, factors,
         commit_nodes, None, num_key_heads=H, max_nodes=tokens, scale=K**-0.5, norm_eps=1e-6, activation="silu",
         ancestors=None, out=out, launch=None)
     return conv, gated

@@ -103,7 +103,7 @@ def ours(kind, inputs, state, **launch):
     if kind == "twin":
         return gdn_step_packed(*inputs, state.clone(), slots, parents, cu_nodes, num_key_heads=H, factors=factors,
                                norm_eps=EPS)
-    return gdn_step_triton(*inputs, state.clone(), slots, parents, cu_nodes, factors=factors, num_key_heads=H,
+    return gdn_step_triton(*inputs, state.clone(), slots, cu_nodes, factors=factors, num_key_heads=H,
                            max_nodes=1, norm_eps=EPS, **launch)
 
 

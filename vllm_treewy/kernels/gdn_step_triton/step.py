@@ -20,7 +20,7 @@ nodes over several programs). How each launch is tiled is a `StepLaunch`, chosen
 The adapter's call, where vLLM would call `fused_gdn_decode_post_conv_mtp` after the conv:
 
     out = gdn_step_triton(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices,
-                          parents, cu_nodes, factors=slot_factors, commit_nodes=commit_nodes,
+                          cu_nodes, factors=slot_factors, commit_nodes=commit_nodes,
                           commit_ancestors=commit_table, num_key_heads=H, max_nodes=T, ancestors=tree_table,
                           scale=K**-0.5, norm_eps=eps, activation="silu", out=core_attn_out)
 
@@ -155,8 +155,8 @@ def _check_factors(factors, state, state_indices, commit_nodes, commit_ancestors
     assert state_indices.stride(0) == 1, "the kernels index state_indices flat (a strided column would be misread)"
 
 
-def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes,
-                  factors, commit_nodes, commit_ancestors, *, num_key_heads, max_nodes, scale, norm_eps, activation,
+def step_launches(mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, cu_nodes, factors,
+                  commit_nodes, commit_ancestors, *, num_key_heads, max_nodes, scale, norm_eps, activation,
                   ancestors, out, launch):
     """([(kernel, grid, positional arguments, keyword arguments)] in launch order, out): checks done, the launch
     resolved (None: `step_launch`'s), nothing launched. `mixed_qkv` None: the commit alone (the state pass without
@@ -241,7 +241,6 @@ def gdn_step_triton(
     norm_weight: torch.Tensor,
     state: torch.Tensor,
     state_indices: torch.Tensor,
-    parents: torch.Tensor | None,
     cu_nodes: torch.Tensor,
     *,
     factors: torch.Tensor,
@@ -279,11 +278,10 @@ def gdn_step_triton(
         state_indices (torch.Tensor):
             ``[B]`` int32, contiguous: request b's slot; negative marks a padding request (nothing read or written,
             its rows of ``out`` untouched).
-        parents (Optional[torch.Tensor]), cu_nodes (torch.Tensor):
-            the packed trees (`vllm_treewy.tree.pack_trees`): ``parents [N]`` int32 local indices (-1: a child of the
-            committed state; parents precede their children), ``cu_nodes [B+1]`` int32 offsets; a request may have
-            0 nodes. The kernels read a tree's topology from ``ancestors`` only, so ``parents`` is never read here
-            (the twin, `gdn_step_packed`, reads it): None is fine, and a chain needs no parents anywhere.
+        cu_nodes (torch.Tensor):
+            the packed trees' offsets (`vllm_treewy.tree.pack_trees`), ``[B+1]`` int32: request b's nodes are rows
+            ``cu_nodes[b] .. cu_nodes[b+1]``; a request may have 0 nodes. A tree's topology comes from ``ancestors``
+            alone (the twin, `gdn_step_packed`, takes the packed parents instead); a chain needs none.
         factors (torch.Tensor):
             the slots' factor rows ``[S', T, F]`` fp32 (`vllm_treewy.kernels.factor_rows`: S' >= S, T >= max_nodes,
             F = ``slot_factor_width(HV, K, V)``; first two strides free, last dim contiguous). The commit reads the
@@ -336,7 +334,7 @@ def gdn_step_triton(
     pass, then its programmatic dependent epilogue on Hopper); one compiled variant per dtypes and static arguments.
     """
     launches, out = step_launches(
-        mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, parents, cu_nodes, factors,
+        mixed_qkv, a, b, A_log, dt_bias, output_gate, norm_weight, state, state_indices, cu_nodes, factors,
         commit_nodes, commit_ancestors, num_key_heads=num_key_heads, max_nodes=max_nodes, scale=scale,
         norm_eps=norm_eps, activation=activation, ancestors=ancestors, out=out, launch=launch)
     _run(launches)
@@ -383,7 +381,7 @@ def gdn_commit_triton(
     One launch (the state pass without products), no allocation, no host sync: capturable in a CUDA graph.
     """
     launches, _ = step_launches(
-        None, None, None, None, None, None, None, state, state_indices, None, None, factors, commit_nodes,
+        None, None, None, None, None, None, None, state, state_indices, None, factors, commit_nodes,
         commit_ancestors, num_key_heads=num_key_heads, max_nodes=1, scale=None, norm_eps=0.0, activation="silu",
         ancestors=None, out=None, launch=launch)
     _run(launches)

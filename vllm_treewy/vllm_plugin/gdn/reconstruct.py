@@ -95,7 +95,7 @@ def step_triton(layer, metadata, x, a, b, output_gate, out, *, conv_weight, conv
                                 buffer.conv_inputs, commit_nodes, commit_ancestors=commit_ancestors,
                                 activation=activation, block_nodes=min(16, triton.next_power_of_2(max_nodes)))
     gdn_step_triton(conv_out, a, b, layer.A_log, layer.dt_bias, output_gate, layer.norm.weight, ssm_state,
-                    state_indices, parents, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
+                    state_indices, cu_nodes, num_key_heads=layout.num_k_heads, max_nodes=max_nodes,
                     ancestors=ancestors, scale=layout.head_k_dim**-0.5, norm_eps=layer.layer_norm_epsilon,
                     activation=layer.norm.activation, out=out, factors=buffer.factors, commit_nodes=commit_nodes,
                     commit_ancestors=commit_ancestors)
