@@ -33,16 +33,18 @@ first speculative step (the drafts verified at depth 1 and 2). Two judges:
 Threshold: every p-value > P_MIN = 1e-4. The module computes 4 (engines) x 2 (settings) x 6 exactness p-values and
 3 x 2 x 3 homogeneity ones (66); with 1e-4 each, the chance that an exact sampler fails somewhere is below 0.7 %
 (Bonferroni), and since every request is seeded or draws from the engine's seeded stream the verdict is a fixed
-function of the code. A real bug is far below: with NUM_SAMPLES = 400 each planted one's smallest exactness p-value
-is below 1e-80 (first-child 2e-126 / 0, root-row 5e-98 / 2e-126, vLLM's unfixed CPU expansion 1e-116 / 0,
-parents-draw 3e-82 / 8e-158 at T 1.0 / T 0.7 top-p 0.9; the expansion reads uninitialized memory, so its figures
-vary between runs) and its smallest homogeneity p-value below 1e-12 (first-child 4e-61 / 6e-119, root-row 9e-13 /
-1e-37, expansion 2e-47 / 2e-119, parents-draw 1e-18 / 4e-37), while the exact samplers' smallest are 0.05 (no
-speculation's token1 at T 0.7 top-p 0.9) and 0.02 (homogeneity of the tree's every-node path at T 0.7 top-p 0.9),
-every other above 0.2 (figures of the runs with an engine per run; the unseeded runs now draw from the shared
-engine's stream, the verdict still a fixed function of the code). (At NUM_SAMPLES = 1000 the bugs' exactness
-p-values were below 1e-100 and the module took 14 min: 400 keeps every planted bug below P_MIN by more than 8 orders
-of magnitude in both judges at 40 % of the time.)
+function of the code. A real bug is far below. NUM_SAMPLES is set by the weakest planted bug's weakest judge:
+a bug's statistic is, in expectation, its degrees of freedom plus N times a fixed shift (a noncentral chi-square),
+and for the homogeneity table of N samples against N the shift is half the per-sample one. At N = 400 the weakest,
+root-row's homogeneity of token 3 at T 1.0, was chi2 = 68.3 (dof 6, p 9e-13), so at N = 250 its expectation is
+6 + 62.3 * 250 / 400 = 45 (p about 5e-8); its run gives 31.9 (dof 4, p 2e-6, the seeds fixed: the same every run),
+parents-draw's 36.0 (dof 4, p 3e-7), every other bug's homogeneity below 1e-21, and every bug's smallest exactness
+p-value below 1e-50 (first-child 8e-73 / 0, root-row 1e-68 / 3e-67, vLLM's unfixed CPU expansion 1e-96 / 0,
+parents-draw 2e-50 / 1e-71 at T 1.0 / T 0.7 top-p 0.9; the expansion reads uninitialized memory, so its figures
+vary between runs): each planted bug fails both judges. The exact samplers' smallest p-values at N = 250: 0.18
+(exactness, no speculation's pit3 at T 1.0 and the every-node path's pit1) and 0.03 (homogeneity of the every-node
+path's token 3 at T 1.0). (At N = 1000 the bugs' exactness p-values were below 1e-100 and at N = 400 their
+homogeneity ones below 1e-12: 250 keeps both judges failing every planted bug at 60 % of 400's time.)
 `-s` prints every p-value.
 
 Planted bugs (the same judges must fail them; `parents-draw` on the every-node path, the others seeded):
@@ -58,7 +60,8 @@ override leaves the per-token temperature / top-p of the draft rows uninitialize
 Wall time: 6 min on the 2-core CI machine with an engine per run (8 engines, 2 x 400 requests each, then a one-token
 judge request per distinct context), most of it the speculative engines' CPU prefills and steps (vLLM's CPU causal
 convolution, bf16 GEMMs, about 50 ms a request): 14 min with 1000 requests, 35 min with 1000 and the whole 77-token
-prompt. Now the three engines of SHARED_ENGINES and the no-speculation one run the same requests.
+prompt. Now the three engines of SHARED_ENGINES and the no-speculation one run the same requests, 250 of each run
+and setting: 3.5 min.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ from vllm_treewy.fixture import blurred_mtp_variant, fixture_prompts
 pytestmark = pytest.mark.e2e
 
 SETTINGS = {"t1.0": (1.0, 1.0), "t0.7-p0.9": (0.7, 0.9)}
-NUM_SAMPLES = 400
+NUM_SAMPLES = 250
 MAX_TOKENS = 3
 # The prompt: the last PROMPT_TOKENS tokens of fixture_prompts' third prompt, next-token entropy 3.7 nats at T = 1 and
 # 1.6 at T = 0.7 (the whole 77-token prompt's: 3.8 / 1.6; many short cuts of the corpus are near-deterministic on the
