@@ -255,11 +255,8 @@ def break_even_sibling(widths: list[int], profile: str, chain_length: float, ste
     """The sibling rate s at which the tree's expected acceptance length / its step time equals the chain's measured
     length / its step time (`step_ratio` = tree step / chain step); None when no s in [0, 1] reaches it (0.0: the
     tree pays at any sibling rate)."""
-    depth = len(widths)
-    parents = DraftTree.from_widths(widths).parents
-
     def gain(s: float) -> float:
-        return (1 + expected_accepted_nodes(parents, [PROFILES[profile][:depth], [s] * depth])) / step_ratio
+        return expected_length(widths, profile, s) / step_ratio
 
     if gain(0.0) >= chain_length:
         return 0.0
@@ -272,15 +269,18 @@ def break_even_sibling(widths: list[int], profile: str, chain_length: float, ste
     return high
 
 
-def expected_gain(widths: list[int], profile: str, sibling_rate: float) -> float:
-    """The tree's expected acceptance length over the chain's of its depth under a profile and sibling rate (the
-    synthetic sampler's model, `expected_accepted_nodes`): the tokens/s ratio the tree reaches where its step costs
-    the chain's, and over a target ratio the step ratio that target allows."""
+def expected_length(widths: list[int], profile: str, sibling_rate: float) -> float:
+    """1 + the expected accepted nodes of the tree (or chain) `widths` under a profile's rank-0 rates and a sibling
+    rate: the synthetic sampler's model (`expected_accepted_nodes`)."""
     depth = len(widths)
-    rates = PROFILES[profile][:depth]
-    tree = 1 + expected_accepted_nodes(DraftTree.from_widths(widths).parents, [rates, [sibling_rate] * depth])
-    chain = 1 + expected_accepted_nodes(DraftTree.from_widths([1] * depth).parents, [rates, [0.0] * depth])
-    return tree / chain
+    rates = [PROFILES[profile][:depth], [sibling_rate] * depth]
+    return 1 + expected_accepted_nodes(DraftTree.from_widths(widths).parents, rates)
+
+
+def expected_gain(widths: list[int], profile: str, sibling_rate: float) -> float:
+    """The tree's expected acceptance length over the chain's of its depth (`expected_length`): the tokens/s ratio
+    the tree reaches where its step costs the chain's, and over a target ratio the step ratio that target allows."""
+    return expected_length(widths, profile, sibling_rate) / expected_length([1] * len(widths), profile, 0.0)
 
 
 def report(args) -> int:

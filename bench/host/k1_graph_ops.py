@@ -13,16 +13,12 @@ data touched, no launch), by name, and the launches. Layers per group: the fixtu
 groups: 2 and 1).
 
     python -m bench.host.k1_graph_ops --batch 8 --k 1
-
-Runs against whichever tree is on PYTHONPATH (the adapter's API of either side of the change that introduced it:
-`update_counts` took the layer's name before, the layer after).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import os
 from types import SimpleNamespace
 
@@ -63,9 +59,9 @@ def group_metadata(batch: int, k: int, group: int, slots_per_group: int):
     layer.verified_node_counts = ReconstructGatedDeltaNetAttention.verified_node_counts.__get__(layer)
     max_rows = 4 * batch
     builder = Builder(layer_names=[name], use_full_cuda_graph=True, decode_cudagraph_max_bs=max_rows,
-                              num_accepted_tokens=torch.ones(max_rows, dtype=torch.int32),
-                              vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(
-                                  static_forward_context={name: layer})))
+                      num_accepted_tokens=torch.ones(max_rows, dtype=torch.int32),
+                      vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(
+                          static_forward_context={name: layer})))
     builder._stage_spec_decode = GDNAttentionMetadataBuilder._stage_spec_decode.__get__(builder)
     tokens = 1 + k
     persistent = torch.arange(max_rows, dtype=torch.int32)[:, None].expand(-1, tokens).contiguous()
@@ -94,7 +90,6 @@ def count(batch: int, k: int, layers_per_group) -> tuple[collections.Counter, se
 
     from vllm_treewy.kernels.bookkeeping import dispatch
     from vllm_treewy.vllm_plugin.gdn import reconstruct
-    from vllm_treewy.vllm_plugin.gdn.step_metadata import ReconstructGDNAttentionMetadata
 
     ops, parents_given = Ops(), set()
 
@@ -117,7 +112,6 @@ def count(batch: int, k: int, layers_per_group) -> tuple[collections.Counter, se
     reconstruct.conv_step_triton, reconstruct.gdn_step_triton = conv_step, gdn_step
     GridExecutor.__call__ = counted_launch
     try:
-        by_name = "layer_name" in inspect.signature(ReconstructGDNAttentionMetadata.update_counts).parameters
         groups = [group_metadata(batch, k, g, 4 * batch + 2) for g in range(len(layers_per_group))]
         with ops:
             for (metadata, counts_layer), layers in zip(groups, layers_per_group):
@@ -125,7 +119,7 @@ def count(batch: int, k: int, layers_per_group) -> tuple[collections.Counter, se
                     prefix = counts_layer.prefix if i == 0 else f"{counts_layer.prefix}.{i}"
                     layer, caches = stand_in_layer(prefix, k)
                     # the layer's `_caches` (the count update where it is the group's first), then its step
-                    metadata.update_counts(prefix if by_name else (counts_layer if i == 0 else layer))
+                    metadata.update_counts(counts_layer if i == 0 else layer)
                     x = torch.empty(metadata.num_actual_tokens, 4)
                     reconstruct.step_triton(layer, metadata, x, x, x, x, x, **caches)
     finally:
