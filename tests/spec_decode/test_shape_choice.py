@@ -159,6 +159,21 @@ def test_refreshes_are_bounded_and_catch_a_cost_change():
     assert engine.shapes[-1] == TREE and chooser.costs.cost(8, TREE) < 1.0
 
 
+def test_the_refresh_bound_holds_for_a_batch_moving_between_buckets():
+    # the batch spends 60 steps in one bucket, then 60 in the other: each time it comes back, the tree's cost there
+    # is older than refresh_steps, but refresh holds start at most once per refresh_steps
+    settle, refresh_steps, blocks, block = 2, 100, 50, 60
+    table = trained_table(np.stack([CODE] * 16))
+    chooser = ShapeChooser(table, StepCosts(BUCKETS, 4), settle=settle, refresh_steps=refresh_steps)
+    engine = Engine(chooser, {TREE: 1.3, CHAIN: 1.0})
+    for number in range(blocks):
+        engine.run(np.arange(8 if number % 2 else 16), steps=block)
+    explorations = 2 * 2 * (settle + 1)  # both shapes, both buckets, once
+    off_best = engine.shapes.count(TREE)
+    assert off_best - explorations <= (settle + 1) * math.ceil(blocks * block / refresh_steps)
+    assert off_best - explorations >= (settle + 1) * (blocks * block // (2 * refresh_steps))  # refreshes happen
+
+
 def break_even_code_share(tree_seconds: float) -> float:
     """The share of code-like requests at which a batch's tree and chain give equal expected tokens/s."""
     gains = [tree / tree_seconds - chain for tree, chain in (true_lengths(CODE), true_lengths(PROSE))]
