@@ -172,7 +172,7 @@ class AcceptanceTable:
         self._transfer = np.array([[1.0 if w > 1 else 0.0] for w in widths])  # [D, 1]
         self._default_keep = np.array([(1.0 - default_sibling_rate) ** (w - 1) for w in widths])
         self._single_child_depths = np.array([d for d, w in enumerate(widths) if w == 1], dtype=np.int64)
-        # What a step adds to a row's counts [2 (trials, misses), 2 (shapes), D], per outcome: the tree's by m,
+        # What a step adds to a row's counts [2 (shapes), 2 (trials, misses), D], per outcome: the tree's by m,
         # the chain's by k * (D + 1) + m; where w_d = 1 an observation counts for both shapes
         self._adds = []
         for shape, outcomes in ((TREE, [(depth, m) for m in range(depth + 1)]),
@@ -180,11 +180,12 @@ class AcceptanceTable:
             adds = np.zeros((len(outcomes), 2, 2, depth))
             for index, (k, m) in enumerate(outcomes):
                 counts = step_counts(shape, k, m, depth)
-                adds[index, :, shape] = counts
-                adds[index, :, 1 - shape] = counts * (1.0 - self._transfer[:, 0])
+                adds[index, shape] = counts
+                adds[index, 1 - shape] = counts * (1.0 - self._transfer[:, 0])
             self._adds.append(adds)
-        self._counts = np.zeros((max_rows, 2, 2, depth))  # row, (trials, misses), shape, depth
-        self._pool = np.zeros((2, 2, depth))
+        self._counts = np.zeros((max_rows, 2, 2, depth))  # row, shape, (trials, misses), depth
+        self._pool = np.zeros((2, 2, depth))  # shape, (trials, misses), depth
+        self._ones = np.ones(max_rows)
         self._keep_evidence = np.zeros((2, depth))  # (tree side, chain side): their ratio is keep
         self._engine: _EngineEstimates | None = None  # cached until the next observe
 
@@ -203,13 +204,14 @@ class AcceptanceTable:
         elif shape != TREE:
             raise ValueError(f"shape = {shape}: expected TREE ({TREE}) or CHAIN ({CHAIN})")
         adds = self._adds[shape]
-        step = adds.take(outcomes, axis=0)  # [R, (trials, misses), shape, D]
+        step = adds.take(outcomes, axis=0)  # [R, shape, (trials, misses), D]
         record = self._counts.take(rows, axis=0)
         # the step against the row's record of the other shape (the pooled sibling rate: module docstring): per
         # depth, (sum of the step's misses x n / (n + p), sum of its trials x f / (n + p)) for the record's trials n
         # and misses f
-        other = record[:, :, 1 - shape]
-        sides = np.einsum("rkd,rkd->kd", step[:, ::-1, shape], other / (other[:, :1] + self.prior_weight))
+        other = record[:, 1 - shape]
+        products = step[:, shape, ::-1] * (other / (other[:, :1] + self.prior_weight))
+        sides = (self._ones[:len(rows)] @ products.reshape(len(rows), 2 * self.depth)).reshape(2, self.depth)
         engine_decay = self._engine_decay ** len(rows)
         self._keep_evidence *= engine_decay
         self._keep_evidence += sides if shape == TREE else sides[::-1]  # (tree side, chain side)
@@ -259,7 +261,7 @@ class AcceptanceTable:
     def _row_misses(self, rows: np.ndarray) -> np.ndarray:
         """``[2, D, R]`` posterior misses."""
         engine = self._engine_estimates()
-        counts = np.ascontiguousarray(self._counts.take(np.asarray(rows), axis=0).transpose(1, 2, 3, 0))
+        counts = np.ascontiguousarray(self._counts.take(np.asarray(rows), axis=0).transpose(2, 1, 3, 0))
         return _misses(counts, engine.weighted_prior, engine.keep_factor, self._transfer, self.prior_weight)
 
     def _engine_estimates(self) -> _EngineEstimates:
@@ -274,7 +276,8 @@ class AcceptanceTable:
             np.divide(1.0, keep, out=keep_factor[1, :, 0])
             weighted_neutral = np.full((2, self.depth, 1), p * (1.0 - NEUTRAL_RANK0_RATE))
             weighted_neutral[0] *= keep_factor[0]
-            misses = _misses(self._pool[..., None], weighted_neutral, keep_factor, self._transfer, p)
+            pool = self._pool.transpose(1, 0, 2)[..., None]  # [(trials, misses), shape, D, 1]
+            misses = _misses(pool, weighted_neutral, keep_factor, self._transfer, p)
             self._engine = _EngineEstimates(p * misses, keep_factor)
         return self._engine
 
