@@ -17,14 +17,19 @@ batch is in it. A hold ends when the batch changes bucket; an unmeasured shape i
 is back. The shape being run is recorded on each of its steady steps, so only the other one ever goes stale.
 
 How fast the batch follows a request. A request whose acceptance changes moves its expected lengths of both shapes
-(the shape not run follows through the one run: ``acceptance_estimate``) ``1 - 2 ** (-n / half_life)`` of the way
-from the old ones to the new after n of its steps, at depth 1 (``acceptance_estimate.steps_to_move``). The batch
-switches shape where the sum over its rows crosses the break-even: if that lies a fraction phi of the way from the
-batch's old sums to its new ones, the switch comes after ``n = ceil(half_life * log2(1 / (1 - phi)))`` steps
-(``half_life`` steps at phi = 1/2, 2 ``half_life`` at 3/4, 3.3 ``half_life`` at 0.9): a request's change alone
-moves a batch of B requests by 1/B of it, so it may not reach the break-even at all. Deeper depths, reached less
-often after a drop, follow in fewer trials per step, and the prior (``prior_weight`` pseudo-trials at the engine's
-estimate) pulls towards the engine's history.
+(the shape not run follows through the one run: ``acceptance_estimate``) ``1 - 2 ** (-n / h)`` of the way from the
+old ones to the new after n of its steps, h the table's ``half_life``, at depth 1
+(``acceptance_estimate.steps_to_move``). The batch switches shape where the sum over its rows crosses the break-even:
+if that lies a fraction phi of the way from the batch's old sums to its new ones, the switch comes after
+
+    n = ceil(h * log2(1 / (1 - phi)))
+
+steps (h at phi = 1/2, 2 h at 3/4, 3.3 h at 0.9); a request's change alone moves a batch of B requests by 1/B of it,
+so it may not reach the break-even at all. Deeper depths, reached less often after a drop, follow in fewer trials per
+step, and the prior (``prior_weight`` pseudo-trials at the engine's estimate) pulls towards the engine's history.
+Which way a change moves the batch depends on the siblings too: with their rate unchanged, a lower rank-0 rate favours
+the tree (its gain grows as the first candidate is more often wrong); the batch moves to the chain when its requests
+become more predictable, or when their later candidates stop being accepted.
 """
 
 from __future__ import annotations
