@@ -213,7 +213,12 @@ def test_vectorised_update_is_the_per_row_reference(widths, seed):
             reference.reset(reused)
         queried = rng.permutation(max_rows)
         np.testing.assert_allclose(table.continuation(queried), reference.continuation(queried), rtol=0, atol=1e-12)
+        engine = [reference.engine(d) for d in range(depth)]
+        np.testing.assert_allclose(table.engine_continuation(), np.array(engine).T, rtol=0, atol=1e-12)
     assert table.pooled_sibling_rate() == pytest.approx([reference.sibling(d) for d in range(depth)], abs=1e-12)
+    lengths = table.expected_length(queried)
+    np.testing.assert_allclose(lengths, expected_lengths(reference.continuation(queried)), rtol=1e-12)
+    np.testing.assert_allclose(table.total_expected_length(queried), lengths.sum(axis=0), rtol=1e-12)
 
 
 def test_a_reset_row_starts_at_the_engine_estimate():

@@ -170,8 +170,7 @@ class AcceptanceTable:
         self._row_decay = 2.0 ** (-1.0 / half_life)
         self._engine_decay = 2.0 ** (-1.0 / engine_half_life)
         self._transfer = np.array([[1.0 if w > 1 else 0.0] for w in widths])  # [D, 1]
-        self._default_keep = np.array([(1.0 - default_sibling_rate) ** (w - 1) for w in widths])
-        self._single_child_depths = np.array([d for d, w in enumerate(widths) if w == 1], dtype=np.int64)
+        self._default_keep = [(1.0 - default_sibling_rate) ** (w - 1) for w in widths]
         # What a step adds to a row's counts [2 (shapes), 2 (trials, misses), D], per outcome: the tree's by m,
         # the chain's by k * (D + 1) + m; where w_d = 1 an observation counts for both shapes
         self._adds = []
@@ -239,13 +238,22 @@ class AcceptanceTable:
 
     def expected_length(self, rows: np.ndarray) -> np.ndarray:
         """``[R, 2]`` float64: per row, the expected acceptance length (bonus included) of the tree and the chain."""
+        return self._lengths(rows).T
+
+    def total_expected_length(self, rows: np.ndarray) -> np.ndarray:
+        """``[2]`` float64: ``expected_length(rows)`` summed over the rows, the batch's expected tokens a step of the
+        tree and of the chain."""
+        return self._lengths(rows).sum(axis=1)
+
+    def _lengths(self, rows: np.ndarray) -> np.ndarray:
+        """``[2, R]`` expected lengths."""
         continuation = 1.0 - self._row_misses(rows)  # [2, D, R]
         reached = continuation[:, 0]
         length = 1.0 + reached
         for depth in range(1, self.depth):  # cumprod along a short axis costs more than D products
             reached = reached * continuation[:, depth]
             length += reached
-        return length.T
+        return length
 
     def pooled_sibling_rate(self) -> np.ndarray:
         """``[D]``: the engine-wide sibling rate the shapes' estimates are related through (the default at depths
@@ -265,20 +273,29 @@ class AcceptanceTable:
         return _misses(counts, engine.weighted_prior, engine.keep_factor, self._transfer, self.prior_weight)
 
     def _engine_estimates(self) -> _EngineEstimates:
-        """The pooled keep factor and the pool's posterior misses (a handful of numbers: few numpy calls)."""
-        if self._engine is None:
-            p = self.prior_weight
-            tree_side, chain_side = self._keep_evidence
-            keep = np.minimum(np.maximum((tree_side + p * self._default_keep) / (chain_side + p), _LOG_FLOOR), 1.0)
-            keep[self._single_child_depths] = 1.0
-            keep_factor = np.empty((2, self.depth, 1))
-            keep_factor[0, :, 0] = keep
-            np.divide(1.0, keep, out=keep_factor[1, :, 0])
-            weighted_neutral = np.full((2, self.depth, 1), p * (1.0 - NEUTRAL_RANK0_RATE))
-            weighted_neutral[0] *= keep_factor[0]
-            pool = self._pool.transpose(1, 0, 2)[..., None]  # [(trials, misses), shape, D, 1]
-            misses = _misses(pool, weighted_neutral, keep_factor, self._transfer, p)
-            self._engine = _EngineEstimates(p * misses, keep_factor)
+        """The pooled keep factor and the pool's posterior misses: ``_misses``' rule with the neutral prior, in floats
+        depth by depth (a handful of numbers, which numpy's calls would cost more than the arithmetic)."""
+        if self._engine is not None:
+            return self._engine
+        p, neutral = self.prior_weight, 1.0 - NEUTRAL_RANK0_RATE
+        (tree_side, chain_side), ((tree_trials, tree_misses), (chain_trials, chain_misses)) = (
+            self._keep_evidence.tolist(), self._pool.tolist())
+        keep, tree, chain = [], [], []
+        for d, width in enumerate(self.widths):
+            transfer, keep_d = (0.0, 1.0) if width == 1 else (1.0, min(max(
+                (tree_side[d] + p * self._default_keep[d]) / (chain_side[d] + p), _LOG_FLOOR), 1.0))
+            n_tree, n_chain = tree_trials[d], chain_trials[d]
+            prior_tree, prior_chain = p * neutral * keep_d, p * neutral  # weighted, as _misses takes them
+            own_tree = (tree_misses[d] + prior_tree) / (n_tree + p)
+            own_chain = (chain_misses[d] + prior_chain) / (n_chain + p)
+            moved_tree, moved_chain = n_tree * transfer, n_chain * transfer
+            tree_prior = (moved_chain * keep_d * own_chain + prior_tree) / (moved_chain + p)
+            chain_prior = (moved_tree * min(own_tree / keep_d, 1.0) + prior_chain) / (moved_tree + p)
+            chain.append((chain_misses[d] + p * chain_prior) / (n_chain + p))
+            tree.append(min((tree_misses[d] + p * tree_prior) / (n_tree + p), chain[-1]))
+            keep.append(keep_d)
+        self._engine = _EngineEstimates(p * np.array([tree, chain])[..., None],
+                                        np.array([keep, [1.0 / k for k in keep]])[..., None])
         return self._engine
 
 

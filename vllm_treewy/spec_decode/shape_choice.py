@@ -62,9 +62,11 @@ class StepCosts:
             raise ValueError(f"buckets = {buckets}, half_life = {half_life}: expected positive buckets, half_life > 0")
         self.buckets = tuple(buckets)
         self.half_life = float(half_life)
-        self._weight = np.zeros((len(buckets), 2))
-        self._total = np.zeros((len(buckets), 2))
-        self._measured_at = np.full((len(buckets), 2), -1, dtype=np.int64)
+        # per bucket, per shape: decayed weight and total of the records, the step of the last (-1: none); Python
+        # lists, read a few times a step
+        self._weight = [[0.0, 0.0] for _ in buckets]
+        self._total = [[0.0, 0.0] for _ in buckets]
+        self._measured_at = [[-1, -1] for _ in buckets]
 
     def bucket_of(self, batch: int) -> int:
         return self.buckets[self._index(batch)]
@@ -73,21 +75,21 @@ class StepCosts:
         """A steady step of ``shape`` at ``batch`` (its bucket) took ``seconds``; ``step`` is the step's index (not
         below the entry's last)."""
         index = self._index(batch)
-        last = self._measured_at[index, shape]
+        last = self._measured_at[index][shape]
         decay = 2.0 ** (-(step - last) / self.half_life) if last >= 0 else 0.0
-        self._weight[index, shape] = self._weight[index, shape] * decay + 1.0
-        self._total[index, shape] = self._total[index, shape] * decay + seconds
-        self._measured_at[index, shape] = step
+        self._weight[index][shape] = self._weight[index][shape] * decay + 1.0
+        self._total[index][shape] = self._total[index][shape] * decay + float(seconds)
+        self._measured_at[index][shape] = int(step)
 
     def cost(self, batch: int, shape: int) -> float | None:
         """Seconds a step of ``shape`` at ``batch``'s bucket, None where never measured."""
         index = self._index(batch)
-        weight = self._weight[index, shape]
-        return float(self._total[index, shape] / weight) if weight > 0 else None
+        weight = self._weight[index][shape]
+        return self._total[index][shape] / weight if weight > 0 else None
 
     def measured_at(self, batch: int, shape: int) -> int | None:
         """The step index of the last record of ``shape`` at ``batch``'s bucket, None where never measured."""
-        step = int(self._measured_at[self._index(batch), shape])
+        step = self._measured_at[self._index(batch)][shape]
         return step if step >= 0 else None
 
     def _index(self, batch: int) -> int:
@@ -128,9 +130,9 @@ class ShapeChooser:
         """The shape (``TREE`` or ``CHAIN``) that the batch of ``rows`` drafts at step ``step`` (increasing)."""
         batch = len(rows)
         bucket = self.costs.bucket_of(batch)
-        lengths = self.table.expected_length(rows).sum(axis=0)
+        lengths = self.table.total_expected_length(rows).tolist()
         costs = [self.costs.cost(batch, shape) for shape in SHAPES]
-        self.last_tokens_per_second = tuple(math.nan if cost is None else float(lengths[shape]) / cost
+        self.last_tokens_per_second = tuple(math.nan if cost is None else lengths[shape] / cost
                                             for shape, cost in zip(SHAPES, costs))
         hold = self._hold
         if hold is None or hold.bucket != bucket or step > hold.last_step:
