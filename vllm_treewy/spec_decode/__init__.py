@@ -1,7 +1,8 @@
 """Draft-tree speculative decoding pieces that need no vllm: greedy tree acceptance and the KV moves that compact
 the accepted path (``acceptance``), the exact tree sampler (``tree_sampling``), the benchmark-only synthetic tree
-acceptance (``synthetic_acceptance``), and drafting a tree from an MTP head's logits level by level
-(``tree_drafting``)."""
+acceptance (``synthetic_acceptance``), drafting a tree from an MTP head's logits level by level (``tree_drafting``),
+and choosing each step between the tree and the chain of its depth from per-request acceptance estimates and measured
+step costs (``acceptance_estimate``, ``shape_choice``: numpy only)."""
 
 from .acceptance import (
     TreeAcceptance,
