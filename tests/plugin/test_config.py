@@ -100,7 +100,14 @@ BAD_CONFIGS = [
     ("tree-ngram", {**NGRAM, "draft_tree_widths": [2, 1, 1]}, r"draft trees .*need method mtp or custom_class"),
     ("threshold-negative", mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1],
                                draft_tree_max_batch_size=-1),
-     r"draft_tree_max_batch_size must be an integer >= 0 \(or None\), got -1"),
+     r"draft_tree_max_batch_size must be an integer >= 0, 'auto' or None, got -1"),
+    ("threshold-unknown-word", mtp(mamba_state_commit="reconstruct", draft_tree_widths=[2, 2, 1],
+                                   draft_tree_max_batch_size="adaptive"),
+     r"draft_tree_max_batch_size must be an integer >= 0, 'auto' or None, got 'adaptive'"),
+    ("auto-on-a-chain", mtp(mamba_state_commit="reconstruct", draft_tree_max_batch_size="auto"),
+     r"draft_tree_max_batch_size=auto needs a draft tree"),
+    ("auto-store-all", mtp(draft_tree_widths=[2, 2, 1], draft_tree_max_batch_size="auto"),
+     r"draft_tree_max_batch_size=auto needs method 'mtp' and mamba_state_commit='reconstruct'"),
     ("threshold-on-a-chain", mtp(mamba_state_commit="reconstruct", draft_tree_max_batch_size=4),
      r"draft_tree_max_batch_size=4 needs a draft tree"),
     ("threshold-store-all", mtp(draft_tree_widths=[2, 2, 1], draft_tree_max_batch_size=4),
@@ -361,6 +368,7 @@ def test_tree_config_schedules_every_node(fixture_model, widths, num_nodes):
     (None, None),
     (0, [(1, 1 << 30, 3)]),  # the chain at every batch size
     (2, [(1, 2, 10), (3, 1 << 30, 3)]),
+    ("auto", [(1, 1, 10), (2, 1 << 30, 3)]),  # both counts: vLLM captures both shapes' graphs; the hook chooses
 ])
 def test_tree_threshold_sets_vllms_dynamic_schedule(fixture_model, threshold, schedule):
     """draft_tree_max_batch_size T: batches of <= T requests draft the [2, 2, 1] tree's 10 nodes, larger ones the
@@ -376,6 +384,8 @@ def test_tree_threshold_sets_vllms_dynamic_schedule(fixture_model, threshold, sc
     assert rebuilt.compute_hash() == config.compute_hash()
     if threshold is not None:
         lookup = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=6, vllm_num_speculative_tokens=10)
-        assert lookup[1:] == [10 if b <= threshold else 3 for b in range(1, 7)]
-        other = engine_config(fixture_model, {**spec, "draft_tree_max_batch_size": threshold + 1})
+        assert set(lookup[1:]) == {10, 3} if threshold == "auto" else lookup[1:] == [
+            10 if b <= threshold else 3 for b in range(1, 7)]
+        other = engine_config(fixture_model, {**spec, "draft_tree_max_batch_size": 1 if threshold == "auto"
+                                              else threshold + 1})
         assert other.speculative_config.compute_hash() != config.compute_hash()

@@ -13,6 +13,10 @@
   config holds the schedule `[(1, T, N), (T + 1, ..., D)]` in `num_speculative_tokens_per_batch_size` (T = 0: the
   chain at every batch size), so vLLM's scheduler asks the drafter for N or D drafts per step. None (the default):
   the tree at every batch size. The user sets T from a device measurement of tree vs chain tokens/s per batch size.
+  "auto": the engine picks per step, for the whole batch, the shape with more expected accepted tokens a second,
+  from the acceptance it learns per request and the step times it measures per batch size (`trees.adaptive_shape`);
+  the config holds a schedule with both draft counts, so that vLLM captures decode graphs for both shapes at every
+  batch size (`threshold_schedule(AUTO)`), and the scheduler's hook replaces the schedule's choice each step.
 
 The subclass lives in an importable module because the engine core unpickles `VllmConfig` before it loads
 plugins. Invalid values fail while the config is built, in the front end, with one message.
@@ -39,6 +43,7 @@ from vllm_treewy.vllm_plugin.trees.synthetic import (
 )
 
 MambaStateCommit = Literal["store_all", "reconstruct"]
+AUTO = "auto"  # draft_tree_max_batch_size: the shape chosen per step (`trees.adaptive_shape`)
 RECONSTRUCT_METHODS = ("mtp", "custom_class")
 TREE_METHODS = ("mtp", "custom_class")  # drafters that propose a whole tree in node order (custom_class: tests)
 GDN_LAYER_TYPE = "linear_attention"
@@ -73,9 +78,11 @@ class TreewySpeculativeConfig(SpeculativeConfig):
     draft_tree_widths: list[int] | None = None
     """Children per node at each draft level (one entry per speculative token). None or all 1: a chain."""
 
-    draft_tree_max_batch_size: int | None = None
+    draft_tree_max_batch_size: int | str | None = None  # str: "auto" only (checked here, with one clear error)
     """Draft trees only: the largest batch (requests per step) that verifies the tree; larger batches verify the
-    MTP chain of the tree's depth. None: the tree at every batch size; 0: the chain at every batch size."""
+    MTP chain of the tree's depth. None: the tree at every batch size; 0: the chain at every batch size; "auto": per
+    step, whichever of the two the engine expects to accept more tokens a second with (learned acceptance, measured
+    step times)."""
 
     synthetic_tree_acceptance_rates: list[float] | None = None
     """Synthetic tree acceptance (benchmarks only, with rejection_sample_method='synthetic' and a draft tree): per
@@ -162,8 +169,8 @@ class TreewySpeculativeConfig(SpeculativeConfig):
                     f"{self.draft_tree_widths}: a draft tree verifies one static shape; to verify the chain at large "
                     "batches, set draft_tree_max_batch_size instead")
             return
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(f"draft_tree_max_batch_size must be an integer >= 0 (or None), got {threshold!r}")
+        if threshold != AUTO and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0):
+            raise ValueError(f"draft_tree_max_batch_size must be an integer >= 0, {AUTO!r} or None, got {threshold!r}")
         if not self.is_draft_tree:
             raise ValueError(f"draft_tree_max_batch_size={threshold} needs a draft tree (draft_tree_widths with a "
                              f"width > 1), got draft_tree_widths={self.draft_tree_widths}")
@@ -254,9 +261,13 @@ class TreewySpeculativeConfig(SpeculativeConfig):
 UNBOUNDED_BATCH = 1 << 30
 
 
-def threshold_schedule(max_tree_batch: int, num_nodes: int, depth: int) -> list[tuple[int, int, int]]:
+def threshold_schedule(max_tree_batch: int | str, num_nodes: int, depth: int) -> list[tuple[int, int, int]]:
     """vLLM's dynamic speculative decoding schedule of `draft_tree_max_batch_size`: batches of 1 .. T requests
-    draft the tree's N nodes, larger ones the chain of depth D."""
+    draft the tree's N nodes, larger ones the chain of depth D. For "auto", a schedule holding both counts (vLLM
+    captures decode graphs for every count a schedule holds, at every batch size); the scheduler's hook
+    (`trees.adaptive_shape`) replaces its choice every step."""
+    if max_tree_batch == AUTO:
+        max_tree_batch = 1
     if max_tree_batch == 0:
         return [(1, UNBOUNDED_BATCH, depth)]
     return [(1, max_tree_batch, num_nodes), (max_tree_batch + 1, max(UNBOUNDED_BATCH, max_tree_batch + 1), depth)]

@@ -532,6 +532,12 @@ SCHEDULER_UPDATE_AFTER_SCHEDULE = PatchPoint(
     "draft trees: before the step is committed, a request whose whole tree does not fit keeps no drafts",
     ("self", "scheduler_output"),
 )
+SCHEDULER_UPDATE_FROM_OUTPUT = PatchPoint(
+    "vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", "wraps",
+    "draft_tree_max_batch_size 'auto': each finished step's accepted drafts per request (sampled_token_ids, "
+    "req_id_to_index) teach the shape choice (trees.adaptive_shape)",
+    ("self", "scheduler_output", "model_runner_output"),
+)
 SCHEDULER_MAKE_STATS = PatchPoint(
     "vllm.v1.core.sched.scheduler", "Scheduler.make_stats", "wraps",
     "draft trees: the step's SchedulerStats, which vLLM sends to the front end, carry the tree fallbacks counted "
@@ -625,6 +631,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     V2_MAMBA_POSTPROCESS_STATE,
     MAMBA_TEMPORAL_COPY_SPEC,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
+    SCHEDULER_UPDATE_FROM_OUTPUT,
     SCHEDULER_MAKE_STATS,
     SCHEDULER_STATS,
     *MODEL_STATE_SHAPES,
@@ -830,6 +837,17 @@ INTERNAL_ATTRIBUTES: tuple[InternalAttributes, ...] = (
         "vllm.v1.core.sched.output", "SchedulerOutput", ("num_spec_tokens_to_schedule", "finished_req_ids"), "reads",
         "draft_tree_max_batch_size (trees.budget): the draft count each scheduled request's next drafts will have "
         "(vLLM's dynamic speculative decoding), and the requests whose record goes",
+    ),
+    InternalAttributes(
+        "vllm.v1.core.sched.output", "SchedulerOutput", ("num_spec_tokens_to_schedule", "scheduled_new_reqs"),
+        "sets num_spec_tokens_to_schedule; reads scheduled_new_reqs",
+        "draft_tree_max_batch_size 'auto' (trees.adaptive_shape): the step's next draft count is the chosen shape's; "
+        "a step with a new request is not a decode step (its interval is not a step time of one shape)",
+    ),
+    InternalAttributes(
+        "vllm.v1.outputs", "ModelRunnerOutput", ("sampled_token_ids", "req_id_to_index"), "reads",
+        "draft_tree_max_batch_size 'auto' (trees.adaptive_shape): the tokens each request emitted, the accepted "
+        "drafts plus one",
     ),
     InternalAttributes(
         "vllm.config.speculative", "SpeculativeConfig",

@@ -16,6 +16,9 @@ nodes has a chain's length. So the hook keeps, per request, the draft count of t
 - a step holding both tree rows and chain rows (a request that skipped a step drafted at another batch size): the
   chain rows' drafts are dropped, so the runner sees tree rows (exactly N drafts) or chain rows (< N), never both.
 
+With `draft_tree_max_batch_size: "auto"` the step's `num_spec_tokens_to_schedule` is chosen before this (by the
+state's `AdaptiveShape`, `trees.adaptive_shape`), which then learns from each step's output (`update_from_output`).
+
 Every dropped draft set counts as a tree fallback, reported in the scheduler's stats and logged by its
 `TreeFallbacks` (`trees.fallbacks`). What the hooks keep per scheduler lives in one `TreeSchedulerState`, keyed
 weakly by the scheduler, not on vLLM's object.
@@ -27,8 +30,13 @@ import functools
 import weakref
 from dataclasses import dataclass, field
 
-from vllm_treewy.vllm_plugin.config import DraftShape, draft_shape_of
-from vllm_treewy.vllm_plugin.patch_points import SCHEDULER_MAKE_STATS, SCHEDULER_UPDATE_AFTER_SCHEDULE
+from vllm_treewy.vllm_plugin.config import AUTO, DraftShape, draft_shape_of
+from vllm_treewy.vllm_plugin.patch_points import (
+    SCHEDULER_MAKE_STATS,
+    SCHEDULER_UPDATE_AFTER_SCHEDULE,
+    SCHEDULER_UPDATE_FROM_OUTPUT,
+)
+from vllm_treewy.vllm_plugin.trees.adaptive_shape import AdaptiveShape
 from vllm_treewy.vllm_plugin.trees.fallbacks import TreeFallbacks
 
 
@@ -36,11 +44,12 @@ from vllm_treewy.vllm_plugin.trees.fallbacks import TreeFallbacks
 class TreeSchedulerState:
     """One scheduler's tree bookkeeping: its config's draft shape (read once, when the scheduler's first step builds
     this state), its fallbacks, and each running request's draft count of the last step it was scheduled in (the
-    shape of the drafts it holds next)."""
+    shape of the drafts it holds next); with "auto", the shape choice."""
 
     shape: DraftShape
     fallbacks: TreeFallbacks = field(default_factory=TreeFallbacks)
     drafted_with: dict[str, int] = field(default_factory=dict)
+    adaptive: AdaptiveShape | None = None
 
 
 def _drop_drafts(scheduler_output, req_ids: list[str]) -> None:
@@ -79,7 +88,13 @@ def keep_one_draft_shape(scheduler_output, num_nodes: int, drafted_with: dict[st
 def _of(registry: weakref.WeakKeyDictionary, scheduler) -> TreeSchedulerState:
     found = registry.get(scheduler)
     if found is None:
-        found = registry[scheduler] = TreeSchedulerState(draft_shape_of(scheduler.vllm_config.speculative_config))
+        speculative_config = scheduler.vllm_config.speculative_config
+        shape = draft_shape_of(speculative_config)
+        adaptive = None
+        if shape.tree is not None and getattr(speculative_config, "draft_tree_max_batch_size", None) == AUTO:
+            adaptive = AdaptiveShape(speculative_config.draft_tree_widths,
+                                     scheduler.vllm_config.scheduler_config.max_num_seqs)
+        found = registry[scheduler] = TreeSchedulerState(shape, adaptive=adaptive)
     return found
 
 
@@ -89,6 +104,9 @@ def _whole_trees_only(original, registry: weakref.WeakKeyDictionary):
         state = _of(registry, self)
         tree = state.shape.tree
         if tree is not None:
+            if state.adaptive is not None:
+                state.adaptive.forget(getattr(scheduler_output, "finished_req_ids", ()))
+                state.adaptive.choose(scheduler_output)
             if not state.shape.has_chain_steps:
                 dropped = drop_partial_trees(scheduler_output, tree.num_nodes)
             else:
@@ -100,6 +118,17 @@ def _whole_trees_only(original, registry: weakref.WeakKeyDictionary):
     return update_after_schedule
 
 
+def _learning_acceptance(original, registry: weakref.WeakKeyDictionary):
+    @functools.wraps(original)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        state = _of(registry, self)
+        if state.adaptive is not None:
+            state.adaptive.observe(scheduler_output, model_runner_output)
+        return original(self, scheduler_output, model_runner_output)
+
+    return update_from_output
+
+
 def _with_fallbacks(original, registry: weakref.WeakKeyDictionary):
     @functools.wraps(original)
     def make_stats(self, *args, **kwargs):
@@ -107,6 +136,8 @@ def _with_fallbacks(original, registry: weakref.WeakKeyDictionary):
         state = _of(registry, self)
         if state.shape.tree is not None:
             state.fallbacks.report(stats)
+            if state.adaptive is not None and state.fallbacks.exported:
+                state.adaptive.report(stats)
         return stats
 
     return make_stats
@@ -116,3 +147,4 @@ def install() -> None:
     registry = weakref.WeakKeyDictionary()  # scheduler -> its TreeSchedulerState
     SCHEDULER_UPDATE_AFTER_SCHEDULE.wrap(_whole_trees_only, registry)
     SCHEDULER_MAKE_STATS.wrap(_with_fallbacks, registry)
+    SCHEDULER_UPDATE_FROM_OUTPUT.wrap(_learning_acceptance, registry)
