@@ -130,6 +130,7 @@ def test_an_unmeasured_bucket_is_explored_tree_first_then_settles():
     hold = settle + 1
     assert engine.shapes == [TREE] * hold + [CHAIN] * hold + [CHAIN] * 4
     assert engine.steady == [False, False, True, False, False, True, True, True, True, True]
+    assert engine.chooser.steady(8) and not engine.chooser.steady(4)  # a caller one step late asks about its step
     # a batch in a new bucket explores it, a hold never spans two buckets, and a hold cut short is taken again
     engine.run(np.arange(12), steps=1)  # bucket 16: tree first
     engine.run(np.arange(8), steps=1)  # back to 8, measured: the best
