@@ -134,8 +134,8 @@ class AdaptiveShape:
         if not seen:
             return
         rows, num_drafts, accepted = (np.asarray(column, np.int64) for column in zip(*seen))
-        accepted = np.minimum(accepted, num_drafts)
         tree = num_drafts == self.tree.num_nodes
+        accepted = np.minimum(accepted, np.where(tree, self.depth, num_drafts))  # a path is at most D deep
         for shape, mask, depths in ((TREE, tree, np.full(tree.sum(), self.depth)), (CHAIN, ~tree, num_drafts[~tree])):
             if mask.any():
                 self.table.observe(rows[mask], shape, depths, accepted[mask])
