@@ -13,19 +13,20 @@ workers: the scheduler already sees what it needs, at no extra sync.
 - Acceptance: after each step (`Scheduler.update_from_output`), per request, the shape its drafts had (N scheduled
   drafts: the tree; fewer: a chain, possibly cut by the token budget) and how many were accepted (the tokens the
   step emitted for it, less the bonus). `spec_decode.acceptance_estimate.AcceptanceTable` learns from these, per
-  request (a row of its table, taken when the request first verifies drafts and freed when it finishes) and for the
+  request (a row of its table, taken when the request is first scheduled and freed when it finishes) and for the
   engine (every new request's prior).
 - Cost: the host time between two consecutive scheduled steps, which in a steady stream of decode steps is one
   step's time (GPU or host, whichever bounds it, async scheduling included). An interval counts only where the
   steps before it were pure decode steps of the same batch size bucket and shape (`ShapeChooser.steady`), and is
   recorded into `spec_decode.shape_choice.StepCosts` for that bucket and shape.
-- Choice: `ShapeChooser.choose` over the step's decode requests (their rows' expected acceptance lengths under each
+- Choice: `ShapeChooser.choose` over the step's scheduled requests (their rows' expected acceptance lengths under each
   shape, over the bucket's measured step time of each shape), exploring a shape whose cost at the bucket is unknown
   or stale for a few steps.
 
-The choice reads past acceptance and the batch only, never the target's probabilities at the step it drafts for,
-and every shape is verified by the exact tree or chain sampler: outputs and their distribution are those of the
-fixed shapes.
+Exactness: the tree and the chain samplers each emit the target's distribution given everything before the step,
+for a shape fixed before the step. The choice is fixed before it: it reads the batch, measured times and acceptance
+of steps already emitted, never the target's probabilities at the step it drafts for. So every step's output has the
+target's distribution given the past, whichever shape ran, and the outputs are those of no speculation.
 
 Reported: per-engine counters in vLLM's stats (`plugin_counters`, as `trees.fallbacks` reports its own): the steps
 that drafted each shape, and per shape and depth the observed trials and continues (their ratio is the continuation
