@@ -5,7 +5,8 @@
 #   SHAPE=qwen35-27b LAYERS=16 ENGINES="tree221 k3-code" BATCHES="1 2 4 8" \
 #     bash bench/e2e/run_tree_real_shapes.sh OUT_DIR
 # ENGINES: tree221 tree322 tree2221 tree3221 (each serves every profile and sibling rate through its requests' extra
-# arguments) and k1-code k1-prose k3-code k3-prose k4-code k4-prose (vLLM's synthetic chain: one profile an engine;
+# arguments), tree221-auto ... tree3221-auto (draft_tree_max_batch_size "auto": one class an engine, the first of
+# --profiles and --sibling-rates) and k1-code k1-prose k3-code k3-prose k4-code k4-prose (vLLM's synthetic chain: one profile an engine;
 # reconstruct, or store_all with -store_all appended, e.g. "k1-code k1-code-store_all"). SHAPE: a shape of
 # bench/sweep/models.py or "fixture" (the CPU dry run); LAYERS: the shape cut to that many layers (a multiple of 4;
 # empty: all); BATCHES (default 1 2 4 8 16 32 64); ATTN_BACKEND (default: vLLM's pick, FLASH_ATTN on Hopper, for
@@ -31,11 +32,13 @@ for engine in ${ENGINES:-tree221 k3-code}; do
   case $chain in
     tree221|tree322|tree2221|tree3221) [ "$strategy" = reconstruct ] || chain=invalid
                                        name=$chain profiles=(--profiles code prose) ;;
+    tree221-auto|tree322-auto|tree2221-auto|tree3221-auto) [ "$strategy" = reconstruct ] || chain=invalid
+                                       name=${chain%-auto} profiles=(--shape-choice auto) ;;
     k1-code|k1-prose|k3-code|k3-prose|k4-code|k4-prose) name=${chain%-*} profiles=(--profiles "${chain#*-}") ;;
     *) chain=invalid ;;
   esac
   if [ "$chain" = invalid ]; then
-    echo "unknown engine $engine (tree221 tree322 tree2221 tree3221 k1-code k1-prose k3-code k3-prose k4-code" \
+    echo "unknown engine $engine (tree221 tree322 tree2221 tree3221, each with -auto, k1-code k1-prose k3-code k3-prose k4-code" \
       "k4-prose; a chain with -store_all appended runs store_all)" >&2
     exit 2
   fi
@@ -50,7 +53,7 @@ for engine in ${ENGINES:-tree221 k3-code}; do
     --prompt-len "${PROMPT_LEN:-256}" --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$out" "$@" \
     >"$out/logs/$engine.log" 2>&1
   rc=$?; echo "=== $engine rc=$rc at $(( $(date +%s) - start )) s" >>"$log"
-  grep -hE "tokens/s, step| per step: |^[A-Za-z]*(Error|Exception)|^Traceback" "$out/logs/$engine.log" | cut -c1-300 >>"$log"
+  grep -hE "tokens/s, step|^staggered | per step: |^[A-Za-z]*(Error|Exception)|^Traceback" "$out/logs/$engine.log" | cut -c1-300 >>"$log"
 done
 python3 -m bench.e2e.tree_real_shapes report --out "$out" >"$out/logs/report.log" 2>&1
 echo "=== report rc=$? at $(( $(date +%s) - start )) s" >>"$log"

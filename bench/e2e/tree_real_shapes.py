@@ -31,6 +31,15 @@ class's rates: the tokens/s ratio at equal step times, which a point's measured 
 and per chain engine with a store_all twin of the same catalog name and profile, the
 reconstruct / store_all tokens/s and step-time ratios (`report.md`'s second table).
 
+`--shape-choice auto` (trees): `draft_tree_max_batch_size: "auto"`, the scheduler choosing the tree or the chain of
+its depth each step (`vllm_plugin.trees.adaptive_shape`). Its chain steps take vLLM's synthetic chain, whose rates are
+engine-wide, so an auto engine serves one class, the first profile and sibling rate, as its engine rates (no
+per-request classes); each of its points is preceded by the same generate unmeasured (the step costs and acceptance a
+long-running server has learned). `--staggered N` adds, per engine, a point of N requests whose lengths grow with
+their index (request i generates ceil(4 max_tokens (i + 1) / N) tokens): the batch shrinks as they finish, crossing
+batch sizes where different shapes pay. `report` then adds the table of auto against the best fixed shape of its class
+(the tree engine's point of that class, the chain engine of that profile) per batch and for the staggered point.
+
 On CPU (`--shape fixture`, the dry run): vLLM's CPU backend runs the V1 runner, which has no synthetic tree path and
 whose sampler refuses synthetic chains, so acceptance is the fixture's real one and no class is sent; the flow, files
 and report are what is checked.
@@ -71,28 +80,35 @@ def is_tree(widths) -> bool:
     return any(w > 1 for w in widths)
 
 
-def engine_name(name: str, profile: str | None, strategy: str = "reconstruct") -> str:
+def engine_name(name: str, profile: str | None, strategy: str = "reconstruct", sibling: float | None = None) -> str:
     """A chain engine serves one profile: `k3-code`; a tree engine serves all: `tree221`; store_all adds its name:
-    `k1-code-store_all`."""
+    `k1-code-store_all`; an auto tree serves one class: `tree221-auto-code-s0.4`."""
+    if sibling is not None:
+        return f"{name}-auto-{profile}-s{sibling}"
     base = name if profile is None else f"{name}-{profile}"
     return base if strategy == "reconstruct" else f"{base}-{strategy}"
 
 
 def speculative_config(widths: list[int], profile: str, synthetic: bool, backend: str | None,
-                       strategy: str = "reconstruct") -> dict:
+                       strategy: str = "reconstruct", auto_sibling: float | None = None) -> dict:
+    """The engine's speculative config; `auto_sibling`: a tree under `draft_tree_max_batch_size: "auto"` whose
+    engine rates are the class (profile, that sibling rate)."""
     depth = len(widths)
     if is_tree(widths) and strategy != "reconstruct":
         raise ValueError(f"draft trees run under reconstruct only, not {strategy}")
     spec = {"method": "mtp", "num_speculative_tokens": depth, "mamba_state_commit": strategy}
     if is_tree(widths):
         spec["draft_tree_widths"] = widths
+        if auto_sibling is not None:
+            spec["draft_tree_max_batch_size"] = "auto"
     if backend is not None:
         spec["attention_backend"] = backend  # the drafter picks its own backend unless told
     if synthetic:
         rates = PROFILES[profile][:depth]
         spec["rejection_sample_method"] = "synthetic"
-        if is_tree(widths):  # the engine's class; each request sends its own
-            spec.update(synthetic_tree_acceptance_rates=rates, synthetic_tree_sibling_rates=[0.4] * depth)
+        if is_tree(widths):  # the engine's class; each request sends its own (not an auto tree's)
+            spec.update(synthetic_tree_acceptance_rates=rates,
+                        synthetic_tree_sibling_rates=[0.4 if auto_sibling is None else auto_sibling] * depth)
         else:  # vLLM's per-position unconditional rates
             unconditional, product = [], 1.0
             for rate in rates:
@@ -102,13 +118,15 @@ def speculative_config(widths: list[int], profile: str, synthetic: bool, backend
     return spec
 
 
-def classes(widths, profiles, sibling_rates, synthetic: bool):
+def classes(widths, profiles, sibling_rates, synthetic: bool, auto: bool = False):
     """(profile, sibling rate, extra_args) per measured class of the engine."""
     if not synthetic:
         return [("real", None, None)]
     depth = len(widths)
     if not is_tree(widths):
         return [(profiles[0], None, None)]
+    if auto:  # the engine's rates are the class
+        return [(profiles[0], sibling_rates[0], None)]
     return [(profile, sibling, {"synthetic_tree_acceptance_rates": PROFILES[profile][:depth],
                                 "synthetic_tree_sibling_rates": [sibling] * depth})
             for profile in profiles for sibling in sibling_rates]
@@ -129,13 +147,20 @@ def run_engine(args) -> int:
 
     on_cuda = current_platform.is_cuda()
     synthetic = on_cuda  # CPU: the V1 runner (module docstring)
-    profile = None if is_tree(widths) or not synthetic else args.profiles[0]
-    name = engine_name(args.name, profile, args.strategy)
+    auto = args.shape_choice == "auto"
+    if auto and not is_tree(widths):
+        raise SystemExit(f"--shape-choice auto needs a tree, got {args.name}")
+    profile = args.profiles[0] if synthetic and (auto or not is_tree(widths)) else None
+    auto_sibling = args.sibling_rates[0] if auto else None
+    name = (engine_name(args.name, profile, args.strategy, auto_sibling) if synthetic or not auto
+            else f"{args.name}-auto")  # the CPU dry run: real acceptance, no class
     tree = DraftTree.from_widths(widths)
     block_len = 1 + (tree.num_nodes if is_tree(widths) else len(widths))
     batches = sorted(args.batches)
     engine_kwargs = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(8192, block_len * max(batches)),
-                         max_model_len=args.prompt_len + args.max_tokens + 2 * block_len,
+                         max_model_len=(args.prompt_len + max([args.max_tokens, *staggered_lengths(args.staggered,
+                                                                                    args.max_tokens)])
+                                        + 2 * block_len),
                          gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype="float32")
     backend = None
     if on_cuda:
@@ -160,13 +185,14 @@ def run_engine(args) -> int:
                                      args.layers).path
         vocab = SHAPES[args.shape]["vocab_size"]
         load = {"load_format": "dummy"}
-    spec = speculative_config(widths, profile or args.profiles[0], synthetic, backend, args.strategy)
+    spec = speculative_config(widths, profile or args.profiles[0], synthetic, backend, args.strategy, auto_sibling)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]}
                for _ in range(max(batches))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"engine": name, "widths": widths, "strategy": args.strategy, "shape": args.shape, "layers": args.layers,
+    result = {"engine": name, "widths": widths, "strategy": args.strategy, "shape_choice": args.shape_choice,
+              "shape": args.shape, "layers": args.layers,
               "synthetic": synthetic, "speculative_config": spec, "command": " ".join([sys.executable, *sys.argv]),
               "args": vars(args), "device": device_facts(), "points": []}
 
@@ -182,11 +208,14 @@ def run_engine(args) -> int:
             save()
             llm.generate(prompts[: max(batches)], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
                          use_tqdm=False)  # warm-up at the largest batch
-            for profile_name, sibling, extra_args in classes(widths, args.profiles, args.sibling_rates, synthetic):
+            engine_classes = classes(widths, args.profiles, args.sibling_rates, synthetic, auto)
+            for profile_name, sibling, extra_args in engine_classes:
                 for batch in batches:
                     params, first_token = (SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
                                                           detokenize=False, extra_args=extra_args)
                                            for tokens in (args.max_tokens, 1))
+                    if auto:  # what a long-running server has learned at this batch size
+                        llm.generate(prompts[:batch], params, use_tqdm=False)
                     before = read_acceptance(llm)
                     with counting_steps(llm) as counts:
                         began = time.perf_counter()
@@ -214,6 +243,10 @@ def run_engine(args) -> int:
                     print(f"{name} {profile_name} sibling {sibling} B={batch}: {point['tokens_per_s']:,.0f} tokens/s, "
                           f"step {point['step_ms']:.2f} ms (decode {'-' if decode is None else f'{decode:.2f}'} ms), "
                           f"acceptance {point['acceptance_length']:.2f}", flush=True)
+            if args.staggered:
+                result["points"].append(staggered_point(llm, prompts, args.staggered, args.max_tokens,
+                                                        engine_classes[0]))
+                save()
             result["profiles"] = [profile_point(llm, prompts[:batch], args.max_tokens, name)
                                   for batch in args.profile_batch]  # the engine's own class (code, sibling 0.4)
             save()
@@ -222,6 +255,36 @@ def run_engine(args) -> int:
         print(result["error"], flush=True)
     save()
     return 0 if "error" not in result else 1
+
+
+def staggered_lengths(num_requests: int, max_tokens: int) -> list[int]:
+    """Output lengths growing with the request's index (mean about 2 max_tokens): the batch shrinks as they finish."""
+    return [-(-4 * max_tokens * (i + 1) // num_requests) for i in range(num_requests)]
+
+
+def staggered_point(llm, prompts, num_requests: int, max_tokens: int, engine_class) -> dict:
+    """One generate of `num_requests` requests of `staggered_lengths` in the engine's first class: tokens/s."""
+    from vllm import SamplingParams
+
+    from vllm_treewy.vllm_plugin.testing.equivalence import read_acceptance
+
+    profile_name, sibling, extra_args = engine_class
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra_args)
+              for n in staggered_lengths(num_requests, max_tokens)]
+    requests = (prompts * (-(-num_requests // len(prompts))))[:num_requests]
+    before = read_acceptance(llm)
+    began = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    seconds = time.perf_counter() - began
+    after = read_acceptance(llm)
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    point = {"profile": profile_name, "sibling_rate": sibling, "batch": f"staggered-{num_requests}",
+             "seconds": seconds, "output_tokens": generated, "tokens_per_s": generated / seconds,
+             "acceptance_length": 1 + (after.num_accepted_tokens - before.num_accepted_tokens)
+             / max(after.num_drafts - before.num_drafts, 1)}
+    print(f"staggered {num_requests} {profile_name} sibling {sibling}: {point['tokens_per_s']:,.0f} tokens/s, "
+          f"acceptance {point['acceptance_length']:.2f}", flush=True)
+    return point
 
 
 def profile_point(llm, prompts, max_tokens: int, name: str) -> dict:
@@ -293,9 +356,11 @@ def report(args) -> int:
     rows = []
     for name, run in runs.items():
         widths = run["widths"]
-        if not is_tree(widths):
+        if not is_tree(widths) or run.get("shape_choice") == "auto":
             continue
         for point in run["points"]:
+            if isinstance(point["batch"], str):  # the staggered point: the auto table's
+                continue
             profile = point["profile"]
             chain = runs.get(engine_name(f"k{len(widths)}", None if profile == "real" else profile))
             match = [p for p in (chain or {}).get("points", []) if p["batch"] == point["batch"]]
@@ -316,7 +381,8 @@ def report(args) -> int:
                 row["expected_gain"] = expected_gain(widths, profile, point["sibling_rate"])
             rows.append(row)
     strategy_rows = strategy_ratios(runs)
-    (out / "report.json").write_text(json.dumps({"rows": rows, "strategy_rows": strategy_rows,
+    auto_rows = auto_ratios(runs)
+    (out / "report.json").write_text(json.dumps({"rows": rows, "strategy_rows": strategy_rows, "auto_rows": auto_rows,
                                                  "engines": sorted(runs),
                                                  "errors": {n: r["error"] for n, r in runs.items() if "error" in r}},
                                                 indent=1) + "\n")
@@ -350,6 +416,12 @@ def report(args) -> int:
                   f"{cell(r['store_all_tokens_per_s'], 0)} | {cell(r['tokens_per_s_ratio'])} | "
                   f"{cell(r['reconstruct_step_ms'])} / {cell(r['store_all_step_ms'])} | {cell(r['step_time_ratio'])} |"
                   for r in strategy_rows]
+    if auto_rows:
+        lines += ["", "| auto | class | B | tokens/s auto / tree / chain | auto over the best fixed |",
+                  "|" + "---|" * 5]
+        lines += [f"| {r['auto']} | {r['profile']} s{r['sibling_rate']} | {r['batch']} | "
+                  f"{cell(r['auto_tokens_per_s'], 0)} / {cell(r.get('tree_tokens_per_s'), 0)} / "
+                  f"{cell(r.get('chain_tokens_per_s'), 0)} | {cell(r.get('over_best_fixed'))} |" for r in auto_rows]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
@@ -384,6 +456,31 @@ def strategy_ratios(runs: dict) -> list[dict]:
     return rows
 
 
+def auto_ratios(runs: dict) -> list[dict]:
+    """Per auto engine point (a batch, or the staggered one): its tokens/s against the fixed tree's point of the same
+    class (the tree engine of its widths) and the chain's of its depth and profile, and over the better of the two."""
+    rows = []
+    by_widths = {tuple(r["widths"]): r for r in runs.values() if r.get("shape_choice", "fixed") == "fixed"}
+    for name, run in runs.items():
+        if run.get("shape_choice") != "auto":
+            continue
+        tree = by_widths.get(tuple(run["widths"]))
+        for point in run["points"]:
+            chain = runs.get(engine_name(f"k{len(run['widths'])}", point["profile"]))
+            row = {"auto": name, "profile": point["profile"], "sibling_rate": point["sibling_rate"],
+                   "batch": point["batch"], "auto_tokens_per_s": point["tokens_per_s"]}
+            for key, other, same_class in (("tree", tree, True), ("chain", chain, False)):
+                match = [p for p in (other or {}).get("points", []) if p["batch"] == point["batch"]
+                         and p["profile"] == point["profile"]
+                         and (not same_class or p["sibling_rate"] == point["sibling_rate"])]
+                if match:
+                    row[f"{key}_tokens_per_s"] = match[0]["tokens_per_s"]
+            fixed = [row[k] for k in ("tree_tokens_per_s", "chain_tokens_per_s") if k in row]
+            row["over_best_fixed"] = point["tokens_per_s"] / max(fixed) if fixed else None
+            rows.append(row)
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="role", required=True)
@@ -400,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tokens", type=int, default=128)
     run.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     run.add_argument("--attention-backend", default=None, help="default: vLLM's pick, for the target and the drafter")
+    run.add_argument("--shape-choice", default="fixed", choices=("fixed", "auto"),
+                     help="trees: auto is draft_tree_max_batch_size 'auto' (one class: the first profile and sibling)")
+    run.add_argument("--staggered", type=int, default=0,
+                     help="N > 0: a point of N requests of growing lengths (staggered_lengths), the batch shrinking")
     run.add_argument("--profile-batch", nargs="*", type=int, default=[],
                      help="after the timed points, one profiled generate per batch size (kernel time by kind)")
     run.add_argument("--work", default="/tmp/tree-real-shapes", help="where the model directories are written")

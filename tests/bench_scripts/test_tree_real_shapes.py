@@ -99,6 +99,43 @@ def test_report_gives_reconstruct_over_store_all_per_chain(tmp_path):
     assert "| k1-code | code | 1 | 90 / 100 | 0.90 |" in (tmp_path / "report.md").read_text()
 
 
+def test_auto_engines_serve_one_class_and_the_staggered_batch_shrinks():
+    auto = bench.speculative_config([2, 2, 1], "prose", synthetic=True, backend=None, auto_sibling=0.2)
+    assert auto["draft_tree_max_batch_size"] == "auto"
+    assert auto["synthetic_tree_acceptance_rates"] == [0.55] * 3 and auto["synthetic_tree_sibling_rates"] == [0.2] * 3
+    assert "draft_tree_max_batch_size" not in bench.speculative_config([2, 2, 1], "code", True, None)
+    assert bench.classes([2, 2, 1], ["prose", "code"], [0.2, 0.4], synthetic=True, auto=True) == [
+        ("prose", 0.2, None)]  # the engine's rates are the class: its chain steps' too
+    assert bench.engine_name("tree221", "prose", sibling=0.2) == "tree221-auto-prose-s0.2"
+    lengths = bench.staggered_lengths(64, 128)
+    assert lengths == sorted(lengths) and lengths[0] == 8 and lengths[-1] == 512
+    assert sum(lengths) / 64 == pytest.approx(2 * 128, rel=0.02)
+
+
+def test_report_gives_auto_over_the_best_fixed_shape_of_its_class(tmp_path):
+    def engine(name, widths, points, shape_choice="fixed"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"engine": name, "widths": widths, "shape_choice": shape_choice, "points": points}))
+
+    engine("tree221", [2, 2, 1], [point("code", 0.4, 1, 110.0, 10.0, 3.6), point("code", 0.2, 1, 104.0, 10.0, 3.5),
+                                  point("code", 0.4, 8, 560.0, 14.0, 3.6), point("code", 0.4, "staggered-64", 900.0,
+                                                                                  None, 3.6)])
+    engine("k3-code", [1, 1, 1], [point("code", None, 1, 100.0, 10.0, 3.4), point("code", None, 8, 600.0, 13.0, 3.4),
+                                  point("code", None, "staggered-64", 950.0, None, 3.4)])
+    engine("tree221-auto-code-s0.4", [2, 2, 1], [point("code", 0.4, 1, 108.0, 10.0, 3.6),
+                                                 point("code", 0.4, 8, 594.0, 13.0, 3.4),
+                                                 point("code", 0.4, "staggered-64", 1000.0, None, 3.5)], "auto")
+    assert bench.main(["report", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["tree"] for r in report["rows"]] == ["tree221"] * 3  # auto and staggered points stay out of these
+    one, eight, staggered = report["auto_rows"]
+    assert one["tree_tokens_per_s"] == 110.0 and one["over_best_fixed"] == pytest.approx(108 / 110)
+    assert eight["over_best_fixed"] == pytest.approx(594 / 600)
+    assert staggered["batch"] == "staggered-64" and staggered["over_best_fixed"] == pytest.approx(1000 / 950)
+    assert "| tree221-auto-code-s0.4 | code s0.4 | staggered-64 | 1000 / 900 / 950 | 1.05 |" in (
+        tmp_path / "report.md").read_text()
+
+
 def test_expected_gain_is_the_trees_expected_length_over_the_chains():
     # code-like rank-0 rates, sibling 0.4: depth 1 accepts 0.917 + 0.083 * 0.4, depth 2 0.913 + 0.087 * 0.4, depth 3
     # (width 1) 0.774; the chain 0.917, 0.913, 0.774 (its expected length 3.402)
@@ -142,6 +179,14 @@ def test_wrapper_runs_the_chosen_engines_and_skips_by_time(tmp_path):
     refused = subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "refused")], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "unknown engine tree221-store_all" in refused.stderr
+    env.update(ENGINES="tree3221-auto", ATTN_BACKEND="")
+    subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "auto"), "--profiles", "prose",
+                    "--staggered", "64"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=60)
+    (archive,) = (tmp_path / "auto").glob("logs-*.tar.gz")
+    subprocess.run(["tar", "xzf", str(archive), "-C", str(tmp_path / "auto")], check=True)
+    command = (tmp_path / "auto" / "logs" / "tree3221-auto.log").read_text()
+    assert "engine --name tree3221 --strategy reconstruct --shape-choice auto --shape" in command
+    assert command.rstrip().endswith("--profiles prose --staggered 64")
     env.update(CALL_LIMIT_S="200", ENGINES="tree221")
     subprocess.run(["bash", "bench/e2e/run_tree_real_shapes.sh", str(tmp_path / "short")], cwd=ROOT, env=env,
                    check=True, capture_output=True, timeout=60)
