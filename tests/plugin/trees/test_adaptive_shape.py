@@ -95,7 +95,14 @@ def test_observations_follow_each_requests_emitted_tokens_and_rows_are_freed():
     rates = adaptive.table.continuation(np.array([adaptive.rows["a"], adaptive.rows["b"]]))
     assert rates[0, TREE, 0] > rates[1, TREE, 0]
     adaptive.forget({"a", "b"})
-    assert adaptive.rows == {} and sorted(adaptive.free_rows) == [0, 1]
+    assert adaptive.rows == {} and sorted(adaptive.free_rows) == [0, 1, 2, 3]  # 2 x max_num_seqs rows
     stats = SimpleNamespace(plugin_counters={})
     adaptive.report(stats)
     assert stats.plugin_counters["vllm:treewy_adaptive_tree_steps"] == 1 and adaptive.unreported == {}
+
+
+def test_preempted_requests_keep_rows_until_rows_run_out_then_the_least_recent_gives_its_row():
+    adaptive = AdaptiveShape(WIDTHS, 2, Clock())
+    for step in (["a", "b"], ["c", "d"], ["a", "e"]):  # a and b preempted, then a back; e takes b's row
+        adaptive.choose(_decode_output(dict.fromkeys(step, 0)))
+    assert list(adaptive.rows) == ["c", "d", "a", "e"] and len(set(adaptive.rows.values())) == 4

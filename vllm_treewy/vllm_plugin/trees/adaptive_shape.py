@@ -81,13 +81,14 @@ class AdaptiveShape:
 
     def __init__(self, widths: list[int], max_num_seqs: int, clock=time.perf_counter):
         self.tree, self.depth = DraftTree.from_widths(widths), len(widths)
-        self.table = AcceptanceTable(widths, max_num_seqs, HALF_LIFE_STEPS,
-                                     engine_half_life=ENGINE_HALF_LIFE_STEPS)
+        # rows for the running requests and as many preempted ones (which keep theirs until they finish)
+        num_rows = 2 * max_num_seqs
+        self.table = AcceptanceTable(widths, num_rows, HALF_LIFE_STEPS, engine_half_life=ENGINE_HALF_LIFE_STEPS)
         self.costs = StepCosts(batch_buckets(max_num_seqs), COST_HALF_LIFE_SAMPLES)
         self.chooser = ShapeChooser(self.table, self.costs, SETTLE_STEPS, REFRESH_STEPS)
         self.clock = clock
-        self.rows: dict[str, int] = {}
-        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.rows: dict[str, int] = {}  # request id -> row, in the order they were last scheduled
+        self.free_rows = list(range(num_rows - 1, -1, -1))
         self.step = 0  # choices made
         self.scheduled_at: float | None = None  # when the previous step was scheduled (None: after an idle step)
         self.previous_batch, self.previous_shape = 0, TREE
@@ -162,10 +163,16 @@ class AdaptiveShape:
     # -- internals ------------------------------------------------------------------------------------------------
 
     def _row(self, req_id: str) -> int:
-        row = self.rows.get(req_id)
+        """The request's row, moved to the end of `rows` (most recently scheduled). A new request takes a free row;
+        with none free (more preempted requests than max_num_seqs), the least recently scheduled request's, which
+        a step of at most max_num_seqs requests never holds (its estimate restarts from the engine's if it returns)."""
+        row = self.rows.pop(req_id, None)
         if row is None:
-            row = self.rows[req_id] = self.free_rows.pop()
+            if not self.free_rows:
+                self.free_rows.append(self.rows.pop(next(iter(self.rows))))
+            row = self.free_rows.pop()
             self.table.reset(np.array([row]))
+        self.rows[req_id] = row
         return row
 
     def _count_observed(self, shape: int, depths: np.ndarray, accepted: np.ndarray) -> None:
