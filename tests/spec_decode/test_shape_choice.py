@@ -121,7 +121,7 @@ class Engine:
             self.step += 1
 
 
-def test_an_unmeasured_bucket_is_explored_tree_first_then_settles():
+def test_a_shape_never_measured_is_explored_tree_first_then_settles():
     settle = 2
     table = trained_table(np.stack([CODE] * 16))
     engine = Engine(ShapeChooser(table, StepCosts(BUCKETS, 8), settle=settle, refresh_steps=1000),
@@ -131,13 +131,25 @@ def test_an_unmeasured_bucket_is_explored_tree_first_then_settles():
     assert engine.shapes == [TREE] * hold + [CHAIN] * hold + [CHAIN] * 4
     assert engine.steady == [False, False, True, False, False, True, True, True, True, True]
     assert engine.chooser.steady(8) and not engine.chooser.steady(4)  # a caller one step late asks about its step
-    # a batch in a new bucket explores it, a hold never spans two buckets, and a hold cut short is taken again
-    engine.run(np.arange(12), steps=1)  # bucket 16: tree first
+    # a new bucket is not explored by both shapes: its costs are estimated from bucket 8's; the shape that is not
+    # the best there (the tree) is measured by a refresh hold, rate-limited, which the batch's move cuts short
+    engine.run(np.arange(12), steps=1)  # bucket 16: estimated costs; the tree's refresh hold starts
+    assert engine.chooser.costs.estimate(12, TREE) == 1.3 and engine.chooser.costs.cost(12, TREE) is None
     engine.run(np.arange(8), steps=1)  # back to 8, measured: the best
-    engine.run(np.arange(12), steps=hold)  # bucket 16 again: the tree's hold from its start
-    assert engine.shapes[10:] == [TREE, CHAIN] + [TREE] * hold
+    engine.run(np.arange(12), steps=hold)  # bucket 16 again: no new hold within refresh_steps: the best, measured
+    assert engine.shapes[10:] == [TREE, CHAIN] + [CHAIN] * hold
     assert engine.steady[10:] == [False, False] + [False] * settle + [True]
-    assert engine.chooser.costs.cost(16, TREE) == 1.3
+    assert engine.chooser.costs.cost(16, CHAIN) == 1.0 and engine.chooser.costs.cost(16, TREE) is None
+
+
+def test_an_unmeasured_bucket_takes_the_other_shapes_cost_there_times_their_ratio_nearby():
+    costs = StepCosts(BUCKETS, 8)
+    assert costs.estimate(8, TREE) is None  # never measured anywhere
+    costs.record(8, TREE, 1.2, 0)
+    assert costs.estimate(64, TREE) == 1.2  # the nearest bucket's
+    costs.record(8, CHAIN, 1.0, 0)
+    costs.record(64, CHAIN, 3.0, 0)
+    assert costs.estimate(64, TREE) == pytest.approx(3.6)  # the chain's cost there times 1.2 / 1.0
 
 
 def test_refreshes_are_bounded_and_catch_a_cost_change():

@@ -7,14 +7,16 @@ measured per batch bucket and shape (``StepCosts``). One shape per step because 
 graph per uniform decode shape and the GDN commit tables are per shape: per-request shapes would make mixed steps.
 Costs are per bucket because V2 pads a decode batch to its captured sizes: every batch of one bucket costs the same.
 
-Exploration, deterministic. A shape with no cost at this batch's bucket is run (the tree first) and held for
-``settle + 1`` steps, so that the last of them follows ``settle`` steps of the same bucket and shape: an interval that
-is the shape's own (``steady``), which the caller records (``StepCosts.record``) only then. A shape whose cost at the
-bucket was last measured more than ``refresh_steps`` steps ago is refreshed the same way, at most one refresh hold
-started per ``refresh_steps`` steps, so at most a fraction ``(settle + 1) / refresh_steps`` of steps run a refresh
-(the non-best shape, or the best one measured anew), plus ``2 (settle + 1)`` steps per bucket the first time the
-batch is in it. A hold ends when the batch changes bucket; an unmeasured shape is then explored again when the batch
-is back. The shape being run is recorded on each of its steady steps, so only the other one ever goes stale.
+Exploration, deterministic. A shape never measured at any bucket is run (the tree first) and held for ``settle + 1``
+steps, so that the last of them follows ``settle`` steps of the same bucket and shape: an interval that is the shape's
+own (``steady``), which the caller records (``StepCosts.record``) only then: ``2 (settle + 1)`` steps once per engine.
+At a bucket where a shape has no measurement, its cost is estimated (``StepCosts.estimate``: the other shape's cost
+there times the two shapes' ratio at the nearest bucket that has both, else the nearest bucket's cost), so a batch
+that moves through buckets (a batch shrinking as its requests finish) does not explore at each. The shape not chosen
+at the bucket is measured when its cost there is missing or older than ``refresh_steps`` steps, held the same way, at
+most one such hold started per ``refresh_steps`` steps: at most a fraction ``(settle + 1) / refresh_steps`` of steps
+run the shape that is not the best. A hold ends when the batch changes bucket. The shape being run is recorded on
+each of its steady steps, so only the other one goes stale.
 
 How fast the batch follows a request. A request whose acceptance changes moves its expected lengths of both shapes
 (the shape not run follows through the one run: ``acceptance_estimate``) ``1 - 2 ** (-n / h)`` of the way from the
@@ -83,9 +85,29 @@ class StepCosts:
 
     def cost(self, batch: int, shape: int) -> float | None:
         """Seconds a step of ``shape`` at ``batch``'s bucket, None where never measured."""
-        index = self._index(batch)
+        return self._mean(self._index(batch), shape)
+
+    def _mean(self, index: int, shape: int) -> float | None:
         weight = self._weight[index][shape]
         return self._total[index][shape] / weight if weight > 0 else None
+
+    def estimate(self, batch: int, shape: int) -> float | None:
+        """``cost`` where measured; else the other shape's cost at this bucket times the two shapes' ratio at the
+        nearest bucket where both are measured; else ``shape``'s cost at the nearest bucket measured; None where
+        ``shape`` was never measured."""
+        measured = self.cost(batch, shape)
+        if measured is not None:
+            return measured
+        index, other = self._index(batch), 1 - shape
+        means = [(self._mean(i, shape), self._mean(i, other)) for i in range(len(self.buckets))]
+        known = [i for i, (mine, _) in enumerate(means) if mine is not None]
+        if not known:
+            return None
+        both = [i for i in known if means[i][1] is not None]
+        if both and means[index][1] is not None:
+            near = min(both, key=lambda i: abs(i - index))
+            return means[index][1] * means[near][0] / means[near][1]
+        return means[min(known, key=lambda i: abs(i - index))][0]
 
     def measured_at(self, batch: int, shape: int) -> int | None:
         """The step index of the last record of ``shape`` at ``batch``'s bucket, None where never measured."""
@@ -109,8 +131,8 @@ class ShapeChooser:
     steps; ``settle``: steps after a change of bucket or shape whose intervals are not the new shape's own;
     ``refresh_steps``: the age in steps past which a cost is measured again.
 
-    After each ``choose``: ``last_tokens_per_second`` (per shape, NaN where unmeasured), ``exploring`` (the choice
-    was an exploration or refresh hold, not the best shape's)."""
+    After each ``choose``: ``last_tokens_per_second`` (per shape, from estimated costs; NaN where a shape was never
+    measured), ``exploring`` (the choice was an exploration or refresh hold, not the best shape's)."""
 
     def __init__(self, table: AcceptanceTable, costs: StepCosts, settle: int, refresh_steps: int):
         if settle < 0 or refresh_steps < settle + 1:
@@ -131,17 +153,15 @@ class ShapeChooser:
         batch = len(rows)
         bucket = self.costs.bucket_of(batch)
         lengths = self.table.total_expected_length(rows).tolist()
-        costs = [self.costs.cost(batch, shape) for shape in SHAPES]
+        costs = [self.costs.estimate(batch, shape) for shape in SHAPES]
         self.last_tokens_per_second = tuple(math.nan if cost is None else lengths[shape] / cost
                                             for shape, cost in zip(SHAPES, costs))
+        tree, chain = self.last_tokens_per_second
+        best = TREE if tree > chain else CHAIN  # a tie goes to the chain: fewer tokens verified
         hold = self._hold
         if hold is None or hold.bucket != bucket or step > hold.last_step:
-            hold = self._hold = self._new_hold(batch, bucket, step, costs)
-        if hold is not None:
-            shape = hold.shape
-        else:
-            tree, chain = self.last_tokens_per_second
-            shape = TREE if tree > chain else CHAIN  # a tie goes to the chain: fewer tokens verified
+            hold = self._hold = self._new_hold(batch, bucket, step, costs, best)
+        shape = best if hold is None else hold.shape
         self.exploring = hold is not None
         self._history.append((step, bucket, shape))
         return shape
@@ -157,14 +177,15 @@ class ShapeChooser:
         return (len(run) == self.settle + 1 and [entry[0] for entry in run] == list(range(step - self.settle, step + 1))
                 and len({entry[1:] for entry in run}) == 1)
 
-    def _new_hold(self, batch: int, bucket: int, step: int, costs: list[float | None]) -> _Hold | None:
+    def _new_hold(self, batch: int, bucket: int, step: int, costs: list[float | None], best: int) -> _Hold | None:
         for shape, cost in zip(SHAPES, costs):
-            if cost is None:
+            if cost is None:  # never measured anywhere
                 return _Hold(shape, bucket, step + self.settle)
         if step - self._last_refresh < self.refresh_steps:
             return None
-        stalest = min(SHAPES, key=lambda shape: self.costs.measured_at(batch, shape))  # the tree on a tie
-        if step - self.costs.measured_at(batch, stalest) <= self.refresh_steps:
+        other = 1 - best
+        measured_at = self.costs.measured_at(batch, other)
+        if measured_at is not None and step - measured_at <= self.refresh_steps:
             return None
         self._last_refresh = step
-        return _Hold(stalest, bucket, step + self.settle)
+        return _Hold(other, bucket, step + self.settle)

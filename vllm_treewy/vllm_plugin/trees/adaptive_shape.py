@@ -58,6 +58,10 @@ CONTINUES_METRIC = "vllm:treewy_adaptive_{shape}_continues_depth_{depth}"
 # many requests' steps.
 HALF_LIFE_STEPS = 8.0
 ENGINE_HALF_LIFE_STEPS = 512.0
+# Pseudo-trials of the engine's estimate in a request's: enough that one request's few steps do not swing a batch of
+# one (`bench/e2e/shape_choice_sim.py` chose it over the measured 27B step times), few enough that its own steps
+# soon outweigh them.
+PRIOR_WEIGHT = 4.0
 # Step times: an estimate follows a drifting cost over a few samples; a shape not run at a bucket for REFRESH_STEPS
 # steps is re-measured, holding it SETTLE + 1 steps (at most (SETTLE + 1) / REFRESH_STEPS of steps explore).
 COST_HALF_LIFE_SAMPLES = 4.0
@@ -83,7 +87,8 @@ class AdaptiveShape:
         self.tree, self.depth = DraftTree.from_widths(widths), len(widths)
         # rows for the running requests and as many preempted ones (which keep theirs until they finish)
         num_rows = 2 * max_num_seqs
-        self.table = AcceptanceTable(widths, num_rows, HALF_LIFE_STEPS, engine_half_life=ENGINE_HALF_LIFE_STEPS)
+        self.table = AcceptanceTable(widths, num_rows, HALF_LIFE_STEPS, prior_weight=PRIOR_WEIGHT,
+                                     engine_half_life=ENGINE_HALF_LIFE_STEPS)
         self.costs = StepCosts(batch_buckets(max_num_seqs), COST_HALF_LIFE_SAMPLES)
         self.chooser = ShapeChooser(self.table, self.costs, SETTLE_STEPS, REFRESH_STEPS)
         self.clock = clock
