@@ -61,18 +61,20 @@ def simulate(policy: str, lengths: list[int], widths: list[int], times, rates, m
     each shape was drafted."""
     from vllm_treewy.vllm_plugin.trees.adaptive_shape import AdaptiveShape
 
-    rng = np.random.default_rng(seed)
     clock = SimpleNamespace(now=0.0)
     adaptive = AdaptiveShape(widths, max_num_seqs, lambda: clock.now) if policy == "auto" else None
-    run(policy, lengths, widths, times, rates, max_num_seqs, rng, clock, adaptive)
-    return run(policy, lengths, widths, times, rates, max_num_seqs, rng, clock, adaptive)
+    run(policy, lengths, widths, times, rates, max_num_seqs, (seed, 0), clock, adaptive)
+    return run(policy, lengths, widths, times, rates, max_num_seqs, (seed, 1), clock, adaptive)
 
 
-def run(policy, lengths, widths, times, rates, max_num_seqs, rng, clock, adaptive) -> dict:
+def run(policy, lengths, widths, times, rates, max_num_seqs, seed, clock, adaptive) -> dict:
+    """One pass over the requests. Each request draws its acceptance from its own generator (seeded by the run and
+    its index: every policy sees the same draws, so their ratios are not the draws' noise)."""
     from vllm_treewy.spec_decode.acceptance_estimate import TREE
 
     depth, num_nodes = len(widths), int(sum(np.cumprod(widths)))
     began = clock.now
+    rngs = [np.random.default_rng((*seed, r)) for r in range(len(lengths))]
     remaining = dict(enumerate(lengths))
     waiting = list(remaining)
     running: dict[int, int] = {}  # request -> drafts it holds
@@ -102,7 +104,7 @@ def run(policy, lengths, widths, times, rates, max_num_seqs, rng, clock, adaptiv
         for r in running:
             accepted = 0
             if shapes[r] == shape:
-                while accepted < depth and rng.random() < rates[shape][accepted]:
+                while accepted < depth and rngs[r].random() < rates[shape][accepted]:
                     accepted += 1
             emitted[r] = min(accepted + 1, remaining[r])
         if adaptive is not None:
