@@ -2,7 +2,9 @@
 
 Every engine of this module runs in one module-scoped fixture (engines in one process run one after another): the
 no-speculation engine first computes the true continuations the drafter puts on one branch, the tree engines run,
-then the no-speculation engine (raw logits) judges them tie-aware.
+then the no-speculation engine (raw logits) judges them tie-aware. Runs of one engine configuration share one tree
+engine, one `generate` after another, each with its own drafts, planted bug and counters (no prefix caching: a run
+finds nothing of the runs before it but freed blocks).
 
 The fixture's one full-attention layer is weak: zeroing its tree rows' output leaves greedy tokens unchanged. So
 the attention-side planted bugs (no depth positions, no KV compaction) run on a variant whose attention output is
@@ -12,6 +14,7 @@ the attention-side planted bugs (no depth positions, no KV compaction) run on a 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -28,8 +31,8 @@ from vllm_treewy.fixture.exact import ExactModel
 from vllm_treewy.tree import DraftTree
 from vllm_treewy.vllm_plugin.v1 import runner as tree_runner
 from vllm_treewy.vllm_plugin.v1 import sampler as tree_sampler
-from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, write_drafts_file
-from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, run_greedy
+from vllm_treewy.vllm_plugin.testing.continuation_drafter import DRAFTS_ENV, serve_drafts, write_drafts_file
+from vllm_treewy.vllm_plugin.testing.equivalence import compare_tie_aware, engine, generate_greedy, generate_run
 from vllm_treewy.vllm_plugin.gdn.pseudo_value_buffer import BufferLayout
 from vllm_treewy.vllm_plugin.trees.fallbacks import FALLBACK_METRIC
 
@@ -73,9 +76,10 @@ def strong_attention_variant(model: str, out_dir) -> str:
 
 
 @contextlib.contextmanager
-def continuation_drafts(path, sequences, true_branch=TRUE_BRANCH, perturbed_branch=None):
+def drafts_at_start(path):
+    """The drafts file that the drafter of an engine started within reads first."""
     previous = os.environ.get(DRAFTS_ENV)
-    os.environ[DRAFTS_ENV] = write_drafts_file(path, sequences, true_branch, perturbed_branch)
+    os.environ[DRAFTS_ENV] = str(path)
     try:
         yield
     finally:
@@ -192,21 +196,36 @@ def tree_e2e(fixture_model, tmp_path_factory) -> TreeRuns:
 
 
 def _run_trees(results: TreeRuns, plan: dict, models: dict, workloads: dict, tmp) -> None:
-    for name, (model, workload, widths, branch, perturbed, bug, kwargs) in plan.items():
-        kwargs = dict(kwargs)
-        commit = kwargs.pop("mamba_state_commit", "reconstruct")
-        workload_prompts, max_tokens = workloads[workload]
-        sequences = [p + r for p, r in zip(workload_prompts, results.reference[model, workload])]
-        logits = results.tree_logits.setdefault(name, [])
-        with (continuation_drafts(tmp / f"{name}.json", sequences, branch, perturbed), planted(bug),
-              count_mixed_batches(results.mixed_batches.setdefault(name, {})), recording_tree_logits(logits)):
-            results.runs[name] = run_greedy(models[model], workload_prompts, max_tokens, speculative_config=tree_spec(
-                widths, commit), **{"max_num_seqs": MAX_NUM_SEQS, **kwargs})
-        results.tree_fallbacks[name] = _tree_fallbacks()
+    """One engine per configuration (model, widths, engine kwargs), running its runs in the plan's order (a planted
+    bug's after the real wiring's: nothing a bug leaves behind reaches a run that must pass)."""
+    engines = {}
+    for name, (model, _, widths, _, _, _, kwargs) in plan.items():
+        engines.setdefault(json.dumps([model, widths, kwargs], sort_keys=True), []).append(name)
+    for names in engines.values():
+        _run_on_one_engine(results, {name: plan[name] for name in names}, models, workloads, tmp)
+
+
+def _run_on_one_engine(results: TreeRuns, plan: dict, models: dict, workloads: dict, tmp) -> None:
+    drafts = {}
+    for name, (model, workload, _, branch, perturbed, _, _) in plan.items():
+        sequences = [p + r for p, r in zip(workloads[workload][0], results.reference[model, workload])]
+        drafts[name] = write_drafts_file(tmp / f"{name}.json", sequences, branch, perturbed)
+    model, _, widths, _, _, _, kwargs = next(iter(plan.values()))
+    kwargs = dict(kwargs)
+    commit = kwargs.pop("mamba_state_commit", "reconstruct")
+    with drafts_at_start(next(iter(drafts.values()))), engine(models[model], speculative_config=tree_spec(
+            widths, commit), **{"max_num_seqs": MAX_NUM_SEQS, **kwargs}) as llm:
+        for name, (_, workload, _, _, _, bug, _) in plan.items():
+            serve_drafts(llm, drafts[name])
+            logits, fallbacks = results.tree_logits.setdefault(name, []), _tree_fallbacks()
+            with (planted(bug), count_mixed_batches(results.mixed_batches.setdefault(name, {})),
+                  recording_tree_logits(logits)):
+                results.runs[name] = generate_run(llm, *workloads[workload])
+            results.tree_fallbacks[name] = _tree_fallbacks() - fallbacks
 
 
 def _tree_fallbacks() -> float:
-    """The counter of the engine that ran last (an engine's start drops the previous engine's), over its labels."""
+    """The counter of the engine running (an engine's start drops the previous engine's), over its labels."""
     return sum(sample.value for metric in prometheus_client.REGISTRY.collect() if metric.name == FALLBACK_METRIC
                for sample in metric.samples if sample.name == f"{FALLBACK_METRIC}_total")
 

@@ -1,9 +1,11 @@
 """A deterministic draft-tree proposer for tests: vLLM loads it with method="custom_class" and
 model="vllm_treewy.vllm_plugin.testing.continuation_drafter.ContinuationTreeDrafter".
 
-It knows the target's own greedy continuations (sequences computed with the no-speculation engine, read from the
-JSON file named by `$VLLM_TREEWY_TEST_DRAFTS`: {"sequences": [prompt + continuation, ...], "true_branch": b,
-"perturbed_branch": c or null}).
+It knows the target's own greedy continuations (sequences computed with the no-speculation engine, read from a
+JSON file that `write_drafts_file` writes: {"sequences": [prompt + continuation, ...], "true_branch": b,
+"perturbed_branch": c or null}). It reads the file named by `$VLLM_TREEWY_TEST_DRAFTS` when the engine starts, and
+another one whenever a test names it with `serve_drafts(llm, path)` (between `generate` calls): from the next step
+on it serves that file's drafts only, so one engine can run several tests' drafts, one `generate` after another.
 For a request whose tokens so far are a prefix of a known sequence, the next `depth` true tokens go on one path of
 the tree: child `min(b, width - 1)` at every level. Every other node carries a token that differs from its level's
 true token (and from its siblings'), so only that path can be accepted. Unknown requests (or ones that left the
@@ -36,6 +38,16 @@ def write_drafts_file(path, sequences: list[list[int]], true_branch: int = 0,
     return str(path)
 
 
+def serve_drafts(llm, path) -> None:
+    """A running engine's `ContinuationTreeDrafter` serves the drafts of this file from its next step on (call it
+    between `generate` calls)."""
+    llm.collective_rpc(_load_drafts, args=(str(path),))
+
+
+def _load_drafts(worker, path: str) -> None:
+    worker.model_runner.drafter.load_drafts(path)
+
+
 def tree_drafts(widths: list[int], truth: list[int] | None, true_branch: int, vocab_size: int, filler: int,
                 perturbed_branch: int | None = None) -> list[int]:
     """The N draft tokens of one request in node order: `truth` (length = depth, or None) on the true path, tokens
@@ -66,13 +78,17 @@ class ContinuationTreeDrafter:
         path = os.environ.get(DRAFTS_ENV)
         if not path:
             raise ValueError(f"ContinuationTreeDrafter reads the target's continuations from ${DRAFTS_ENV}")
+        self.load_drafts(path)
+        tree = DraftTree.from_widths(self.widths)
+        self.tree_state = TreeRunState(tree) if any(w > 1 for w in self.widths) else None  # the runner's tree state
+
+    def load_drafts(self, path) -> None:
+        """The drafts of this file (`write_drafts_file`) replace those served so far."""
         with open(path) as f:
             known = json.load(f)
         self.sequences = [np.asarray(s, dtype=np.int64) for s in known["sequences"]]
         self.true_branch = int(known.get("true_branch", 0))
         self.perturbed_branch = known.get("perturbed_branch")
-        tree = DraftTree.from_widths(self.widths)
-        self.tree_state = TreeRunState(tree) if any(w > 1 for w in self.widths) else None  # the runner's tree state
 
     def _truth(self, tokens: np.ndarray) -> list[int] | None:
         depth = len(self.widths)

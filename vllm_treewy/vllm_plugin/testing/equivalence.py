@@ -107,6 +107,17 @@ def read_acceptance(llm: LLM) -> SpecDecodeAcceptance | None:
     )
 
 
+def acceptance_since(before: SpecDecodeAcceptance | None,
+                     after: SpecDecodeAcceptance | None) -> SpecDecodeAcceptance | None:
+    """The spec-decode counters between two reads of one engine."""
+    if before is None:
+        return after
+    return SpecDecodeAcceptance(
+        after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
+        after.num_accepted_tokens - before.num_accepted_tokens,
+        [a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position, strict=True)])
+
+
 def mtp_tree_config(widths: list[int], mamba_state_commit: str = "reconstruct") -> dict:
     """The `speculative_config` of the model's MTP head drafting a tree of these widths, one per depth (all 1: vLLM's
     MTP chain of that depth)."""
@@ -147,12 +158,19 @@ class GenerationRun:
 
 
 def run_greedy(model: str, prompt_ids: list[list[int]], max_tokens: list[int], **engine_kwargs) -> GenerationRun:
-    """Starts an engine, generates greedily, reads its counters, KV-cache report and the attributes the adapter
-    added to vLLM's objects, tears it down."""
+    """Starts an engine, generates greedily (`generate_run`), tears it down."""
     with engine(model, **engine_kwargs) as llm:
-        outputs = generate_greedy(llm, prompt_ids, max_tokens)
-        return GenerationRun(outputs, read_acceptance(llm), kv_cache_report(llm), read_preemptions(llm),
-                             attributes_added_to_vllm(llm))
+        return generate_run(llm, prompt_ids, max_tokens)
+
+
+def generate_run(llm: LLM, prompt_ids: list[list[int]], max_tokens: list[int]) -> GenerationRun:
+    """Generates greedily on a running engine: the outputs, the spec-decode and preemption counters of these requests
+    alone (vLLM's count from the engine's start), its KV-cache report and the attributes the adapter added to vLLM's
+    objects so far."""
+    acceptance, preemptions = read_acceptance(llm), read_preemptions(llm)
+    outputs = generate_greedy(llm, prompt_ids, max_tokens)
+    return GenerationRun(outputs, acceptance_since(acceptance, read_acceptance(llm)), kv_cache_report(llm),
+                         read_preemptions(llm) - preemptions, attributes_added_to_vllm(llm))
 
 
 # The adapter's names contain this; none may be set on vLLM's objects (state that crosses steps lives in buffers
