@@ -334,24 +334,12 @@ def _sample(llm, runs: SamplingRuns, name: str, engine_index: int) -> None:
         runs.samples[name, setting] = np.array([list(o.outputs[0].token_ids) for o in outs], dtype=np.int64)
 
 
-def _acceptance_since(before, after):
-    """vLLM's spec-decode counters between two reads of one engine (they count from its start)."""
-    from vllm_treewy.vllm_plugin.testing.equivalence import SpecDecodeAcceptance
-
-    if before is None:
-        return after
-    return SpecDecodeAcceptance(
-        after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
-        after.num_accepted_tokens - before.num_accepted_tokens,
-        [a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position, strict=True)])
-
-
 # Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
 def _speculative_runs(model: str, runs: SamplingRuns, names: tuple[str, ...]) -> None:
     """One engine for `names` (one speculative config), their requests one `generate` after another, each name's
     planted bug in place for its own requests only (a bug of PLANTED_AT_START for the engine's whole life), each
     name's counters and sampling paths of its own requests."""
-    from vllm_treewy.vllm_plugin.testing.equivalence import engine, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import acceptance_since, engine, read_acceptance
 
     (spec,) = {json.dumps(ENGINES[name][0], sort_keys=True) for name in names}
     at_start = [ENGINES[name][1] for name in names if ENGINES[name][1] in PLANTED_AT_START]
@@ -365,7 +353,7 @@ def _speculative_runs(model: str, runs: SamplingRuns, names: tuple[str, ...]) ->
             with planted(None if bug in PLANTED_AT_START else bug), sampling_paths_counted(
                     runs.paths.setdefault(name, {})):
                 _sample(llm, runs, name, list(ENGINES).index(name))
-            runs.acceptance[name] = _acceptance_since(before, read_acceptance(llm))
+            runs.acceptance[name] = acceptance_since(before, read_acceptance(llm))
 
 
 @contextlib.contextmanager
