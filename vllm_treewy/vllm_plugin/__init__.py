@@ -9,7 +9,7 @@ Layout (each sub-package's docstring says more):
 - `gdn/`: the GDN layer under reconstruct (and store_all trees), its pseudo-value buffer, the per-step metadata and
   commit, the GDN groups' count state, the block-boundary states of prefix caching: runner-independent.
 - `trees/`: draft trees on either runner: the step and its metadata, attention (CPU, TRITON_ATTN, FLASH_ATTN), the
-  drafting and sampling parts both runners share, admission, the token budget and its fallbacks.
+  drafting and sampling parts both runners share, admission, the token budget and its fallbacks, the adaptive shape.
 - `v1/`, `v2/`: each model runner's hooks (vLLM's V1 runner; Model Runner V2), thin; neither imports the other.
 - `compat/`: start-up fixes (vLLM's CPU wheel, start-up memory).
 - `testing/`: helpers of the test suite and the demo.
