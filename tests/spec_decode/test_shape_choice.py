@@ -164,7 +164,8 @@ def test_refreshes_are_bounded_and_catch_a_cost_change():
     # and refreshes do happen: a hold of settle + 1 steps, one past each refresh_steps from the last measurement
     assert len(refreshes) == (settle + 1) * len(refreshes[::settle + 1])
     starts = [0] + refreshes[::settle + 1]  # the tree's exploration, then its refreshes
-    assert all(refresh_steps < later - earlier <= refresh_steps + settle + 2 for earlier, later in zip(starts, starts[1:]))
+    assert all(refresh_steps < later - earlier <= refresh_steps + settle + 2
+               for earlier, later in zip(starts, starts[1:]))
     assert starts[-1] > explored + steps - refresh_steps - settle - 2
     # the tree gets cheaper: the next refresh finds it, and the batch moves to it
     engine.seconds[TREE] = 0.9
