@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from bench.e2e.tree_real_shapes import CATALOG, PROFILES, engine_name, staggered_lengths
+from vllm_treewy.tree import DraftTree
 
 POLICIES = ("tree", "chain", "auto")
 
@@ -49,9 +50,10 @@ def step_times(costs_dir: Path, tree: str, profile: str, sibling: float) -> dict
 
 
 def continuation_rates(widths: list[int], profile: str, sibling: float) -> dict[str, np.ndarray]:
+    from vllm_treewy.spec_decode.acceptance_estimate import tree_continuation
+
     rank0 = np.array(PROFILES[profile][:len(widths)])
-    tree = 1 - (1 - rank0) * (1 - sibling) ** (np.array(widths) - 1)
-    return {"tree": tree, "chain": rank0}
+    return {"tree": tree_continuation(rank0, np.full_like(rank0, sibling), widths), "chain": rank0}
 
 
 def simulate(policy: str, lengths: list[int], widths: list[int], times, rates, max_num_seqs: int,
@@ -70,9 +72,9 @@ def simulate(policy: str, lengths: list[int], widths: list[int], times, rates, m
 def run(policy, lengths, widths, times, rates, max_num_seqs, seed, clock, adaptive) -> dict:
     """One pass over the requests. Each request draws its acceptance from its own generator (seeded by the run and
     its index: every policy sees the same draws, so their ratios are not the draws' noise)."""
-    from vllm_treewy.spec_decode.acceptance_estimate import TREE
+    from vllm_treewy.spec_decode.acceptance_estimate import TREE, expected_lengths
 
-    depth, num_nodes = len(widths), int(sum(np.cumprod(widths)))
+    depth, num_nodes = len(widths), DraftTree.from_widths(widths).num_nodes
     began = clock.now
     rngs = [np.random.default_rng((*seed, r)) for r in range(len(lengths))]
     remaining = dict(enumerate(lengths))
@@ -123,7 +125,7 @@ def run(policy, lengths, widths, times, rates, max_num_seqs, seed, clock, adapti
                 running[r] = next_drafts
     result = {"tokens_per_s": tokens / (clock.now - began), "seconds": clock.now - began, "drafted": drafted}
     if adaptive is not None:
-        result["learned_tree_expected_length"] = float(adaptive.table.engine_continuation()[TREE].cumprod().sum() + 1)
+        result["learned_tree_expected_length"] = float(expected_lengths(adaptive.table.engine_continuation())[TREE])
     return result
 
 

@@ -138,7 +138,12 @@ def run_engine(args) -> int:
     from bench.e2e import gpu_site
     from bench.e2e.gpu_v2_chains import counting_steps, engine_facts
     from bench.e2e.gpu_vllm_e2e import device_facts
-    from vllm_treewy.vllm_plugin.testing.equivalence import engine, kv_cache_report, read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import (
+        acceptance_since,
+        engine,
+        kv_cache_report,
+        read_acceptance,
+    )
 
     plugin.register()
     gpu_site.seed_model_info_cache()
@@ -158,9 +163,8 @@ def run_engine(args) -> int:
     block_len = 1 + (tree.num_nodes if is_tree(widths) else len(widths))
     batches = sorted(args.batches)
     engine_kwargs = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(8192, block_len * max(batches)),
-                         max_model_len=(args.prompt_len + max([args.max_tokens, *staggered_lengths(args.staggered,
-                                                                                    args.max_tokens)])
-                                        + 2 * block_len),
+                         max_model_len=(args.prompt_len + max([args.max_tokens, *staggered_lengths(
+                                             args.staggered, args.max_tokens)]) + 2 * block_len),
                          gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype="float32")
     backend = None
     if on_cuda:
@@ -227,7 +231,6 @@ def run_engine(args) -> int:
                         llm.generate(prompts[:batch], first_token, use_tqdm=False)
                         prefill_s = time.perf_counter() - began
                     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-                    drafts = after.num_drafts - before.num_drafts
                     decode_steps = steps - first["steps"]
                     point = {"profile": profile_name, "sibling_rate": sibling, "batch": batch, "seconds": seconds,
                              "output_tokens": generated, "tokens_per_s": generated / seconds, "steps": steps,
@@ -235,8 +238,8 @@ def run_engine(args) -> int:
                              "prefill_steps": first["steps"],
                              "decode_step_ms": (1000 * (seconds - prefill_s) / decode_steps
                                                 if decode_steps > 0 and seconds > prefill_s else None),
-                             "acceptance_length": 1 + (after.num_accepted_tokens - before.num_accepted_tokens)
-                             / max(drafts, 1), "full_graph_replays": counts["full_graph_replays"]}
+                             "acceptance_length": acceptance_since(before, after).mean_acceptance_length,
+                             "full_graph_replays": counts["full_graph_replays"]}
                     result["points"].append(point)
                     save()
                     decode = point["decode_step_ms"]
@@ -266,7 +269,7 @@ def staggered_point(llm, prompts, num_requests: int, max_tokens: int, engine_cla
     """One generate of `num_requests` requests of `staggered_lengths` in the engine's first class: tokens/s."""
     from vllm import SamplingParams
 
-    from vllm_treewy.vllm_plugin.testing.equivalence import read_acceptance
+    from vllm_treewy.vllm_plugin.testing.equivalence import acceptance_since, read_acceptance
 
     profile_name, sibling, extra_args = engine_class
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra_args)
@@ -276,12 +279,11 @@ def staggered_point(llm, prompts, num_requests: int, max_tokens: int, engine_cla
     began = time.perf_counter()
     outputs = llm.generate(requests, params, use_tqdm=False)
     seconds = time.perf_counter() - began
-    after = read_acceptance(llm)
+    acceptance = acceptance_since(before, read_acceptance(llm))
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     point = {"profile": profile_name, "sibling_rate": sibling, "batch": f"staggered-{num_requests}",
              "seconds": seconds, "output_tokens": generated, "tokens_per_s": generated / seconds,
-             "acceptance_length": 1 + (after.num_accepted_tokens - before.num_accepted_tokens)
-             / max(after.num_drafts - before.num_drafts, 1)}
+             "acceptance_length": acceptance.mean_acceptance_length}
     print(f"staggered {num_requests} {profile_name} sibling {sibling}: {point['tokens_per_s']:,.0f} tokens/s, "
           f"acceptance {point['acceptance_length']:.2f}", flush=True)
     return point

@@ -188,10 +188,11 @@ class AcceptanceTable:
         self._keep_evidence = np.zeros((2, depth))  # (tree side, chain side): their ratio is keep
         self._engine: _EngineEstimates | None = None  # cached until the next observe
 
-    def observe(self, rows: np.ndarray, shape: int, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+    def observe(self, rows: np.ndarray, shape: int, num_drafts: np.ndarray, num_accepted: np.ndarray) -> np.ndarray:
         """One step of ``rows`` (unique) that drafted ``shape``: ``num_drafts [R]`` drafts each (read for CHAIN only:
         a chain of k <= D drafts has depth k; a tree is verified whole, depth D) and ``num_accepted [R]`` of them
-        accepted. A row with no drafts (depth 0) is not an observation: its counts do not decay."""
+        accepted. A row with no drafts (depth 0) is not an observation: its counts do not decay. Returns the step's
+        own counts of ``shape`` summed over the rows, ``[2 (trials, misses), D]`` (undecayed, for counters)."""
         rows = np.asarray(rows)
         outcomes = np.asarray(num_accepted)
         if shape == CHAIN:
@@ -215,10 +216,11 @@ class AcceptanceTable:
         self._keep_evidence *= engine_decay
         self._keep_evidence += sides if shape == TREE else sides[::-1]  # (tree side, chain side)
         self._counts[rows] = record * self._row_decay + step
+        added = (np.bincount(outcomes, minlength=len(adds)) @ adds.reshape(len(adds), -1)).reshape(self._pool.shape)
         self._pool *= engine_decay
-        self._pool += (np.bincount(outcomes, minlength=len(adds)) @ adds.reshape(len(adds), -1)).reshape(
-            self._pool.shape)
+        self._pool += added
         self._engine = None
+        return added[shape]
 
     def reset(self, rows: np.ndarray) -> None:
         """Forget ``rows`` (reused by new requests): they start again at the engine pool's estimates."""

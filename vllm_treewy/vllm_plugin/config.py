@@ -301,10 +301,13 @@ class DraftShape:
     - `chain_count_offset`: what a chain row's recorded count (1 + its accepted block index) is offset by: 1 + N
       with a tree's `draft_tree_max_batch_size` (its steps verify the tree or the chain of the tree's depth; the
       chain's rows of `gdn.step_metadata.commit_ancestor_table` follow the tree's), else 0.
+    - `adaptive`: `draft_tree_max_batch_size: "auto"`: the scheduler chooses each step's shape
+      (`trees.adaptive_shape`).
     """
 
     tree: DraftTree | None
     chain_count_offset: int = 0
+    adaptive: bool = False
 
     @property
     def has_chain_steps(self) -> bool:
@@ -326,9 +329,10 @@ class DraftShape:
 def draft_shape_of(speculative_config) -> DraftShape:
     """The `DraftShape` of this (possibly stock) speculative config."""
     tree = draft_tree_of(speculative_config)
-    if tree is None or getattr(speculative_config, "draft_tree_max_batch_size", None) is None:
+    threshold = getattr(speculative_config, "draft_tree_max_batch_size", None)
+    if tree is None or threshold is None:
         return DraftShape(tree)
-    return DraftShape(tree, 1 + tree.num_nodes)
+    return DraftShape(tree, 1 + tree.num_nodes, adaptive=threshold == AUTO)
 
 
 def install() -> None:

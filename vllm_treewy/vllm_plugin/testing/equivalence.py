@@ -84,6 +84,11 @@ class SpecDecodeAcceptance:
         return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
 
     @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted drafts per verify: the tokens a verify emits, the bonus included."""
+        return 1 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+    @property
     def per_position_rate(self) -> list[float]:
         """Accepted drafts per verify at each draft position (for a draft tree: position i is depth i + 1)."""
         return [a / max(self.num_drafts, 1) for a in self.accepted_per_position]

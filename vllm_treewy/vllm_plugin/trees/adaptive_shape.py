@@ -45,6 +45,7 @@ import vllm.envs as envs
 from vllm_treewy.spec_decode.acceptance_estimate import CHAIN, TREE, AcceptanceTable
 from vllm_treewy.spec_decode.shape_choice import ShapeChooser, StepCosts
 from vllm_treewy.tree import DraftTree
+from vllm_treewy.vllm_plugin.trees.fallbacks import add_plugin_counters
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines
 
@@ -143,10 +144,10 @@ class AdaptiveShape:
         rows, num_drafts, accepted = (np.asarray(column, np.int64) for column in zip(*seen))
         tree = num_drafts == self.tree.num_nodes
         accepted = np.minimum(accepted, np.where(tree, self.depth, num_drafts))  # a path is at most D deep
-        for shape, mask, depths in ((TREE, tree, np.full(tree.sum(), self.depth)), (CHAIN, ~tree, num_drafts[~tree])):
+        for shape, mask in ((TREE, tree), (CHAIN, ~tree)):
             if mask.any():
-                self.table.observe(rows[mask], shape, depths, accepted[mask])
-                self._count_observed(shape, depths, accepted[mask])
+                trials, misses = self.table.observe(rows[mask], shape, num_drafts[mask], accepted[mask])
+                self._count_observed(shape, trials, trials - misses)
 
     def forget(self, finished_req_ids) -> None:
         """Frees the rows of finished requests (a reused row starts from the engine's prior)."""
@@ -156,14 +157,10 @@ class AdaptiveShape:
                 self.free_rows.append(row)
 
     def report(self, stats) -> None:
-        """Moves the counters not yet reported into a step's SchedulerStats.plugin_counters (the caller checks that
-        vLLM carries them)."""
-        if stats is None:
-            return
-        counters = stats.plugin_counters
-        for name, increment in self.unreported.items():
-            counters[name] = counters.get(name, 0) + increment
-        self.unreported = {}
+        """Moves the counters not yet reported into a step's SchedulerStats (`trees.fallbacks.add_plugin_counters`;
+        they wait where vLLM makes no stats or lacks the field)."""
+        if add_plugin_counters(stats, self.unreported):
+            self.unreported = {}
 
     # -- internals ------------------------------------------------------------------------------------------------
 
@@ -180,17 +177,14 @@ class AdaptiveShape:
         self.rows[req_id] = row
         return row
 
-    def _count_observed(self, shape: int, depths: np.ndarray, accepted: np.ndarray) -> None:
-        """Per depth d: a trial where the walk reached depth d - 1 and depth d was drafted, a continue where a node
-        at depth d was accepted (integers, for vLLM's counters)."""
+    def _count_observed(self, shape: int, trials: np.ndarray, continues: np.ndarray) -> None:
+        """Adds a step's trials and continues per depth (`AcceptanceTable.observe`'s counts) to vLLM's counters."""
         name = SHAPE_NAMES[shape]
-        for depth in range(1, self.depth + 1):
-            trials = int(((accepted >= depth - 1) & (depths >= depth)).sum())
-            if trials:
-                continues = int((accepted >= depth).sum())
-                for metric, value in ((TRIALS_METRIC, trials), (CONTINUES_METRIC, continues)):
+        for depth, (num_trials, num_continues) in enumerate(zip(trials.tolist(), continues.tolist()), start=1):
+            if num_trials:
+                for metric, value in ((TRIALS_METRIC, num_trials), (CONTINUES_METRIC, num_continues)):
                     key = metric.format(shape=name, depth=depth)
-                    self.unreported[key] = self.unreported.get(key, 0) + value
+                    self.unreported[key] = self.unreported.get(key, 0) + round(value)
 
     def _maybe_log(self, now: float) -> None:
         if now - self.logged_at < envs.VLLM_LOG_STATS_INTERVAL:

@@ -30,7 +30,7 @@ import functools
 import weakref
 from dataclasses import dataclass, field
 
-from vllm_treewy.vllm_plugin.config import AUTO, DraftShape, draft_shape_of
+from vllm_treewy.vllm_plugin.config import DraftShape, draft_shape_of
 from vllm_treewy.vllm_plugin.patch_points import (
     SCHEDULER_MAKE_STATS,
     SCHEDULER_UPDATE_AFTER_SCHEDULE,
@@ -90,10 +90,8 @@ def _of(registry: weakref.WeakKeyDictionary, scheduler) -> TreeSchedulerState:
     if found is None:
         speculative_config = scheduler.vllm_config.speculative_config
         shape = draft_shape_of(speculative_config)
-        adaptive = None
-        if shape.tree is not None and getattr(speculative_config, "draft_tree_max_batch_size", None) == AUTO:
-            adaptive = AdaptiveShape(speculative_config.draft_tree_widths,
-                                     scheduler.vllm_config.scheduler_config.max_num_seqs)
+        adaptive = (AdaptiveShape(speculative_config.draft_tree_widths,
+                                  scheduler.vllm_config.scheduler_config.max_num_seqs) if shape.adaptive else None)
         found = registry[scheduler] = TreeSchedulerState(shape, adaptive=adaptive)
     return found
 
@@ -136,7 +134,7 @@ def _with_fallbacks(original, registry: weakref.WeakKeyDictionary):
         state = _of(registry, self)
         if state.shape.tree is not None:
             state.fallbacks.report(stats)
-            if state.adaptive is not None and state.fallbacks.exported:
+            if state.adaptive is not None:
                 state.adaptive.report(stats)
         return stats
 

@@ -64,8 +64,16 @@ class TreeFallbacks:
     def report(self, stats) -> None:
         """Moves the fallbacks not yet reported into a step's SchedulerStats (0 too: the counter shows from the
         first stats on). Nothing where vLLM makes no stats (None) or lacks the field: they wait, or stay unexported."""
-        if stats is None or not self.exported:
-            return
-        counters = getattr(stats, PLUGIN_COUNTERS)
-        counters[FALLBACK_METRIC] = counters.get(FALLBACK_METRIC, 0) + self.unreported
-        self.unreported = 0
+        if self.exported and add_plugin_counters(stats, {FALLBACK_METRIC: self.unreported}):
+            self.unreported = 0
+
+
+def add_plugin_counters(stats, increments: dict[str, int]) -> bool:
+    """Adds `increments` (by metric name) to a step's SchedulerStats.plugin_counters; False where there is nothing to
+    add them to (vLLM made no stats this step, or its SchedulerStats lack the patch's field)."""
+    counters = getattr(stats, PLUGIN_COUNTERS, None)
+    if counters is None:
+        return False
+    for name, increment in increments.items():
+        counters[name] = counters.get(name, 0) + increment
+    return True
