@@ -314,14 +314,24 @@ class DraftShape:
         """A tree config with `draft_tree_max_batch_size`: some steps verify chains of the tree's depth."""
         return self.chain_count_offset > 0
 
-    def verifies_tree(self, draft_counts) -> bool:
+    def verifies_tree(self, draft_counts, num_spec_rows: int = 0, num_spec_tokens: int = 0) -> bool:
         """Whether a step verifies the tree: always for a tree without `draft_tree_max_batch_size`; with it, when
-        some row has the tree's N drafts (`trees.budget`: a step holds tree rows or chain rows, never both). The one
-        rule for the step's shape on the host: `draft_counts` are the step's per-row draft counts, a host tensor
-        (vLLM's `num_decode_draft_tokens_cpu`, -1: not a decode) or a sequence of ints; None: no speculative row."""
+        some row has the tree's N drafts (`trees.budget`: a step holds tree rows or chain rows, never both), or when
+        the speculative rows hold more tokens than chains of the tree's depth D can (`num_spec_rows` rows,
+        `num_spec_tokens` tokens, where the caller has them: the GDN metadata build). The one rule for the step's
+        shape on the host: `draft_counts` are the step's per-row draft counts, a host tensor (vLLM's
+        `num_decode_draft_tokens_cpu`, -1: not a decode) or a sequence of ints; None: no speculative row.
+
+        The token rule is for vLLM's capture dummies: a piecewise graph's dummy batch splits its tokens evenly over
+        its rows (1 + N tokens a row at the largest size) with draft counts of 0, and a chain step's GDN launch is
+        sized for 1 + D tokens a row (its products workspace, `gdn_step_triton`'s `max_nodes`), so those rows verify
+        as the tree, whose launch covers any row of up to 1 + N tokens. A real chain step's rows never exceed 1 + D,
+        and rows split evenly exceed it only if their mean does."""
         if self.tree is None:
             return False
         if not self.has_chain_steps:
+            return True
+        if num_spec_tokens > num_spec_rows * (1 + self.tree.max_depth):
             return True
         return draft_counts is not None and bool((torch.as_tensor(draft_counts) == self.tree.num_nodes).any())
 

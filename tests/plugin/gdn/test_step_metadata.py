@@ -383,6 +383,19 @@ def test_vllms_own_builder_in_full_graph_mode_hands_the_kernels_flat_slots(tmp_p
     assert metadata.commit_nodes.tolist() == [1, 3, -1]
 
 
+def test_the_wrapped_build_verifies_rows_longer_than_the_chain_as_the_tree():
+    """The build's wrapper hands `DraftShape.verifies_tree` the speculative rows' tokens: a capture dummy's rows of
+    1 + N tokens with draft counts of 0 launch the tree's verify (the chain's launch is sized for 1 + D a row)."""
+    from vllm_treewy.vllm_plugin.gdn.step_metadata import _building_commit_nodes
+
+    builder, _ = _builder(full_graphs=False, widths=[2, 1], threshold="auto")  # N = 4, depth 2
+    for nodes, tree in (([5, 5], True), ([3, 3], False)):
+        metadata = _spec_step([3, 5], nodes, [1, 1])
+        build = _building_commit_nodes(lambda self, *args, **kwargs: metadata)
+        built = build(builder, 0, None, None, num_decode_draft_tokens_cpu=torch.zeros(2, dtype=torch.int32))
+        assert (built.tree_ancestors is not None) is tree and (built.verify_block_len is None) is tree
+
+
 def test_a_chain_step_of_a_tree_threshold_verifies_a_chain_and_commits_through_both_shapes():
     """draft_tree_max_batch_size: a step verifies the tree where some row holds it (vLLM's per-row draft counts),
     else chains of the tree's depth (no tree table, the chain's length for the verify launch); both commit through

@@ -50,6 +50,17 @@ def test_the_gdn_step_verifies_the_tree_only_when_a_row_holds_it():
     assert _shape(None).chain_count_offset == 0
 
 
+def test_rows_longer_than_the_chain_verify_as_the_tree():
+    """vLLM's piecewise capture dummies split 1 + N tokens a row with draft counts of 0: a chain step's launch is
+    sized for 1 + D tokens a row (on an H100 at the 27B shape, the chain-sized launch over such rows faulted), so
+    they verify as the tree; real chain steps (rows of at most 1 + D tokens) stay chains."""
+    zeros = torch.zeros(64, dtype=torch.int32)
+    assert _shape("auto").verifies_tree(zeros, num_spec_rows=64, num_spec_tokens=64 * (1 + N))
+    assert _shape(8).verifies_tree(zeros, num_spec_rows=64, num_spec_tokens=64 * (1 + D) + 1)
+    assert not _shape(8).verifies_tree(zeros, num_spec_rows=64, num_spec_tokens=64 * (1 + D))
+    assert not _shape("auto").verifies_tree(torch.full((4,), D), num_spec_rows=4, num_spec_tokens=4 + 4 * D)
+
+
 def test_the_commit_table_holds_the_trees_block_then_the_chains():
     table = commit_ancestor_table(TREE, "cpu")
     assert table.dtype == torch.int32 and table.is_contiguous() and table.shape == (1 + N + 1 + D, D + 1)

@@ -353,7 +353,9 @@ def _building_commit_nodes(original):
         # build(common_prefix_len, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu, ...)
         draft_counts = kwargs.get("num_decode_draft_tokens_cpu", args[3] if len(args) > 3 else None)
         layer = counts_layer(self)
-        return with_commit_nodes(self, metadata, layer.step_buffers.shape.verifies_tree(draft_counts), layer)
+        tree_verify = layer.step_buffers.shape.verifies_tree(draft_counts, metadata.num_spec_decodes,
+                                                             metadata.num_spec_decode_tokens)
+        return with_commit_nodes(self, metadata, tree_verify, layer)
 
     return build
 
