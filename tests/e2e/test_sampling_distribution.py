@@ -30,8 +30,21 @@ first speculative step (the drafts verified at depth 1 and 2). Two judges:
 (ii) Homogeneity against the no-speculation engine's own samples: chi-square test of homogeneity of the 2 x K table
     of y_j counts, tokens whose two-engine count is below 10 pooled into one cell.
 
-Threshold: every p-value > P_MIN = 1e-4. The module computes 4 (engines) x 2 (settings) x 6 exactness p-values and
-3 x 2 x 3 homogeneity ones (66); with 1e-4 each, the chance that an exact sampler fails somewhere is below 0.7 %
+`draft_tree_max_batch_size: "auto"` (the tree or the chain of its depth, chosen per step by the scheduler): its
+first speculative step is not where it switches shapes, so it is judged on another workload and on every token it
+emits. `test_tree_threshold`'s arrivals (requests joining and finishing while the engine steps, the batch between 1
+and 4) run AUTO_ROUNDS times per setting on one "auto" engine, each request seeded, the choice timing its steps by
+`auto_step_clock` (trees cost a chain's at 1-2 requests, 3x above: the production choice then runs trees at small
+batches and chains at larger ones, on any machine). Each emitted token is labelled with the shape of the step that
+emitted it, and the no-speculation engine returns the logits at every emitted token's context (one request per
+output: its prompt logits and its one sampled token's). Judge (i)'s PIT, one chi-square per shape over all its tokens
+(a request's PITs are independent uniforms given the past: the Rosenblatt transform), and its impossible tokens.
+Planted: `first-child` on the tree steps (the same engine, its own requests) and vLLM's CPU expansion on the chain
+steps (an engine of its own), each failing its shape's judge.
+
+Threshold: every p-value > P_MIN = 1e-4. The module computes 4 (engines) x 2 (settings) x 6 exactness p-values,
+3 x 2 x 3 homogeneity ones and 2 x 2 "auto" ones (70); with 1e-4 each, the chance that an exact sampler fails
+somewhere is below 0.7 %
 (Bonferroni), and since every request is seeded or draws from the engine's seeded stream the verdict is a fixed
 function of the code. A real bug is far below. NUM_SAMPLES is set by the weakest planted bug's weakest judge:
 a bug's statistic is, in expectation, its degrees of freedom plus N times a fixed shift (a noncentral chi-square),
@@ -76,6 +89,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.chi_square import chi2_sf
+from tests.e2e.test_tree_threshold import ARRIVALS
 from vllm_treewy.fixture import blurred_mtp_variant, fixture_prompts
 
 pytestmark = pytest.mark.e2e
@@ -101,6 +115,8 @@ PIT_BINS = 10
 TOP_P_SLACK = 2e-2
 PIT_SEED = 33
 TREE_WIDTHS = [2, 2, 1]
+AUTO_SPEC = {"method": "mtp", "num_speculative_tokens": 3, "draft_tree_widths": TREE_WIDTHS,
+             "mamba_state_commit": "reconstruct", "draft_tree_max_batch_size": "auto"}
 ENGINES = {  # name -> (speculative_config, planted bug); seeds of engine e: 100_000 * e + 10_000 * setting + i
     "tree-2x2x1": ({"method": "mtp", "num_speculative_tokens": 3, "draft_tree_widths": TREE_WIDTHS,
                     "mamba_state_commit": "reconstruct"}, None),
@@ -115,19 +131,35 @@ ENGINES = {  # name -> (speculative_config, planted bug); seeds of engine e: 100
                                "mamba_state_commit": "reconstruct"}, None),
     "bug-parents-draw": ({"method": "mtp", "num_speculative_tokens": 3, "draft_tree_widths": TREE_WIDTHS,
                           "mamba_state_commit": "reconstruct"}, "parents-draw"),
-    "no-spec": (None, None),  # last: it also judges every run
+    "no-spec": (None, None),  # it also judges every run
+    # draft_tree_max_batch_size "auto": the tree or the chain of its depth per step (`auto_step_clock`), driven
+    # through arrivals (`_sample_arrivals`); every emitted token judged by the shape of the step that emitted it
+    "tree-2x2x1-auto": (AUTO_SPEC, None),
+    "bug-first-child-auto": (AUTO_SPEC, "first-child"),
+    "chain-k3-vllm-expand-auto": (AUTO_SPEC, "vllm-cpu-expand"),
 }
 # The engines started: the names of one speculative config share one (the bugs swapped in between their `generate`
 # calls: `v1.sampler` looks its acceptance functions up at every step), but vLLM's CPU worker reads its expansion
 # kernel when it starts, so that bug gets an engine of its own.
 PLANTED_AT_START = ("vllm-cpu-expand",)
 SHARED_ENGINES = (("tree-2x2x1", "tree-2x2x1-every-node", "bug-first-child", "bug-root-row", "bug-parents-draw"),
-                  ("chain-k3",), ("chain-k3-vllm-expand",))
+                  ("chain-k3",), ("chain-k3-vllm-expand",), ("tree-2x2x1-auto", "bug-first-child-auto"),
+                  ("chain-k3-vllm-expand-auto",))
 UNSEEDED = ("tree-2x2x1-every-node", "bug-parents-draw")  # the tree's one-call path (no per-request seeds)
 SPECULATIVE = ("tree-2x2x1", "chain-k3", "tree-2x2x1-every-node")
 BUGS = ("bug-first-child", "bug-root-row", "chain-k3-vllm-expand", "bug-parents-draw")
 TREE_PATHS = {"tree-2x2x1": "levels", "bug-first-child": "levels", "bug-root-row": "levels",
-              "tree-2x2x1-every-node": "every-node", "bug-parents-draw": "every-node"}
+              "tree-2x2x1-every-node": "every-node", "bug-parents-draw": "every-node", "tree-2x2x1-auto": "levels"}
+AUTO = ("tree-2x2x1-auto", "bug-first-child-auto", "chain-k3-vllm-expand-auto")
+# Each auto engine's planted bug and the shape whose emitted tokens it corrupts (the other's stay exact).
+AUTO_BUGS = {"bug-first-child-auto": "tree", "chain-k3-vllm-expand-auto": "chain"}
+AUTO_ROUNDS = 3  # the arrivals driven per setting and engine name
+AUTO_PROMPT_TOKENS = 16  # the last tokens of each of fixture_prompts' prompts (cheap prefills)
+AUTO_MAX_NUM_SEQS = 4  # the arrivals' batch grows to 4 requests and shrinks to 1
+# `auto_step_clock`'s device: a tree step costs a chain step's up to CHEAP_TREE_BATCH requests, TREE_COST times it
+# above
+CHEAP_TREE_BATCH, TREE_COST = 2, 3.0
+AUTO_MIN_TOKENS = 100  # tokens each shape must emit per auto run and setting (the PIT's sample)
 
 
 @dataclass(frozen=True)
@@ -195,29 +227,38 @@ class Exactness:
         return "; ".join(f"{n} {t}" for n, t in self.tests.items()) + f"; impossible {self.impossible}"
 
 
+def pit_test(probs: np.ndarray, tokens: np.ndarray, rng: np.random.Generator) -> ChiSquare:
+    """The randomized probability integral transform of `tokens [n]` under their rows' distributions `probs [n, V]`
+    (vocabulary ordered by decreasing probability), chi-square on PIT_BINS equal bins: uniform under exactness."""
+    n = len(tokens)
+    mine = probs[np.arange(n), tokens]
+    order = np.argsort(-probs, axis=1, kind="stable")
+    rank = np.argsort(order, axis=1)[np.arange(n), tokens]
+    before = np.take_along_axis(probs, order, 1).cumsum(1)[np.arange(n), rank] - mine
+    u = np.clip(before + rng.random(n) * mine, 0.0, 1.0 - 1e-12)
+    pit = np.bincount((u * PIT_BINS).astype(int), minlength=PIT_BINS)
+    return goodness_of_fit(pit, np.full(PIT_BINS, n / PIT_BINS))
+
+
+def num_impossible(logits: np.ndarray, tokens: np.ndarray, temperature: float, top_p: float) -> int:
+    """How many of `tokens [n]` lie outside their rows' nucleus (`logits [n, V]`, top-p widened by TOP_P_SLACK)."""
+    loose = np.stack([sampling_distribution(row, temperature, min(top_p + TOP_P_SLACK, 1.0)) for row in logits])
+    return int((loose[np.arange(len(tokens)), tokens] == 0).sum())
+
+
 def judge_exact(samples: np.ndarray, logits_at: dict, temperature: float, top_p: float, prompt: list[int]
                 ) -> Exactness:
     """Judge (i) of the module docstring on `samples [N, 3]`; `logits_at`: context tuple -> raw logits."""
     rng = np.random.default_rng(PIT_SEED)
     tests, impossible = {}, {}
     for j in range(samples.shape[1]):
-        rows = [sampling_distribution(logits_at[tuple(prompt) + tuple(s[:j])], temperature, top_p)
-                for s in samples.tolist()]
-        loose = [sampling_distribution(logits_at[tuple(prompt) + tuple(s[:j])], temperature,
-                                       min(top_p + TOP_P_SLACK, 1.0)) for s in samples.tolist()]
-        probs = np.stack(rows)  # [N, V]
+        logits = np.stack([logits_at[tuple(prompt) + tuple(s[:j])] for s in samples.tolist()])
+        probs = np.stack([sampling_distribution(row, temperature, top_p) for row in logits])  # [N, V]
         tokens = samples[:, j]
-        n, vocab = probs.shape
-        observed = np.bincount(tokens, minlength=vocab)
+        observed = np.bincount(tokens, minlength=probs.shape[1])
         tests[f"token{j + 1}"] = goodness_of_fit(observed, probs.sum(0))
-        mine = probs[np.arange(n), tokens]
-        order = np.argsort(-probs, axis=1, kind="stable")
-        rank = np.argsort(order, axis=1)[np.arange(n), tokens]
-        before = np.take_along_axis(probs, order, 1).cumsum(1)[np.arange(n), rank] - mine
-        u = np.clip(before + rng.random(n) * mine, 0.0, 1.0 - 1e-12)
-        pit = np.bincount((u * PIT_BINS).astype(int), minlength=PIT_BINS)
-        tests[f"pit{j + 1}"] = goodness_of_fit(pit, np.full(PIT_BINS, n / PIT_BINS))
-        impossible[j + 1] = int((np.stack(loose)[np.arange(n), tokens] == 0).sum())
+        tests[f"pit{j + 1}"] = pit_test(probs, tokens, rng)
+        impossible[j + 1] = num_impossible(logits, tokens, temperature, top_p)
     return Exactness(tests, impossible)
 
 
@@ -316,6 +357,10 @@ class SamplingRuns:
     acceptance: dict = field(default_factory=dict)  # engine -> SpecDecodeAcceptance
     exact: dict = field(default_factory=dict)  # (engine, setting) -> Exactness
     paths: dict = field(default_factory=dict)  # engine -> {tree sampling path: steps}
+    auto_prompts: list = field(default_factory=list)  # the arrivals' prompts
+    # (auto engine, setting) -> [(prompt, emitted tokens, the shape of the step that emitted each)]
+    emitted: dict = field(default_factory=dict)
+    auto_exact: dict = field(default_factory=dict)  # (auto engine, setting) -> Exactness per emitting shape
 
 
 def _params(engine_index: int, setting_index: int, temperature: float, top_p: float, seeded: bool = True) -> list:
@@ -327,11 +372,106 @@ def _params(engine_index: int, setting_index: int, temperature: float, top_p: fl
 
 
 def _sample(llm, runs: SamplingRuns, name: str, engine_index: int) -> None:
+    if name in AUTO:
+        _sample_arrivals(llm, runs, name, engine_index)
+        return
     for s, (setting, (temperature, top_p)) in enumerate(SETTINGS.items()):
         outs = llm.generate([{"prompt_token_ids": runs.prompt}] * NUM_SAMPLES,
                             _params(engine_index, s, temperature, top_p, seeded=name not in UNSEEDED),
                             use_tqdm=False)
         runs.samples[name, setting] = np.array([list(o.outputs[0].token_ids) for o in outs], dtype=np.int64)
+
+
+def _sample_arrivals(llm, runs: SamplingRuns, name: str, engine_index: int) -> None:
+    """`test_tree_threshold`'s arrivals (requests joining and finishing while the engine steps: the batch moves
+    between 1 and 4 requests), AUTO_ROUNDS times per setting, each request seeded; each emitted token labelled with
+    the shape of the step that emitted it."""
+    from vllm import SamplingParams
+
+    from tests.e2e.test_tree_threshold import drive
+
+    for s, (setting, (temperature, top_p)) in enumerate(SETTINGS.items()):
+        for round_ in range(AUTO_ROUNDS):
+            def params(index: int, max_tokens: int) -> SamplingParams:
+                return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True,
+                                      seed=100_000 * engine_index + 10_000 * s + 100 * round_ + index,
+                                      detokenize=False)
+
+            prefix = f"{name}-{setting}-{round_}-"
+            shapes: dict = {}
+            with emitted_shapes(shapes):
+                outputs = drive(llm, runs.auto_prompts, params, prefix)
+            for index, tokens in enumerate(outputs):
+                # the scheduler's request ids are vLLM's internal ones: the given id, a dash and 8 random characters
+                (steps,) = [steps for req_id, steps in shapes.items() if req_id[:-9] == f"{prefix}{index}"]
+                labels = [shape for shape, count in steps for _ in range(count)]
+                assert len(labels) >= len(tokens), (labels, tokens)
+                runs.emitted.setdefault((name, setting), []).append(
+                    (runs.auto_prompts[index], tokens, labels[: len(tokens)]))
+
+
+@contextlib.contextmanager
+def emitted_shapes(record: dict):
+    """Within: `record[request id]` lists, per step that sampled tokens for the request, the shape of the drafts it
+    verified ("tree": the tree's nodes, "chain": 1 .. 3 drafts, "none": no drafts, as at its prefill) and how many
+    tokens the step sampled for it, in order (the last step's may pass max_tokens: the request emits a prefix)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_treewy.tree import DraftTree
+
+    original = Scheduler.update_from_output
+    num_nodes = DraftTree.from_widths(TREE_WIDTHS).num_nodes
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, index in model_runner_output.req_id_to_index.items():
+            sampled = model_runner_output.sampled_token_ids[index]
+            if len(sampled):
+                drafts = len(spec.get(req_id, ()))
+                shape = "tree" if drafts == num_nodes else "chain" if drafts else "none"
+                record.setdefault(req_id, []).append((shape, len(sampled)))
+        return original(self, scheduler_output, model_runner_output)
+
+    Scheduler.update_from_output = update_from_output
+    try:
+        yield
+    finally:
+        Scheduler.update_from_output = original
+
+
+@contextlib.contextmanager
+def auto_step_clock():
+    """Within: the "auto" choice (`trees.adaptive_shape.AdaptiveShape`, its `clock`) measures step times of a stand-in
+    device on which a tree step costs what a chain step costs up to CHEAP_TREE_BATCH requests and TREE_COST times as
+    much above: the clock advances, at each scheduled step, by the time of the step scheduled before it (its batch
+    and shape, as the choice recorded them). The production choice then verifies trees at small batches and chains at
+    larger ones, after exploring each, whatever this machine's own times: both shapes emit many tokens over the
+    arrivals. The choice reads only the clock, the batch and past acceptance, as on a device."""
+    from vllm_treewy.spec_decode.acceptance_estimate import TREE
+    from vllm_treewy.vllm_plugin.trees import adaptive_shape, budget
+
+    class StepClock:
+        def __init__(self):
+            self.now, self.adaptive = 0.0, None
+
+        def __call__(self) -> float:
+            adaptive = self.adaptive
+            if adaptive is not None and adaptive.scheduled_at is not None:
+                tree_above = adaptive.previous_shape == TREE and adaptive.previous_batch > CHEAP_TREE_BATCH
+                self.now += TREE_COST if tree_above else 1.0
+            return self.now
+
+    def with_step_clock(widths, max_num_seqs):
+        clock = StepClock()
+        clock.adaptive = adaptive_shape.AdaptiveShape(widths, max_num_seqs, clock=clock)
+        return clock.adaptive
+
+    original = budget.AdaptiveShape
+    budget.AdaptiveShape = with_step_clock
+    try:
+        yield
+    finally:
+        budget.AdaptiveShape = original
 
 
 # Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
@@ -344,8 +484,10 @@ def _speculative_runs(model: str, runs: SamplingRuns, names: tuple[str, ...]) ->
     (spec,) = {json.dumps(ENGINES[name][0], sort_keys=True) for name in names}
     at_start = [ENGINES[name][1] for name in names if ENGINES[name][1] in PLANTED_AT_START]
     assert len(names) == 1 or not at_start, "a bug planted at the engine's start would reach every name of it"
-    with planted(at_start[0] if at_start else None), engine(
-            model, speculative_config=json.loads(spec), max_num_seqs=MAX_NUM_SEQS,
+    auto = all(name in AUTO for name in names)
+    assert auto or not any(name in AUTO for name in names)
+    with planted(at_start[0] if at_start else None), auto_step_clock() if auto else contextlib.nullcontext(), engine(
+            model, speculative_config=json.loads(spec), max_num_seqs=AUTO_MAX_NUM_SEQS if auto else MAX_NUM_SEQS,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS) as llm:
         for name in names:
             bug = ENGINES[name][1]
@@ -396,8 +538,53 @@ def _reference_run_and_judge(model: str, runs: SamplingRuns, engine_index: int) 
             for token, logprob in out.outputs[0].logprobs[0].items():
                 row[token] = logprob.logprob
             logits_at[context] = row
+        emitted_logits = _emitted_logits(llm, [run for runs_ in runs.emitted.values() for run in runs_])
     for (name, setting), samples in runs.samples.items():
         runs.exact[name, setting] = judge_exact(samples, logits_at, *SETTINGS[setting], runs.prompt)
+    for (name, setting), emitted in runs.emitted.items():
+        runs.auto_exact[name, setting] = judge_emitted(emitted, emitted_logits, *SETTINGS[setting])
+
+
+def _emitted_logits(llm, emitted: list) -> dict:
+    """(prompt, emitted tokens) -> `[len(tokens), V]` the no-speculation engine's raw logits at each emitted token's
+    context: one request per output, the prompt and the output less its last token, with the prompt's logits at
+    every position (`prompt_logprobs`, raw in `raw_logits` mode) and those of its one sampled token."""
+    from vllm import SamplingParams
+
+    keys = sorted({(tuple(prompt), tuple(tokens)) for prompt, tokens, _ in emitted})
+    params = SamplingParams(temperature=1.0, max_tokens=1, logprobs=-1, prompt_logprobs=-1, detokenize=False, seed=0)
+    outs = llm.generate([{"prompt_token_ids": list(prompt + tokens[:-1])} for prompt, tokens in keys], params,
+                        use_tqdm=False)
+    result = {}
+    for (prompt, tokens), out in zip(keys, outs):
+        positions = [*out.prompt_logprobs[len(prompt):], out.outputs[0].logprobs[0]]
+        rows = np.full((len(tokens), len(positions[-1])), -np.inf)
+        for row, logprobs in zip(rows, positions):
+            for token, logprob in logprobs.items():
+                row[token] = logprob.logprob
+        result[prompt, tokens] = rows
+    return result
+
+
+def judge_emitted(emitted: list, logits_of: dict, temperature: float, top_p: float) -> Exactness:
+    """Judge (i)'s PIT and impossible tokens over every emitted token of the step shapes "tree" and "chain" apart.
+    Each token's PIT is uniform given everything before it, so a request's PITs are independent uniforms
+    (Rosenblatt), whatever the contexts: one chi-square per shape over all its tokens."""
+    rng = np.random.default_rng(PIT_SEED)
+    tests, impossible = {}, {}
+    for shape in ("tree", "chain"):
+        rows, tokens = [], []
+        for prompt, emitted_tokens, labels in emitted:
+            logits = logits_of[tuple(prompt), tuple(emitted_tokens)]
+            for j, (token, label) in enumerate(zip(emitted_tokens, labels)):
+                if label == shape:
+                    rows.append(logits[j])
+                    tokens.append(token)
+        logits, tokens = np.stack(rows), np.array(tokens)
+        probs = np.stack([sampling_distribution(row, temperature, top_p) for row in logits])
+        tests[f"pit-{shape}"] = pit_test(probs, tokens, rng)
+        impossible[f"-{shape}"] = num_impossible(logits, tokens, temperature, top_p)
+    return Exactness(tests, impossible)
 
 
 @pytest.fixture(scope="module")
@@ -409,12 +596,13 @@ def blurred_model(fixture_model, tmp_path_factory) -> str:
 def sampling_runs(blurred_model) -> SamplingRuns:
     prompts = fixture_prompts(AutoTokenizer.from_pretrained(blurred_model), PROMPT_INDEX + 1)
     prompt = prompts[PROMPT_INDEX][-PROMPT_TOKENS:]
-    runs = SamplingRuns(prompt)
+    runs = SamplingRuns(prompt, auto_prompts=[p[-AUTO_PROMPT_TOKENS:] for p in fixture_prompts(
+        AutoTokenizer.from_pretrained(blurred_model), len(ARRIVALS))])
     assert sorted(n for names in SHARED_ENGINES for n in names) == sorted(set(ENGINES) - {"no-spec"})
     for names in SHARED_ENGINES:
         _speculative_runs(blurred_model, runs, names)
     _reference_run_and_judge(blurred_model, runs, list(ENGINES).index("no-spec"))
-    for key, verdict in runs.exact.items():
+    for key, verdict in [*runs.exact.items(), *runs.auto_exact.items()]:
         print(key, verdict.summary())
     return runs
 
@@ -467,3 +655,24 @@ def test_planted_bug_fails_the_judges(sampling_runs, bug, setting):
     assert acceptance is not None and acceptance.num_drafts >= len(SETTINGS) * NUM_SAMPLES, acceptance
     assert verdict.failures(), f"{bug} at {setting} passed the exact judge: {verdict.summary()}"
     assert any(not t.p > P_MIN for t in homogeneous), [str(t) for t in homogeneous]
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_auto_emits_the_exact_distribution_in_both_shapes(sampling_runs, setting):
+    """"auto" on the arrivals: the tokens its tree steps emitted and those its chain steps emitted (AUTO_MIN_TOKENS
+    of each at least) each pass the PIT and never leave the nucleus."""
+    emitted = sampling_runs.emitted["tree-2x2x1-auto", setting]
+    counts = {shape: sum(labels.count(shape) for _, _, labels in emitted) for shape in ("tree", "chain", "none")}
+    print("auto", setting, counts)
+    assert counts["tree"] >= AUTO_MIN_TOKENS and counts["chain"] >= AUTO_MIN_TOKENS, counts
+    verdict = sampling_runs.auto_exact["tree-2x2x1-auto", setting]
+    assert not verdict.failures(), f"auto at {setting}: {verdict.failures()} ({verdict.summary()})"
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("bug", AUTO_BUGS)
+def test_a_bug_planted_in_one_shape_of_auto_fails_that_shapes_judge(sampling_runs, bug, setting):
+    verdict = sampling_runs.auto_exact[bug, setting]
+    shape = AUTO_BUGS[bug]
+    failed = [f for f in verdict.failures() if shape in f]
+    assert failed, f"{bug} at {setting} passed the judge of its {shape} steps: {verdict.summary()}"

@@ -69,27 +69,30 @@ def recording_steps(steps: list[Step]):
         Scheduler.schedule = original
 
 
-def _drive(llm, prompts) -> list[list[int]]:
-    """Adds each request at its arrival step, steps the engine until every request finished; outputs in prompt
-    order."""
+def greedy(index: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def drive(llm, prompts, params=greedy, prefix: str = "") -> list[list[int]]:
+    """Adds each request of ARRIVALS at its arrival step (id `prefix` + its prompt index, sampling parameters
+    `params(prompt index, max_tokens)`), steps the engine until every request finished; outputs in prompt order."""
     core, pending, done, step = llm.llm_engine, list(ARRIVALS), {}, 0
     while pending or core.has_unfinished_requests():
         while pending and pending[0][0] <= step:
             _, index, max_tokens = pending.pop(0)
-            core.add_request(str(index), {"prompt_token_ids": prompts[index]},
-                             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            core.add_request(f"{prefix}{index}", {"prompt_token_ids": prompts[index]}, params(index, max_tokens))
         for output in core.step():
             if output.finished:
                 done[output.request_id] = list(output.outputs[0].token_ids)
         step += 1
-    return [done[str(index)] for _, index, _ in sorted(ARRIVALS, key=lambda a: a[1])]
+    return [done[f"{prefix}{index}"] for _, index, _ in sorted(ARRIVALS, key=lambda a: a[1])]
 
 
 def _run(model, prompts, speculative_config) -> dict:
     steps: list[Step] = []
     with recording_steps(steps), engine(model, max_num_seqs=MAX_NUM_SEQS,
                                         speculative_config=speculative_config) as llm:
-        outputs = _drive(llm, prompts)
+        outputs = drive(llm, prompts)
         treewy = {m.name: m.value for m in llm.get_metrics() if "treewy_adaptive" in m.name}
         return dict(steps=steps, outputs=outputs, acceptance=read_acceptance(llm),
                     added=attributes_added_to_vllm(llm), treewy=treewy)
@@ -99,7 +102,7 @@ def _judge(model, prompts, runs: list[dict]) -> None:
     """The no-speculation engine (raw logits: the mode changes what logprobs return, not the greedy tokens) driven
     through the same arrivals gives the reference, then re-scores each run's divergences from it (its verdict)."""
     with engine(model, logprobs_mode="raw_logits", max_num_seqs=MAX_NUM_SEQS) as judge:
-        reference = _drive(judge, prompts)
+        reference = drive(judge, prompts)
         for run in runs:
             run["verdict"] = compare_tie_aware(judge, prompts, reference, run["outputs"],
                                                ExactModel(model).next_token_logits)
