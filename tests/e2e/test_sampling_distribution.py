@@ -44,7 +44,7 @@ steps (an engine of its own), each failing its shape's judge. At AUTO_ROUNDS = 3
 199 / 225 tokens and its chain steps 215 / 189 (T 1.0 / T 0.7 top-p 0.9; which shape runs also follows the sampled
 acceptance, so the split moves with the seeds), PIT p-values 0.44 / 0.50 (tree) and 0.58 / 0.22 (chain);
 first-child's tree PIT 1e-11 / 1e-17 (53 impossible tokens at T 0.7), the expansion's chain PIT 4e-62 / 3e-69. Two
-engine starts and 12 drives of the 10 arrivals (16-token prompts).
+engine starts and 18 drives of the 10 arrivals (16-token prompts).
 
 Threshold: every p-value > P_MIN = 1e-4. The module computes 4 (engines) x 2 (settings) x 6 exactness p-values,
 3 x 2 x 3 homogeneity ones and 2 x 2 "auto" ones (70); with 1e-4 each, the chance that an exact sampler fails
