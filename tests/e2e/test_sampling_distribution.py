@@ -78,7 +78,7 @@ Wall time: 6 min on the 2-core CI machine with an engine per run (8 engines, 2 x
 judge request per distinct context), most of it the speculative engines' CPU prefills and steps (vLLM's CPU causal
 convolution, bf16 GEMMs, about 50 ms a request): 14 min with 1000 requests, 35 min with 1000 and the whole 77-token
 prompt. Now the three engines of SHARED_ENGINES and the no-speculation one run the same requests, 250 of each run
-and setting: 3.5 min.
+and setting: 3.5 min; the two "auto" engines and their judge requests add about a minute.
 """
 
 from __future__ import annotations
