@@ -325,15 +325,19 @@ class DraftShape:
         The token rule is for vLLM's capture dummies: a piecewise graph's dummy batch splits its tokens evenly over
         its rows (1 + N tokens a row at the largest size) with draft counts of 0, and a chain step's GDN launch is
         sized for 1 + D tokens a row (its products workspace, `gdn_step_triton`'s `max_nodes`), so those rows verify
-        as the tree, whose launch covers any row of up to 1 + N tokens. A real chain step's rows never exceed 1 + D,
-        and rows split evenly exceed it only if their mean does."""
+        as the tree, whose launch covers any row of up to 1 + N tokens. It applies only where no row has drafts (a
+        real step's rows hold 1 + their drafts tokens, at most 1 + D in a chain step) and catches evenly split rows
+        exactly: they exceed 1 + D only if their mean does."""
         if self.tree is None:
             return False
         if not self.has_chain_steps:
             return True
-        if num_spec_tokens > num_spec_rows * (1 + self.tree.max_depth):
+        if draft_counts is None:
+            return False
+        counts = torch.as_tensor(draft_counts)
+        if num_spec_tokens > num_spec_rows * (1 + self.tree.max_depth) and not bool((counts > 0).any()):
             return True
-        return draft_counts is not None and bool((torch.as_tensor(draft_counts) == self.tree.num_nodes).any())
+        return bool((counts == self.tree.num_nodes).any())
 
 
 def draft_shape_of(speculative_config) -> DraftShape:

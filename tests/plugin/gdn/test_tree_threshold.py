@@ -59,6 +59,8 @@ def test_rows_longer_than_the_chain_verify_as_the_tree():
     assert _shape(8).verifies_tree(zeros, num_spec_rows=64, num_spec_tokens=64 * (1 + D) + 1)
     assert not _shape(8).verifies_tree(zeros, num_spec_rows=64, num_spec_tokens=64 * (1 + D))
     assert not _shape("auto").verifies_tree(torch.full((4,), D), num_spec_rows=4, num_spec_tokens=4 + 4 * D)
+    # only batches without drafts (the dummies): a step with chain drafts stays a chain step
+    assert not _shape("auto").verifies_tree(torch.tensor([D, 0]), num_spec_rows=2, num_spec_tokens=2 * (1 + N))
 
 
 def test_the_commit_table_holds_the_trees_block_then_the_chains():
