@@ -334,7 +334,7 @@ def _sample(llm, runs: SamplingRuns, name: str, engine_index: int) -> None:
         runs.samples[name, setting] = np.array([list(o.outputs[0].token_ids) for o in outs], dtype=np.int64)
 
 
-# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+# Engines live in functions: a variable still holding a closed engine would keep its memory (weights, KV cache).
 def _speculative_runs(model: str, runs: SamplingRuns, names: tuple[str, ...]) -> None:
     """One engine for `names` (one speculative config), their requests one `generate` after another, each name's
     planted bug in place for its own requests only (a bug of PLANTED_AT_START for the engine's whole life), each
