@@ -18,6 +18,15 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _interpreter_patches_language_once():
+    """Interpreted kernels without the interpreter's repeated language patching: see the module."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tests.interpreter_patch_once import patch_language_once
+
+        patch_language_once()
+
+
 @pytest.fixture(autouse=True)
 def _interpreter_rounds_bf16_as_the_gpu(monkeypatch):
     """Every interpreted kernel's bf16 as on the GPU (the interpreter's own truncates): see the module."""

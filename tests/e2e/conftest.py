@@ -1,11 +1,13 @@
 """End-to-end fixtures: the project's tiny Qwen3.5 model, its prompts, and every engine run of the suite.
 
 vLLM engines in one process must run one after another, and the tie-aware comparison re-scores divergences
-with the reference engine, so all speculative runs happen first (once per session) and one no-speculation
-engine then generates the references and judges every run.
+with the reference engine, so all speculative runs happen first (once per session; the runs of one engine
+configuration, planted bugs included, on one engine) and one no-speculation engine then generates the references and
+judges every run.
 """
 
 import contextlib
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -23,7 +25,7 @@ from vllm_treewy.vllm_plugin.testing.equivalence import (
     compare_tie_aware,
     engine,
     generate_greedy,
-    run_greedy,
+    generate_run,
 )
 
 NUM_PROMPTS = 32
@@ -114,6 +116,29 @@ def verify_inputs_overwritten(counter: dict):
         ReconstructGatedDeltaNetAttention.speculative_step = original
 
 
+def _planted(bug: str | None, counter: dict):
+    if bug is None:
+        return contextlib.nullcontext()
+    if bug == "overwrite_verify_inputs":
+        return verify_inputs_overwritten(counter)
+    return planted_state_commit_bug(bug)
+
+
+def _run_on_one_engine(results: E2ERuns, model: str, workloads: dict, runs: list) -> None:
+    """Runs of one engine configuration (workload, speculative config) on one engine, one `generate` after another,
+    each with its own planted bug and counters (no prefix caching: a run finds nothing of the runs before it but
+    freed blocks and state slots)."""
+    _, workload, spec, _ = runs[0]
+    kwargs = dict(max_num_seqs=MAX_NUM_SEQS, speculative_config=spec)
+    if workload == "long":
+        kwargs.update(num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=NUM_LONG_PROMPTS)
+    with engine(model, **kwargs) as llm:
+        for name, workload, _, bug in runs:
+            counter = results.mixed_batches.setdefault(name, {})
+            with count_mixed_batches(counter), _planted(bug, counter):
+                results.runs[name] = generate_run(llm, *workloads[workload])
+
+
 @pytest.fixture(scope="session")
 def fixture_model(tmp_path_factory) -> str:
     return str(build_fixture(tmp_path_factory.mktemp("qwen35-tiny")))
@@ -140,20 +165,11 @@ def e2e(fixture_model, workloads) -> E2ERuns:
     plan += [(bug, "standard", mtp(3), bug) for bug in PLANTED_BUGS]
     plan += [("reconstruct-preempted", "long", mtp(3, "reconstruct"), None)]
     plan += [("reconstruct-inputs-overwritten", "standard", mtp(3, "reconstruct"), "overwrite_verify_inputs")]
+    engines = {}  # engine configuration -> its runs, in the plan's order (a planted bug's after the sound run's)
     for name, workload, spec, bug in plan:
-        prompts, max_tokens = workloads[workload]
-        kwargs = dict(max_num_seqs=MAX_NUM_SEQS, speculative_config=spec)
-        if workload == "long":
-            kwargs.update(num_gpu_blocks_override=PREEMPTION_NUM_BLOCKS, max_num_seqs=NUM_LONG_PROMPTS)
-        with count_mixed_batches(results.mixed_batches.setdefault(name, {})):
-            if bug is None:
-                results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
-            elif bug == "overwrite_verify_inputs":
-                with verify_inputs_overwritten(results.mixed_batches[name]):
-                    results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
-            else:
-                with planted_state_commit_bug(bug):
-                    results.runs[name] = run_greedy(fixture_model, prompts, max_tokens, **kwargs)
+        engines.setdefault(json.dumps([workload, spec], sort_keys=True), []).append((name, workload, spec, bug))
+    for runs in engines.values():
+        _run_on_one_engine(results, fixture_model, workloads, runs)
 
     exact = ExactModel(fixture_model)
     with engine(fixture_model, logprobs_mode="raw_logits", max_num_seqs=MAX_NUM_SEQS) as reference:

@@ -95,7 +95,7 @@ def mtp_trees(blurred_model) -> MtpTreeRuns:
     return results
 
 
-# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+# Engines live in functions: a variable still holding a closed engine would keep its memory (weights, KV cache).
 def _judge(results: MtpTreeRuns, model: str, workloads: dict, plan: dict) -> None:
     """One no-speculation engine (raw logits: the mode changes what logprobs return, not the greedy tokens)
     generates the references, then re-scores every run's divergences from them."""
@@ -177,7 +177,7 @@ def _outputs(llm, prompt_ids, **params):
     return [o.outputs[0] for o in outputs]
 
 
-# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+# Engines live in functions: a variable still holding a closed engine would keep its memory (weights, KV cache).
 def _requests_of_one_engine(model: str, speculative_config, prompt_ids, seeded_prompt_ids) -> dict:
     """On one engine, one `generate` after another (each request's tokens depend on its own parameters and seed
     only): greedy with logprobs, greedy with penalties, and seeded sampling."""

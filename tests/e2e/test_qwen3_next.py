@@ -85,7 +85,7 @@ def qwen3_next(tmp_path_factory) -> Qwen3NextRuns:
     return results
 
 
-# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+# Engines live in functions: a variable still holding a closed engine would keep its memory (weights, KV cache).
 def _judge(results: Qwen3NextRuns) -> None:
     model, prompt_ids = results.models["fixture"], results.prompt_ids
     with engine(model, logprobs_mode="raw_logits", **ENGINE) as reference:

@@ -478,7 +478,7 @@ def auto_step_clock():
         budget.AdaptiveShape = original
 
 
-# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+# Engines live in functions: a variable still holding a closed engine would keep its memory (weights, KV cache).
 def _speculative_runs(model: str, runs: SamplingRuns, names: tuple[str, ...]) -> None:
     """One engine for `names` (one speculative config), their requests one `generate` after another, each name's
     planted bug in place for its own requests only (a bug of PLANTED_AT_START for the engine's whole life), each

@@ -51,7 +51,7 @@ def tp_runs(fixture_model, tmp_path_factory) -> TensorParallelRuns:
     return results
 
 
-# Engines live in functions: a variable still holding a closed engine would tear down the next one's state.
+# Engines live in functions: a variable still holding a closed engine would keep its memory (weights, KV cache).
 def _judge(results: TensorParallelRuns, model: str, prompt_ids) -> None:
     exact = ExactModel(model)
     with engine(model, logprobs_mode="raw_logits", **TP_ENGINE) as reference:

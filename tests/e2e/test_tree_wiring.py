@@ -230,8 +230,7 @@ def _tree_fallbacks() -> float:
                for sample in metric.samples if sample.name == f"{FALLBACK_METRIC}_total")
 
 
-# Engines live in functions: a variable still holding a closed engine would tear down the next one's
-# distributed state when it is rebound.
+# Engines live in functions: a variable still holding a closed engine would keep its memory (weights, KV cache).
 def _generate_references(results: TreeRuns, model: str, path: str, workloads: dict) -> None:
     with engine(path, max_num_seqs=MAX_NUM_SEQS) as reference:
         for workload, (prompts, max_tokens) in workloads.items():

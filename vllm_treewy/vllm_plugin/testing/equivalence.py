@@ -53,6 +53,7 @@ def engine(model: str, **kwargs):
     Engines in one process share vLLM's distributed state: run them one after another, never nested.
     """
     from vllm.distributed import cleanup_dist_env_and_memory  # imported once an engine runs, after its set-up
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     llm = None
     try:
@@ -65,9 +66,15 @@ def engine(model: str, **kwargs):
         llm = LLM(model=model, **{**ENGINE_DEFAULTS, **kwargs})
         yield llm
     finally:
+        if llm is not None:
+            # Shut down here, not when the last reference goes (the caller's `with ... as llm` keeps one until its
+            # function returns): vLLM's shutdown ends the executor (a TP engine's workers), tears its distributed
+            # state down and collects the garbage, once; a closed engine left in a variable then tears down nothing.
+            llm.llm_engine.engine_core.shutdown()
         del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+        if model_parallel_is_initialized() or torch.distributed.is_initialized():  # an engine that failed to start
+            gc.collect()
+            cleanup_dist_env_and_memory()
 
 
 @dataclass
