@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from unittest import mock
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -406,15 +407,14 @@ def _sample_arrivals(llm, runs: SamplingRuns, name: str, engine_index: int) -> N
             with emitted_shapes(shapes):
                 outputs = drive(llm, runs.auto_prompts, params, prefix)
             for index, tokens in enumerate(outputs):
-                # the scheduler's request ids are vLLM's internal ones: the given id, a dash and 8 random characters
-                (steps,) = [steps for req_id, steps in shapes.items() if req_id[:-9] == f"{prefix}{index}"]
+                # the scheduler's request ids are vLLM's internal ones: the given id, a dash and a random hex suffix
+                (steps,) = [steps for req_id, steps in shapes.items() if req_id.rsplit("-", 1)[0] == f"{prefix}{index}"]
                 labels = [shape for shape, count in steps for _ in range(count)]
                 assert len(labels) >= len(tokens), (labels, tokens)
                 runs.emitted.setdefault((name, setting), []).append(
                     (runs.auto_prompts[index], tokens, labels[: len(tokens)]))
 
 
-@contextlib.contextmanager
 def emitted_shapes(record: dict):
     """Within: `record[request id]` lists, per step that sampled tokens for the request, the shape of the drafts it
     verified ("tree": the tree's nodes, "chain": 1 .. 3 drafts, "none": no drafts, as at its prefill) and how many
@@ -436,14 +436,9 @@ def emitted_shapes(record: dict):
                 record.setdefault(req_id, []).append((shape, len(sampled)))
         return original(self, scheduler_output, model_runner_output)
 
-    Scheduler.update_from_output = update_from_output
-    try:
-        yield
-    finally:
-        Scheduler.update_from_output = original
+    return mock.patch.object(Scheduler, "update_from_output", update_from_output)
 
 
-@contextlib.contextmanager
 def auto_step_clock():
     """Within: the "auto" choice (`trees.adaptive_shape.AdaptiveShape`, its `clock`) measures step times of a stand-in
     device on which a tree step costs what a chain step costs up to CHEAP_TREE_BATCH requests and TREE_COST times as
@@ -470,12 +465,7 @@ def auto_step_clock():
         clock.adaptive = adaptive_shape.AdaptiveShape(widths, max_num_seqs, clock=clock)
         return clock.adaptive
 
-    original = budget.AdaptiveShape
-    budget.AdaptiveShape = with_step_clock
-    try:
-        yield
-    finally:
-        budget.AdaptiveShape = original
+    return mock.patch.object(budget, "AdaptiveShape", with_step_clock)
 
 
 # Engines live in functions: a variable still holding a closed engine would keep its memory (weights, KV cache).
